@@ -1,0 +1,1 @@
+"""Benchmark suites: each prints medians and ratios measured in one run."""

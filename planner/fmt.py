@@ -1,0 +1,25 @@
+"""Human-readable numbers for CLI tables."""
+
+from __future__ import annotations
+
+
+def si(x: float, unit: str = "", base: float = 1000.0) -> str:
+    """3 significant digits with an SI prefix: si(1.3e9, "FLOP") -> "1.30 GFLOP"."""
+    prefixes = ["", "K", "M", "G", "T", "P", "E"] if base == 1000.0 else ["", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"]
+    i = 0
+    x = float(x)
+    while abs(x) >= base and i < len(prefixes) - 1:
+        x /= base
+        i += 1
+    return f"{x:.3g} {prefixes[i]}{unit}".rstrip()
+
+
+def nbytes(x: float) -> str:
+    return si(x, "B", 1024.0)
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    """A plain left-aligned text table."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])

@@ -1,0 +1,199 @@
+"""GPT: a decoder-only transformer language model (GPT-2/GPT-3 layout, as in Alpa's GPT suite).
+
+Layout of one pre-LayerNorm ``Block`` (``h`` = hidden size, ``n`` = heads, ``d = h / n``)::
+
+    x = x + attn.proj(attention(attn.qkv(ln_1(x))))      # qkv: Linear(h, 3h), proj: Linear(h, h)
+    x = x + mlp.proj(gelu(mlp.fc(ln_2(x))))             # fc: Linear(h, 4h), proj: Linear(4h, h)
+
+The output features of ``attn.qkv`` are ordered head by head, ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``
+(Megatron-LM's layout), so sharding ``qkv`` by output columns over ``m`` devices gives every device
+whole heads whenever ``n`` is divisible by ``m`` (Megatron-style tensor parallelism needs no
+redistribution between ``qkv`` and the attention).
+
+The model adds learned position embeddings ``wpe`` to token embeddings ``wte`` and ends with
+``ln_f`` and ``lm_head``. ``lm_head`` is a separate ``Linear(h, vocab, bias=False)``: it is **not**
+tied to ``wte``. Tying would make one parameter used at both ends of the network, which a pipeline
+split across stages cannot express without an extra gradient exchange; untied, every parameter
+belongs to one layer. The price is ``vocab * h`` extra parameters (39 M for gpt-125m), so the
+parameter counts are a little above the names of the reference table (which counted a tied head).
+
+``forward(tokens, targets)`` returns the mean next-token cross-entropy; it uses only ops DTensor can
+shard (embedding, linear, view/transpose, layer_norm, gelu, scaled_dot_product_attention,
+cross_entropy), has static shapes and no dropout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cost_models.errors import MeshplanError
+
+__all__ = [
+    "GPT",
+    "GPT_CONFIGS",
+    "Block",
+    "CausalSelfAttention",
+    "FeedForward",
+    "GPTConfig",
+    "gpt_param_count",
+]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of a GPT model: hidden size, number of layers, attention heads, sequence, vocabulary."""
+
+    hidden: int
+    layers: int
+    heads: int
+    seq: int = 1024
+    vocab: int = 51200
+
+    def __post_init__(self) -> None:
+        for key in ("hidden", "layers", "heads", "seq", "vocab"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise MeshplanError(f"GPT {key} must be a positive integer, got {value!r}")
+        if self.hidden % self.heads:
+            raise MeshplanError(
+                f"GPT hidden={self.hidden} must be divisible by heads={self.heads}"
+            )
+
+
+#: The GPT sizes of Alpa's end-to-end suite (seq 1024, vocab 51200).
+GPT_CONFIGS: dict[str, GPTConfig] = {
+    "gpt-125m": GPTConfig(hidden=768, layers=12, heads=12),
+    "gpt-350m": GPTConfig(hidden=1024, layers=24, heads=16),
+    "gpt-760m": GPTConfig(hidden=1536, layers=24, heads=16),
+    "gpt-1.3b": GPTConfig(hidden=2048, layers=24, heads=32),
+    "gpt-2.6b": GPTConfig(hidden=2560, layers=32, heads=32),
+    "gpt-6.7b": GPTConfig(hidden=4096, layers=32, heads=32),
+    "gpt-15b": GPTConfig(hidden=5120, layers=48, heads=40),
+    "gpt-39b": GPTConfig(hidden=8192, layers=48, heads=64),
+    "gpt-76b": GPTConfig(hidden=10240, layers=60, heads=80),
+}
+
+
+def attention_param_count(hidden: int) -> int:
+    """Parameters of one ``CausalSelfAttention`` (qkv and proj, with biases)."""
+    return (3 * hidden * hidden + 3 * hidden) + (hidden * hidden + hidden)
+
+
+def gpt_param_count(config: GPTConfig) -> int:
+    """Closed-form parameter count of ``GPT(config)`` (untied ``lm_head``, biases, LayerNorms).
+
+    Per block: ``12 h^2 + 13 h`` (qkv, proj, fc, proj with biases, two LayerNorms); plus
+    ``wte`` and ``lm_head`` (``vocab * h`` each), ``wpe`` (``seq * h``) and ``ln_f`` (``2 h``).
+    """
+    h = config.hidden
+    block = 12 * h * h + 13 * h
+    return config.layers * block + 2 * config.vocab * h + config.seq * h + 2 * h
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with a fused, head-major ``qkv`` projection."""
+
+    def __init__(self, hidden: int, heads: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.heads = heads
+        self.head_dim = hidden // heads
+        self.qkv = nn.Linear(hidden, 3 * hidden, dtype=dtype)
+        self.proj = nn.Linear(hidden, hidden, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[B, s, h] -> [B, s, h]``."""
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, self.heads, 3 * self.head_dim)
+        q, k, v = qkv.split(self.head_dim, dim=-1)  # each [B, s, n, d]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, n, s, d]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(b, s, self.hidden)
+        return self.proj(y)
+
+
+class FeedForward(nn.Module):
+    """The dense MLP: ``proj(gelu(fc(x)))`` with ``fc: h -> ffn*h`` (``ffn`` 4 in GPT)."""
+
+    def __init__(self, hidden: int, ffn: int = 4, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, ffn * hidden, dtype=dtype)
+        self.proj = nn.Linear(ffn * hidden, hidden, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[..., h] -> [..., h]``."""
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm transformer block: ``ln_1``, ``attn``, ``ln_2``, ``mlp``."""
+
+    def __init__(self, hidden: int, heads: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(hidden, dtype=dtype)
+        self.attn = CausalSelfAttention(hidden, heads, dtype=dtype)
+        self.ln_2 = nn.LayerNorm(hidden, dtype=dtype)
+        self.mlp = FeedForward(hidden, 4, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[B, s, h] -> [B, s, h]``."""
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def init_transformer_weights(module: nn.Module, num_layers: int) -> None:
+    """GPT-2 initialisation: N(0, 0.02) weights, zero biases, residual projections scaled by
+    ``1/sqrt(2 * layers)``. A no-op in cost on the meta device."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Linear, nn.Embedding)):
+            std = 0.02
+            if isinstance(sub, nn.Linear) and name.endswith(".proj"):
+                std = 0.02 / math.sqrt(2 * num_layers)
+            nn.init.normal_(sub.weight, mean=0.0, std=std)
+            if isinstance(sub, nn.Linear) and sub.bias is not None:
+                nn.init.zeros_(sub.bias)
+
+
+def embed(
+    wte: nn.Embedding, wpe: nn.Embedding, tokens: torch.Tensor, max_seq: int
+) -> torch.Tensor:
+    """Token plus learned position embeddings of ``tokens[B, s]`` (``s <= max_seq``)."""
+    s = tokens.shape[1]
+    if s > max_seq:
+        raise MeshplanError(f"sequence length {s} exceeds the model's seq={max_seq}")
+    positions = torch.arange(s, device=tokens.device)
+    return wte(tokens) + wpe(positions)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits[B, s, V]`` against ``targets[B, s]``."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class GPT(nn.Module):
+    """GPT language model; ``forward(tokens[B, s], targets[B, s])`` returns the mean loss."""
+
+    def __init__(self, config: GPTConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden
+        self.wte = nn.Embedding(config.vocab, h, dtype=dtype)
+        self.wpe = nn.Embedding(config.seq, h, dtype=dtype)
+        self.blocks = nn.ModuleList(
+            Block(h, config.heads, dtype=dtype) for _ in range(config.layers)
+        )
+        self.ln_f = nn.LayerNorm(h, dtype=dtype)
+        self.lm_head = nn.Linear(h, config.vocab, bias=False, dtype=dtype)
+        init_transformer_weights(self, config.layers)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of ``tokens`` (int64 ``[B, s]``) against ``targets``."""
+        x = embed(self.wte, self.wpe, tokens, self.config.seq)
+        for block in self.blocks:
+            x = block(x)
+        return lm_loss(self.lm_head(self.ln_f(x)), targets)

@@ -1,0 +1,1 @@
+"""Runtime: processes, meshes, shardings, pipeline schedules, training steps and the device profiler."""

@@ -1,0 +1,1 @@
+"""Sub-commands of the `meshplan` CLI that need the runtime (each module has `register(subparsers)`)."""

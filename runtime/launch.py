@@ -1,0 +1,313 @@
+"""Start N local worker processes in one process group, run a function on each, and collect results.
+
+    results = launch(fn, world_size=4, args=(x,))   # fn(*args) runs on every rank, list of returns
+
+Each rank is a fresh interpreter (multiprocessing "spawn"; forking a parent that already runs torch
+thread pools is unsafe) whose `torch.distributed` default group is initialised over localhost on a free
+port (gloo on CPU, NCCL when there is one GPU per rank) before `fn` is called; `fn` reads its rank with
+`torch.distributed.get_rank()`. `fn` and its arguments must be picklable (a module-level function).
+
+Fail fast: the parent watches every rank's process and result pipe. As soon as a rank raises or dies
+(os._exit, a signal, the OOM killer), every other rank is terminated (SIGTERM, then SIGKILL after a
+short grace) and `launch` raises a one-line MeshplanError naming the rank and its error; the full
+traceback is kept on the exception (`LaunchError.tracebacks`). A launch that outlives `timeout_s`
+(for example a collective that deadlocks) is terminated the same way.
+
+Why not torchrun? torchrun (and `torch.distributed.launcher.api.elastic_launch`, its programmatic
+form) starts an elastic agent with a rendezvous and returns per-rank return values, but reports a
+failure as a ChildFailedError whose message needs the `@record` decorator on the worker to carry the
+exception, logs every failure through its own loggers, and has no per-call deadline for a hung
+collective. `torch.multiprocessing.start_processes` kills the other ranks on a failure but collects no
+return values, reports whichever failed rank it happens to notice first (often a rank that only saw
+its peer's connection drop), and waits 30 s before SIGKILL. This module is the thin piece PyTorch
+lacks: a root-cause failing rank, a deadline, return values, and no global state in the parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cost_models.errors import MeshplanError
+
+MAX_LOCAL_RANKS_CPU = 8  # gloo on one of the development machines; see DESIGN.md
+
+
+class LaunchError(MeshplanError):
+    """A launch failed: `rank` is the rank blamed (None on a timeout), `tracebacks` maps rank -> text."""
+
+    def __init__(
+        self, message: str, rank: int | None, tracebacks: dict[int, str]
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.tracebacks = tracebacks
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def default_backend(world_size: int) -> str:
+    """ "nccl" when CUDA has at least `world_size` devices, otherwise "gloo"."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def _set_parent_death_signal() -> None:
+    """Ask Linux to SIGKILL this worker when the launching process dies (no orphans)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(
+                1, signal.SIGKILL
+            )  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    threads: int | None,
+    env: dict[str, str],
+    timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    conn: mpc.Connection,
+) -> None:
+    """Body of one rank: init the group, run `fn`, send ("ok", value) or ("error", ...) to the parent."""
+    _set_parent_death_signal()
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if threads:
+            torch.set_num_threads(threads)
+        device_id = None
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device_id = torch.device("cuda", rank)
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
+            device_id=device_id,
+        )
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        conn.send(("ok", rank, value))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
+        # If even the report cannot be sent, the exit code still tells the parent.
+        with contextlib.suppress(Exception):
+            report = (time.time(), _one_line(exc), traceback.format_exc())
+            conn.send(("error", rank, *report))
+        conn.close()
+        os._exit(1)
+    conn.close()
+
+
+def _stop(procs: Sequence[Any], grace_s: float) -> None:
+    """SIGTERM every live process, then SIGKILL what is left after `grace_s`."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+    threads_per_rank: int | None = None,
+    env: dict[str, str] | None = None,
+    grace_s: float = 2.0,
+) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` new local ranks; return every rank's return value.
+
+    backend: "gloo" or "nccl"; None picks by device availability (`default_backend`).
+    timeout_s: deadline for the whole launch (start-up included) and the process-group timeout.
+    threads_per_rank: torch intra-op threads in each rank; None shares the CPU cores evenly.
+    env: extra environment variables for the workers.
+    Raises LaunchError (a MeshplanError) naming the failing rank, or the timeout.
+    """
+    if world_size < 1:
+        raise MeshplanError(f"world size must be at least 1, got {world_size}")
+    backend = backend or default_backend(world_size)
+    if backend not in ("gloo", "nccl"):
+        raise MeshplanError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if threads_per_rank is None and backend == "gloo":
+        threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs: list[Any] = []
+    conns: dict[Any, int] = {}
+    for rank in range(world_size):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_worker,
+            args=(
+                rank,
+                world_size,
+                port,
+                backend,
+                threads_per_rank,
+                dict(env or {}),
+                timeout_s,
+                fn,
+                tuple(args),
+                dict(kwargs or {}),
+                send,
+            ),
+            name=f"meshplan-rank{rank}",
+            daemon=True,
+        )
+        p.start()
+        send.close()
+        procs.append(p)
+        conns[recv] = rank
+
+    results: dict[int, Any] = {}
+    errors: dict[
+        int, tuple[float, str, str]
+    ] = {}  # rank -> (time, one line, traceback)
+    deaths: dict[
+        int, tuple[float, int]
+    ] = {}  # rank -> (time, exit code), died without a report
+    sentinels = {p.sentinel: r for r, p in enumerate(procs)}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size and not errors and not deaths:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                running = [r for r in range(world_size) if r not in results]
+                raise LaunchError(
+                    f"launch of {world_size} ranks timed out after {timeout_s:g} s; "
+                    f"ranks still running: {running}",
+                    None,
+                    {},
+                )
+            ready = mpc.wait(list(conns) + list(sentinels), timeout=min(left, 1.0))
+            for obj in ready:
+                if obj in conns:
+                    rank = conns[obj]
+                    try:
+                        msg = obj.recv()
+                    except (EOFError, OSError):
+                        del conns[obj]
+                        continue
+                    del conns[obj]
+                    if msg[0] == "ok":
+                        results[rank] = msg[2]
+                    else:
+                        errors[rank] = (msg[2], msg[3], msg[4])
+            for obj in ready:
+                if obj in sentinels:
+                    rank = sentinels.pop(obj)
+                    procs[rank].join()
+                    code = procs[rank].exitcode
+                    # A message may still sit in the pipe of a rank that just exited.
+                    for c, r in list(conns.items()):
+                        if r == rank and c.poll():
+                            msg = c.recv()
+                            del conns[c]
+                            if msg[0] == "ok":
+                                results[rank] = msg[2]
+                            else:
+                                errors[rank] = (msg[2], msg[3], msg[4])
+                    if code != 0 and rank not in errors:
+                        deaths[rank] = (time.time(), code if code is not None else -1)
+        if errors or deaths:
+            # Let near-simultaneous reports arrive so the root cause can be chosen, then stop all.
+            time.sleep(0.1)
+            for c, r in list(conns.items()):
+                if c.poll():
+                    try:
+                        msg = c.recv()
+                    except (EOFError, OSError):
+                        continue
+                    if msg[0] == "error":
+                        errors.setdefault(r, (msg[2], msg[3], msg[4]))
+            raise _failure(world_size, errors, deaths)
+    finally:
+        _stop(procs, grace_s)
+        for c in conns:
+            c.close()
+    return [results[r] for r in range(world_size)]
+
+
+def _failure(
+    world_size: int,
+    errors: dict[int, tuple[float, str, str]],
+    deaths: dict[int, tuple[float, int]],
+) -> LaunchError:
+    """Blame one rank: a rank that died without reporting (os._exit, a signal) is never a mere
+    victim of a peer's failure, so it comes first; otherwise the earliest reported exception."""
+    tracebacks = {r: e[2] for r, e in errors.items()}
+    if deaths:
+        rank = min(deaths, key=lambda r: deaths[r][0])
+        code = deaths[rank][1]
+        if code < 0:
+            try:
+                how = f"was killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code} without raising"
+        what = f"rank {rank} of {world_size} {how}"
+    else:
+        rank = min(errors, key=lambda r: errors[r][0])
+        what = f"rank {rank} of {world_size} failed: {errors[rank][1]}"
+    others = sorted((set(errors) | set(deaths)) - {rank})
+    if others:
+        what += f" (also failed: ranks {', '.join(map(str, others))})"
+    return LaunchError(what, rank, tracebacks)
