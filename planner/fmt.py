@@ -5,7 +5,11 @@ from __future__ import annotations
 
 def si(x: float, unit: str = "", base: float = 1000.0) -> str:
     """3 significant digits with an SI prefix: si(1.3e9, "FLOP") -> "1.30 GFLOP"."""
-    prefixes = ["", "K", "M", "G", "T", "P", "E"] if base == 1000.0 else ["", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"]
+    prefixes = (
+        ["", "K", "M", "G", "T", "P", "E"]
+        if base == 1000.0
+        else ["", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"]
+    )
     i = 0
     x = float(x)
     while abs(x) >= base and i < len(prefixes) - 1:
@@ -21,5 +25,5 @@ def nbytes(x: float) -> str:
 def table(rows: list[list[str]], header: list[str]) -> str:
     """A plain left-aligned text table."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])

@@ -56,15 +56,22 @@ VIEW_OPS = {
 }
 
 
-def _sdpa_cpu_fwd(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+def _sdpa_cpu_fwd(
+    query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
     return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-def _sdpa_cpu_bwd(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+def _sdpa_cpu_bwd(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
     b, h, s_q, d_q = query_shape
     s_k = key_shape[2]
     recompute_scores = fc.bmm_flop((b * h, s_q, d_q), (b * h, d_q, s_k))
-    return fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape) - recompute_scores
+    return (
+        fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+        - recompute_scores
+    )
 
 
 CUSTOM_FLOPS = {
@@ -88,7 +95,9 @@ class OpCost:
     saved_extra_bytes: int
 
 
-def _signature(target: Any, args: tuple, kwargs: dict, grad_mask: tuple[bool, ...]) -> tuple:
+def _signature(
+    target: Any, args: tuple, kwargs: dict, grad_mask: tuple[bool, ...]
+) -> tuple:
     def key(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return ("T", tuple(x.shape), tuple(x.stride()), x.dtype)
@@ -104,7 +113,9 @@ def _signature(target: Any, args: tuple, kwargs: dict, grad_mask: tuple[bool, ..
 _cache: dict[tuple, OpCost] = {}
 
 
-def measure_op(target: Any, args: tuple, kwargs: dict, grad_mask: tuple[bool, ...]) -> OpCost:
+def measure_op(
+    target: Any, args: tuple, kwargs: dict, grad_mask: tuple[bool, ...]
+) -> OpCost:
     """FLOPs and saved tensors of `target(*args, **kwargs)`; `args` hold example (fake) tensors.
 
     `grad_mask[i]` says whether the i-th tensor input (in flattened order) requires grad; backward
@@ -116,7 +127,9 @@ def measure_op(target: Any, args: tuple, kwargs: dict, grad_mask: tuple[bool, ..
     return _cache[sig]
 
 
-def _measure(target: Any, args: tuple, kwargs: dict, grad_mask: tuple[bool, ...]) -> OpCost:
+def _measure(
+    target: Any, args: tuple, kwargs: dict, grad_mask: tuple[bool, ...]
+) -> OpCost:
     if target in VIEW_OPS:
         return OpCost(0, 0, (), (), 0)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -150,7 +163,10 @@ def _measure(target: Any, args: tuple, kwargs: dict, grad_mask: tuple[bool, ...]
             bwd = fc.FlopCounterMode(display=False, custom_mapping=CUSTOM_FLOPS)
             with bwd:
                 torch.autograd.grad(
-                    diff_outs, grad_inputs, [torch.empty_like(o) for o in diff_outs], allow_unused=True
+                    diff_outs,
+                    grad_inputs,
+                    [torch.empty_like(o) for o in diff_outs],
+                    allow_unused=True,
                 )
             bwd_flops = bwd.get_total_flops()
         del mode
@@ -168,4 +184,10 @@ def _measure(target: Any, args: tuple, kwargs: dict, grad_mask: tuple[bool, ...]
             saved_out.add(hit)
             continue
         extra += s.numel() * s.element_size()
-    return OpCost(fwd.get_total_flops(), bwd_flops, tuple(sorted(saved_in)), tuple(sorted(saved_out)), extra)
+    return OpCost(
+        fwd.get_total_flops(),
+        bwd_flops,
+        tuple(sorted(saved_in)),
+        tuple(sorted(saved_out)),
+        extra,
+    )

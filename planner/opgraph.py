@@ -26,7 +26,11 @@ class TensorMeta:
 
     @staticmethod
     def of(t: torch.Tensor) -> TensorMeta:
-        return TensorMeta(tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size())
+        return TensorMeta(
+            tuple(int(d) for d in t.shape),
+            str(t.dtype).removeprefix("torch."),
+            t.numel() * t.element_size(),
+        )
 
     def numel(self) -> int:
         n = 1
@@ -73,7 +77,9 @@ class OpNode:
             "target": self.target,
             "kind": self.kind,
             "inputs": self.inputs,
-            "outputs": [{"shape": list(t.shape), "dtype": t.dtype} for t in self.outputs],
+            "outputs": [
+                {"shape": list(t.shape), "dtype": t.dtype} for t in self.outputs
+            ],
             "module_path": self.module_path,
             "fwd_flops": self.fwd_flops,
             "bwd_flops": self.bwd_flops,
@@ -92,7 +98,9 @@ class OpGraph:
     nodes: list[OpNode]
     params: dict[str, TensorMeta]  # parameter path -> meta, in module order
     buffers: dict[str, TensorMeta]
-    placeholder_paths: dict[str, str]  # placeholder node name -> parameter/buffer path or "batch[i]"
+    placeholder_paths: dict[
+        str, str
+    ]  # placeholder node name -> parameter/buffer path or "batch[i]"
     gm: torch.fx.GraphModule | None = field(default=None, repr=False, compare=False)
     model_name: str = ""
 
@@ -131,7 +139,9 @@ class OpGraph:
         """Bytes kept for backward by `nodes` (default: all), each saved value counted once."""
         nodes = self.nodes if nodes is None else nodes
         values = {v for n in nodes for v in n.saved}
-        return sum(self._by_name[v].output_bytes for v in values) + sum(n.saved_extra_bytes for n in nodes)
+        return sum(self._by_name[v].output_bytes for v in values) + sum(
+            n.saved_extra_bytes for n in nodes
+        )
 
     def kinds(self) -> Counter[str]:
         return Counter(n.kind for n in self.ops)

@@ -29,10 +29,32 @@ from cost_models.errors import MeshplanError
 from planner.op_costs import VIEW_OPS, measure_op
 from planner.opgraph import OpGraph, OpNode, TensorMeta
 
-_MATMUL = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product", "linear", "matmul", "einsum")
+_MATMUL = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "convolution",
+    "_scaled_dot_product",
+    "linear",
+    "matmul",
+    "einsum",
+)
 _NORM = ("layer_norm", "batch_norm", "group_norm")
 _LOSS = ("nll_loss", "log_softmax", "cross_entropy")
-_REDUCTION = ("sum", "mean", "amax", "amin", "max", "min", "cumsum", "topk", "argmax", "var", "std")
+_REDUCTION = (
+    "sum",
+    "mean",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "cumsum",
+    "topk",
+    "argmax",
+    "var",
+    "std",
+)
 
 
 def op_kind(target: Any) -> str:
@@ -41,7 +63,7 @@ def op_kind(target: Any) -> str:
         return "view"
     name = getattr(target, "__name__", str(target)).split(".")[0]
     for kind, names in (("matmul", _MATMUL), ("norm", _NORM), ("loss", _LOSS)):
-        if any(name.startswith(n) or name.startswith("native_" + n) or n in name for n in names):
+        if any(n in name for n in names):
             return kind
     if "embedding" in name:
         return "embedding"
@@ -53,7 +75,11 @@ def op_kind(target: Any) -> str:
 
 
 def _as_batch(example_batch: Any) -> tuple[torch.Tensor, ...]:
-    batch = tuple(example_batch) if isinstance(example_batch, (tuple, list)) else (example_batch,)
+    batch = (
+        tuple(example_batch)
+        if isinstance(example_batch, (tuple, list))
+        else (example_batch,)
+    )
     for i, t in enumerate(batch):
         if not isinstance(t, torch.Tensor):
             raise MeshplanError(
@@ -72,7 +98,9 @@ def _failure_site(exc: BaseException) -> str:
     """The innermost Python line outside torch and meshplan's tracer that was running when tracing failed."""
     torch_dir = os.path.dirname(torch.__file__)
     frames = [
-        f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(torch_dir) and f.filename != __file__
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith(torch_dir) and f.filename != __file__
     ]
     if not frames:
         return ""
@@ -80,12 +108,16 @@ def _failure_site(exc: BaseException) -> str:
     return f" at {f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`"
 
 
-def _trace_fx(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[torch.fx.GraphModule, list[str]]:
+def _trace_fx(
+    model: nn.Module, batch: tuple[torch.Tensor, ...]
+) -> tuple[torch.fx.GraphModule, list[str]]:
     names = {id(m): n for n, m in model.named_modules()}
     stack: list[str] = []
 
     def set_path() -> None:
-        fx_traceback.current_meta["custom"] = {"module_path": stack[-1] if stack else ""}
+        fx_traceback.current_meta["custom"] = {
+            "module_path": stack[-1] if stack else ""
+        }
 
     def pre(mod: nn.Module, args: Any) -> None:
         stack.append(names.get(id(mod), stack[-1] if stack else ""))
@@ -124,16 +156,20 @@ def trace(model: nn.Module, example_batch: Any, *, model_name: str = "") -> OpGr
     Raises MeshplanError with the op or Python line that failed if the model cannot be traced.
     """
     if not isinstance(model, nn.Module):
-        raise MeshplanError(f"expected an nn.Module to trace, got {type(model).__name__}")
+        raise MeshplanError(
+            f"expected an nn.Module to trace, got {type(model).__name__}"
+        )
     batch = _as_batch(example_batch)
     label = model_name or type(model).__name__
     try:
         gm, paths = _trace_fx(model, batch)
     except MeshplanError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any failure inside the user's forward becomes one line
+    except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise MeshplanError(f"cannot trace {label}: {type(exc).__name__}: {first}{_failure_site(exc)}") from exc
+        raise MeshplanError(
+            f"cannot trace {label}: {type(exc).__name__}: {first}{_failure_site(exc)}"
+        ) from exc
     num_params = sum(1 for _ in model.named_parameters())
     num_buffers = sum(1 for _ in model.named_buffers())
     return _build_graph(gm, paths, num_params, num_buffers, label)
@@ -141,14 +177,24 @@ def trace(model: nn.Module, example_batch: Any, *, model_name: str = "") -> OpGr
 
 def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     flat, _ = tree_flatten((node.args, node.kwargs))
-    return [a for a in flat if isinstance(a, torch.fx.Node) and _has_tensor(a.meta.get("val"))]
+    return [
+        a
+        for a in flat
+        if isinstance(a, torch.fx.Node) and _has_tensor(a.meta.get("val"))
+    ]
 
 
 def _has_tensor(val: Any) -> bool:
     return any(isinstance(t, torch.Tensor) for t in tree_flatten(val)[0])
 
 
-def _build_graph(gm: torch.fx.GraphModule, paths: list[str], num_params: int, num_buffers: int, label: str) -> OpGraph:
+def _build_graph(
+    gm: torch.fx.GraphModule,
+    paths: list[str],
+    num_params: int,
+    num_buffers: int,
+    label: str,
+) -> OpGraph:
     nodes: list[OpNode] = []
     by_name: dict[str, OpNode] = {}
     root: dict[str, str] = {}  # value -> value owning its storage (through views)
@@ -158,24 +204,51 @@ def _build_graph(gm: torch.fx.GraphModule, paths: list[str], num_params: int, nu
     buffers: dict[str, TensorMeta] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(paths):
-        raise MeshplanError(f"internal error: {len(placeholders)} graph inputs for {len(paths)} model tensors")
+        raise MeshplanError(
+            f"internal error: {len(placeholders)} graph inputs for {len(paths)} model tensors"
+        )
     for i, fx_node in enumerate(gm.graph.nodes):
         val = fx_node.meta.get("val")
-        outs = [TensorMeta.of(t) for t in tree_flatten(val)[0] if isinstance(t, torch.Tensor)]
+        outs = [
+            TensorMeta.of(t)
+            for t in tree_flatten(val)[0]
+            if isinstance(t, torch.Tensor)
+        ]
         path = fx_node.meta.get("custom", {}).get("module_path", "")
         if fx_node.op == "placeholder":
             j = placeholders.index(fx_node)
-            kind = "param" if j < num_params else "buffer" if j < num_params + num_buffers else "input"
+            kind = (
+                "param"
+                if j < num_params
+                else "buffer"
+                if j < num_params + num_buffers
+                else "input"
+            )
             placeholder_paths[fx_node.name] = paths[j]
-            node = OpNode(fx_node.name, kind, kind, kind, outputs=outs, module_path=paths[j].rpartition(".")[0])
+            node = OpNode(
+                fx_node.name,
+                kind,
+                kind,
+                kind,
+                outputs=outs,
+                module_path=paths[j].rpartition(".")[0],
+            )
             node.requires_grad = kind == "param"
-            (params if kind == "param" else buffers if kind == "buffer" else {})[paths[j]] = outs[0]
+            (params if kind == "param" else buffers if kind == "buffer" else {})[
+                paths[j]
+            ] = outs[0]
             if kind == "param":
                 param_of[fx_node.name] = [paths[j]]
             root[fx_node.name] = fx_node.name
         elif fx_node.op == "output":
-            ins = [a.name for a in tree_flatten(fx_node.args)[0] if isinstance(a, torch.fx.Node)]
-            node = OpNode(fx_node.name, "output", "output", "output", inputs=ins, module_path=path)
+            ins = [
+                a.name
+                for a in tree_flatten(fx_node.args)[0]
+                if isinstance(a, torch.fx.Node)
+            ]
+            node = OpNode(
+                fx_node.name, "output", "output", "output", inputs=ins, module_path=path
+            )
         else:
             node = _op_node(fx_node, outs, path, by_name, root, param_of)
         nodes.append(node)
@@ -194,7 +267,14 @@ def _op_node(
     target = fx_node.target
     tin = _tensor_inputs(fx_node)
     name = fx_node.name
-    node = OpNode(name, "call", _target_name(target), op_kind(target), inputs=[a.name for a in tin], outputs=outs)
+    node = OpNode(
+        name,
+        "call",
+        _target_name(target),
+        op_kind(target),
+        inputs=[a.name for a in tin],
+        outputs=outs,
+    )
     node.module_path = path
     node.is_view = target in VIEW_OPS
     is_float = any(getattr(torch, o.dtype).is_floating_point for o in outs)
@@ -212,10 +292,15 @@ def _op_node(
     grad_mask = tuple(
         by_name[a.name].requires_grad and a.meta["val"].is_floating_point() for a in tin
     )
-    args, kwargs = tree_map(lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a, (fx_node.args, fx_node.kwargs))
+    args, kwargs = tree_map(
+        lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a,
+        (fx_node.args, fx_node.kwargs),
+    )
     cost = measure_op(target, args, kwargs, grad_mask)
     node.fwd_flops, node.bwd_flops = cost.fwd_flops, cost.bwd_flops
-    node.bytes_read = sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in tin)
+    node.bytes_read = sum(
+        a.meta["val"].numel() * a.meta["val"].element_size() for a in tin
+    )
     node.bytes_written = sum(o.nbytes for o in outs)
     saved: set[str] = set()
     for i in cost.saved_inputs:
@@ -226,7 +311,14 @@ def _op_node(
         if len(outs) == 1:
             saved.add(name)
             continue
-        picker = next((u for u in fx_node.users if u.target is operator.getitem and u.args[1] == j), None)
+        picker = next(
+            (
+                u
+                for u in fx_node.users
+                if u.target is operator.getitem and u.args[1] == j
+            ),
+            None,
+        )
         if picker is None:
             node.saved_extra_bytes += outs[j].nbytes
         else:
@@ -238,6 +330,9 @@ def _op_node(
 
 def _target_name(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
-        return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" else str(target)
+        return (
+            f"aten.{target._opname}.{target._overloadname}"
+            if target.namespace == "aten"
+            else str(target)
+        )
     return getattr(target, "__name__", str(target))
-

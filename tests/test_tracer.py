@@ -21,23 +21,32 @@ class TinyBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in self.qkv(self.ln(x)).split(h, -1))
+        q, k, v = (
+            t.view(b, s, self.heads, h // self.heads).transpose(1, 2)
+            for t in self.qkv(self.ln(x)).split(h, -1)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return x + self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 
 class TinyLM(nn.Module):
-    def __init__(self, vocab: int = 50, h: int = 32, heads: int = 4, seq: int = 8) -> None:
+    def __init__(
+        self, vocab: int = 50, h: int = 32, heads: int = 4, seq: int = 8
+    ) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, h)
         self.block = TinyBlock(h, heads)
         self.head = nn.Linear(h, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.head(self.block(self.emb(tokens))).flatten(0, 1), targets.flatten())
+        return F.cross_entropy(
+            self.head(self.block(self.emb(tokens))).flatten(0, 1), targets.flatten()
+        )
 
 
-def _batch(b: int = 2, s: int = 8, vocab: int = 50, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(
+    b: int = 2, s: int = 8, vocab: int = 50, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     tok = torch.randint(0, vocab, (b, s), generator=g)
     return tok.to(device), tok.roll(-1, 1).to(device)
@@ -46,8 +55,12 @@ def _batch(b: int = 2, s: int = 8, vocab: int = 50, device: str = "cpu") -> tupl
 def test_tiny_lm_graph_facts() -> None:
     b, s, h, v, heads = 2, 8, 32, 50, 4
     graph = trace(TinyLM(v, h, heads, s), _batch(b, s, v))
-    assert graph.num_params == sum(p.numel() for p in TinyLM(v, h, heads, s).parameters())
-    assert list(graph.params) == [n for n, _ in TinyLM(v, h, heads, s).named_parameters()]
+    assert graph.num_params == sum(
+        p.numel() for p in TinyLM(v, h, heads, s).parameters()
+    )
+    assert list(graph.params) == [
+        n for n, _ in TinyLM(v, h, heads, s).named_parameters()
+    ]
     # Derivation: qkv 2*T*h*3h, proj 2*T*h*h, head 2*T*h*V (T = b*s tokens), attention 2 bmm of 2*b*s*s*h;
     # backward is 2x forward for matrix products; the embedding's input needs no gradient.
     t = b * s
@@ -72,7 +85,22 @@ def test_saved_activation_bytes_match_derivation() -> None:
     # views attention saves (3*t*h); attention output (t*h) and logsumexp (b*heads*s); proj input = the
     # attention output re-viewed (no extra storage); head input = block output (t*h); log-softmax
     # output (t*v); the targets (int64, t) and the loss's total weight (one fp32 scalar).
-    expected = 8 * t + f4 * (t * h + 2 * t + t * h + 3 * t * h + t * h + b * heads * s + t * h + t * v + 1) + 8 * t
+    expected = (
+        8 * t
+        + f4
+        * (
+            t * h
+            + 2 * t
+            + t * h
+            + 3 * t * h
+            + t * h
+            + b * heads * s
+            + t * h
+            + t * v
+            + 1
+        )
+        + 8 * t
+    )
     assert graph.saved_activation_bytes() == expected
 
 
@@ -103,7 +131,9 @@ def test_untraceable_model_names_the_line() -> None:
         trace(Bad(), torch.zeros(2, 4))
     msg = str(err.value)
     assert "\n" not in msg
-    assert "cannot trace Bad" in msg and "test_tracer.py" in msg and "y.sum() > 0" in msg
+    assert (
+        "cannot trace Bad" in msg and "test_tracer.py" in msg and "y.sum() > 0" in msg
+    )
 
 
 def test_non_tensor_batch_is_rejected() -> None:

@@ -16,10 +16,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="trace a model into the op graph and summarise it",
         description="Trace MODEL on fake tensors (no weights are allocated) and summarise its op graph.",
     )
-    p.add_argument("model", help="built-in name (e.g. gpt-1.3b), spec (gpt:hidden=..,layers=..,heads=..) or pkg.module:factory")
-    p.add_argument("--batch", type=int, default=None, help="batch size of the example batch (default: the model's)")
-    p.add_argument("--json", metavar="FILE", help="write params, flops_per_iteration and nodes as JSON")
-    p.add_argument("--top", type=int, default=8, help="how many of the heaviest ops to list (default 8)")
+    p.add_argument(
+        "model",
+        help="built-in name (e.g. gpt-1.3b), spec (gpt:hidden=..,layers=..,heads=..) or pkg.module:factory",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="batch size of the example batch (default: the model's)",
+    )
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="write params, flops_per_iteration and nodes as JSON",
+    )
+    p.add_argument(
+        "--top",
+        type=int,
+        default=8,
+        help="how many of the heaviest ops to list (default 8)",
+    )
     p.set_defaults(func=run)
 
 
@@ -35,14 +52,27 @@ def run(args: argparse.Namespace) -> int:
     model, batch = build_model(args.model, batch=args.batch, device="meta")
     graph = trace(model, batch, model_name=args.model)
     elapsed = time.perf_counter() - t0
-    print(f"model {args.model}: batch {tuple(batch[0].shape)[0] if batch[0].dim() else 1}, traced in {elapsed:.1f} s")
+    print(
+        f"model {args.model}: batch {batch[0].shape[0] if batch[0].dim() else 1}, traced in {elapsed:.1f} s"
+    )
     print(f"  parameters            {graph.num_params:,} ({nbytes(graph.param_bytes)})")
-    print(f"  FLOPs per iteration   {si(graph.flops_per_iteration, 'FLOP')} (forward {si(graph.fwd_flops, 'FLOP')}, backward {si(graph.bwd_flops, 'FLOP')})")
+    print(
+        f"  FLOPs per iteration   {si(graph.flops_per_iteration, 'FLOP')} (forward {si(graph.fwd_flops, 'FLOP')}, backward {si(graph.bwd_flops, 'FLOP')})"
+    )
     print(f"  saved activations     {nbytes(graph.saved_activation_bytes())}")
-    print(f"  ops                   {len(graph.ops)}: " + ", ".join(f"{k} {v}" for k, v in graph.kinds().most_common()))
+    print(
+        f"  ops                   {len(graph.ops)}: "
+        + ", ".join(f"{k} {v}" for k, v in graph.kinds().most_common())
+    )
     heavy = sorted(graph.ops, key=lambda n: -(n.fwd_flops + n.bwd_flops))[: args.top]
     rows = [
-        [n.name, n.target, n.module_path, "x".join(map(str, n.outputs[0].shape)) if n.outputs else "", si(n.fwd_flops + n.bwd_flops, "FLOP")]
+        [
+            n.name,
+            n.target,
+            n.module_path,
+            "x".join(map(str, n.outputs[0].shape)) if n.outputs else "",
+            si(n.fwd_flops + n.bwd_flops, "FLOP"),
+        ]
         for n in heavy
     ]
     print("\nheaviest ops (forward + backward):")

@@ -58,7 +58,9 @@ class GPTConfig:
         for key in ("hidden", "layers", "heads", "seq", "vocab"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise MeshplanError(f"GPT {key} must be a positive integer, got {value!r}")
+                raise MeshplanError(
+                    f"GPT {key} must be a positive integer, got {value!r}"
+                )
         if self.hidden % self.heads:
             raise MeshplanError(
                 f"GPT hidden={self.hidden} must be divisible by heads={self.heads}"
@@ -98,7 +100,9 @@ def gpt_param_count(config: GPTConfig) -> int:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with a fused, head-major ``qkv`` projection."""
 
-    def __init__(self, hidden: int, heads: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, hidden: int, heads: int, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.hidden = hidden
         self.heads = heads
@@ -111,7 +115,11 @@ class CausalSelfAttention(nn.Module):
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, self.heads, 3 * self.head_dim)
         q, k, v = qkv.split(self.head_dim, dim=-1)  # each [B, s, n, d]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, n, s, d]
+        q, k, v = (
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+        )  # [B, n, s, d]
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(b, s, self.hidden)
         return self.proj(y)
@@ -120,7 +128,9 @@ class CausalSelfAttention(nn.Module):
 class FeedForward(nn.Module):
     """The dense MLP: ``proj(gelu(fc(x)))`` with ``fc: h -> ffn*h`` (``ffn`` 4 in GPT)."""
 
-    def __init__(self, hidden: int, ffn: int = 4, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, hidden: int, ffn: int = 4, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.fc = nn.Linear(hidden, ffn * hidden, dtype=dtype)
         self.proj = nn.Linear(ffn * hidden, hidden, dtype=dtype)
@@ -133,7 +143,9 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """A pre-LayerNorm transformer block: ``ln_1``, ``attn``, ``ln_2``, ``mlp``."""
 
-    def __init__(self, hidden: int, heads: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, hidden: int, heads: int, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(hidden, dtype=dtype)
         self.attn = CausalSelfAttention(hidden, heads, dtype=dtype)

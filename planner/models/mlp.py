@@ -31,7 +31,9 @@ class MLPConfig:
         for key in ("in_features", "hidden", "layers", "classes"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise MeshplanError(f"MLP {key} must be a positive integer, got {value!r}")
+                raise MeshplanError(
+                    f"MLP {key} must be a positive integer, got {value!r}"
+                )
 
 
 def mlp_param_count(config: MLPConfig) -> int:
@@ -52,7 +54,9 @@ class MLP(nn.Module):
         self.config = config
         h = config.hidden
         self.fc_in = nn.Linear(config.in_features, h, dtype=dtype)
-        self.blocks = nn.ModuleList(nn.Linear(h, h, dtype=dtype) for _ in range(config.layers))
+        self.blocks = nn.ModuleList(
+            nn.Linear(h, h, dtype=dtype) for _ in range(config.layers)
+        )
         self.head = nn.Linear(h, config.classes, dtype=dtype)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -78,20 +78,37 @@ class MoEConfig:
     aux_loss_coef: float = 0.01
 
     def __post_init__(self) -> None:
-        for key in ("hidden", "layers", "experts", "heads", "seq", "vocab", "group_size", "ffn"):
+        for key in (
+            "hidden",
+            "layers",
+            "experts",
+            "heads",
+            "seq",
+            "vocab",
+            "group_size",
+            "ffn",
+        ):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise MeshplanError(f"MoE {key} must be a positive integer, got {value!r}")
+                raise MeshplanError(
+                    f"MoE {key} must be a positive integer, got {value!r}"
+                )
         if self.hidden % self.heads:
             raise MeshplanError(
                 f"MoE hidden={self.hidden} must be divisible by heads={self.heads}"
             )
         if self.experts < 2:
-            raise MeshplanError(f"MoE experts must be at least 2 for top-2 gating, got {self.experts}")
+            raise MeshplanError(
+                f"MoE experts must be at least 2 for top-2 gating, got {self.experts}"
+            )
         if not self.capacity_factor > 0:
-            raise MeshplanError(f"MoE capacity_factor must be > 0, got {self.capacity_factor!r}")
+            raise MeshplanError(
+                f"MoE capacity_factor must be > 0, got {self.capacity_factor!r}"
+            )
         if not self.aux_loss_coef >= 0:
-            raise MeshplanError(f"MoE aux_loss_coef must be >= 0, got {self.aux_loss_coef!r}")
+            raise MeshplanError(
+                f"MoE aux_loss_coef must be >= 0, got {self.aux_loss_coef!r}"
+            )
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether block ``index`` holds experts (every other block, starting with block 0)."""
@@ -145,7 +162,9 @@ def _one_hot(index: torch.Tensor, n: int) -> torch.Tensor:
     return (index.unsqueeze(-1) == classes).to(torch.float32)
 
 
-def top2_gating(gates: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def top2_gating(
+    gates: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GShard top-2 gating of float32 ``gates[G, S, E]`` (softmax outputs).
 
     Returns ``combine[G, S, E, C]``, ``dispatch[G, S, E, C]`` (float32) and the scalar auxiliary
@@ -181,7 +200,9 @@ def top2_gating(gates: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch
     gate_1 = gate_1 / denom
     gate_2 = gate_2 / denom
 
-    slot_1 = mask_1.unsqueeze(-1) * _one_hot(pos_1, capacity).unsqueeze(2)  # [G, S, E, C]
+    slot_1 = mask_1.unsqueeze(-1) * _one_hot(pos_1, capacity).unsqueeze(
+        2
+    )  # [G, S, E, C]
     slot_2 = mask_2.unsqueeze(-1) * _one_hot(pos_2, capacity).unsqueeze(2)
     dispatch = slot_1 + slot_2
     combine = gate_1[..., None, None] * slot_1 + gate_2[..., None, None] * slot_2
@@ -220,14 +241,20 @@ class MoEMLP(nn.Module):
 class MoEBlock(nn.Module):
     """A pre-LayerNorm block whose ``mlp`` is a dense ``FeedForward`` or a ``MoEMLP``."""
 
-    def __init__(self, config: MoEConfig, moe: bool, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: MoEConfig, moe: bool, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         h = config.hidden
         self.is_moe = moe
         self.ln_1 = nn.LayerNorm(h, dtype=dtype)
         self.attn = CausalSelfAttention(h, config.heads, dtype=dtype)
         self.ln_2 = nn.LayerNorm(h, dtype=dtype)
-        self.mlp = MoEMLP(config, dtype=dtype) if moe else FeedForward(h, config.ffn, dtype=dtype)
+        self.mlp = (
+            MoEMLP(config, dtype=dtype)
+            if moe
+            else FeedForward(h, config.ffn, dtype=dtype)
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x[B, s, h] -> (x[B, s, h], aux_loss or None for a dense block)``."""
@@ -248,7 +275,8 @@ class MoE(nn.Module):
         self.wte = nn.Embedding(config.vocab, h, dtype=dtype)
         self.wpe = nn.Embedding(config.seq, h, dtype=dtype)
         self.blocks = nn.ModuleList(
-            MoEBlock(config, config.is_moe_layer(i), dtype=dtype) for i in range(config.layers)
+            MoEBlock(config, config.is_moe_layer(i), dtype=dtype)
+            for i in range(config.layers)
         )
         self.ln_f = nn.LayerNorm(h, dtype=dtype)
         self.lm_head = nn.Linear(h, config.vocab, bias=False, dtype=dtype)

@@ -68,14 +68,18 @@ class WResNetConfig:
         for key in ("layers", "channels", "width", "image", "classes"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise MeshplanError(f"Wide-ResNet {key} must be a positive integer, got {value!r}")
+                raise MeshplanError(
+                    f"Wide-ResNet {key} must be a positive integer, got {value!r}"
+                )
         if self.layers not in STAGE_SIZES:
             depths = ", ".join(str(d) for d in STAGE_SIZES)
             raise MeshplanError(
                 f"Wide-ResNet layers={self.layers} is not supported; accepted depths: {depths}"
             )
         if self.image < 32:
-            raise MeshplanError(f"Wide-ResNet image must be at least 32 pixels, got {self.image}")
+            raise MeshplanError(
+                f"Wide-ResNet image must be at least 32 pixels, got {self.image}"
+            )
 
     @property
     def stages(self) -> tuple[int, int, int, int]:
@@ -119,7 +123,9 @@ def wresnet_param_count(config: WResNetConfig) -> int:
 
 
 def _conv(cin: int, cout: int, k: int, stride: int, dtype: torch.dtype) -> nn.Conv2d:
-    return nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2, bias=False, dtype=dtype)
+    return nn.Conv2d(
+        cin, cout, k, stride=stride, padding=k // 2, bias=False, dtype=dtype
+    )
 
 
 def _bn(c: int, dtype: torch.dtype) -> nn.BatchNorm2d:
@@ -130,7 +136,12 @@ class Bottleneck(nn.Module):
     """A bottleneck block ``1x1 -> 3x3 (widened, strided) -> 1x1`` with a residual shortcut."""
 
     def __init__(
-        self, cin: int, filters: int, width: int, stride: int, dtype: torch.dtype = torch.float32
+        self,
+        cin: int,
+        filters: int,
+        width: int,
+        stride: int,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         mid = filters * width
@@ -158,7 +169,9 @@ class Bottleneck(nn.Module):
 class WideResNet(nn.Module):
     """Wide-ResNet classifier; ``forward(images[B, 3, H, W], labels[B])`` returns the mean loss."""
 
-    def __init__(self, config: WResNetConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: WResNetConfig, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.config = config
         c = config.channels

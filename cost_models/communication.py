@@ -1,0 +1,552 @@
+"""Collectives on one axis of a logical mesh (alpha-beta), and the logical mesh itself.
+
+Byte convention: ``nbytes`` (B) is always the FULL, unsharded tensor of the collective's group:
+the all-reduced tensor, the all-gather OUTPUT, the reduce-scatter INPUT, the tensor being
+re-sharded by an all-to-all (each of the n ranks holds B / n of it); for send_recv it is the
+message. With a link of latency alpha and seconds-per-byte beta, over n devices (ring algorithms)::
+
+    all_gather(B)     = (n - 1) * alpha + (n - 1) / n * B * beta
+    reduce_scatter(B) = (n - 1) * alpha + (n - 1) / n * B * beta
+    all_reduce(B)     = reduce_scatter(B) + all_gather(B) = 2 (n - 1) alpha + 2 (n - 1) / n * B * beta
+    all_to_all(B)     = (n - 1) * alpha + (n - 1) / n^2 * B * beta   (pairwise exchange of B / n^2 blocks)
+    send_recv(B)      = alpha + B * beta
+
+An axis of a logical mesh is a ``MeshAxis(size, per_host, hosts)``: ``size = per_host * hosts``
+devices, ``per_host`` of them in each of ``hosts`` hosts. Inside one host the host's link prices it;
+across hosts with one device per host the inter-host link (each device's share of its host's
+NICs); an axis spanning both runs hierarchically, as NCCL does across nodes (m = per_host,
+h = hosts)::
+
+    all_gather(B)     = AG_inter(B / m over h) + AG_intra(B over m)
+    reduce_scatter(B) = RS_intra(B over m) + RS_inter(B / m over h)
+    all_reduce(B)     = RS_intra(B over m) + AR_inter(B / m over h) + AG_intra(B over m)
+    all_to_all(B)     = (m - 1)(alpha_i + B / n^2 beta_i) + (n - m)(alpha_e + B / n^2 beta_e)
+
+so all_reduce == reduce_scatter + all_gather holds on every kind of axis. With a measured profile on
+the cluster, an axis inside one host whose size matches a fitted (op, world size) uses that fit
+(``alpha_s + beta_s_per_byte * bytes``, converting to the profile's byte convention: all_to_all
+fits are per rank, B / n).
+
+Logical mesh (Alpa's mapping): a submesh of ``hosts x per_host`` devices numbered host-major,
+viewed as ``(a, b)`` with device ``(i, j) = i * b + j``. The second axis is contiguous: if b divides
+per_host it stays inside a host; otherwise (per_host divides b) it spans b / per_host whole hosts.
+The first axis strides by b: per_host / b devices of it share a host when b < per_host, else one per
+host.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from cost_models.cluster import Cluster, LinkSpec
+from cost_models.errors import MeshplanError
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+def ring_all_gather(nbytes: float, n: int, link: LinkSpec) -> float:
+    """``(n - 1) * alpha + (n - 1) / n * B * beta``; 0 for n <= 1."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * link.alpha + (n - 1) / n * nbytes * link.beta
+
+
+def ring_reduce_scatter(nbytes: float, n: int, link: LinkSpec) -> float:
+    """``(n - 1) * alpha + (n - 1) / n * B * beta`` (B = the full input); 0 for n <= 1."""
+    return ring_all_gather(nbytes, n, link)
+
+
+def ring_all_reduce(nbytes: float, n: int, link: LinkSpec) -> float:
+    """Reduce-scatter then all-gather: ``2 (n - 1) alpha + 2 (n - 1) / n * B * beta``."""
+    return ring_reduce_scatter(nbytes, n, link) + ring_all_gather(nbytes, n, link)
+
+
+def pairwise_all_to_all(nbytes: float, n: int, link: LinkSpec) -> float:
+    """``(n - 1) * alpha + (n - 1) / n^2 * B * beta``: every rank sends a B / n^2 block to each peer."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * (link.alpha + nbytes / (n * n) * link.beta)
+
+
+def send_recv(nbytes: float, link: LinkSpec) -> float:
+    """One message of ``nbytes``: ``alpha + B * beta``."""
+    return link.alpha + nbytes * link.beta
+
+
+_FLAT = {
+    "all_gather": ring_all_gather,
+    "reduce_scatter": ring_reduce_scatter,
+    "all_reduce": ring_all_reduce,
+    "all_to_all": pairwise_all_to_all,
+}
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    """One axis of a logical mesh: ``size`` devices, ``per_host`` in each of ``hosts`` hosts."""
+
+    size: int
+    per_host: int
+    hosts: int
+
+    def __post_init__(self) -> None:
+        if (
+            self.size != self.per_host * self.hosts
+            or self.per_host < 1
+            or self.hosts < 1
+        ):
+            raise MeshplanError(
+                f"mesh axis of {self.size} devices cannot be {self.per_host} per host x {self.hosts} hosts"
+            )
+
+    @property
+    def kind(self) -> str:
+        """``"single"`` (one device), ``"intra"`` (inside a host), ``"inter"`` (one device per host) or ``"hierarchical"``."""
+        if self.size == 1:
+            return "single"
+        if self.hosts == 1:
+            return "intra"
+        return "inter" if self.per_host == 1 else "hierarchical"
+
+
+def _check(op: str, nbytes: float) -> None:
+    if op not in COLLECTIVES:
+        raise MeshplanError(
+            f"unknown collective {op!r}; expected one of {', '.join(COLLECTIVES)}"
+        )
+    if nbytes < 0:
+        raise MeshplanError(f"{op}: negative size {nbytes} bytes")
+
+
+def collective_time(cluster: Cluster, op: str, nbytes: float, axis: MeshAxis) -> float:
+    """Seconds for collective ``op`` of ``nbytes`` (module byte convention) along ``axis`` of ``cluster``."""
+    _check(op, nbytes)
+    n = axis.size
+    if n == 1 or nbytes == 0:
+        return 0.0
+    intra, inter = cluster.intra_host_link, cluster.inter_host_link
+    if op == "send_recv":
+        return send_recv(nbytes, inter if axis.hosts > 1 else intra)
+    if axis.hosts == 1 and cluster.profile is not None:
+        fit = cluster.profile.collective(op, n)
+        if fit is not None:
+            return fit.predict(nbytes / n if op == "all_to_all" else nbytes)
+    if axis.hosts == 1:
+        return _FLAT[op](nbytes, n, intra)
+    if axis.per_host == 1:
+        return _FLAT[op](nbytes, n, inter)
+    m, h = axis.per_host, axis.hosts
+    if op == "all_gather":
+        return ring_all_gather(nbytes / m, h, inter) + ring_all_gather(nbytes, m, intra)
+    if op == "reduce_scatter":
+        return ring_reduce_scatter(nbytes, m, intra) + ring_reduce_scatter(
+            nbytes / m, h, inter
+        )
+    if op == "all_reduce":
+        return (
+            ring_reduce_scatter(nbytes, m, intra)
+            + ring_all_reduce(nbytes / m, h, inter)
+            + ring_all_gather(nbytes, m, intra)
+        )
+    block = nbytes / (n * n)  # all_to_all
+    return (m - 1) * (intra.alpha + block * intra.beta) + (n - m) * (
+        inter.alpha + block * inter.beta
+    )
+
+
+def all_reduce_time(cluster: Cluster, nbytes: float, axis: MeshAxis) -> float:
+    """``collective_time(cluster, "all_reduce", nbytes, axis)``."""
+    return collective_time(cluster, "all_reduce", nbytes, axis)
+
+
+def all_gather_time(cluster: Cluster, nbytes: float, axis: MeshAxis) -> float:
+    """``collective_time(cluster, "all_gather", nbytes, axis)`` (nbytes = gathered output)."""
+    return collective_time(cluster, "all_gather", nbytes, axis)
+
+
+def reduce_scatter_time(cluster: Cluster, nbytes: float, axis: MeshAxis) -> float:
+    """``collective_time(cluster, "reduce_scatter", nbytes, axis)`` (nbytes = full input)."""
+    return collective_time(cluster, "reduce_scatter", nbytes, axis)
+
+
+def all_to_all_time(cluster: Cluster, nbytes: float, axis: MeshAxis) -> float:
+    """``collective_time(cluster, "all_to_all", nbytes, axis)`` (nbytes = full tensor)."""
+    return collective_time(cluster, "all_to_all", nbytes, axis)
+
+
+def p2p_time(cluster: Cluster, nbytes: float, *, crosses_hosts: bool) -> float:
+    """One point-to-point message (e.g. activations between pipeline stages): ``alpha + B * beta``."""
+    return send_recv(nbytes, cluster.link(crosses_hosts))
+
+
+def _axis_layout(
+    hosts: int, per_host: int, a: int, b: int
+) -> tuple[MeshAxis, MeshAxis]:
+    if b <= per_host:
+        if per_host % b:
+            raise ValueError
+        return MeshAxis(a, per_host // b, hosts), MeshAxis(b, b, 1)
+    if b % per_host:
+        raise ValueError
+    return MeshAxis(a, 1, a), MeshAxis(b, per_host, b // per_host)
+
+
+@dataclass(frozen=True)
+class LogicalMesh:
+    """A ``submesh = (hosts, per_host)`` of ``cluster`` viewed as a 2D logical mesh ``shape = (a, b)``.
+
+    ``axes[i]`` says how many devices axis i has per host and how many hosts it spans (mapping in the
+    module docstring). ``LogicalMesh(cluster, (2, 8), (4, 4))``: axis 1 inside a host, axis 0 two
+    devices per host in two hosts (hierarchical).
+    """
+
+    cluster: Cluster
+    submesh: tuple[int, int]
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        (hosts, per_host), (a, b) = self.submesh, self.shape
+        object.__setattr__(self, "submesh", (int(hosts), int(per_host)))
+        object.__setattr__(self, "shape", (int(a), int(b)))
+        if min(hosts, per_host, a, b) < 1:
+            raise MeshplanError(
+                f"submesh {self.submesh} and logical mesh {self.shape} need positive sizes"
+            )
+        if hosts > self.cluster.hosts or per_host > self.cluster.devices_per_host:
+            raise MeshplanError(
+                f"submesh {hosts}x{per_host} does not fit in cluster {self.cluster.spec} "
+                f"({self.cluster.hosts} hosts x {self.cluster.devices_per_host} devices)"
+            )
+        if a * b != hosts * per_host:
+            raise MeshplanError(
+                f"logical mesh {a}x{b} does not have the {hosts * per_host} devices of submesh {hosts}x{per_host}"
+            )
+        try:
+            _axis_layout(hosts, per_host, a, b)
+        except ValueError:
+            raise MeshplanError(
+                f"logical mesh {a}x{b} cannot be laid on submesh {hosts}x{per_host}: its second axis ({b}) must divide "
+                f"or be a multiple of the {per_host} devices per host"
+            ) from None
+
+    @classmethod
+    def of(cls, cluster: Cluster, shape: tuple[int, int] | None = None) -> LogicalMesh:
+        """The whole cluster as a logical mesh (default shape: hosts x devices per host)."""
+        return cls(cluster, cluster.shape, cluster.shape if shape is None else shape)
+
+    @property
+    def axes(self) -> tuple[MeshAxis, MeshAxis]:
+        """The two axes' layouts."""
+        return _axis_layout(*self.submesh, *self.shape)
+
+    @property
+    def num_devices(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def axis(self, i: int) -> MeshAxis:
+        """Layout of axis ``i`` (0 or 1)."""
+        return self.axes[i]
+
+    def flat_axis(self) -> MeshAxis:
+        """Both axes as one (a collective over every device of the mesh)."""
+        hosts, per_host = self.submesh
+        return MeshAxis(hosts * per_host, per_host, hosts)
+
+    def collective(self, op: str, nbytes: float, axis: int | None) -> float:
+        """Seconds for ``op`` of ``nbytes`` along mesh axis ``axis`` (None: over the whole mesh)."""
+        return collective_time(
+            self.cluster,
+            op,
+            nbytes,
+            self.flat_axis() if axis is None else self.axis(axis),
+        )
+
+    def all_reduce(self, nbytes: float, axis: int | None) -> float:
+        return self.collective("all_reduce", nbytes, axis)
+
+    def all_gather(self, nbytes: float, axis: int | None) -> float:
+        return self.collective("all_gather", nbytes, axis)
+
+    def reduce_scatter(self, nbytes: float, axis: int | None) -> float:
+        return self.collective("reduce_scatter", nbytes, axis)
+
+    def all_to_all(self, nbytes: float, axis: int | None) -> float:
+        return self.collective("all_to_all", nbytes, axis)
+
+
+# ---------------------------------------------------------------------------------------------
+# Placements and resharding
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a tensor lies on one mesh axis: ``R`` replicated, ``S(d)`` sharded on dim d, ``P`` partial sum."""
+
+    kind: str
+    dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("R", "S", "P") or (self.kind == "S") != (
+            self.dim is not None
+        ):
+            raise MeshplanError(
+                f"bad placement {self.kind}{'' if self.dim is None else f'({self.dim})'}"
+            )
+
+    def __str__(self) -> str:
+        return f"S({self.dim})" if self.kind == "S" else self.kind
+
+    @property
+    def is_shard(self) -> bool:
+        return self.kind == "S"
+
+
+REPLICATE = Placement("R")
+PARTIAL = Placement("P")
+
+
+def shard(dim: int) -> Placement:
+    """``S(dim)``."""
+    return Placement("S", int(dim))
+
+
+_SHARD_RE = re.compile(
+    r"^(?:s|shard)\s*(?:\(\s*(?:dim\s*=\s*)?([+-]?\d+)\s*\)|([+-]?\d+))$", re.IGNORECASE
+)
+
+
+def parse_placement(text: str | Placement | object) -> Placement:
+    """``"R"``, ``"S(0)"``, ``"S0"``, ``"P"``, or DTensor's ``Replicate()``, ``Shard(dim=0)``, ``Partial(sum)``."""
+    if isinstance(text, Placement):
+        return text
+    s = str(text).strip()
+    low = s.lower()
+    if low in ("r", "replicate", "replicate()"):
+        return REPLICATE
+    if low in ("p", "partial", "partial()", "partial(sum)"):
+        return PARTIAL
+    m = _SHARD_RE.match(s)
+    if m:
+        return shard(int(m.group(1) or m.group(2)))
+    raise MeshplanError(f"bad placement {s!r}; expected R, S(dim) or P")
+
+
+def parse_placements(spec: str | tuple | list) -> tuple[Placement, ...]:
+    """One placement per mesh axis from ``"S(0),R"``, ``"(S(0), R)"`` or a sequence of placements."""
+    if isinstance(spec, str):
+        body = spec.strip()
+        if body[:1] in "([" and body[-1:] in ")]" and not _SHARD_RE.match(body):
+            body = body[1:-1]
+        parts, depth, cur = [], 0, ""
+        for ch in body:
+            depth += ch == "("
+            depth -= ch == ")"
+            if ch == "," and depth == 0:
+                parts.append(cur)
+                cur = ""
+            else:
+                cur += ch
+        parts.append(cur)
+        return tuple(parse_placement(p) for p in parts if p.strip())
+    return tuple(parse_placement(p) for p in spec)
+
+
+def format_placements(placements: tuple | list | str) -> str:
+    """``(S(0), R)``."""
+    return "(" + ", ".join(str(p) for p in parse_placements(placements)) + ")"
+
+
+@dataclass(frozen=True)
+class ReshardStep:
+    """One step of a redistribution: mesh axis, placements before/after, collective (None: local), cost."""
+
+    axis: int
+    src: Placement
+    dst: Placement
+    collective: str | None
+    nbytes: float
+    seconds: float
+
+    def __str__(self) -> str:
+        what = self.collective or "local"
+        return f"axis {self.axis}: {self.src} -> {self.dst} ({what}, {self.nbytes:.0f} B, {self.seconds:.3g} s)"
+
+
+def _step_collective(src: Placement, dst: Placement) -> str | None:
+    if src.kind == "S" and dst.kind == "S":
+        return "all_to_all"
+    return {
+        ("S", "R"): "all_gather",
+        ("P", "R"): "all_reduce",
+        ("P", "S"): "reduce_scatter",
+    }.get((src.kind, dst.kind))
+
+
+def _prepare(
+    mesh: Cluster | LogicalMesh, shape: tuple[int, ...], src: object, dst: object
+) -> tuple[LogicalMesh, tuple[Placement, ...], tuple[Placement, ...]]:
+    lm = mesh if isinstance(mesh, LogicalMesh) else LogicalMesh.of(mesh)
+    ndim = len(shape)
+
+    def norm(ps: object, what: str) -> tuple[Placement, ...]:
+        out = parse_placements(ps)  # type: ignore[arg-type]
+        if len(out) != len(lm.shape):
+            raise MeshplanError(
+                f"{what} placements {format_placements(out)} need one entry per mesh axis ({len(lm.shape)})"
+            )
+        fixed = []
+        for p in out:
+            if p.is_shard:
+                d = p.dim + ndim if p.dim < 0 else p.dim
+                if not 0 <= d < ndim:
+                    raise MeshplanError(
+                        f"{what} placement {p} is out of range for a {ndim}-d tensor {tuple(shape)}"
+                    )
+                p = shard(d)
+            fixed.append(p)
+        return tuple(fixed)
+
+    return lm, norm(src, "source"), norm(dst, "target")
+
+
+def _transitions(
+    sizes: tuple[int, ...], src: tuple[Placement, ...], dst: tuple[Placement, ...]
+) -> list[tuple[int, Placement, Placement]]:
+    """DTensor's greedy redistribution order (torch 2.13 ``generate_greedy_transform_infos``).
+
+    If the source is sharded at all, walk the mesh axes from last to first, moving each to its target,
+    except that a target ``S(d)`` whose sharding of dim d on EARLIER axes differs between the current
+    and the target placements (nested sharding out of order) goes to ``R`` first. Then walk the axes
+    first to last finishing every axis still off target.
+    """
+    cur, tgt = list(src), list(dst)
+    steps = []
+    num_shards = 1
+    for p, n in zip(src, sizes):
+        num_shards *= n if p.is_shard else 1
+    if num_shards > 1:
+        for i in reversed(range(len(cur))):
+            c, t = cur[i], tgt[i]
+            if t.is_shard:
+                before_c = [j for j in range(i) if cur[j] == t]
+                before_t = [j for j in range(i) if tgt[j] == t]
+                if before_c != before_t:
+                    t = REPLICATE
+            if c != t:
+                steps.append((i, c, t))
+                cur[i] = t
+    for i in range(len(cur)):
+        if cur[i] != tgt[i]:
+            steps.append((i, cur[i], tgt[i]))
+            cur[i] = tgt[i]
+    return steps
+
+
+def reshard_steps(
+    mesh: Cluster | LogicalMesh,
+    shape: tuple[int, ...],
+    dtype_bytes: float,
+    src: object,
+    dst: object,
+) -> list[ReshardStep]:
+    """The steps redistributing a tensor of global ``shape`` from ``src`` to ``dst`` placements, priced.
+
+    Order: DTensor's (``_transitions``). Per axis step, with B = the tensor's bytes divided by the
+    sizes of the OTHER axes that currently shard it (the group's full tensor):
+
+    ================  ==========================  ================  ==========================
+    step              collective                  step              collective
+    ================  ==========================  ================  ==========================
+    S(d) -> R         all_gather(B)               R -> S(d)         none (local slice)
+    P -> R            all_reduce(B)               R -> P            none (local: keep v / n)
+    P -> S(d)         reduce_scatter(B)           S(i) -> S(j)      all_to_all(B)
+    S(d) -> P         all_gather(B), then R -> P  same -> same      nothing
+    ================  ==========================  ================  ==========================
+
+    DTensor refuses S -> P outright; we decompose it into S -> R -> P (two steps listed), which is
+    also how the runtime must perform it. DTensor may fuse consecutive same-kind steps over a
+    flattened mesh when one exists; we price the steps separately.
+    """
+    lm, s, d = _prepare(mesh, shape, src, dst)
+    sizes = lm.shape
+    total = float(dtype_bytes)
+    for n in shape:
+        total *= n
+    cur = list(s)
+    out: list[ReshardStep] = []
+    expanded: list[tuple[int, Placement, Placement]] = []
+    for i, c, t in _transitions(sizes, s, d):
+        if c.is_shard and t.kind == "P":
+            expanded += [(i, c, REPLICATE), (i, REPLICATE, t)]
+        else:
+            expanded.append((i, c, t))
+    for i, c, t in expanded:
+        group = total
+        for j, p in enumerate(cur):
+            if j != i and p.is_shard:
+                group /= sizes[j]
+        op = _step_collective(c, t)
+        seconds = lm.collective(op, group, i) if op else 0.0
+        out.append(ReshardStep(i, c, t, op, group, seconds))
+        cur[i] = t
+    return out
+
+
+def backward_placements(
+    src: object, dst: object
+) -> tuple[tuple[Placement, ...], tuple[Placement, ...]]:
+    """(gradient's placements, target) of the backward of a ``src -> dst`` redistribution.
+
+    The gradient arrives in ``dst``'s placements except that the gradient of a partial-sum tensor is
+    the gradient of the sum, i.e. replicated (P -> R). It returns to ``src`` except that a target P
+    reached from S or R stays R, as DTensor's ``_redistribute_backward`` does.
+    """
+    s, d = parse_placements(src), parse_placements(dst)  # type: ignore[arg-type]
+    grad = tuple(REPLICATE if p.kind == "P" else p for p in d)
+    target = tuple(
+        REPLICATE if t.kind == "P" and g.kind != "P" else t for g, t in zip(grad, s)
+    )
+    return grad, target
+
+
+def reshard_cost(
+    mesh: Cluster | LogicalMesh,
+    shape: tuple[int, ...],
+    dtype_bytes: float,
+    src: object,
+    dst: object,
+    *,
+    include_backward: bool = False,
+) -> float:
+    """Seconds to redistribute a tensor from ``src`` to ``dst`` placements (sum of ``reshard_steps``).
+
+    ``mesh`` is a LogicalMesh or a Cluster (then its whole physical mesh, hosts x devices per host).
+    ``include_backward`` adds the gradient's way back (``backward_placements``).
+    """
+    fwd = sum(
+        step.seconds for step in reshard_steps(mesh, shape, dtype_bytes, src, dst)
+    )
+    if not include_backward:
+        return fwd
+    grad, target = backward_placements(src, dst)
+    return fwd + sum(
+        step.seconds for step in reshard_steps(mesh, shape, dtype_bytes, grad, target)
+    )
+
+
+def local_bytes(
+    mesh: Cluster | LogicalMesh,
+    shape: tuple[int, ...],
+    dtype_bytes: float,
+    placements: object,
+) -> float:
+    """Bytes one device holds: the tensor's bytes divided by the size of every axis that shards it."""
+    lm, p, _ = _prepare(mesh, shape, placements, placements)
+    out = float(dtype_bytes)
+    for n in shape:
+        out *= n
+    for pl, n in zip(p, lm.shape):
+        if pl.is_shard:
+            out /= n
+    return out

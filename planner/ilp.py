@@ -1,0 +1,214 @@
+"""The intra-operator integer linear program, as a pure function of costs (no torch, no graphs).
+
+Formulation (Alpa, OSDI'22, section 4.2), for nodes v = 1..N with strategies i = 1..k_v:
+
+Variables
+    s[v, i] in {0, 1}      node v runs strategy i
+    e[u, v, i, j] in [0, 1] for every edge (u, v): u runs i and v runs j (integral at any vertex of
+                           the polytope below, so binaries are not needed)
+
+Objective
+    minimise  sum_v sum_i c[v, i] * s[v, i]  +  sum_(u,v) sum_i sum_j R[u, v, i, j] * e[u, v, i, j]
+
+    c[v, i]: compute + communication + gradient synchronisation of node v under strategy i (seconds)
+    R[u, v, i, j]: resharding the value on edge (u, v) from u's output placement under i to the
+    input placement v needs under j, forward and backward (seconds)
+
+Constraints
+    sum_i s[v, i] = 1                         for every v          (one strategy per node)
+    sum_j e[u, v, i, j] = s[u, i]             for every edge, i    (edge choice agrees with u)
+    sum_i e[u, v, i, j] = s[v, j]             for every edge, j    (edge choice agrees with v)
+    sum_v sum_i m[v, i] * s[v, i] <= budget                        (per-device memory, bytes)
+
+Edges whose cost matrix is all zero add no variables. Nodes with one strategy are constants.
+Solved with HiGHS when `highspy` is installed, CBC otherwise; a time limit returns the best
+solution found with a warning. Ties are broken deterministically by a tiny preference for lower
+strategy indices, so the same input always gives the same answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import pulp
+
+from cost_models.errors import MeshplanError
+
+
+@dataclass
+class ILPProblem:
+    """Costs of one intra-op problem. `edges` holds (u, v, R) with R of shape (k_u, k_v)."""
+
+    node_costs: list[np.ndarray]
+    edges: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+    node_memory: list[np.ndarray] | None = None
+    memory_budget: float | None = None
+
+    def __post_init__(self) -> None:
+        self.node_costs = [np.asarray(c, dtype=float) for c in self.node_costs]
+        for v, c in enumerate(self.node_costs):
+            if c.ndim != 1 or c.size == 0:
+                raise MeshplanError(
+                    f"node {v} needs at least one strategy cost, got shape {c.shape}"
+                )
+        if self.node_memory is not None:
+            self.node_memory = [np.asarray(m, dtype=float) for m in self.node_memory]
+        for u, v, r in self.edges:
+            shape = (self.node_costs[u].size, self.node_costs[v].size)
+            if np.shape(r) != shape:
+                raise MeshplanError(
+                    f"edge ({u}, {v}) cost matrix has shape {np.shape(r)}, expected {shape}"
+                )
+
+    def objective(self, choice: list[int]) -> float:
+        total = sum(float(c[choice[v]]) for v, c in enumerate(self.node_costs))
+        return total + sum(float(r[choice[u], choice[v]]) for u, v, r in self.edges)
+
+    def memory(self, choice: list[int]) -> float:
+        if self.node_memory is None:
+            return 0.0
+        return sum(float(m[choice[v]]) for v, m in enumerate(self.node_memory))
+
+
+@dataclass
+class ILPSolution:
+    choice: list[int]
+    objective: float
+    memory: float
+    optimal: bool
+
+
+def min_memory(problem: ILPProblem) -> float:
+    """The smallest memory any choice can reach (each node at its cheapest-memory strategy)."""
+    return sum(float(m.min()) for m in problem.node_memory or [])
+
+
+def solve(
+    problem: ILPProblem, *, time_limit: float | None = None, msg: bool = False
+) -> ILPSolution:
+    """Solve the program above. Raises MeshplanError if no choice fits the memory budget."""
+    budget = problem.memory_budget
+    if (
+        budget is not None
+        and problem.node_memory is not None
+        and min_memory(problem) > budget
+    ):
+        raise MeshplanError(
+            f"no sharding fits in memory: needs at least {min_memory(problem) / 2**30:.2f} GiB per device, "
+            f"{budget / 2**30:.2f} GiB available"
+        )
+    prob = pulp.LpProblem("intra_op", pulp.LpMinimize)
+    scale = max(
+        [float(np.abs(c).max()) for c in problem.node_costs]
+        + [float(np.abs(r).max()) for *_, r in problem.edges]
+        + [1e-30]
+    )
+    tie = 1e-9  # relative tie-break towards lower strategy indices
+    new_var = _variable_factory(prob)
+    s = [
+        [new_var(f"s_{v}_{i}", cat="Binary") for i in range(c.size)]
+        if c.size > 1
+        else None
+        for v, c in enumerate(problem.node_costs)
+    ]
+
+    def sv(v: int, i: int) -> pulp.LpAffineExpression | int:
+        return 1 if s[v] is None else s[v][i]
+
+    terms = []
+    for v, c in enumerate(problem.node_costs):
+        if s[v] is not None:
+            prob += pulp.lpSum(s[v]) == 1, f"one_{v}"
+            terms += [(c[i] / scale + tie * i) * s[v][i] for i in range(c.size)]
+    for n, (u, v, r) in enumerate(problem.edges):
+        r = r / scale
+        if not r.any():
+            continue
+        if (
+            s[u] is None or s[v] is None
+        ):  # one side fixed: the edge is linear in the other side
+            if s[u] is None and s[v] is None:
+                continue
+            row = r[0, :] if s[u] is None else r[:, 0]
+            side = s[v] if s[u] is None else s[u]
+            terms += [row[i] * side[i] for i in range(len(side))]
+            continue
+        e = {
+            (i, j): new_var(f"e_{n}_{i}_{j}", lowBound=0)
+            for i in range(r.shape[0])
+            for j in range(r.shape[1])
+        }
+        for i in range(r.shape[0]):
+            prob += (
+                pulp.lpSum(e[i, j] for j in range(r.shape[1])) == s[u][i],
+                f"eu_{n}_{i}",
+            )
+        for j in range(r.shape[1]):
+            prob += (
+                pulp.lpSum(e[i, j] for i in range(r.shape[0])) == s[v][j],
+                f"ev_{n}_{j}",
+            )
+        terms += [r[i, j] * x for (i, j), x in e.items() if r[i, j]]
+    prob += pulp.lpSum(terms)
+    if budget is not None and problem.node_memory is not None:
+        prob += (
+            pulp.lpSum(
+                m[i] / 2**20 * sv(v, i)
+                for v, m in enumerate(problem.node_memory)
+                for i in range(m.size)
+            )
+            <= budget / 2**20,
+            "memory",
+        )
+    status = prob.solve(_solver(time_limit, msg))
+    state = pulp.LpStatus[status]
+    if state == "Infeasible":
+        raise MeshplanError(
+            f"no sharding fits in memory: budget {budget / 2**30:.2f} GiB per device is below what any "
+            f"consistent choice needs (at least {min_memory(problem) / 2**30:.2f} GiB)"
+        )
+    choice = [
+        0 if s[v] is None else int(np.argmax([x.value() or 0 for x in s[v]]))
+        for v in range(len(s))
+    ]
+    optimal = state == "Optimal" and prob.sol_status == pulp.LpSolutionOptimal
+    if not optimal:
+        warnings.warn(
+            f"intra-op ILP stopped at its time limit ({time_limit} s): returning the best solution found"
+        )
+    return ILPSolution(
+        choice, problem.objective(choice), problem.memory(choice), optimal
+    )
+
+
+def _variable_factory(prob: pulp.LpProblem):
+    """PuLP >= 3.3 attaches variables to the model (`add_variable`); older PuLP builds them directly."""
+    if hasattr(prob, "add_variable"):
+        return lambda name, **kw: prob.add_variable(name, **kw)
+    return lambda name, **kw: pulp.LpVariable(name, **kw)
+
+
+def _solver(time_limit: float | None, msg: bool) -> pulp.LpSolver:
+    kwargs = {"msg": msg, "timeLimit": time_limit, "gapRel": 1e-7}
+    if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
+        return pulp.HiGHS(threads=1, random_seed=0, **kwargs)
+    return pulp.PULP_CBC_CMD(threads=1, options=["randomSeed 0"], **kwargs)
+
+
+def brute_force(problem: ILPProblem) -> ILPSolution:
+    """Enumerate every choice (for tests on small problems)."""
+    best: ILPSolution | None = None
+    for choice in itertools.product(*(range(c.size) for c in problem.node_costs)):
+        choice = list(choice)
+        mem = problem.memory(choice)
+        if problem.memory_budget is not None and mem > problem.memory_budget:
+            continue
+        obj = problem.objective(choice)
+        if best is None or obj < best.objective - 1e-12:
+            best = ILPSolution(choice, obj, mem, True)
+    if best is None:
+        raise MeshplanError("no choice fits the memory budget")
+    return best

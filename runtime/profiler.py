@@ -1,0 +1,388 @@
+"""Measure the devices of this machine and write a `DeviceProfile` (cost_models/profile.py).
+
+One launch (`runtime.launch.launch`) of N ranks measures, in order:
+
+1. matrix products on rank 0 alone (the other ranks wait in a barrier), over a grid of (m, n, k)
+   shapes, for float32 and for bfloat16 / float16 when the device runs them; warm-up, then the median
+   of repeats (small products are looped so one repeat lasts at least ~1 ms). A rank computes with the
+   threads it gets in training (`cores // nproc`, at least 1), so on CPU a "device" is that share of
+   the cores. Shapes whose predicted time exceeds `matmul_budget_s` are skipped: float16 on most CPUs
+   runs without vector units at ~1 GFLOP/s and would take minutes.
+2. memory bandwidth on rank 0: median time of copying a large tensor, counting read + write bytes.
+3. every collective for every world size w in `world_sizes` (sub-group of ranks 0..w-1; ranks outside
+   it wait) and message size: all_reduce, all_gather (all_gather_single / all_gather_into_tensor),
+   reduce_scatter (reduce_scatter_single / reduce_scatter_tensor; gloo in torch 2.13 runs it, so no
+   emulation is needed), all_to_all (all_to_all_single) and send_recv (world size 2 only: ranks 0 and
+   1 ping-pong, one-way time = round trip / 2). One timed repeat is a sub-group barrier followed by
+   `inner` back-to-back calls (inner chosen from a warm-up so a repeat lasts ~`target_repeat_s`, the
+   same on every rank); a repeat's time is the slowest rank's, and the sample is the median repeat.
+   Byte convention: see cost_models/profile.py (the full unsharded tensor for all_gather output /
+   reduce_scatter input / all_reduce / all_to_all buffer; the per-rank message for send_recv).
+
+Then alpha and beta are fitted per (op, world size) with `fit_alpha_beta`. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cost_models.errors import MeshplanError
+from cost_models.profile import (
+    COLLECTIVE_OPS,
+    PROFILE_VERSION,
+    CollectiveFit,
+    DeviceProfile,
+    MatmulSample,
+    fit_alpha_beta,
+)
+from runtime.launch import MAX_LOCAL_RANKS_CPU, default_backend, launch
+
+KB = 1 << 10
+MB = 1 << 20
+DEFAULT_MATMUL_DIMS = (128, 512, 2048)
+QUICK_MATMUL_SHAPES = ((128, 128, 128), (512, 512, 512), (1024, 1024, 1024))
+
+
+@dataclass
+class ProfileOptions:
+    """What to measure. `full()` / `quick()` give the CLI's two presets; tests shrink further."""
+
+    nproc: int = 2
+    world_sizes: list[int] | None = None  # None: 2..nproc
+    ops: tuple[str, ...] = COLLECTIVE_OPS
+    sizes: list[int] = field(default_factory=lambda: [64 * KB << i for i in range(11)])
+    repeats: int = 5
+    warmup: int = 1
+    target_repeat_s: float = 0.02
+    matmul_shapes: list[tuple[int, int, int]] | None = (
+        None  # None: DEFAULT_MATMUL_DIMS grid
+    )
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    matmul_repeats: int = 5
+    matmul_budget_s: float = 0.3
+    bandwidth_bytes: int = 256 * MB
+    backend: str | None = None
+    timeout_s: float = 1200.0
+    progress: bool = True
+
+    @staticmethod
+    def full(nproc: int, max_bytes: int = 64 * MB) -> ProfileOptions:
+        """64 KB .. max_bytes in powers of 2, 5 repeats, the full matmul grid."""
+        return ProfileOptions(nproc=nproc, sizes=size_range(64 * KB, max_bytes, 2))
+
+    @staticmethod
+    def quick(nproc: int, max_bytes: int = 4 * MB) -> ProfileOptions:
+        """64 KB .. max_bytes in powers of 4, 3 repeats, three square products."""
+        return ProfileOptions(
+            nproc=nproc,
+            sizes=size_range(64 * KB, max_bytes, 4),
+            repeats=3,
+            matmul_shapes=list(QUICK_MATMUL_SHAPES),
+            matmul_repeats=3,
+            bandwidth_bytes=64 * MB,
+        )
+
+
+def size_range(lo: int, hi: int, factor: int) -> list[int]:
+    """lo, lo*factor, ... up to and including hi (at least [lo])."""
+    out = [lo]
+    while out[-1] * factor <= hi:
+        out.append(out[-1] * factor)
+    return out
+
+
+def check_nproc(nproc: int, backend: str | None = None) -> None:
+    """Raise MeshplanError unless `nproc` local ranks can run here (1..8 with gloo, 1..#GPUs with NCCL)."""
+    if (backend or default_backend(nproc)) == "nccl":
+        import torch
+
+        limit, what = torch.cuda.device_count(), "GPUs"
+    else:
+        limit, what = MAX_LOCAL_RANKS_CPU, "gloo processes on one machine"
+    if not 1 <= nproc <= limit:
+        raise MeshplanError(
+            f"--nproc must be between 1 and {limit} ({what}), got {nproc}"
+        )
+
+
+def _log(opts: ProfileOptions, msg: str) -> None:
+    if opts.progress:
+        print(f"[profile] {msg}", file=sys.stderr, flush=True)
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _device() -> Any:
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def time_call(
+    fn: Callable[[], Any], repeats: int, warmup: int = 1, min_s: float = 1e-3
+) -> float:
+    """Median seconds of one `fn()` call: warm-up, then `repeats` timed loops of >= `min_s` each."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    t = time.perf_counter()
+    fn()
+    _sync()
+    one = max(time.perf_counter() - t, 1e-9)
+    inner = max(1, min(1000, int(min_s / one)))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync()
+        times.append((time.perf_counter() - t) / inner)
+    return statistics.median(times)
+
+
+def matmul_grid(opts: ProfileOptions) -> list[tuple[int, int, int]]:
+    """The (m, n, k) shapes to measure."""
+    if opts.matmul_shapes is not None:
+        return list(opts.matmul_shapes)
+    d = DEFAULT_MATMUL_DIMS
+    return [(m, n, k) for m in d for n in d for k in d]
+
+
+def measure_matmul(opts: ProfileOptions) -> list[MatmulSample]:
+    """Time (m x k) @ (k x n) for every shape and supported dtype on this process's device."""
+    import torch
+
+    dev = _device()
+    shapes = matmul_grid(opts)
+    samples: list[MatmulSample] = []
+    for dtype_name in opts.dtypes:
+        dtype = getattr(torch, dtype_name)
+        try:  # supported at all? and how fast, to skip shapes over budget
+            a = torch.randn(256, 256, device=dev).to(dtype)
+            probe = time_call(lambda a=a: a @ a, repeats=1, warmup=1)
+        except RuntimeError:
+            _log(opts, f"matmul {dtype_name}: not supported on {dev}, skipped")
+            continue
+        probe_rate = 2 * 256**3 / probe
+        for i, (m, n, k) in enumerate(shapes, 1):
+            predicted = 2 * m * n * k / probe_rate * (opts.matmul_repeats + 2)
+            if predicted > opts.matmul_budget_s * (opts.matmul_repeats + 2) and samples:
+                _log(opts, f"matmul {dtype_name} {m}x{n}x{k}: over budget, skipped")
+                continue
+            _log(opts, f"matmul {dtype_name} {m}x{n}x{k} ({i}/{len(shapes)})")
+            a = torch.randn(m, k, device=dev).to(dtype)
+            b = torch.randn(k, n, device=dev).to(dtype)
+            sec = time_call(lambda a=a, b=b: a @ b, opts.matmul_repeats, warmup=1)
+            samples.append(MatmulSample(m, n, k, dtype_name, sec))
+    return samples
+
+
+def measure_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second of copying an `nbytes` tensor (read + write counted)."""
+    import torch
+
+    dev = _device()
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev).fill_(1)
+    dst = torch.empty_like(src)
+    sec = time_call(lambda: dst.copy_(src), repeats, warmup=1)
+    return 2.0 * nbytes / sec
+
+
+def _collective_call(
+    op: str, nbytes: int, group: Any, w: int, rank: int
+) -> Callable[[], Any]:
+    """A closure running `op` once on buffers sized by the byte convention (float32 elements)."""
+    import torch
+    import torch.distributed as dist
+
+    dev = _device()
+    numel = max(w, nbytes // 4 // w * w)  # divisible by w, for the sharded ops
+    if op == "all_reduce":
+        x = torch.ones(numel, device=dev)
+        return lambda: dist.all_reduce(x, group=group)
+    if op == "all_gather":
+        out, inp = torch.empty(numel, device=dev), torch.ones(numel // w, device=dev)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: fn(out, inp, group=group)
+    if op == "reduce_scatter":
+        out, inp = torch.empty(numel // w, device=dev), torch.ones(numel, device=dev)
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: fn(out, inp, group=group)
+    if op == "all_to_all":
+        out, inp = torch.empty(numel, device=dev), torch.ones(numel, device=dev)
+        return lambda: dist.all_to_all_single(out, inp, group=group)
+    if op == "send_recv":
+        x = torch.ones(max(1, nbytes // 4), device=dev)
+
+        def ping_pong() -> (
+            None
+        ):  # one round trip between ranks 0 and 1; halved by the caller
+            if rank == 0:
+                dist.send(x, 1, group=group)
+                dist.recv(x, 1, group=group)
+            else:
+                dist.recv(x, 0, group=group)
+                dist.send(x, 0, group=group)
+
+        return ping_pong
+    raise MeshplanError(f"unknown collective {op!r}")
+
+
+def _time_collective(fn: Callable[[], Any], group: Any, opts: ProfileOptions) -> float:
+    """Median over repeats of the slowest rank's time for one call; same loop counts on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(opts.warmup):
+        fn()
+    dist.barrier(group=group)
+    t = time.perf_counter()
+    fn()
+    _sync()
+    first = torch.tensor(
+        [time.perf_counter() - t], dtype=torch.float64, device=_device()
+    )
+    dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
+    inner = max(1, min(50, int(opts.target_repeat_s / max(first.item(), 1e-9))))
+    times = []
+    for _ in range(opts.repeats):
+        dist.barrier(group=group)
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync()
+        times.append((time.perf_counter() - t) / inner)
+    mine = torch.tensor(times, dtype=torch.float64, device=_device())
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+    return statistics.median(mine.tolist())
+
+
+def _plan_collectives(opts: ProfileOptions) -> list[tuple[str, int]]:
+    """(op, world size) pairs to measure, in order."""
+    sizes = opts.world_sizes or list(range(2, opts.nproc + 1))
+    pairs = []
+    for w in sizes:
+        for op in opts.ops:
+            if op == "send_recv" and w != 2:
+                continue
+            pairs.append((op, w))
+    return pairs
+
+
+def _profile_worker(opts: ProfileOptions) -> dict[str, Any] | None:
+    """Runs on every rank; rank 0 returns the raw measurements."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    if rank == 0:
+        out["matmul"] = measure_matmul(opts)
+        _log(opts, f"memory bandwidth ({opts.bandwidth_bytes // MB} MiB copy)")
+        out["bandwidth"] = measure_bandwidth(opts.bandwidth_bytes)
+    dist.barrier()
+    pairs = _plan_collectives(opts)
+    groups = {w: dist.new_group(list(range(w))) for w in sorted({w for _, w in pairs})}
+    total = len(pairs) * len(opts.sizes)
+    done = 0
+    fits: list[tuple[str, int, list[tuple[int, float]]]] = []
+    for op, w in pairs:
+        samples = []
+        for nbytes in opts.sizes:
+            done += 1
+            if rank < w:
+                if rank == 0:
+                    _log(opts, f"{op} w={w} {_fmt_bytes(nbytes)} ({done}/{total})")
+                fn = _collective_call(op, nbytes, groups[w], w, rank)
+                sec = _time_collective(fn, groups[w], opts)
+                if op == "send_recv":
+                    sec /= 2
+                samples.append((nbytes, sec))
+        if rank == 0:
+            fits.append((op, w, samples))
+        dist.barrier()
+    out["collectives"] = fits
+    return out if rank == 0 else None
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n // MB} MiB" if n >= MB else f"{n // KB} KiB"
+
+
+def _device_name(backend: str, threads: int) -> str:
+    if backend == "nccl":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{name} ({threads} thread{'s' if threads != 1 else ''} per rank)"
+
+
+def _memory_bytes(backend: str, nproc: int) -> int:
+    if backend == "nccl":
+        import torch
+
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(total // nproc)  # a CPU "device" is one rank's share of the host memory
+
+
+def run_profile(opts: ProfileOptions) -> DeviceProfile:
+    """Measure this machine with `opts.nproc` ranks and return the fitted DeviceProfile."""
+    backend = opts.backend or default_backend(opts.nproc)
+    check_nproc(opts.nproc, backend)
+    bad = [w for w in (opts.world_sizes or []) if not 2 <= w <= opts.nproc]
+    if bad:
+        raise MeshplanError(f"world sizes {bad} are outside 2..{opts.nproc} (--nproc)")
+    threads = max(1, (os.cpu_count() or 1) // opts.nproc)
+    _log(opts, f"measuring with {opts.nproc} {backend} ranks")
+    (raw, *_) = launch(
+        _profile_worker, opts.nproc, (opts,), backend=backend, timeout_s=opts.timeout_s
+    )
+    fits = []
+    for op, w, samples in raw["collectives"]:
+        alpha, beta = fit_alpha_beta(samples)
+        fits.append(CollectiveFit(op, w, alpha, beta, samples))
+    peak: dict[str, float] = {}
+    for s in raw["matmul"]:
+        peak[s.dtype] = max(peak.get(s.dtype, 0.0), s.flops_per_s)
+    return DeviceProfile(
+        version=PROFILE_VERSION,
+        device_name=_device_name(backend, threads),
+        backend=backend,
+        hosts=1,
+        devices_per_host=opts.nproc,
+        memory_bytes=_memory_bytes(backend, opts.nproc),
+        memory_bandwidth_bytes_per_s=raw["bandwidth"],
+        peak_flops=peak,
+        matmul=raw["matmul"],
+        collectives=fits,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+        host=socket.gethostname(),
+    )

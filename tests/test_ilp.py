@@ -1,0 +1,73 @@
+"""The intra-op ILP against brute-force enumeration."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cost_models.errors import MeshplanError
+from planner.ilp import ILPProblem, brute_force, solve
+
+
+def _random_problem(rng: np.random.Generator, with_memory: bool) -> ILPProblem:
+    n = int(rng.integers(2, 6))
+    k = [int(rng.integers(2, 5)) for _ in range(n)]
+    costs = [rng.uniform(0, 10, size=kv) for kv in k]
+    edges = []
+    for v in range(1, n):  # a random DAG: each node has 1-2 earlier producers
+        for u in sorted(set(rng.integers(0, v, size=int(rng.integers(1, 3))).tolist())):
+            r = rng.uniform(0, 10, size=(k[u], k[v])) * (
+                rng.uniform(size=(k[u], k[v])) < 0.7
+            )
+            edges.append((u, v, r))
+    memory = [rng.uniform(1, 100, size=kv) for kv in k] if with_memory else None
+    budget = None
+    if with_memory:
+        lo, hi = sum(m.min() for m in memory), sum(m.max() for m in memory)
+        budget = float(lo + rng.uniform(0.1, 0.9) * (hi - lo))
+    return ILPProblem(costs, edges, memory, budget)
+
+
+@pytest.mark.parametrize("with_memory", [False, True])
+def test_ilp_matches_brute_force_on_random_graphs(with_memory: bool) -> None:
+    rng = np.random.default_rng(1234 + with_memory)
+    for _ in range(25):
+        p = _random_problem(rng, with_memory)
+        got, want = solve(p), brute_force(p)
+        assert got.objective == pytest.approx(want.objective, rel=1e-6, abs=1e-9)
+        if with_memory:
+            assert got.memory <= p.memory_budget + 1e-6
+
+
+def test_same_input_same_choice() -> None:
+    p = ILPProblem([np.zeros(3), np.zeros(3)], [(0, 1, np.ones((3, 3)) - np.eye(3))])
+    assert solve(p).choice == solve(p).choice == [0, 0]
+
+
+def test_memory_constraint_changes_the_answer() -> None:
+    # Strategy 0 is fast but big, strategy 1 slow but small.
+    p = ILPProblem(
+        [np.array([1.0, 5.0])] * 2,
+        node_memory=[np.array([10.0, 2.0])] * 2,
+        memory_budget=12.0,
+    )
+    assert solve(p).choice in ([0, 1], [1, 0])
+    p.memory_budget = 1000.0
+    assert solve(p).choice == [0, 0]
+
+
+def test_infeasible_budget_names_bytes() -> None:
+    p = ILPProblem(
+        [np.array([1.0, 5.0])],
+        node_memory=[np.array([3 * 2**30, 2 * 2**30])],
+        memory_budget=2**30,
+    )
+    with pytest.raises(
+        MeshplanError, match=r"at least 2\.00 GiB per device, 1\.00 GiB available"
+    ):
+        solve(p)
+
+
+def test_bad_edge_shape() -> None:
+    with pytest.raises(MeshplanError, match="expected"):
+        ILPProblem([np.zeros(2), np.zeros(3)], [(0, 1, np.zeros((3, 2)))])
