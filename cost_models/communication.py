@@ -317,14 +317,14 @@ _SHARD_RE = re.compile(
 
 
 def parse_placement(text: str | Placement | object) -> Placement:
-    """``"R"``, ``"S(0)"``, ``"S0"``, ``"P"``, or DTensor's ``Replicate()``, ``Shard(dim=0)``, ``Partial(sum)``."""
+    """``"R"``, ``"S(0)"``, ``"S0"``, ``"P"``, or DTensor's ``Replicate()``, ``Shard(dim=0)``, ``Partial(sum)``, ``P(sum)``."""
     if isinstance(text, Placement):
         return text
     s = str(text).strip()
     low = s.lower()
     if low in ("r", "replicate", "replicate()"):
         return REPLICATE
-    if low in ("p", "partial", "partial()", "partial(sum)"):
+    if low in ("p", "p(sum)", "partial", "partial()", "partial(sum)"):
         return PARTIAL
     m = _SHARD_RE.match(s)
     if m:

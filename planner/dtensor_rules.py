@@ -1,0 +1,426 @@
+"""The DTensor side of `planner.strategies`: meshes, placements and calls into DTensor's registries.
+
+Everything here talks to private pieces of `torch.distributed.tensor` (torch 2.13); the rest of the
+planner only sees placement strings. Principle 1 ("what is planned is what runs") is the reason this
+module exists: a strategy is a pair (input placements -> output placements) that DTensor's own
+sharding propagator produces, so the runtime reproduces it by placing the inputs and calling the op.
+
+Meshes. Strategy functions need a `DeviceMesh` only for its shape. We build
+``DeviceMesh("cpu", arange(n).view(shape), _init_backend=False, _rank=0)``, which is what DTensor
+itself uses for its decomposition search: no process group, no global state, so it coexists with a
+real gloo group in the same process. Measured on the development machine: 0.3-0.7 ms per mesh for
+(2, 2) up to (48, 64) = 3072 devices (the fake process group route, ``init_process_group("fake")`` +
+``init_device_mesh``, costs 1-5 ms but installs a global default group, so we do not use it).
+Meshes are cached by shape.
+
+Registries, in the order DTensor's ``ShardingPropagator.propagate_op_sharding_non_cached`` uses them:
+
+1. ``op_single_dim_strategy_funcs`` (single_dim): rules for one mesh axis, with
+   ``_ShardingPlaceholder`` for "any shard of dim d". We wrap the inputs exactly as the propagator
+   does (``_wrap_with_op_strategy``) with one probe placement containing ``Shard(0)`` (so the
+   placeholders are filled with plain ``Shard``), and call DTensor's own
+   ``_expand_single_dim_strategy_to_mesh``, which takes the product of the rules over all mesh axes
+   (``expand_to_full_mesh_op_strategy``). The result does not depend on the probe except for
+   redistribution costs, which we ignore.
+2. ``op_strategy_funcs`` (classic): functions of an ``OpSchema`` whose tensor args are
+   ``OpStrategy`` objects. Some enumerate every strategy (einsum-like), others follow the input's
+   strategies (views, reductions, softmax). We first give every tensor input an ``OpStrategy``
+   holding all its candidate placements (R, P(sum), S(d) on every axis); rules that index several
+   inputs' strategies in lockstep (nll_loss) raise on that, and then we call the rule once per
+   candidate of each input with the other inputs replicated, as the runtime calls it.
+3. ``op_to_rules`` (rule): propagation rules from input specs to an output spec (only
+   convolution/convolution_backward in 2.13, which also have single-dim strategies that take
+   precedence). Called on every combination of candidate input placements (capped).
+4. Decomposition (decomp): DTensor's ``DecompShardingStrategy`` traces the op's decomposition on a
+   size-1 mesh per candidate input placement; we run the same tracing over the candidates R, P(sum)
+   and S(d) of every input and expand with ``expand_to_full_mesh_op_strategy`` as it does.
+
+When several strategies need the same input placements but give different outputs, DTensor picks
+one at run time; we ask its real propagator which (`dtensor_output`) and keep only that one.
+
+What PyTorch lacks: no strategy for ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its
+backward), the kernel that ``F.scaled_dot_product_attention`` uses on CPU; its decomposition cannot
+be traced by DTensor when ``is_causal`` (the mask is built by factory ops). `register_missing_rules`
+registers, in DTensor's own single-dim registry, the strategies PyTorch registers for the CUDA flash
+kernel: batch-sharded S(0) and head-sharded S(1) q/k/v/outputs (dropout_p == 0 only). The runtime
+must call `register_missing_rules()` before running a plan, so that DTensor runs these ops exactly
+as planned; the planner calls it lazily.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, RuntimeSchemaInfo, TupleStrategy
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _expand_single_dim_strategy_to_mesh,
+    _ShardingPlaceholder,
+    register_single_dim_strategy,
+)
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+
+aten = torch.ops.aten
+
+# Upper bound on input placement combinations tried by the rule and decomposition paths.
+MAX_COMBINATIONS = 4096
+
+# Sources of strategies produced here (see module docstring).
+SINGLE_DIM, CLASSIC, RULE, DECOMP = "single_dim", "classic", "rule", "decomp"
+
+
+def propagator() -> Any:
+    """DTensor's global `ShardingPropagator` (holds the registries)."""
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+# ----------------------------------------------------------------------------------- placements
+
+
+def placement_to_str(p: Placement) -> str | None:
+    """``Replicate() -> "R"``, ``Shard(d) -> "S(d)"``, ``Partial("sum") -> "P"``, ``Partial(op) -> "P(op)"``.
+
+    Partial subclasses keep their kind: ``_MaskPartial`` (vocabulary-sharded embedding) is
+    ``"P(mask)"`` and ``_NormPartial`` is ``"P(norm)"``. `_StridedShard` has no string (None):
+    strategies using it are dropped by the planner.
+    """
+    if isinstance(p, _StridedShard):
+        return None
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        kind = type(p).__name__
+        if kind == "_MaskPartial":
+            return "P(mask)"
+        if kind == "_NormPartial":
+            return "P(norm)"
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    return None
+
+
+def str_to_placement(s: str) -> Placement:
+    """Inverse of `placement_to_str` for "R", "S(d)", "P" and "P(op)" with op in sum/avg/max/min.
+
+    "P(mask)" and "P(norm)" carry data DTensor attaches when the op runs; they cannot be rebuilt
+    from a string (and never need to be: no strategy requires them as an input).
+    """
+    if s == "R":
+        return Replicate()
+    if s == "P":
+        return Partial("sum")
+    if s.startswith("S(") and s.endswith(")"):
+        return Shard(int(s[2:-1]))
+    if s.startswith("P(") and s.endswith(")") and s[2:-1] in ("sum", "avg", "max", "min"):
+        return Partial(s[2:-1])
+    raise ValueError(f"placement {s!r} cannot be converted to a DTensor placement")
+
+
+def candidate_placements(ndim: int, num_axes: int, partial: bool = True) -> list[tuple[Placement, ...]]:
+    """Every per-axis combination of R, (P), S(0..ndim-1): the inputs we offer to the registries."""
+    per_axis: list[Placement] = [Replicate()] + ([Partial()] if partial else []) + [Shard(d) for d in range(ndim)]
+    return list(itertools.product(per_axis, repeat=num_axes))
+
+
+# --------------------------------------------------------------------------------------- meshes
+
+
+@functools.lru_cache(maxsize=None)
+def get_mesh(shape: tuple[int, ...]) -> DeviceMesh:
+    """A process-group-free `DeviceMesh` of this shape (see module docstring), cached."""
+    n = 1
+    for s in shape:
+        n *= s
+    return DeviceMesh("cpu", torch.arange(n).view(*shape), _init_backend=False, _rank=0)
+
+
+# ------------------------------------------------------------------------------- schema building
+
+
+class TensorArg:
+    """A tensor argument of an op: the index of its node in ``node.all_input_nodes`` and its meta."""
+
+    __slots__ = ("index", "meta")
+
+    def __init__(self, index: int, meta: TensorMeta) -> None:
+        self.index = index
+        self.meta = meta
+
+    def key(self) -> tuple:
+        return ("T", self.index, tuple(self.meta.shape), tuple(self.meta.stride), str(self.meta.dtype))
+
+
+def _map(obj: Any, fn: Callable[[TensorArg], Any]) -> Any:
+    """Replace every TensorArg in a nested args structure by fn(arg), as DTensor wraps arguments:
+    a list/tuple made only of tensors becomes a `TupleStrategy` when fn returns OpStrategies."""
+    if isinstance(obj, TensorArg):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        items = [_map(o, fn) for o in obj]
+        if items and all(isinstance(i, OpStrategy) for i in items):
+            return TupleStrategy(tuple(items) if isinstance(obj, tuple) else items)
+        return type(obj)(items) if isinstance(obj, tuple) else items
+    return obj
+
+
+def _leaves(obj: Any, out: list[TensorArg]) -> list[TensorArg]:
+    if isinstance(obj, TensorArg):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _leaves(o, out)
+    return out
+
+
+def schema_info(op: Any) -> RuntimeSchemaInfo | None:
+    sp = propagator()
+    return sp.op_to_schema_info.get(op) or sp.op_to_schema_info_for_single_dim_strategy.get(op)
+
+
+def tensor_leaves(op: Any, args: tuple, kwargs: dict) -> list[TensorArg]:
+    """Tensor arguments in the order of DTensor's ``OpSpec.input_specs`` (args, then kwargs)."""
+    info = schema_info(op)
+    pytree = info is not None and info.needs_pytree
+    out: list[TensorArg] = []
+    for a in args:
+        if isinstance(a, TensorArg) or pytree:
+            _leaves(a, out)
+    for v in kwargs.values():
+        if isinstance(v, TensorArg) or pytree:
+            _leaves(v, out)
+    return out
+
+
+def _spec_schema(op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, placements: Sequence) -> OpSchema:
+    """An OpSchema of DTensorSpecs, the i-th tensor leaf placed as ``placements[i]``."""
+    it = iter(placements)
+
+    def spec(t: TensorArg) -> DTensorSpec:
+        return DTensorSpec(mesh, tuple(next(it)), tensor_meta=t.meta)
+
+    def walk(o: Any) -> Any:
+        if isinstance(o, TensorArg):
+            return spec(o)
+        if isinstance(o, (list, tuple)):
+            items = [walk(i) for i in o]
+            return tuple(items) if isinstance(o, tuple) else items
+        return o
+
+    return OpSchema(op, tuple(walk(a) for a in args), {k: walk(v) for k, v in kwargs.items()}, schema_info=schema_info(op))
+
+
+# ---------------------------------------------------------------------------------- enumeration
+
+Pair = tuple[tuple[tuple[Placement, ...] | None, ...], Any]  # (input placements per leaf, output_specs)
+
+
+def _pairs(strategy: Any, n_leaves: int) -> list[Pair]:
+    if not isinstance(strategy, OpStrategy):
+        raise NotImplementedError(f"strategy of type {type(strategy).__name__} (foreach/tuple ops are not planned)")
+    pairs = []
+    for spec in strategy.strategies:
+        if spec.input_specs is None:
+            ins = tuple(spec.output_spec.placements for _ in range(n_leaves))
+        else:
+            ins = tuple(None if s is None else tuple(s.placements) for s in spec.input_specs)
+        if len(ins) != n_leaves:
+            raise NotImplementedError(f"rule gave {len(ins)} input specs for {n_leaves} tensor inputs")
+        pairs.append((ins, spec.output_specs))
+    return pairs
+
+
+def _probe(t: TensorArg, mesh: DeviceMesh) -> tuple[Placement, ...]:
+    first = Shard(0) if len(t.meta.shape) > 0 else Replicate()
+    return (first,) + (Replicate(),) * (mesh.ndim - 1)
+
+
+def _single_dim(op: Any, args: tuple, kwargs: dict, out_meta: Any, mesh: DeviceMesh, leaves: list) -> list[Pair]:
+    sp = propagator()
+    specs = _spec_schema(op, args, kwargs, mesh, [_probe(t, mesh) for t in leaves])
+    strategy_schema = sp._wrap_with_op_strategy(specs)
+    info = sp.op_single_dim_strategy_funcs[op]
+    expand = _expand_single_dim_strategy_to_mesh(mesh, strategy_schema, info, out_meta)
+    return _pairs(expand(op, strategy_schema.args_meta, strategy_schema.kwargs_meta), len(leaves))
+
+
+def _classic(op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, leaves: list) -> list[Pair]:
+    sp = propagator()
+    func = sp.op_strategy_funcs[op]
+    info = schema_info(op)
+
+    def with_candidates(choose: Callable[[TensorArg], list]) -> list[Pair]:
+        def strat(t: TensorArg) -> OpStrategy:
+            return OpStrategy([OpSpec(DTensorSpec(mesh, p, tensor_meta=t.meta)) for p in choose(t)])
+
+        schema = OpSchema(op, tuple(_map(a, strat) for a in args), {k: _map(v, strat) for k, v in kwargs.items()}, schema_info=info)
+        return _pairs(func(schema), len(leaves))
+
+    def all_candidates(t: TensorArg) -> list:
+        return candidate_placements(len(t.meta.shape), mesh.ndim)
+
+    try:
+        return with_candidates(all_candidates)
+    except Exception:  # rules that zip several inputs' strategies need one candidate each
+        pass
+    replicate = (Replicate(),) * mesh.ndim
+    pairs: list[Pair] = []
+    for leaf in leaves:
+        for cand in all_candidates(leaf):
+            pairs += with_candidates(lambda t, leaf=leaf, cand=cand: [cand] if t is leaf else [replicate])
+    return pairs
+
+
+def _rule(op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, leaves: list) -> list[Pair]:
+    rule = propagator().op_to_rules[op]
+    cands = [candidate_placements(len(t.meta.shape), mesh.ndim) for t in leaves]
+    pairs = []
+    for combo in itertools.islice(itertools.product(*cands), MAX_COMBINATIONS):
+        try:
+            out = rule(_spec_schema(op, args, kwargs, mesh, combo))
+        except Exception:
+            continue
+        if out.output_spec is not None and out.redistribute_schema is None:
+            pairs.append((tuple(combo), out.output_spec))
+    return pairs
+
+
+def _decomp(op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, leaves: list) -> list[Pair]:
+    """DTensor's DecompShardingStrategy.propagate_strategy with candidates R, P(sum), S(d) for every
+    input (DTensor takes its candidates from the placements the inputs happen to have)."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    from torch.utils._pytree import tree_flatten
+
+    sp = propagator()
+    dec = sp.decomp_strategy
+    fake_mesh = dec._get_fake_mesh(mesh.device_type)
+    schema = _spec_schema(op, args, kwargs, mesh, [(Replicate(),) * mesh.ndim] * len(leaves))
+    flat, _ = tree_flatten(list(schema.args_schema + tuple(schema.kwargs_schema.values())))
+    per_leaf = [
+        [None] if not isinstance(s, DTensorSpec) else [p[0] for p in candidate_placements(s.ndim, 1)] for s in flat
+    ]
+    rows = []
+    for combo in itertools.islice(itertools.product(*per_leaf), MAX_COMBINATIONS):
+        try:
+            out = dec._propagate_through_decomp(schema, combo, fake_mesh)
+        except (NotImplementedError, GuardOnDataDependentSymNode) as e:
+            raise NotImplementedError(f"decomposition not traceable: {e}") from e
+        except (RuntimeError, KeyError, IndexError, AssertionError):
+            continue
+        outs = [out] if not isinstance(out, tuple) else list(out)
+        rows.append(outs + list(combo))
+        n_out = len(outs)
+    if not rows:
+        raise NotImplementedError("decomposition gave no strategy")
+    strategy = expand_to_full_mesh_op_strategy(mesh, sp._wrap_with_op_strategy(schema), rows, input_index=n_out)
+    return _pairs(strategy, len(leaves))
+
+
+def registry_of(op: Any) -> str | None:
+    """Which DTensor path would handle this op at run time (None: DTensor cannot run it)."""
+    register_missing_rules()
+    sp = propagator()
+    if op in sp.op_single_dim_strategy_funcs:
+        return SINGLE_DIM
+    if op in sp.op_strategy_funcs:
+        return CLASSIC
+    if op in sp.op_to_rules:
+        return RULE
+    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+    if isinstance(op, torch._ops.OpOverload) and DecompShardingStrategy.has_decomp(op):
+        return DECOMP
+    return None
+
+
+def enumerate_pairs(op: Any, args: tuple, kwargs: dict, out_meta: Any, mesh: DeviceMesh) -> tuple[str, list[Pair]]:
+    """All (input placements, output specs) pairs DTensor's registry for `op` yields on `mesh`.
+
+    `args`/`kwargs` are the node's arguments with tensors replaced by `TensorArg`. Raises
+    NotImplementedError when no registry applies, or the registry's error.
+    """
+    source = registry_of(op)
+    leaves = tensor_leaves(op, args, kwargs)
+    if source is None:
+        raise NotImplementedError("no DTensor strategy, rule or traceable decomposition")
+    if source == SINGLE_DIM:
+        return source, _single_dim(op, args, kwargs, out_meta, mesh, leaves)
+    if source == CLASSIC:
+        return source, _classic(op, args, kwargs, mesh, leaves)
+    if source == RULE:
+        return source, _rule(op, args, kwargs, mesh, leaves)
+    return source, _decomp(op, args, kwargs, mesh, leaves)
+
+
+def dtensor_output(op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, placements: Sequence) -> Any | None:
+    """Ask DTensor's real propagator what it does with inputs placed as `placements` (one tuple per
+    tensor leaf): the output specs if it runs the op without redistributing any input, else None."""
+    schema = _spec_schema(op, args, kwargs, mesh, placements)
+    try:
+        out = propagator().propagate_op_sharding_non_cached(schema)
+    except Exception:
+        return None
+    if out.redistribute_schema is not None:
+        # view ops rewrite shape arguments (needs_redistribute without moving data): compare placements
+        wanted = [s.placements for s in out.redistribute_schema.args_spec]
+        if wanted != [s.placements for s in schema.args_spec]:
+            return None
+    return out.output_spec
+
+
+# ------------------------------------------------------------------------- rules PyTorch lacks
+
+
+def _sdpa_cpu_rules(args_schema: tuple, kwargs_schema: dict, first_qkv: int, n_out: int, n_in: int) -> list:
+    """Batch (S(0)) and head (S(1)) sharding, as PyTorch registers for the CUDA flash kernel."""
+    dropout_index = n_in  # forward: (q, k, v, dropout_p, ...); backward: (grad, q, k, v, out, lse, dropout_p, ...)
+    dropout_p = args_schema[dropout_index] if len(args_schema) > dropout_index else 0.0
+    if dropout_p:
+        return []  # random ops need DTensor's RNG tracker: leave them replicated
+    q, k, v = args_schema[first_qkv : first_qkv + 3]
+    mask = kwargs_schema.get("attn_mask")
+    rules = []
+    for dim in (0, 1):
+        if dim == 1 and not (q.shape[1] == k.shape[1] == v.shape[1]):
+            continue  # grouped-query attention: heads do not line up shard by shard
+        rule: list = [_ShardingPlaceholder(dim)] * (n_out + n_in)
+        if mask is not None:
+            rule.append(_ShardingPlaceholder(dim) if mask.shape[dim] > 1 else Replicate())
+        rules.append(rule)
+    return rules
+
+
+@functools.lru_cache(maxsize=None)
+def register_missing_rules() -> None:
+    """Register in DTensor the strategies PyTorch 2.13 lacks (see module docstring). Idempotent.
+
+    The runtime must call this before executing a plan so that DTensor runs these ops as planned.
+    """
+    fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    sp = propagator()
+    if fwd not in sp.op_single_dim_strategy_funcs and fwd not in sp.op_strategy_funcs:
+
+        @register_single_dim_strategy(fwd, schema_info=RuntimeSchemaInfo(3, static_kwargkey=["scale"]))
+        def _sdpa_cpu(op: Any, args_schema: tuple, kwargs_schema: dict) -> list:
+            # [output, logsumexp, q, k, v, (attn_mask)]
+            return _sdpa_cpu_rules(args_schema, kwargs_schema, 0, 2, 3)
+
+    if bwd not in sp.op_single_dim_strategy_funcs and bwd not in sp.op_strategy_funcs:
+
+        @register_single_dim_strategy(bwd, schema_info=RuntimeSchemaInfo(6, static_kwargkey=["scale"]))
+        def _sdpa_cpu_backward(op: Any, args_schema: tuple, kwargs_schema: dict) -> list:
+            # [grad_q, grad_k, grad_v, grad_out, q, k, v, out, logsumexp, (attn_mask)]
+            return _sdpa_cpu_rules(args_schema, kwargs_schema, 1, 3, 6)
+
+
+CUSTOM_OPS = frozenset(
+    {aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+)
