@@ -91,20 +91,19 @@ def merge_followers(red: Reduction, leader_of: dict[str, str]) -> Reduction:
         leader = leader_of.get(g.names[v])
         if leader is None or leader not in idx:
             continue
-        u = idx[leader]
-        u_root, u_map = where.get(u, (u, np.arange(costs[u].size)))
-        r = edges.get((u, v))
-        if r is None or u_root not in alive or v not in alive:
+        # Edges out of a merged leader were re-pointed at its root, rows in the root's strategies.
+        u_root = where[idx[leader]][0] if idx[leader] in where else idx[leader]
+        r_root = edges.get((u_root, v))
+        if r_root is None or v not in alive:
             continue
-        # j(i): among v's strategies with the least resharding from u's strategy i, the cheapest.
-        r_root = r[u_map]  # rows indexed by the root's strategies
+        # j(i): among v's strategies with the least resharding from the root's strategy i, the cheapest.
         best = r_root.min(axis=1, keepdims=True)
         score = np.where(np.isclose(r_root, best), costs[v][None, :], np.inf)
         j = np.argmin(score, axis=1)
         rows = np.arange(r_root.shape[0])
         costs[u_root] = costs[u_root] + r_root[rows, j] + costs[v][j]
         memory[u_root] = memory[u_root] + memory[v][j]
-        del edges[u, v]
+        del edges[u_root, v]
         for (a, b), m in list(edges.items()):
             if a == v:
                 del edges[a, b]
