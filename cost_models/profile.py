@@ -3,8 +3,8 @@
 The runtime's profiler (`runtime/profiler.py`) measures matrix-product throughput, memory bandwidth and
 every collective on the machine it runs on and writes a `DeviceProfile` as JSON. The cost models
 (`cost_models/compute.py`, `cost_models/communication.py`) read it back with `load_profile` and price
-ops from it: collectives from the fitted alpha-beta line of `CollectiveFit`, matrix products by
-interpolating `MatmulSample`s.
+ops from it: collectives with `CollectiveFit.predict` (the fitted alpha-beta line, or its piecewise
+refinement), matrix products by interpolating `MatmulSample`s.
 
 Byte convention for `CollectiveFit.samples` and for `alpha_s + beta_s_per_byte * bytes`:
 
@@ -15,7 +15,9 @@ Byte convention for `CollectiveFit.samples` and for `alpha_s + beta_s_per_byte *
 - send_recv: the per-rank message sent from one rank to its peer.
 
 The fit (`fit_alpha_beta`) is a non-negative least-squares fit of relative error, so that a 64 KB
-message is fitted as closely as a 64 MB one; see its docstring.
+message is fitted as closely as a 64 MB one; see its docstring. Where one line misses a sample by more
+than SEGMENT_TOLERANCE, `fit_segments` adds a piecewise fit ("segments", optional in the file);
+always price with `CollectiveFit.predict(nbytes)`, which uses the segments when present.
 
 JSON layout (version 1)::
 
@@ -23,7 +25,8 @@ JSON layout (version 1)::
      "memory_bytes": ..., "memory_bandwidth_bytes_per_s": ..., "peak_flops": {"float32": ...},
      "matmul": [{"m": .., "n": .., "k": .., "dtype": "float32", "seconds": ..}, ...],
      "collectives": [{"op": "all_reduce", "world_size": 2, "alpha_s": .., "beta_s_per_byte": ..,
-                      "samples": [[bytes, seconds], ...]}, ...],
+                      "samples": [[bytes, seconds], ...],
+                      "segments": [[max_bytes, alpha_s, beta_s_per_byte], ...]}, ...],
      "created": "2025-01-01T00:00:00+00:00", "host": "hostname"}
 
 This module is a leaf: it imports nothing from `planner` or `runtime`.
@@ -31,6 +34,7 @@ This module is a leaf: it imports nothing from `planner` or `runtime`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -40,6 +44,8 @@ from typing import Any
 from cost_models.errors import MeshplanError
 
 PROFILE_VERSION = 1
+
+SEGMENT_TOLERANCE = 0.2
 
 COLLECTIVE_OPS = (
     "all_reduce",
@@ -78,6 +84,12 @@ class CollectiveFit:
     `samples` are the measured (bytes, seconds) medians the fit was made from; the byte convention is
     in the module docstring (full unsharded tensor for all_reduce / all_gather / reduce_scatter /
     all_to_all, per-rank message for send_recv).
+
+    `segments` (optional, possibly empty) is a piecewise refinement written when one line misses a
+    measured sample by more than `SEGMENT_TOLERANCE` (gloo over TCP switches algorithms and buffer
+    regimes with message size): a list of (max_bytes, alpha_s, beta_s_per_byte), ascending; a message
+    uses the first segment whose max_bytes >= its size, or the last one. `predict` applies it; the
+    global alpha_s / beta_s_per_byte stay the single best line for closed-form uses.
     """
 
     op: str
@@ -85,9 +97,16 @@ class CollectiveFit:
     alpha_s: float
     beta_s_per_byte: float
     samples: list[tuple[int, float]] = field(default_factory=list)
+    segments: list[tuple[int, float, float]] = field(default_factory=list)
 
     def predict(self, nbytes: float) -> float:
         """Predicted seconds for a message of `nbytes` (byte convention as in the module docstring)."""
+        for max_bytes, alpha, beta in self.segments:
+            if nbytes <= max_bytes:
+                return alpha + beta * float(nbytes)
+        if self.segments:
+            _, alpha, beta = self.segments[-1]
+            return alpha + beta * float(nbytes)
         return self.alpha_s + self.beta_s_per_byte * float(nbytes)
 
 
@@ -160,6 +179,73 @@ def fit_alpha_beta(samples: list[tuple[int, float]]) -> tuple[float, float]:
     return min(candidates, key=lambda ab: loss(*ab))
 
 
+def _rel_errors(samples: list[tuple[int, float]], a: float, b: float) -> list[float]:
+    return [abs(a + b * x - y) / y for x, y in samples if y > 0]
+
+
+def fit_segments(
+    samples: list[tuple[int, float]],
+    tolerance: float = SEGMENT_TOLERANCE,
+    min_points: int = 3,
+) -> list[tuple[int, float, float]]:
+    """Piecewise alpha-beta fit: [] when one line is within `tolerance` of every sample, else the
+    best split into 2 (or, if still needed, 3) contiguous size ranges of >= `min_points` samples,
+    each fitted with `fit_alpha_beta`, as [(max_bytes, alpha, beta), ...].
+
+    "Best" minimises the summed squared relative error; a split is kept only if it lowers the worst
+    sample's relative error.
+    """
+    pts = sorted((int(x), float(y)) for x, y in samples if y > 0)
+    if len(pts) < 2 * min_points:
+        return []
+    a, b = fit_alpha_beta(pts)
+    single_worst = max(_rel_errors(pts, a, b))
+    if single_worst <= tolerance:
+        return []
+
+    def piece(
+        part: list[tuple[int, float]],
+    ) -> tuple[tuple[int, float, float], list[float]]:
+        pa, pb = fit_alpha_beta(part)
+        return (part[-1][0], pa, pb), _rel_errors(part, pa, pb)
+
+    def best_split(
+        k: int,
+    ) -> tuple[float, float, list[tuple[int, float, float]]] | None:
+        best = None
+        n = len(pts)
+        cuts: list[tuple[int, ...]] = []
+        if k == 2:
+            cuts = [(i,) for i in range(min_points, n - min_points + 1)]
+        else:
+            cuts = [
+                (i, j)
+                for i in range(min_points, n - 2 * min_points + 1)
+                for j in range(i + min_points, n - min_points + 1)
+            ]
+        for cut in cuts:
+            bounds = (0, *cut, n)
+            segs, errs = [], []
+            for lo, hi in itertools.pairwise(bounds):
+                seg, e = piece(pts[lo:hi])
+                segs.append(seg)
+                errs += e
+            score = sum(e * e for e in errs)
+            if best is None or score < best[0]:
+                best = (score, max(errs), segs)
+        return best
+
+    chosen: list[tuple[int, float, float]] = []
+    worst = single_worst
+    for k in (2, 3):
+        found = best_split(k)
+        if found is not None and found[1] < worst:
+            worst, chosen = found[1], found[2]
+        if worst <= tolerance:
+            break
+    return chosen
+
+
 # ---------------------------------------------------------------------------------------------
 # JSON reading and writing
 
@@ -169,11 +255,16 @@ def save_profile(profile: DeviceProfile, path: str | os.PathLike[str]) -> None:
     data = asdict(profile)
     for fit in data["collectives"]:
         fit["samples"] = [[int(b), float(s)] for b, s in fit["samples"]]
+        fit["segments"] = [[int(m), float(a), float(b)] for m, a, b in fit["segments"]]
     tmp = f"{os.fspath(path)}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class _Reader:
@@ -283,16 +374,28 @@ def load_profile(path: str | os.PathLike[str]) -> DeviceProfile:
             ok = (
                 isinstance(pair, list)
                 and len(pair) == 2
-                and all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool)
-                    for v in pair
-                )
+                and all(_is_number(v) for v in pair)
             )
             if not ok:
                 raise r.fail(
                     f"field '{w}samples[{j}]' must be a [bytes, seconds] pair of numbers"
                 )
             samples.append((int(pair[0]), float(pair[1])))
+        segments: list[tuple[int, float, float]] = []
+        raw_segments = item.get("segments", [])  # optional; absent means []
+        if not isinstance(raw_segments, list):
+            raise r.fail(f"field '{w}segments' must be a list")
+        for j, seg in enumerate(raw_segments):
+            ok = (
+                isinstance(seg, list)
+                and len(seg) == 3
+                and all(_is_number(v) for v in seg)
+            )
+            if not ok:
+                raise r.fail(
+                    f"field '{w}segments[{j}]' must be a [max_bytes, alpha_s, beta_s_per_byte] list"
+                )
+            segments.append((int(seg[0]), float(seg[1]), float(seg[2])))
         collectives.append(
             CollectiveFit(
                 op=op,
@@ -300,6 +403,7 @@ def load_profile(path: str | os.PathLike[str]) -> DeviceProfile:
                 alpha_s=r.num(item, "alpha_s", w),
                 beta_s_per_byte=r.num(item, "beta_s_per_byte", w),
                 samples=samples,
+                segments=segments,
             )
         )
 

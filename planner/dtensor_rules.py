@@ -24,10 +24,12 @@ Registries, in the order DTensor's ``ShardingPropagator.propagate_op_sharding_no
    redistribution costs, which we ignore.
 2. ``op_strategy_funcs`` (classic): functions of an ``OpSchema`` whose tensor args are
    ``OpStrategy`` objects. Some enumerate every strategy (einsum-like), others follow the input's
-   strategies (views, reductions, softmax). We first give every tensor input an ``OpStrategy``
-   holding all its candidate placements (R, P(sum), S(d) on every axis); rules that index several
-   inputs' strategies in lockstep (nll_loss) raise on that, and then we call the rule once per
-   candidate of each input with the other inputs replicated, as the runtime calls it.
+   strategies (views, reductions, softmax). The candidates of an input are its even placements
+   (R, P(sum), S(d) on every axis). The rule is called once per candidate of each input, that
+   input holding the single candidate and the others replicated, as the runtime calls it (one
+   spec per input). A multi-input op is also called once with every input's ``OpStrategy``
+   holding all its candidates (einsum-like rules then list the combinations of several sharded
+   inputs); rules that index several inputs' strategies in lockstep (nll_loss) raise on that.
 3. ``op_to_rules`` (rule): propagation rules from input specs to an output spec (only
    convolution/convolution_backward in 2.13, which also have single-dim strategies that take
    precedence). Called on every combination of candidate input placements (capped).
@@ -49,6 +51,7 @@ as planned; the planner calls it lazily.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -58,14 +61,26 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, RuntimeSchemaInfo, TupleStrategy
+from torch.distributed.tensor._op_schema import (
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    RuntimeSchemaInfo,
+    TupleStrategy,
+)
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _expand_single_dim_strategy_to_mesh,
     _ShardingPlaceholder,
     register_single_dim_strategy,
 )
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+)
 
 aten = torch.ops.aten
 
@@ -119,21 +134,38 @@ def str_to_placement(s: str) -> Placement:
         return Partial("sum")
     if s.startswith("S(") and s.endswith(")"):
         return Shard(int(s[2:-1]))
-    if s.startswith("P(") and s.endswith(")") and s[2:-1] in ("sum", "avg", "max", "min"):
+    if (
+        s.startswith("P(")
+        and s.endswith(")")
+        and s[2:-1] in ("sum", "avg", "max", "min")
+    ):
         return Partial(s[2:-1])
     raise ValueError(f"placement {s!r} cannot be converted to a DTensor placement")
 
 
-def candidate_placements(ndim: int, num_axes: int, partial: bool = True) -> list[tuple[Placement, ...]]:
-    """Every per-axis combination of R, (P), S(0..ndim-1): the inputs we offer to the registries."""
-    per_axis: list[Placement] = [Replicate()] + ([Partial()] if partial else []) + [Shard(d) for d in range(ndim)]
-    return list(itertools.product(per_axis, repeat=num_axes))
+def candidate_placements(
+    shape: Sequence[int], mesh_shape: Sequence[int]
+) -> list[tuple[Placement, ...]]:
+    """Every per-axis combination of R, P(sum), S(d) that shards `shape` evenly: the input
+    placements we offer to the registries (uneven ones would be dropped anyway)."""
+    per_axis: list[Placement] = [Replicate(), Partial()] + [
+        Shard(d) for d in range(len(shape))
+    ]
+    out = []
+    for combo in itertools.product(per_axis, repeat=len(mesh_shape)):
+        shards = [1] * len(shape)
+        for p, size in zip(combo, mesh_shape):
+            if isinstance(p, Shard):
+                shards[p.dim] *= size
+        if all(n % k == 0 for n, k in zip(shape, shards)):
+            out.append(combo)
+    return out
 
 
 # --------------------------------------------------------------------------------------- meshes
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_mesh(shape: tuple[int, ...]) -> DeviceMesh:
     """A process-group-free `DeviceMesh` of this shape (see module docstring), cached."""
     n = 1
@@ -155,7 +187,13 @@ class TensorArg:
         self.meta = meta
 
     def key(self) -> tuple:
-        return ("T", self.index, tuple(self.meta.shape), tuple(self.meta.stride), str(self.meta.dtype))
+        return (
+            "T",
+            self.index,
+            tuple(self.meta.shape),
+            tuple(self.meta.stride),
+            str(self.meta.dtype),
+        )
 
 
 def _map(obj: Any, fn: Callable[[TensorArg], Any]) -> Any:
@@ -182,7 +220,9 @@ def _leaves(obj: Any, out: list[TensorArg]) -> list[TensorArg]:
 
 def schema_info(op: Any) -> RuntimeSchemaInfo | None:
     sp = propagator()
-    return sp.op_to_schema_info.get(op) or sp.op_to_schema_info_for_single_dim_strategy.get(op)
+    return sp.op_to_schema_info.get(
+        op
+    ) or sp.op_to_schema_info_for_single_dim_strategy.get(op)
 
 
 def tensor_leaves(op: Any, args: tuple, kwargs: dict) -> list[TensorArg]:
@@ -199,7 +239,9 @@ def tensor_leaves(op: Any, args: tuple, kwargs: dict) -> list[TensorArg]:
     return out
 
 
-def _spec_schema(op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, placements: Sequence) -> OpSchema:
+def _spec_schema(
+    op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, placements: Sequence
+) -> OpSchema:
     """An OpSchema of DTensorSpecs, the i-th tensor leaf placed as ``placements[i]``."""
     it = iter(placements)
 
@@ -214,25 +256,38 @@ def _spec_schema(op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, placement
             return tuple(items) if isinstance(o, tuple) else items
         return o
 
-    return OpSchema(op, tuple(walk(a) for a in args), {k: walk(v) for k, v in kwargs.items()}, schema_info=schema_info(op))
+    return OpSchema(
+        op,
+        tuple(walk(a) for a in args),
+        {k: walk(v) for k, v in kwargs.items()},
+        schema_info=schema_info(op),
+    )
 
 
 # ---------------------------------------------------------------------------------- enumeration
 
-Pair = tuple[tuple[tuple[Placement, ...] | None, ...], Any]  # (input placements per leaf, output_specs)
+Pair = tuple[
+    tuple[tuple[Placement, ...] | None, ...], Any
+]  # (input placements per leaf, output_specs)
 
 
 def _pairs(strategy: Any, n_leaves: int) -> list[Pair]:
     if not isinstance(strategy, OpStrategy):
-        raise NotImplementedError(f"strategy of type {type(strategy).__name__} (foreach/tuple ops are not planned)")
+        raise NotImplementedError(
+            f"strategy of type {type(strategy).__name__} (foreach/tuple ops are not planned)"
+        )
     pairs = []
     for spec in strategy.strategies:
         if spec.input_specs is None:
             ins = tuple(spec.output_spec.placements for _ in range(n_leaves))
         else:
-            ins = tuple(None if s is None else tuple(s.placements) for s in spec.input_specs)
+            ins = tuple(
+                None if s is None else tuple(s.placements) for s in spec.input_specs
+            )
         if len(ins) != n_leaves:
-            raise NotImplementedError(f"rule gave {len(ins)} input specs for {n_leaves} tensor inputs")
+            raise NotImplementedError(
+                f"rule gave {len(ins)} input specs for {n_leaves} tensor inputs"
+            )
         pairs.append((ins, spec.output_specs))
     return pairs
 
@@ -242,57 +297,81 @@ def _probe(t: TensorArg, mesh: DeviceMesh) -> tuple[Placement, ...]:
     return (first,) + (Replicate(),) * (mesh.ndim - 1)
 
 
-def _single_dim(op: Any, args: tuple, kwargs: dict, out_meta: Any, mesh: DeviceMesh, leaves: list) -> list[Pair]:
+def _single_dim(
+    op: Any, args: tuple, kwargs: dict, out_meta: Any, mesh: DeviceMesh, leaves: list
+) -> list[Pair]:
     sp = propagator()
     specs = _spec_schema(op, args, kwargs, mesh, [_probe(t, mesh) for t in leaves])
     strategy_schema = sp._wrap_with_op_strategy(specs)
     info = sp.op_single_dim_strategy_funcs[op]
     expand = _expand_single_dim_strategy_to_mesh(mesh, strategy_schema, info, out_meta)
-    return _pairs(expand(op, strategy_schema.args_meta, strategy_schema.kwargs_meta), len(leaves))
+    return _pairs(
+        expand(op, strategy_schema.args_meta, strategy_schema.kwargs_meta), len(leaves)
+    )
 
 
-def _classic(op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, leaves: list) -> list[Pair]:
+def _classic(
+    op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, leaves: list
+) -> list[Pair]:
     sp = propagator()
     func = sp.op_strategy_funcs[op]
     info = schema_info(op)
 
     def with_candidates(choose: Callable[[TensorArg], list]) -> list[Pair]:
         def strat(t: TensorArg) -> OpStrategy:
-            return OpStrategy([OpSpec(DTensorSpec(mesh, p, tensor_meta=t.meta)) for p in choose(t)])
+            return OpStrategy(
+                [OpSpec(DTensorSpec(mesh, p, tensor_meta=t.meta)) for p in choose(t)]
+            )
 
-        schema = OpSchema(op, tuple(_map(a, strat) for a in args), {k: _map(v, strat) for k, v in kwargs.items()}, schema_info=info)
+        schema = OpSchema(
+            op,
+            tuple(_map(a, strat) for a in args),
+            {k: _map(v, strat) for k, v in kwargs.items()},
+            schema_info=info,
+        )
         return _pairs(func(schema), len(leaves))
 
     def all_candidates(t: TensorArg) -> list:
-        return candidate_placements(len(t.meta.shape), mesh.ndim)
+        return candidate_placements(t.meta.shape, mesh.shape)
 
-    try:
-        return with_candidates(all_candidates)
-    except Exception:  # rules that zip several inputs' strategies need one candidate each
-        pass
-    replicate = (Replicate(),) * mesh.ndim
     pairs: list[Pair] = []
+    if len(leaves) > 1:
+        # one call sees every combination for enumerating rules; rules that follow one input
+        # return few, and rules that zip inputs' strategies raise: the loop below covers both
+        with contextlib.suppress(Exception):
+            pairs += with_candidates(all_candidates)
+    replicate = (Replicate(),) * mesh.ndim
+    errors = []
     for leaf in leaves:
         for cand in all_candidates(leaf):
-            pairs += with_candidates(lambda t, leaf=leaf, cand=cand: [cand] if t is leaf else [replicate])
+            try:
+                pairs += with_candidates(
+                    lambda t, leaf=leaf, cand=cand: [cand] if t is leaf else [replicate]
+                )
+            except Exception as e:  # noqa: BLE001 - the rule rejects this placement: skip it
+                errors.append(e)
+    if not pairs and errors:
+        raise errors[0]
     return pairs
 
 
-def _rule(op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, leaves: list) -> list[Pair]:
+def _rule(
+    op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, leaves: list
+) -> list[Pair]:
     rule = propagator().op_to_rules[op]
-    cands = [candidate_placements(len(t.meta.shape), mesh.ndim) for t in leaves]
+    cands = [candidate_placements(t.meta.shape, mesh.shape) for t in leaves]
     pairs = []
     for combo in itertools.islice(itertools.product(*cands), MAX_COMBINATIONS):
-        try:
+        with contextlib.suppress(Exception):  # the rule rejects this combination
             out = rule(_spec_schema(op, args, kwargs, mesh, combo))
-        except Exception:
-            continue
-        if out.output_spec is not None and out.redistribute_schema is None:
-            pairs.append((tuple(combo), out.output_spec))
+            if out.output_spec is not None and out.redistribute_schema is None:
+                pairs.append((tuple(combo), out.output_spec))
     return pairs
 
 
-def _decomp(op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, leaves: list) -> list[Pair]:
+def _decomp(
+    op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, leaves: list
+) -> list[Pair]:
     """DTensor's DecompShardingStrategy.propagate_strategy with candidates R, P(sum), S(d) for every
     input (DTensor takes its candidates from the placements the inputs happen to have)."""
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -301,10 +380,17 @@ def _decomp(op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, leaves: list) 
     sp = propagator()
     dec = sp.decomp_strategy
     fake_mesh = dec._get_fake_mesh(mesh.device_type)
-    schema = _spec_schema(op, args, kwargs, mesh, [(Replicate(),) * mesh.ndim] * len(leaves))
-    flat, _ = tree_flatten(list(schema.args_schema + tuple(schema.kwargs_schema.values())))
+    schema = _spec_schema(
+        op, args, kwargs, mesh, [(Replicate(),) * mesh.ndim] * len(leaves)
+    )
+    flat, _ = tree_flatten(
+        list(schema.args_schema + tuple(schema.kwargs_schema.values()))
+    )
     per_leaf = [
-        [None] if not isinstance(s, DTensorSpec) else [p[0] for p in candidate_placements(s.ndim, 1)] for s in flat
+        [None]
+        if not isinstance(s, DTensorSpec)
+        else [p[0] for p in candidate_placements(s.shape, (1,))]
+        for s in flat
     ]
     rows = []
     for combo in itertools.islice(itertools.product(*per_leaf), MAX_COMBINATIONS):
@@ -319,7 +405,9 @@ def _decomp(op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, leaves: list) 
         n_out = len(outs)
     if not rows:
         raise NotImplementedError("decomposition gave no strategy")
-    strategy = expand_to_full_mesh_op_strategy(mesh, sp._wrap_with_op_strategy(schema), rows, input_index=n_out)
+    strategy = expand_to_full_mesh_op_strategy(
+        mesh, sp._wrap_with_op_strategy(schema), rows, input_index=n_out
+    )
     return _pairs(strategy, len(leaves))
 
 
@@ -340,7 +428,9 @@ def registry_of(op: Any) -> str | None:
     return None
 
 
-def enumerate_pairs(op: Any, args: tuple, kwargs: dict, out_meta: Any, mesh: DeviceMesh) -> tuple[str, list[Pair]]:
+def enumerate_pairs(
+    op: Any, args: tuple, kwargs: dict, out_meta: Any, mesh: DeviceMesh
+) -> tuple[str, list[Pair]]:
     """All (input placements, output specs) pairs DTensor's registry for `op` yields on `mesh`.
 
     `args`/`kwargs` are the node's arguments with tensors replaced by `TensorArg`. Raises
@@ -349,7 +439,9 @@ def enumerate_pairs(op: Any, args: tuple, kwargs: dict, out_meta: Any, mesh: Dev
     source = registry_of(op)
     leaves = tensor_leaves(op, args, kwargs)
     if source is None:
-        raise NotImplementedError("no DTensor strategy, rule or traceable decomposition")
+        raise NotImplementedError(
+            "no DTensor strategy, rule or traceable decomposition"
+        )
     if source == SINGLE_DIM:
         return source, _single_dim(op, args, kwargs, out_meta, mesh, leaves)
     if source == CLASSIC:
@@ -359,26 +451,35 @@ def enumerate_pairs(op: Any, args: tuple, kwargs: dict, out_meta: Any, mesh: Dev
     return source, _decomp(op, args, kwargs, mesh, leaves)
 
 
-def dtensor_output(op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, placements: Sequence) -> Any | None:
+def dtensor_output(
+    op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, placements: Sequence
+) -> Any | None:
     """Ask DTensor's real propagator what it does with inputs placed as `placements` (one tuple per
     tensor leaf): the output specs if it runs the op without redistributing any input, else None."""
     schema = _spec_schema(op, args, kwargs, mesh, placements)
     try:
         out = propagator().propagate_op_sharding_non_cached(schema)
-    except Exception:
+    except Exception:  # noqa: BLE001 - DTensor cannot run these placements
         return None
     if out.redistribute_schema is not None:
-        # view ops rewrite shape arguments (needs_redistribute without moving data): compare placements
-        wanted = [s.placements for s in out.redistribute_schema.args_spec]
-        if wanted != [s.placements for s in schema.args_spec]:
-            return None
+        # view ops rewrite shape arguments (needs_redistribute without moving data), and
+        # Replicate -> _MaskPartial (vocabulary-parallel embedding indices) is a local mask
+        # computation: neither communicates.
+        for have, want in zip(schema.args_spec, out.redistribute_schema.args_spec):
+            for a, b in zip(have.placements, want.placements):
+                if a != b and not (
+                    isinstance(a, Replicate) and placement_to_str(b) == "P(mask)"
+                ):
+                    return None
     return out.output_spec
 
 
 # ------------------------------------------------------------------------- rules PyTorch lacks
 
 
-def _sdpa_cpu_rules(args_schema: tuple, kwargs_schema: dict, first_qkv: int, n_out: int, n_in: int) -> list:
+def _sdpa_cpu_rules(
+    args_schema: tuple, kwargs_schema: dict, first_qkv: int, n_out: int, n_in: int
+) -> list:
     """Batch (S(0)) and head (S(1)) sharding, as PyTorch registers for the CUDA flash kernel."""
     dropout_index = n_in  # forward: (q, k, v, dropout_p, ...); backward: (grad, q, k, v, out, lse, dropout_p, ...)
     dropout_p = args_schema[dropout_index] if len(args_schema) > dropout_index else 0.0
@@ -392,12 +493,14 @@ def _sdpa_cpu_rules(args_schema: tuple, kwargs_schema: dict, first_qkv: int, n_o
             continue  # grouped-query attention: heads do not line up shard by shard
         rule: list = [_ShardingPlaceholder(dim)] * (n_out + n_in)
         if mask is not None:
-            rule.append(_ShardingPlaceholder(dim) if mask.shape[dim] > 1 else Replicate())
+            rule.append(
+                _ShardingPlaceholder(dim) if mask.shape[dim] > 1 else Replicate()
+            )
         rules.append(rule)
     return rules
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def register_missing_rules() -> None:
     """Register in DTensor the strategies PyTorch 2.13 lacks (see module docstring). Idempotent.
 
@@ -408,19 +511,28 @@ def register_missing_rules() -> None:
     sp = propagator()
     if fwd not in sp.op_single_dim_strategy_funcs and fwd not in sp.op_strategy_funcs:
 
-        @register_single_dim_strategy(fwd, schema_info=RuntimeSchemaInfo(3, static_kwargkey=["scale"]))
+        @register_single_dim_strategy(
+            fwd, schema_info=RuntimeSchemaInfo(3, static_kwargkey=["scale"])
+        )
         def _sdpa_cpu(op: Any, args_schema: tuple, kwargs_schema: dict) -> list:
             # [output, logsumexp, q, k, v, (attn_mask)]
             return _sdpa_cpu_rules(args_schema, kwargs_schema, 0, 2, 3)
 
     if bwd not in sp.op_single_dim_strategy_funcs and bwd not in sp.op_strategy_funcs:
 
-        @register_single_dim_strategy(bwd, schema_info=RuntimeSchemaInfo(6, static_kwargkey=["scale"]))
-        def _sdpa_cpu_backward(op: Any, args_schema: tuple, kwargs_schema: dict) -> list:
+        @register_single_dim_strategy(
+            bwd, schema_info=RuntimeSchemaInfo(6, static_kwargkey=["scale"])
+        )
+        def _sdpa_cpu_backward(
+            op: Any, args_schema: tuple, kwargs_schema: dict
+        ) -> list:
             # [grad_q, grad_k, grad_v, grad_out, q, k, v, out, logsumexp, (attn_mask)]
             return _sdpa_cpu_rules(args_schema, kwargs_schema, 1, 3, 6)
 
 
 CUSTOM_OPS = frozenset(
-    {aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+    {
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    }
 )

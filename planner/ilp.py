@@ -4,11 +4,12 @@ Formulation (Alpa, OSDI'22, section 4.2), for nodes v = 1..N with strategies i =
 
 Variables
     s[v, i] in {0, 1}      node v runs strategy i
-    e[u, v, i, j] in [0, 1] for every edge (u, v): u runs i and v runs j (integral at any vertex of
-                           the polytope below, so binaries are not needed)
+    e[u, v, g, h] in [0, 1] for every edge (u, v): u runs a strategy of row group g and v one of
+                           column group h, where a row (column) group gathers u's (v's) strategies
+                           whose rows (columns) of R are equal; integral once s is, so continuous
 
 Objective
-    minimise  sum_v sum_i c[v, i] * s[v, i]  +  sum_(u,v) sum_i sum_j R[u, v, i, j] * e[u, v, i, j]
+    minimise  sum_v sum_i c[v, i] * s[v, i]  +  sum_(u,v) sum_g sum_h R[u, v, g, h] * e[u, v, g, h]
 
     c[v, i]: compute + communication + gradient synchronisation of node v under strategy i (seconds)
     R[u, v, i, j]: resharding the value on edge (u, v) from u's output placement under i to the
@@ -16,8 +17,8 @@ Objective
 
 Constraints
     sum_i s[v, i] = 1                         for every v          (one strategy per node)
-    sum_j e[u, v, i, j] = s[u, i]             for every edge, i    (edge choice agrees with u)
-    sum_i e[u, v, i, j] = s[v, j]             for every edge, j    (edge choice agrees with v)
+    sum_h e[u, v, g, h] = sum_(i in g) s[u, i]   for every edge, g  (edge choice agrees with u)
+    sum_g e[u, v, g, h] = sum_(j in h) s[v, j]   for every edge, h  (edge choice agrees with v)
     sum_v sum_i m[v, i] * s[v, i] <= budget                        (per-device memory, bytes)
 
 Edges whose cost matrix is all zero add no variables. Nodes with one strategy are constants.
@@ -136,22 +137,26 @@ def solve(
             side = s[v] if s[u] is None else s[u]
             terms += [row[i] * side[i] for i in range(len(side))]
             continue
+        # Rows (columns) that are equal give the same cost whichever of them is chosen, so the edge
+        # variables range over groups of equal rows g and columns h; their marginals are the sums
+        # of the node variables in the group. Exact, and far smaller: a cost usually depends only on
+        # the producer's output placement and the consumer's input placement.
+        rows, row_of = np.unique(r, axis=0, return_inverse=True)
+        grouped, col_of = np.unique(rows, axis=1, return_inverse=True)
+        row_of, col_of = row_of.ravel(), col_of.ravel()
+        n_g, n_h = grouped.shape
         e = {
-            (i, j): new_var(f"e_{n}_{i}_{j}", lowBound=0)
-            for i in range(r.shape[0])
-            for j in range(r.shape[1])
+            (g, h): new_var(f"e_{n}_{g}_{h}", lowBound=0)
+            for g in range(n_g)
+            for h in range(n_h)
         }
-        for i in range(r.shape[0]):
-            prob += (
-                pulp.lpSum(e[i, j] for j in range(r.shape[1])) == s[u][i],
-                f"eu_{n}_{i}",
-            )
-        for j in range(r.shape[1]):
-            prob += (
-                pulp.lpSum(e[i, j] for i in range(r.shape[0])) == s[v][j],
-                f"ev_{n}_{j}",
-            )
-        terms += [r[i, j] * x for (i, j), x in e.items() if r[i, j]]
+        for g in range(n_g):
+            members = pulp.lpSum(s[u][i] for i in np.flatnonzero(row_of == g))
+            prob += pulp.lpSum(e[g, h] for h in range(n_h)) == members, f"eu_{n}_{g}"
+        for h in range(n_h):
+            members = pulp.lpSum(s[v][j] for j in np.flatnonzero(col_of == h))
+            prob += pulp.lpSum(e[g, h] for g in range(n_g)) == members, f"ev_{n}_{h}"
+        terms += [grouped[g, h] * x for (g, h), x in e.items() if grouped[g, h]]
     prob += pulp.lpSum(terms)
     if budget is not None and problem.node_memory is not None:
         prob += (

@@ -6,6 +6,8 @@ Each rank is a fresh interpreter (multiprocessing "spawn"; forking a parent that
 thread pools is unsafe) whose `torch.distributed` default group is initialised over localhost on a free
 port (gloo on CPU, NCCL when there is one GPU per rank) before `fn` is called; `fn` reads its rank with
 `torch.distributed.get_rank()`. `fn` and its arguments must be picklable (a module-level function).
+With gloo each rank is bound to its own cores and uses that many torch threads (`rank_cpu_sets`), so
+that measured profiles and training runs see the same per-rank compute.
 
 Fail fast: the parent watches every rank's process and result pipe. As soon as a rank raises or dies
 (os._exit, a signal, the OOM killer), every other rank is terminated (SIGTERM, then SIGKILL after a
@@ -71,6 +73,22 @@ def default_backend(world_size: int) -> str:
     return "gloo"
 
 
+def _available_cpus() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def rank_cpu_sets(world_size: int) -> list[list[int]]:
+    """The cores each local rank is bound to: disjoint equal blocks of the cores this process may
+    use when there are at least as many cores as ranks, else one core each, round-robin."""
+    cpus = _available_cpus()
+    if len(cpus) >= world_size:
+        per = len(cpus) // world_size
+        return [cpus[r * per : (r + 1) * per] for r in range(world_size)]
+    return [[cpus[r % len(cpus)]] for r in range(world_size)]
+
+
 def _set_parent_death_signal() -> None:
     """Ask Linux to SIGKILL this worker when the launching process dies (no orphans)."""
     if sys.platform.startswith("linux"):
@@ -95,6 +113,7 @@ def _worker(
     port: int,
     backend: str,
     threads: int | None,
+    cpus: list[int] | None,
     env: dict[str, str],
     timeout_s: float,
     fn: Callable[..., Any],
@@ -117,6 +136,8 @@ def _worker(
         import torch
         import torch.distributed as dist
 
+        if cpus:
+            os.sched_setaffinity(0, cpus)
         if threads:
             torch.set_num_threads(threads)
         device_id = None
@@ -130,17 +151,20 @@ def _worker(
             timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
             device_id=device_id,
         )
-        try:
-            value = fn(*args, **kwargs)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        value = fn(*args, **kwargs)
+        dist.destroy_process_group()
         conn.send(("ok", rank, value))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
-        # If even the report cannot be sent, the exit code still tells the parent.
-        with contextlib.suppress(Exception):
-            report = (time.time(), _one_line(exc), traceback.format_exc())
-            conn.send(("error", rank, *report))
+        # Report before anything else: the time stamp must precede the peers' "connection reset"
+        # errors this rank's exit will cause, so the parent blames the root cause. No
+        # destroy_process_group here (it can block on dead peers); the exit closes the sockets.
+        failed_at = time.time()
+        with contextlib.suppress(
+            Exception
+        ):  # if even this fails, the exit code tells the parent
+            conn.send(
+                ("error", rank, failed_at, _one_line(exc), traceback.format_exc())
+            )
         conn.close()
         os._exit(1)
     conn.close()
@@ -169,6 +193,7 @@ def launch(
     backend: str | None = None,
     timeout_s: float = 600.0,
     threads_per_rank: int | None = None,
+    pin_cpus: bool | None = None,
     env: dict[str, str] | None = None,
     grace_s: float = 2.0,
 ) -> list[Any]:
@@ -177,6 +202,8 @@ def launch(
     backend: "gloo" or "nccl"; None picks by device availability (`default_backend`).
     timeout_s: deadline for the whole launch (start-up included) and the process-group timeout.
     threads_per_rank: torch intra-op threads in each rank; None shares the CPU cores evenly.
+    pin_cpus: bind each rank to its own cores (`cpu_sets`); None means yes with gloo (on a 2-core
+        machine this makes 4-rank gloo collectives ~1.5x faster and steadier), no with NCCL.
     env: extra environment variables for the workers.
     Raises LaunchError (a MeshplanError) naming the failing rank, or the timeout.
     """
@@ -185,8 +212,11 @@ def launch(
     backend = backend or default_backend(world_size)
     if backend not in ("gloo", "nccl"):
         raise MeshplanError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    cpu_sets: list[list[int] | None] = [None] * world_size
+    if pin_cpus if pin_cpus is not None else backend == "gloo":
+        cpu_sets = list(rank_cpu_sets(world_size))
     if threads_per_rank is None and backend == "gloo":
-        threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
+        threads_per_rank = max(1, len(_available_cpus()) // world_size)
     ctx = mp.get_context("spawn")
     port = free_port()
     procs: list[Any] = []
@@ -201,6 +231,7 @@ def launch(
                 port,
                 backend,
                 threads_per_rank,
+                cpu_sets[rank],
                 dict(env or {}),
                 timeout_s,
                 fn,
@@ -217,13 +248,24 @@ def launch(
         conns[recv] = rank
 
     results: dict[int, Any] = {}
-    errors: dict[
-        int, tuple[float, str, str]
-    ] = {}  # rank -> (time, one line, traceback)
-    deaths: dict[
-        int, tuple[float, int]
-    ] = {}  # rank -> (time, exit code), died without a report
+    # rank -> (time, one line, traceback) of a raised exception
+    errors: dict[int, tuple[float, str, str]] = {}
+    # rank -> (time, exit code) of a rank that exited without a report
+    deaths: dict[int, tuple[float, int]] = {}
     sentinels = {p.sentinel: r for r, p in enumerate(procs)}
+
+    def take(conn: Any) -> None:
+        """Read one rank's report (or its EOF) from its pipe."""
+        rank = conns.pop(conn)
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # exited without a report; its sentinel tells how
+            return
+        if msg[0] == "ok":
+            results[rank] = msg[2]
+        else:
+            errors[rank] = (msg[2], msg[3], msg[4])
+
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) < world_size and not errors and not deaths:
@@ -239,44 +281,22 @@ def launch(
             ready = mpc.wait(list(conns) + list(sentinels), timeout=min(left, 1.0))
             for obj in ready:
                 if obj in conns:
-                    rank = conns[obj]
-                    try:
-                        msg = obj.recv()
-                    except (EOFError, OSError):
-                        del conns[obj]
-                        continue
-                    del conns[obj]
-                    if msg[0] == "ok":
-                        results[rank] = msg[2]
-                    else:
-                        errors[rank] = (msg[2], msg[3], msg[4])
+                    take(obj)
             for obj in ready:
-                if obj in sentinels:
-                    rank = sentinels.pop(obj)
-                    procs[rank].join()
+                if obj not in sentinels:
+                    continue
+                rank = sentinels.pop(obj)
+                procs[rank].join()
+                for c in [c for c, r in conns.items() if r == rank and c.poll()]:
+                    take(c)  # a report that arrived with the exit
+                if rank not in results and rank not in errors:
                     code = procs[rank].exitcode
-                    # A message may still sit in the pipe of a rank that just exited.
-                    for c, r in list(conns.items()):
-                        if r == rank and c.poll():
-                            msg = c.recv()
-                            del conns[c]
-                            if msg[0] == "ok":
-                                results[rank] = msg[2]
-                            else:
-                                errors[rank] = (msg[2], msg[3], msg[4])
-                    if code != 0 and rank not in errors:
-                        deaths[rank] = (time.time(), code if code is not None else -1)
+                    deaths[rank] = (time.time(), code if code is not None else -1)
         if errors or deaths:
             # Let near-simultaneous reports arrive so the root cause can be chosen, then stop all.
             time.sleep(0.1)
-            for c, r in list(conns.items()):
-                if c.poll():
-                    try:
-                        msg = c.recv()
-                    except (EOFError, OSError):
-                        continue
-                    if msg[0] == "error":
-                        errors.setdefault(r, (msg[2], msg[3], msg[4]))
+            for c in [c for c in conns if c.poll()]:
+                take(c)
             raise _failure(world_size, errors, deaths)
     finally:
         _stop(procs, grace_s)
@@ -301,6 +321,8 @@ def _failure(
                 how = f"was killed by signal {signal.Signals(-code).name}"
             except ValueError:
                 how = f"was killed by signal {-code}"
+        elif code == 0:
+            how = "exited (code 0) without returning a result"
         else:
             how = f"exited with code {code} without raising"
         what = f"rank {rank} of {world_size} {how}"

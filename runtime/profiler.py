@@ -5,8 +5,9 @@ One launch (`runtime.launch.launch`) of N ranks measures, in order:
 1. matrix products on rank 0 alone (the other ranks wait in a barrier), over a grid of (m, n, k)
    shapes, for float32 and for bfloat16 / float16 when the device runs them; warm-up, then the median
    of repeats (small products are looped so one repeat lasts at least ~1 ms). A rank computes with the
-   threads it gets in training (`cores // nproc`, at least 1), so on CPU a "device" is that share of
-   the cores. Shapes whose predicted time exceeds `matmul_budget_s` are skipped: float16 on most CPUs
+   threads and cores it gets in training (the launcher binds rank r to its own `cores // nproc` cores,
+   or one core round-robin when there are more ranks than cores), so on CPU a "device" is that share
+   of the cores. Shapes whose predicted time exceeds `matmul_budget_s` are skipped: float16 on most CPUs
    runs without vector units at ~1 GFLOP/s and would take minutes.
 2. memory bandwidth on rank 0: median time of copying a large tensor, counting read + write bytes.
 3. every collective for every world size w in `world_sizes` (sub-group of ranks 0..w-1; ranks outside
@@ -19,7 +20,8 @@ One launch (`runtime.launch.launch`) of N ranks measures, in order:
    Byte convention: see cost_models/profile.py (the full unsharded tensor for all_gather output /
    reduce_scatter input / all_reduce / all_to_all buffer; the per-rank message for send_recv).
 
-Then alpha and beta are fitted per (op, world size) with `fit_alpha_beta`. Progress goes to stderr.
+Then alpha and beta are fitted per (op, world size) with `fit_alpha_beta`, plus a piecewise fit
+(`fit_segments`) where one line misses a sample by more than 20%. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ from cost_models.profile import (
     DeviceProfile,
     MatmulSample,
     fit_alpha_beta,
+    fit_segments,
 )
-from runtime.launch import MAX_LOCAL_RANKS_CPU, default_backend, launch
+from runtime.launch import MAX_LOCAL_RANKS_CPU, default_backend, launch, rank_cpu_sets
 
 KB = 1 << 10
 MB = 1 << 20
@@ -81,10 +84,10 @@ class ProfileOptions:
 
     @staticmethod
     def quick(nproc: int, max_bytes: int = 4 * MB) -> ProfileOptions:
-        """64 KB .. max_bytes in powers of 4, 3 repeats, three square products."""
+        """64 KB .. max_bytes in powers of 2, 3 repeats, three square products."""
         return ProfileOptions(
             nproc=nproc,
-            sizes=size_range(64 * KB, max_bytes, 4),
+            sizes=size_range(64 * KB, max_bytes, 2),
             repeats=3,
             matmul_shapes=list(QUICK_MATMUL_SHAPES),
             matmul_repeats=3,
@@ -245,33 +248,46 @@ def _collective_call(
     raise MeshplanError(f"unknown collective {op!r}")
 
 
-def _time_collective(fn: Callable[[], Any], group: Any, opts: ProfileOptions) -> float:
-    """Median over repeats of the slowest rank's time for one call; same loop counts on every rank."""
+def _time_sizes(
+    fns: list[Callable[[], Any]], group: Any, opts: ProfileOptions
+) -> list[float]:
+    """Median seconds of one call of each closure (one per message size), the slowest rank's.
+
+    Repeats go round-robin over the sizes (size 1, size 2, ..., size 1, ...), so a burst of load
+    from elsewhere on the machine spoils one repeat of several sizes rather than every repeat of one.
+    Loop counts are agreed across ranks (max of the warm-up times), so every rank calls alike.
+    """
     import torch
     import torch.distributed as dist
 
-    for _ in range(opts.warmup):
-        fn()
-    dist.barrier(group=group)
-    t = time.perf_counter()
-    fn()
-    _sync()
-    first = torch.tensor(
-        [time.perf_counter() - t], dtype=torch.float64, device=_device()
-    )
-    dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
-    inner = max(1, min(50, int(opts.target_repeat_s / max(first.item(), 1e-9))))
-    times = []
-    for _ in range(opts.repeats):
+    dev = _device()
+    first = []
+    for fn in fns:
+        for _ in range(opts.warmup):
+            fn()
         dist.barrier(group=group)
         t = time.perf_counter()
-        for _ in range(inner):
-            fn()
+        fn()
         _sync()
-        times.append((time.perf_counter() - t) / inner)
-    mine = torch.tensor(times, dtype=torch.float64, device=_device())
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
-    return statistics.median(mine.tolist())
+        first.append(time.perf_counter() - t)
+    agreed = torch.tensor(first, dtype=torch.float64, device=dev)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    inner = [
+        max(1, min(50, int(opts.target_repeat_s / max(t, 1e-9))))
+        for t in agreed.tolist()
+    ]
+    times = torch.zeros(opts.repeats, len(fns), dtype=torch.float64)
+    for r in range(opts.repeats):
+        for i, fn in enumerate(fns):
+            dist.barrier(group=group)
+            t = time.perf_counter()
+            for _ in range(inner[i]):
+                fn()
+            _sync()
+            times[r, i] = (time.perf_counter() - t) / inner[i]
+    times = times.to(dev)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return [statistics.median(col) for col in times.cpu().T.tolist()]
 
 
 def _plan_collectives(opts: ProfileOptions) -> list[tuple[str, int]]:
@@ -299,23 +315,19 @@ def _profile_worker(opts: ProfileOptions) -> dict[str, Any] | None:
     dist.barrier()
     pairs = _plan_collectives(opts)
     groups = {w: dist.new_group(list(range(w))) for w in sorted({w for _, w in pairs})}
-    total = len(pairs) * len(opts.sizes)
-    done = 0
     fits: list[tuple[str, int, list[tuple[int, float]]]] = []
-    for op, w in pairs:
-        samples = []
-        for nbytes in opts.sizes:
-            done += 1
-            if rank < w:
-                if rank == 0:
-                    _log(opts, f"{op} w={w} {_fmt_bytes(nbytes)} ({done}/{total})")
-                fn = _collective_call(op, nbytes, groups[w], w, rank)
-                sec = _time_collective(fn, groups[w], opts)
-                if op == "send_recv":
-                    sec /= 2
-                samples.append((nbytes, sec))
+    for i, (op, w) in enumerate(pairs, 1):
         if rank == 0:
-            fits.append((op, w, samples))
+            sizes = f"{_fmt_bytes(opts.sizes[0])}..{_fmt_bytes(opts.sizes[-1])}"
+            _log(opts, f"{op} on {w} ranks, {sizes} ({i}/{len(pairs)})")
+        if rank < w:
+            fns = [_collective_call(op, n, groups[w], w, rank) for n in opts.sizes]
+            secs = _time_sizes(fns, groups[w], opts)
+            del fns
+            if op == "send_recv":
+                secs = [s / 2 for s in secs]
+            if rank == 0:
+                fits.append((op, w, list(zip(opts.sizes, secs))))
         dist.barrier()
     out["collectives"] = fits
     return out if rank == 0 else None
@@ -358,7 +370,7 @@ def run_profile(opts: ProfileOptions) -> DeviceProfile:
     bad = [w for w in (opts.world_sizes or []) if not 2 <= w <= opts.nproc]
     if bad:
         raise MeshplanError(f"world sizes {bad} are outside 2..{opts.nproc} (--nproc)")
-    threads = max(1, (os.cpu_count() or 1) // opts.nproc)
+    threads = len(rank_cpu_sets(opts.nproc)[0])
     _log(opts, f"measuring with {opts.nproc} {backend} ranks")
     (raw, *_) = launch(
         _profile_worker, opts.nproc, (opts,), backend=backend, timeout_s=opts.timeout_s
@@ -366,7 +378,7 @@ def run_profile(opts: ProfileOptions) -> DeviceProfile:
     fits = []
     for op, w, samples in raw["collectives"]:
         alpha, beta = fit_alpha_beta(samples)
-        fits.append(CollectiveFit(op, w, alpha, beta, samples))
+        fits.append(CollectiveFit(op, w, alpha, beta, samples, fit_segments(samples)))
     peak: dict[str, float] = {}
     for s in raw["matmul"]:
         peak[s.dtype] = max(peak.get(s.dtype, 0.0), s.flops_per_s)

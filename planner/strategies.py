@@ -20,6 +20,11 @@ placements the output DTensor's propagator actually picks, and converts to strin
 * Strategies using ``_StridedShard`` (e.g. a view merging a sharded dim with a dim before it) are
   dropped: the cost models and the runtime only know R/S/P.
 * When one input node feeds an op twice (``mul(x, x)``), both uses must want the same placement.
+* A vocabulary-parallel embedding wants its indices as ``_MaskPartial``; DTensor makes that from a
+  replicated input by masking locally, so the strategy asks for ``"R"`` (its output is
+  ``"P(mask)"``). Two layouts DTensor 2.13 enumerates but fails to run (found by running every
+  strategy on gloo) are dropped: ``P(mask)`` on both axes, and ``P(mask)`` on an axis with the
+  indices sharded on a later axis (`_bad_mask`).
 
 Node kinds:
 
@@ -113,11 +118,13 @@ def _rank(p: str) -> tuple:
 
 def _sort_key(s: Strategy) -> tuple:
     outs = tuple(_rank(p) for o in s.output for p in o)
-    ins = tuple((0,) if i is None else tuple(_rank(p) for p in i) for i in s.inputs)
+    ins = tuple(() if i is None else tuple(_rank(p) for p in i) for i in s.inputs)
     return (outs, ins)
 
 
-def _even(shape: Iterable[int], placements: Placements, mesh_shape: tuple[int, ...]) -> bool:
+def _even(
+    shape: Iterable[int], placements: Placements, mesh_shape: tuple[int, ...]
+) -> bool:
     shape = tuple(shape)
     shards = [1] * len(shape)
     for p, size in zip(placements, mesh_shape):
@@ -135,7 +142,9 @@ def _is_tensor(v: Any) -> bool:
 
 def _val(node: torch.fx.Node) -> Any:
     if "val" not in node.meta:
-        raise ValueError(f"node {node.name} has no meta['val']; trace with make_fx on fake tensors")
+        raise ValueError(
+            f"node {node.name} has no meta['val']; trace with make_fx on fake tensors"
+        )
     return node.meta["val"]
 
 
@@ -150,10 +159,15 @@ def _replicated(n_axes: int) -> Placements:
 # ----------------------------------------------------------------------------------------- leaves
 
 
-def leaf_strategies(shape: Iterable[int], mesh_shape: tuple[int, int]) -> list[Strategy]:
+def leaf_strategies(
+    shape: Iterable[int], mesh_shape: tuple[int, int]
+) -> list[Strategy]:
     """Every per-axis combination of R / S(d) that shards evenly (axes of size 1 are R)."""
     shape = tuple(shape)
-    per_axis = [["R"] + ([f"S({d})" for d in range(len(shape))] if size > 1 else []) for size in mesh_shape]
+    per_axis = [
+        ["R"] + ([f"S({d})" for d in range(len(shape))] if size > 1 else [])
+        for size in mesh_shape
+    ]
     out = [
         Strategy(((*combo,),), (), "leaf")
         for combo in itertools.product(*per_axis)
@@ -169,7 +183,9 @@ def _scalar(node: torch.fx.Node, n_outputs: int) -> list[Strategy]:
 def _fallback(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> Strategy:
     rep = _replicated(len(mesh_shape))
     outs = tuple(rep if _is_tensor(v) else () for v in _outputs(_val(node)))
-    ins = tuple(rep if _is_tensor(n.meta.get("val")) else None for n in node.all_input_nodes)
+    ins = tuple(
+        rep if _is_tensor(n.meta.get("val")) else None for n in node.all_input_nodes
+    )
     return Strategy(outs, ins, "fallback")
 
 
@@ -178,7 +194,11 @@ def _fallback(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> Strategy:
 
 def getitem_source(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
     """(producer, output index) when `node` is ``operator.getitem`` of a multi-output op."""
-    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+    if (
+        node.op == "call_function"
+        and node.target is operator.getitem
+        and isinstance(node.args[0], torch.fx.Node)
+    ):
         return node.args[0], int(node.args[1])
     return None
 
@@ -189,7 +209,9 @@ def consumed_output(producer: torch.fx.Node, consumer: torch.fx.Node) -> int:
     return src[1] if src is not None and src[0] is producer else 0
 
 
-def _getitem(node: torch.fx.Node, producer: torch.fx.Node, idx: int, mesh_shape: tuple[int, int]) -> list[Strategy]:
+def _getitem(
+    node: torch.fx.Node, producer: torch.fx.Node, idx: int, mesh_shape: tuple[int, int]
+) -> list[Strategy]:
     seen: dict[Placements, None] = {}
     for s in node_strategies(producer, mesh_shape):
         if idx < len(s.output):
@@ -221,7 +243,9 @@ def _template(node: torch.fx.Node) -> tuple[tuple, dict]:
             return tuple(items) if isinstance(a, tuple) else items
         return a
 
-    return tuple(conv(a) for a in node.args), {k: conv(v) for k, v in node.kwargs.items()}
+    return tuple(conv(a) for a in node.args), {
+        k: conv(v) for k, v in node.kwargs.items()
+    }
 
 
 def _key(obj: Any) -> Any:
@@ -257,7 +281,12 @@ def _to_strs(placements: Any, axes: list[int], n_axes: int) -> Placements | None
 
 
 def _convert(
-    node: torch.fx.Node, pair: dr.Pair, leaves: list, axes: list[int], mesh_shape: tuple[int, ...], source: str
+    node: torch.fx.Node,
+    pair: dr.Pair,
+    leaves: list,
+    axes: list[int],
+    mesh_shape: tuple[int, ...],
+    source: str,
 ) -> Strategy | None:
     """DTensor (input placements, output specs) on the squeezed mesh -> Strategy, or None if dropped."""
     n = len(mesh_shape)
@@ -267,6 +296,11 @@ def _convert(
         strs = _replicated(n) if pl is None else _to_strs(pl, axes, n)
         if strs is None or not _even(leaf.meta.shape, strs, mesh_shape):
             return None
+        if _bad_mask(strs):
+            return None
+        # DTensor turns a replicated input into the _MaskPartial a vocabulary-parallel embedding
+        # wants by masking locally (no communication): the plan asks for R.
+        strs = tuple("R" if p == "P(mask)" else p for p in strs)
         if inputs[leaf.index] is not None and inputs[leaf.index] != strs:
             return None  # one node used twice with two placements
         inputs[leaf.index] = strs
@@ -281,13 +315,27 @@ def _convert(
             outputs.append(())
             continue
         strs = _replicated(n) if spec is None else _to_strs(spec.placements, axes, n)
-        if strs is None or not _even(v.shape, strs, mesh_shape):
+        if strs is None or not _even(v.shape, strs, mesh_shape) or _bad_mask(strs):
             return None
         outputs.append(strs)
     return Strategy(tuple(outputs), tuple(inputs), source)
 
 
-def _resolve(op: Any, args: tuple, kwargs: dict, mesh: Any, pairs: list[dr.Pair]) -> list[dr.Pair]:
+def _bad_mask(placements: Placements) -> bool:
+    """Mask-partial layouts DTensor 2.13 plans but cannot run (found by the gloo test): P(mask) on
+    two axes ("MaskBuffer has been materialized with conflicting data"), and P(mask) on an axis
+    followed by a shard on a later axis (the mask is built for the wrong local shape)."""
+    if "P(mask)" not in placements:
+        return False
+    first = placements.index("P(mask)")
+    return placements.count("P(mask)") > 1 or any(
+        p.startswith("S(") for p in placements[first + 1 :]
+    )
+
+
+def _resolve(
+    op: Any, args: tuple, kwargs: dict, mesh: Any, pairs: list[dr.Pair]
+) -> list[dr.Pair]:
     """Keep, for input placements that several pairs share, the output DTensor's propagator picks."""
     groups: dict[tuple, list[dr.Pair]] = {}
     for pair in pairs:
@@ -312,7 +360,9 @@ def _spec_key(specs: Any) -> Any:
     return None
 
 
-def _compute(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> tuple[list[Strategy], str | None]:
+def _compute(
+    node: torch.fx.Node, mesh_shape: tuple[int, ...]
+) -> tuple[list[Strategy], str | None]:
     op = node.target
     args, kwargs = _template(node)
     val = _val(node)
@@ -322,7 +372,9 @@ def _compute(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> tuple[list[Str
         return leaf_strategies(val.shape, mesh_shape), None  # factory op
     source = dr.registry_of(op)
     if source is None:
-        return [_fallback(node, mesh_shape)], "no DTensor strategy, rule or decomposition"
+        return [
+            _fallback(node, mesh_shape)
+        ], "no DTensor strategy, rule or decomposition"
     if op in dr.CUSTOM_OPS:
         source = "custom"
     if not axes:
@@ -333,23 +385,42 @@ def _compute(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> tuple[list[Str
         _, pairs = dr.enumerate_pairs(op, args, kwargs, _out_meta(val), mesh)
         pairs = _resolve(op, args, kwargs, mesh, pairs)
     except Exception as e:  # noqa: BLE001 - any failure of a registry means DTensor cannot plan it
-        return [_fallback(node, mesh_shape)], f"{source} rule raised {type(e).__name__}: {str(e)[:200]}"
-    found: dict[Strategy, None] = {}
+        return [
+            _fallback(node, mesh_shape)
+        ], f"{source} rule raised {type(e).__name__}: {str(e)[:200]}"
+    # keyed by inputs; when R stands for P(mask), DTensor prefers a strategy that needs no change
+    found: dict[tuple, tuple[Strategy, bool]] = {}
     for pair in pairs:
         s = _convert(node, pair, leaves, axes, mesh_shape, source)
-        if s is not None:
-            found.setdefault(s, None)
+        if s is None:
+            continue
+        exact = not any(
+            dr.placement_to_str(p) == "P(mask)" for pl in pair[0] if pl for p in pl
+        )
+        prev = found.get(s.inputs)
+        if prev is None or (exact and not prev[1]):
+            found[s.inputs] = (s, exact)
     if not found:
-        return [_fallback(node, mesh_shape)], f"{source} rule gave no evenly sharded strategy"
-    return sorted(found, key=_sort_key), None
+        return [
+            _fallback(node, mesh_shape)
+        ], f"{source} rule gave no evenly sharded strategy"
+    return sorted((s for s, _ in found.values()), key=_sort_key), None
 
 
 def _signature(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> tuple:
     args, kwargs = _template(node)
-    return (node.target, _key(args), _key(kwargs), _key(_out_meta(_val(node))), tuple(mesh_shape))
+    return (
+        node.target,
+        _key(args),
+        _key(kwargs),
+        _key(_out_meta(_val(node))),
+        tuple(mesh_shape),
+    )
 
 
-def _op_strategies(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> tuple[tuple[Strategy, ...], str | None]:
+def _op_strategies(
+    node: torch.fx.Node, mesh_shape: tuple[int, ...]
+) -> tuple[tuple[Strategy, ...], str | None]:
     key = _signature(node, mesh_shape)
     hit = _CACHE.get(key)
     if hit is None:
@@ -365,7 +436,11 @@ def node_strategies(node: torch.fx.Node, mesh_shape: tuple[int, int]) -> list[St
         return []
     val = _val(node)
     if node.op in ("placeholder", "get_attr"):
-        return leaf_strategies(val.shape, mesh_shape) if _is_tensor(val) else _scalar(node, 1)
+        return (
+            leaf_strategies(val.shape, mesh_shape)
+            if _is_tensor(val)
+            else _scalar(node, 1)
+        )
     src = getitem_source(node)
     if src is not None:
         return _getitem(node, src[0], src[1], mesh_shape)
@@ -387,13 +462,17 @@ def fallback_reason(node: torch.fx.Node, mesh_shape: tuple[int, int]) -> str | N
     return _op_strategies(node, tuple(mesh_shape))[1]
 
 
-def graph_strategies(graph: torch.fx.Graph | torch.fx.GraphModule, mesh_shape: tuple[int, int]) -> dict[torch.fx.Node, list[Strategy]]:
+def graph_strategies(
+    graph: torch.fx.Graph | torch.fx.GraphModule, mesh_shape: tuple[int, int]
+) -> dict[torch.fx.Node, list[Strategy]]:
     """`node_strategies` of every node of a graph except the output node."""
     g = graph.graph if isinstance(graph, torch.fx.GraphModule) else graph
     return {n: node_strategies(n, mesh_shape) for n in g.nodes if n.op != "output"}
 
 
-def fallback_ops(graph: torch.fx.Graph | torch.fx.GraphModule, mesh_shape: tuple[int, int]) -> list[str]:
+def fallback_ops(
+    graph: torch.fx.Graph | torch.fx.GraphModule, mesh_shape: tuple[int, int]
+) -> list[str]:
     """``"node: op (reason)"`` for every node that falls back to replication on this mesh."""
     g = graph.graph if isinstance(graph, torch.fx.GraphModule) else graph
     out = []

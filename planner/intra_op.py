@@ -1,0 +1,375 @@
+"""Intra-operator pass: choose a sharding strategy for every node of one stage on a 2D logical mesh.
+
+Steps (DESIGN, "The two searches"; Alpa section 4.2):
+
+1. Options per node: DTensor's strategies (`planner.strategies`), plus ZeRO variants of parameters.
+2. Repeated blocks: nodes whose module path has an index (``blocks.7.attn.qkv``) belong to block
+   ``blocks.7``; blocks with identical structure share one strategy per position, so only the first
+   copy gets ILP variables (`planner.cost_graph.quotient`: exact among such plans). Prices are
+   computed once per distinct (representative) node and edge and multiplied by their count.
+3. Followers (views, getitem, single-input elementwise ops) merge into their producer
+   (`planner.cost_graph.merge_followers`).
+4. The ILP (`planner.ilp`): minimise per-micro-batch time = compute + activation resharding forward
+   and backward + gradient synchronisation / micro-batches, subject to per-device memory.
+
+Prices: `planner.stage_costs`. The result, `StageSolution`, holds the strategy of every node, the
+placement of every parameter, the cost broken down, and `explain(node)` for debugging.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cost_models.communication import LogicalMesh, ReshardStep, reshard_steps
+from cost_models.errors import MeshplanError
+from planner import stage_costs as sc
+from planner.cost_graph import CostGraph, identity, merge_followers
+from planner.ilp import solve
+from planner.opgraph import OpGraph
+from planner.stage_costs import Option, StageSettings
+from planner.strategies import consumed_output, leaf_strategies
+
+FOLLOWER_KINDS = ("view", "elementwise")
+
+
+@dataclass
+class StageSolution:
+    """The chosen sharding of one stage; times are per micro-batch unless named per iteration."""
+
+    mesh_shape: tuple[int, int]
+    choice: dict[str, Option]
+    param_placements: dict[str, tuple[str, ...]]
+    zero_params: list[str]
+    compute_s: float
+    comm_s: float
+    grad_sync_s: float  # per iteration
+    param_state_bytes: float
+    activation_bytes: float
+    fallback_ops: list[str]
+    num_microbatches: int
+    optimal: bool
+    ilp_nodes: int
+    solve_time_s: float
+    _ctx: _Context | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def time_s(self) -> float:
+        """Per-micro-batch time with the gradient synchronisation spread over the micro-batches."""
+        return self.compute_s + self.comm_s + self.grad_sync_s / self.num_microbatches
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.param_state_bytes + self.activation_bytes
+
+    def forward_reshards(
+        self, consumers: set[str] | None = None
+    ) -> list[tuple[str, str, list[ReshardStep]]]:
+        """(producer, consumer, steps) of every edge whose forward pass redistributes a tensor."""
+        ctx = self._ctx
+        out = []
+        for u, v in ctx.edges if ctx else []:
+            if consumers is not None and v not in consumers:
+                continue
+            k = ctx.fx[v].all_input_nodes.index(ctx.fx[u])
+            o = consumed_output(ctx.fx[u], ctx.fx[v])
+            src, dst = (
+                self.choice[u].strategy.output[o],
+                self.choice[v].strategy.inputs[k],
+            )
+            if not src or dst is None:
+                continue
+            src, dst = tuple(map(sc.norm, src)), tuple(map(sc.norm, dst))
+            if src != dst:
+                meta = ctx.graph.node(u).outputs[o]
+                steps = reshard_steps(
+                    ctx.settings.mesh,
+                    meta.shape,
+                    meta.nbytes / max(meta.numel(), 1),
+                    src,
+                    dst,
+                )
+                if any(st.collective for st in steps):
+                    out.append((u, v, steps))
+        return out
+
+    def explain(self, name: str) -> str:
+        """A node's options with their compute time, memory and resharding from the chosen producers."""
+        if self._ctx is None or name not in self._ctx.options:
+            raise MeshplanError(f"no node {name!r} in this stage")
+        return self._ctx.explain(name, self.choice)
+
+
+@dataclass
+class _Context:
+    graph: OpGraph
+    settings: StageSettings
+    fx: dict[str, torch.fx.Node]
+    options: dict[str, list[Option]]
+    edges: list[tuple[str, str]]  # (producer, consumer)
+    param_derived: set[str]
+    saved: set[str]
+
+    def node_cost(self, name: str, opt: Option) -> float:
+        node = self.graph.node(name)
+        if name in self.graph.placeholder_paths and node.op == "param":
+            return sc.zero_cost(node.outputs[0], opt, self.settings)
+        return sc.compute_time(node, opt, self.settings)
+
+    def node_memory(self, name: str, opt: Option) -> float:
+        node = self.graph.node(name)
+        if node.op == "param":
+            return sc.param_state_bytes(node.outputs[0], opt, self.settings)
+        return sc.activation_bytes(node, opt, name in self.saved, self.settings)
+
+    rep: dict[str, str] = field(default_factory=dict)
+    _edges: dict[tuple[str, str, int], tuple[np.ndarray, np.ndarray]] = field(
+        default_factory=dict
+    )
+
+    def edge_key(self, u: str, v: str) -> tuple[str, str, int]:
+        return (
+            self.rep.get(u, u),
+            self.rep.get(v, v),
+            self.fx[v].all_input_nodes.index(self.fx[u]),
+        )
+
+    def edge(self, u: str, v: str) -> tuple[np.ndarray, np.ndarray]:
+        """Prices of edge u -> v; identical for every copy of a repeated block, so cached per copy class."""
+        key = self.edge_key(u, v)
+        if key not in self._edges:
+            self._edges[key] = sc.edge_matrices(
+                self.graph.node(u),
+                self.fx[v],
+                self.fx[u],
+                self.options[u],
+                self.options[v],
+                self.settings,
+                u in self.param_derived,
+            )
+        return self._edges[key]
+
+    def explain(self, name: str, choice: dict[str, Option]) -> str:
+        lines = [
+            f"{name} ({self.graph.node(name).target}, module {self.graph.node(name).module_path or '-'}):"
+        ]
+        producers = [u for u, v in self.edges if v == name]
+        for j, opt in enumerate(self.options[name]):
+            resh = 0.0
+            for u in producers:
+                act, grad = self.edge(u, name)
+                i = self.options[u].index(choice[u])
+                resh += act[i, j] + grad[i, j]
+            mark = "*" if choice[name] == opt else " "
+            lines.append(
+                f" {mark} {opt}: compute {self.node_cost(name, opt) * 1e3:.4f} ms, resharding in {resh * 1e3:.4f} ms, "
+                f"memory {self.node_memory(name, opt) / 2**20:.2f} MiB"
+            )
+        return "\n".join(lines)
+
+
+def block_of(path: str) -> str | None:
+    """``blocks.7.attn.qkv`` -> ``blocks.7``; None for a path without an index."""
+    parts = path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def representatives(graph: OpGraph, names: list[str]) -> dict[str, str]:
+    """Map each node of a repeated block to the same position in the first identical block."""
+    blocks: dict[str, list[str]] = defaultdict(list)
+    for n in names:
+        key = block_of(graph.node(n).module_path)
+        if key is not None:
+            blocks[key].append(n)
+    first: dict[tuple, list[str]] = {}
+    rep: dict[str, str] = {}
+    for key, members in blocks.items():
+        local = {n: i for i, n in enumerate(members)}
+        sig = tuple(
+            (
+                graph.node(n).op,
+                graph.node(n).target,
+                graph.node(n).module_path.removeprefix(key),
+                tuple(graph.node(n).outputs),
+                tuple(local.get(i, -1) for i in graph.node(n).inputs),
+            )
+            for n in members
+        )
+        base = first.setdefault(sig, members)
+        rep.update(zip(members, base))
+    return rep
+
+
+def solve_stage(
+    graph: OpGraph,
+    mesh: LogicalMesh,
+    *,
+    nodes: list[str] | None = None,
+    num_microbatches: int = 1,
+    in_flight: int = 1,
+    optimizer: str = "adam_mixed",
+    memory_budget: float | None = None,
+    time_limit: float | None = None,
+) -> StageSolution:
+    """Solve the intra-op program for `nodes` (default: the whole graph) on `mesh`."""
+    t0 = time.perf_counter()
+    settings = StageSettings(mesh, num_microbatches, in_flight, optimizer)
+    fx = {n.name: n for n in graph.gm.graph.nodes}
+    ops = [n.name for n in graph.ops] if nodes is None else list(nodes)
+    in_scope = set(ops)
+    boundary = [u for n in ops for u in graph.node(n).inputs if u not in in_scope]
+    names = [
+        n.name for n in graph.nodes if n.name in in_scope or n.name in set(boundary)
+    ]
+    options: dict[str, list[Option]] = {}
+    for n in names:
+        node = graph.node(n)
+        if n in in_scope or node.op in ("param", "buffer", "input"):
+            options[n] = sc.node_options(fx[n], node, mesh.shape)
+        else:  # produced by an earlier stage: arrives in whatever placement we choose
+            options[n] = [
+                Option(s) for s in leaf_strategies(node.outputs[0].shape, mesh.shape)
+            ]
+    edges = [
+        (u, v)
+        for v in names
+        for u in dict.fromkeys(graph.node(v).inputs)
+        if u in options
+    ]
+    param_derived = {n for n in names if graph.node(n).op == "param"} | _param_views(
+        graph, names
+    )
+    rep = representatives(graph, names)
+    ctx = _Context(
+        graph,
+        settings,
+        fx,
+        options,
+        edges,
+        param_derived,
+        sc.saved_values(graph, ops),
+        rep,
+    )
+
+    reps = [n for n in names if rep.get(n, n) == n]
+    count = Counter(rep.get(n, n) for n in names)
+    index = {n: i for i, n in enumerate(reps)}
+    cg = CostGraph(
+        reps,
+        [np.array([ctx.node_cost(n, o) for o in options[n]]) * count[n] for n in reps],
+        [
+            np.array([ctx.node_memory(n, o) for o in options[n]]) * count[n]
+            for n in reps
+        ],
+    )
+    grouped = Counter(ctx.edge_key(u, v) for u, v in edges)
+    sample = {ctx.edge_key(u, v): (u, v) for u, v in reversed(edges)}
+    for key, c in grouped.items():
+        act, grad = ctx.edge(*sample[key])
+        cg.add_edge(index[key[0]], index[key[1]], (act + grad) * c)
+
+    leaders = _leaders(graph, reps, options, rep)
+    red = merge_followers(identity(cg), leaders)
+    sol = solve(red.graph.problem(memory_budget), time_limit=time_limit)
+    picked = red.expand(sol.choice)
+    choice = {n: options[n][picked[rep.get(n, n)]] for n in names}
+    return _summarise(
+        ctx, choice, ops, len(red.graph.names), sol.optimal, time.perf_counter() - t0
+    )
+
+
+def _param_views(graph: OpGraph, names: list[str]) -> set[str]:
+    out: set[str] = set()
+    for n in names:
+        node = graph.node(n)
+        if (
+            node.is_view
+            and node.inputs
+            and all(graph.node(i).op == "param" or i in out for i in node.inputs)
+        ):
+            out.add(n)
+    return out
+
+
+def _leaders(
+    graph: OpGraph,
+    reps: list[str],
+    options: dict[str, list[Option]],
+    rep: dict[str, str],
+) -> dict[str, str]:
+    """follower -> leader for representatives that only follow their single choosing input."""
+    out = {}
+    rep_set = set(reps)
+    for n in reps:
+        node = graph.node(n)
+        if node.op != "call" or node.kind not in FOLLOWER_KINDS:
+            continue
+        choosing = [
+            u for u in dict.fromkeys(node.inputs) if len(options.get(u, [])) > 1
+        ]
+        if len(choosing) != 1 or choosing[0] not in rep_set:
+            continue
+        u = choosing[0]
+        if block_of(graph.node(u).module_path) != block_of(node.module_path):
+            continue  # leader in another block copy: its producer differs between copies
+        out[n] = u
+    return out
+
+
+def _summarise(
+    ctx: _Context,
+    choice: dict[str, Option],
+    ops: list[str],
+    ilp_nodes: int,
+    optimal: bool,
+    seconds: float,
+) -> StageSolution:
+    g, s = ctx.graph, ctx.settings
+    compute = sum(
+        ctx.node_cost(n, choice[n]) for n in choice if g.node(n).op != "param"
+    )
+    zero = sum(ctx.node_cost(n, choice[n]) for n in choice if g.node(n).op == "param")
+    comm, grad_sync = 0.0, zero * s.num_microbatches
+    for u, v in ctx.edges:
+        act, grad = ctx.edge(u, v)
+        i, j = ctx.options[u].index(choice[u]), ctx.options[v].index(choice[v])
+        comm += act[i, j]
+        grad_sync += grad[i, j] * s.num_microbatches
+    params = {
+        g.placeholder_paths[n]: choice[n] for n in choice if g.node(n).op == "param"
+    }
+    param_mem = sum(
+        ctx.node_memory(n, choice[n]) for n in choice if g.node(n).op == "param"
+    )
+    act_mem = sum(
+        ctx.node_memory(n, choice[n]) for n in choice if g.node(n).op != "param"
+    )
+    fallbacks = [
+        f"{n}: {g.node(n).target}"
+        for n in ops
+        if choice[n].strategy.source == "fallback"
+    ]
+    return StageSolution(
+        mesh_shape=s.mesh.shape,
+        choice=choice,
+        param_placements={p: o.strategy.output[0] for p, o in params.items()},
+        zero_params=[p for p, o in params.items() if o.zero],
+        compute_s=compute,
+        comm_s=comm,
+        grad_sync_s=grad_sync,
+        param_state_bytes=param_mem,
+        activation_bytes=act_mem,
+        fallback_ops=fallbacks,
+        num_microbatches=s.num_microbatches,
+        optimal=optimal,
+        ilp_nodes=ilp_nodes,
+        solve_time_s=seconds,
+        _ctx=ctx,
+    )

@@ -1,0 +1,263 @@
+"""Prices of every strategy of every node, and of every edge, for the intra-op program of one stage.
+
+All prices come from `cost_models` (principle 2) and cover forward and backward:
+
+* node v under strategy j: compute time of the sharded op (forward + backward FLOPs and bytes divided
+  by the product of the mesh axes its computation is split over: those on which any input or output
+  is sharded or partial), plus the bytes it keeps on the device (parameters with their gradients and
+  optimizer state; saved activations times the micro-batches in flight).
+* edge u -> v under (i, j): forward, redistributing u's output placement to the one v's strategy
+  needs; backward, the gradient's way back. The gradient leaves v placed per axis as S(d) where v's
+  input was S(d); as P (partial) where v's input was R but v's computation is split on that axis
+  (e.g. a column-parallel matmul's input, or a data-parallel layer's weight); as R otherwise. u needs
+  it as S(d) where u's output was S(d), else R. So Megatron's backward all-reduce and data
+  parallelism's gradient all-reduce are both this edge term. For parameters the gradient is reduced
+  once per iteration (gradient accumulation), so that part is divided by the number of micro-batches.
+* ZeRO: a parameter replicated on some mesh axes may also keep its gradient and optimizer state
+  sharded over those axes ("zero" option). Reduce-scatter + all-gather cost what the all-reduce
+  would, and we charge one more all-gather of the parameter per iteration (an upper bound), so the
+  solver picks it only when memory demands.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cost_models.communication import LogicalMesh, reshard_cost
+from cost_models.compute import op_time
+from cost_models.memory import state_bytes_per_param
+from planner.opgraph import OpGraph, OpNode, TensorMeta
+from planner.strategies import Strategy, consumed_output, node_strategies
+
+
+@dataclass(frozen=True)
+class Option:
+    """One choice for a node: a DTensor strategy, plus ZeRO sharding for parameters."""
+
+    strategy: Strategy
+    zero: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.strategy}{' +ZeRO' if self.zero else ''}"
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    mesh: LogicalMesh
+    num_microbatches: int = 1
+    in_flight: int = 1
+    optimizer: str = "adam_mixed"
+    cache: dict = field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )  # reshard prices
+
+
+def norm(p: str) -> str:
+    return "P" if p.startswith("P") else p
+
+
+def split_factor(strategy: Strategy, mesh_shape: tuple[int, int]) -> int:
+    """Product of the mesh axes on which the op's computation is divided."""
+    f = 1
+    for a, size in enumerate(mesh_shape):
+        places = [p[a] for p in strategy.output if p] + [
+            p[a] for p in strategy.inputs if p
+        ]
+        if any(p != "R" for p in places):
+            f *= size
+    return f
+
+
+def shards(placements: tuple[str, ...], mesh_shape: tuple[int, int]) -> int:
+    return math.prod(
+        size for p, size in zip(placements, mesh_shape) if p.startswith("S")
+    )
+
+
+def node_options(
+    fx_node: torch.fx.Node, node: OpNode, mesh_shape: tuple[int, int]
+) -> list[Option]:
+    strategies = node_strategies(fx_node, mesh_shape)
+    opts = [Option(s) for s in strategies]
+    if node.op == "param":
+        for s in strategies:
+            if any(p == "R" and size > 1 for p, size in zip(s.output[0], mesh_shape)):
+                opts.append(Option(s, zero=True))
+    return opts
+
+
+def _matmul_hint(
+    node: OpNode, strategy: Strategy, mesh_shape: tuple[int, int]
+) -> tuple[int, int, int] | None:
+    if node.kind != "matmul" or node.fwd_flops <= 0 or not node.outputs:
+        return None
+    out = node.outputs[0].shape
+    n = out[1] if "convolution" in node.target and len(out) > 1 else out[-1]
+    m = max(1, node.outputs[0].numel() // max(n, 1))
+    k = max(1, node.fwd_flops // max(2 * m * n, 1))
+    for a, size in enumerate(mesh_shape):
+        p = strategy.output[0][a] if strategy.output and strategy.output[0] else "R"
+        if p.startswith("P"):
+            k = max(1, k // size)
+        elif p.startswith("S"):
+            dim = int(p[2:-1])
+            if dim == len(out) - 1 and "convolution" not in node.target:
+                n = max(1, n // size)
+            else:
+                m = max(1, m // size)
+    return (m, n, k)
+
+
+def compute_time(node: OpNode, option: Option, s: StageSettings) -> float:
+    if node.op != "call" or node.is_view:
+        return 0.0
+    f = split_factor(option.strategy, s.mesh.shape)
+    flops = (node.fwd_flops + node.bwd_flops) / f
+    passes = (
+        3 if node.requires_grad else 1
+    )  # backward reads and writes about twice what forward does
+    nbytes = (node.bytes_read + node.bytes_written) * passes / f
+    dtype = node.outputs[0].dtype if node.outputs else "float32"
+    return op_time(
+        s.mesh.cluster,
+        flops,
+        nbytes,
+        dtype,
+        shape_hint=_matmul_hint(node, option.strategy, s.mesh.shape),
+    )
+
+
+def param_state_bytes(meta: TensorMeta, option: Option, s: StageSettings) -> float:
+    """Weights + gradients + optimizer state of one parameter on one device."""
+    st = state_bytes_per_param(s.optimizer)
+    placements = option.strategy.output[0]
+    n = meta.numel() / shards(placements, s.mesh.shape)
+    zero = (
+        math.prod(size for p, size in zip(placements, s.mesh.shape) if p == "R")
+        if option.zero
+        else 1
+    )
+    return n * (st.param + (st.grad + st.optimizer) / zero)
+
+
+def zero_cost(meta: TensorMeta, option: Option, s: StageSettings) -> float:
+    """The extra all-gather of a ZeRO-sharded parameter over its replicated axes, once per iteration
+    (returned as its share per micro-batch)."""
+    if not option.zero:
+        return 0.0
+    placements = option.strategy.output[0]
+    local = meta.nbytes / shards(placements, s.mesh.shape)
+    seconds = sum(
+        s.mesh.all_gather(local, a)
+        for a, (p, size) in enumerate(zip(placements, s.mesh.shape))
+        if p == "R" and size > 1
+    )
+    return seconds / s.num_microbatches
+
+
+def _reshard(
+    s: StageSettings,
+    shape: tuple[int, ...],
+    dtype_bytes: float,
+    src: tuple[str, ...],
+    dst: tuple[str, ...],
+) -> float:
+    if src == dst:
+        return 0.0
+    key = (shape, dtype_bytes, src, dst)
+    if key not in s.cache:
+        s.cache[key] = reshard_cost(s.mesh, shape, dtype_bytes, src, dst)
+    return s.cache[key]
+
+
+def grad_from_consumer(
+    inp: tuple[str, ...], consumer: Strategy, mesh_shape: tuple[int, int]
+) -> tuple[str, ...]:
+    """Per axis placement of the gradient a consumer's backward hands back for an input placed `inp`."""
+    out = []
+    for a, p in enumerate(inp):
+        places = [q[a] for q in consumer.output if q] + [
+            q[a] for q in consumer.inputs if q
+        ]
+        split = mesh_shape[a] > 1 and any(q != "R" for q in places)
+        out.append(p if p.startswith("S") else "P" if (p == "R" and split) else "R")
+    return tuple(out)
+
+
+def expected_grad(out: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(p if p.startswith("S") else "R" for p in out)
+
+
+def _unique(items: list) -> tuple[list, np.ndarray]:
+    first: dict = {}
+    index = np.array([first.setdefault(x, len(first)) for x in items], dtype=int)
+    return list(first), index
+
+
+def edge_matrices(
+    value: OpNode,
+    consumer_fx: torch.fx.Node,
+    producer_fx: torch.fx.Node,
+    u_opts: list[Option],
+    v_opts: list[Option],
+    s: StageSettings,
+    param_derived: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(forward + activation-gradient seconds, parameter-gradient seconds) for every (i, j).
+
+    Priced once per distinct (u's output placement, v's input placement and gradient placement).
+    """
+    k = consumer_fx.all_input_nodes.index(producer_fx)
+    o = consumed_output(producer_fx, consumer_fx)
+    meta = value.outputs[o] if o < len(value.outputs) else value.outputs[0]
+    dtype_bytes = meta.nbytes / max(meta.numel(), 1)
+    with_grad = value.requires_grad and getattr(torch, meta.dtype).is_floating_point
+    srcs, src_of = _unique(
+        [tuple(norm(p) for p in uo.strategy.output[o]) or None for uo in u_opts]
+    )
+    dsts, dst_of = _unique(
+        [
+            None
+            if vo.strategy.inputs[k] is None
+            else (
+                d := tuple(norm(p) for p in vo.strategy.inputs[k]),
+                grad_from_consumer(d, vo.strategy, s.mesh.shape),
+            )
+            for vo in v_opts
+        ]
+    )
+    act = np.zeros((len(srcs), len(dsts)))
+    grad = np.zeros_like(act)
+    for a, src in enumerate(srcs):
+        for b, dst in enumerate(dsts):
+            if src is None or dst is None:
+                continue
+            act[a, b] = _reshard(s, meta.shape, dtype_bytes, src, dst[0])
+            if with_grad:
+                back = _reshard(s, meta.shape, dtype_bytes, dst[1], expected_grad(src))
+                if param_derived:
+                    grad[a, b] = back / s.num_microbatches
+                else:
+                    act[a, b] += back
+    return act[np.ix_(src_of, dst_of)], grad[np.ix_(src_of, dst_of)]
+
+
+def saved_values(graph: OpGraph, names: list[str]) -> set[str]:
+    return {v for n in names for v in graph.node(n).saved}
+
+
+def activation_bytes(
+    node: OpNode, option: Option, saved: bool, s: StageSettings
+) -> float:
+    """Saved-for-backward bytes this node's strategy leaves on one device, for all in-flight micro-batches."""
+    total = 0.0
+    strategy = option.strategy
+    if saved and node.outputs and strategy.output and strategy.output[0]:
+        total += node.outputs[0].nbytes / shards(strategy.output[0], s.mesh.shape)
+    if node.saved_extra_bytes:
+        total += node.saved_extra_bytes / split_factor(strategy, s.mesh.shape)
+    return total * s.in_flight

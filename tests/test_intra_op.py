@@ -1,0 +1,150 @@
+"""The intra-op pass on GPT blocks: the shardings the costs should favour, memory, explanations."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from cost_models.cluster import Cluster
+from cost_models.communication import LogicalMesh
+from cost_models.errors import MeshplanError
+from planner import trace
+from planner.intra_op import representatives, solve_stage
+from planner.models import build_model
+
+
+@functools.cache
+def _gpt(batch: int, layers: int = 2, hidden: int = 2048, heads: int = 32):
+    model, b = build_model(
+        f"gpt:hidden={hidden},layers={layers},heads={heads},seq=1024,vocab=51200",
+        batch=batch,
+        dtype=torch.float16,
+    )
+    return trace(model, b)
+
+
+def _mesh(spec: str, shape: tuple[int, int]) -> LogicalMesh:
+    cluster = Cluster.from_spec(spec)
+    return LogicalMesh(cluster, cluster.shape, shape)
+
+
+def _block_weights(sol, axis: int) -> dict[str, str]:
+    names = ["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"]
+    return {n: sol.param_placements[f"blocks.0.{n}.weight"][axis] for n in names}
+
+
+MEGATRON = {
+    "attn.qkv": "S(0)",
+    "attn.proj": "S(1)",
+    "mlp.fc": "S(0)",
+    "mlp.proj": "S(1)",
+}  # Linear weight: [out, in]
+
+
+def test_small_batch_on_one_host_gives_megatron() -> None:
+    g = _gpt(batch=2)
+    sol = solve_stage(g, _mesh("1x8xA100-80GB", (1, 8)))
+    assert sol.optimal
+    assert _block_weights(sol, 1) == MEGATRON
+    sdpa = next(
+        n
+        for n in g.ops
+        if "scaled_dot_product" in n.target and n.module_path.startswith("blocks.0")
+    )
+    assert all(
+        p == ("R", "S(1)") for p in sol.choice[sdpa.name].strategy.inputs
+    )  # split by heads
+    # One all-reduce per sub-block forward: the row-parallel output (partial sums, carried through the
+    # residual add) is reduced before the next LayerNorm; no other collective inside the blocks.
+    inside = [
+        (g.node(v).module_path, [st.collective for st in steps])
+        for _, v, steps in sol.forward_reshards()
+    ]
+    inside = [x for x in inside if x[0].startswith("blocks.") or x[0] == "ln_f"]
+    assert inside == [
+        (m, ["all_reduce"])
+        for m in ("blocks.0.ln_2", "blocks.1.ln_1", "blocks.1.ln_2", "ln_f")
+    ]
+
+
+def test_large_batch_gives_data_parallel() -> None:
+    g = _gpt(batch=64)
+    sol = solve_stage(g, _mesh("1x8xA100-80GB", (1, 8)), num_microbatches=8)
+    assert set(_block_weights(sol, 1).values()) == {"R"}
+    ln = next(n for n in g.ops if n.module_path == "blocks.0.ln_1")
+    assert sol.choice[ln.name].strategy.output[0] == ("R", "S(0)")  # batch split
+    assert sol.grad_sync_s > 0 and sol.comm_s < 0.01 * sol.compute_s
+
+
+def test_two_hosts_data_parallel_across_tensor_parallel_inside() -> None:
+    g = _gpt(batch=32)
+    sol = solve_stage(g, _mesh("2x4xV100-16GB", (2, 4)), num_microbatches=8)
+    assert set(_block_weights(sol, 0).values()) == {
+        "R"
+    }  # data parallel over the slow inter-host axis
+    assert _block_weights(sol, 1) == MEGATRON  # tensor parallel over NVLink
+    ln = next(n for n in g.ops if n.module_path == "blocks.0.ln_1")
+    assert sol.choice[ln.name].strategy.output[0][0] == "S(0)"
+
+
+def test_memory_budget_forces_zero_and_then_fails_clearly() -> None:
+    g = _gpt(batch=64)
+    mesh = _mesh("1x8xA100-80GB", (1, 8))
+    free = solve_stage(g, mesh, num_microbatches=8)
+    assert not free.zero_params
+    budget = 0.8 * free.memory_bytes
+    tight = solve_stage(g, mesh, num_microbatches=8, memory_budget=budget)
+    assert tight.memory_bytes <= budget
+    sharded_state = tight.zero_params or [
+        p
+        for p, pl in tight.param_placements.items()
+        if any(x.startswith("S") for x in pl)
+    ]
+    assert sharded_state
+    with pytest.raises(
+        MeshplanError,
+        match=r"needs at least [\d.]+ GiB per device, 0\.10 GiB available",
+    ):
+        solve_stage(g, mesh, num_microbatches=8, memory_budget=0.1 * 2**30)
+
+
+def test_repeated_blocks_share_one_solution() -> None:
+    g = _gpt(batch=2, layers=3)
+    names = [n.name for n in g.nodes]
+    rep = representatives(g, names)
+    qkv = [
+        n.name
+        for n in g.ops
+        if n.module_path.endswith("attn.qkv") and n.target == "aten.addmm.default"
+    ]
+    assert len({rep[q] for q in qkv}) == 1
+    sol = solve_stage(g, _mesh("1x8xA100-80GB", (1, 8)))
+    assert (
+        len({sol.param_placements[f"blocks.{i}.mlp.fc.weight"] for i in range(3)}) == 1
+    )
+    assert sol.ilp_nodes < len(g.nodes) / 5
+
+
+def test_explain_lists_options_and_marks_the_choice() -> None:
+    g = _gpt(batch=2)
+    sol = solve_stage(g, _mesh("1x8xA100-80GB", (1, 8)))
+    qkv = next(
+        n.name
+        for n in g.ops
+        if n.module_path == "blocks.0.attn.qkv" and n.target == "aten.addmm.default"
+    )
+    text = sol.explain(qkv)
+    assert (
+        "blocks.0.attn.qkv" in text and text.count("\n * ") == 1 and "compute" in text
+    )
+    with pytest.raises(MeshplanError, match="no node"):
+        sol.explain("nope")
+
+
+def test_same_input_same_plan() -> None:
+    g = _gpt(batch=8)
+    mesh = _mesh("1x8xA100-80GB", (2, 4))
+    a, b = solve_stage(g, mesh), solve_stage(g, mesh)
+    assert a.param_placements == b.param_placements

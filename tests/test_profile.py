@@ -1,0 +1,264 @@
+"""The measured-profile file, the multi-process launcher and the device profiler.
+
+One real profile run (2 gloo ranks, 64 KiB..4 MiB, 3 repeats) is shared by the accuracy tests; the
+launcher's fail-fast tests each start 2 ranks. About 30 s in all on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cost_models.errors import MeshplanError
+from cost_models.profile import (
+    PROFILE_VERSION,
+    CollectiveFit,
+    DeviceProfile,
+    MatmulSample,
+    fit_alpha_beta,
+    fit_segments,
+    load_profile,
+    save_profile,
+)
+from runtime.cli import main
+from runtime.launch import LaunchError, launch
+from runtime.profiler import time_call
+
+TOLERANCE = 0.25
+
+# ---------------------------------------------------------------------------------------------
+# The file format and the fits (no processes)
+
+
+def _profile() -> DeviceProfile:
+    return DeviceProfile(
+        version=PROFILE_VERSION,
+        device_name="test cpu",
+        backend="gloo",
+        hosts=1,
+        devices_per_host=2,
+        memory_bytes=1 << 30,
+        memory_bandwidth_bytes_per_s=1e10,
+        peak_flops={"float32": 1e11},
+        matmul=[MatmulSample(64, 64, 64, "float32", 1e-5)],
+        collectives=[
+            CollectiveFit(
+                "all_reduce", 2, 1e-4, 1e-9, [(65536, 1.6e-4), (1 << 20, 1.1e-3)]
+            ),
+            CollectiveFit(
+                "send_recv", 2, 5e-5, 5e-10, [(65536, 8e-5)], [(1 << 20, 5e-5, 5e-10)]
+            ),
+        ],
+        created="2025-01-01T00:00:00+00:00",
+        host="testhost",
+    )
+
+
+def test_save_load_roundtrip(tmp_path):
+    path = tmp_path / "p.json"
+    save_profile(_profile(), path)
+    back = load_profile(path)
+    assert back == _profile()
+    assert back.collective("all_reduce", 2).alpha_s == 1e-4
+    assert back.collective("all_reduce", 4) is None
+    assert back.matmul_samples("float32")[0].flops == 2 * 64**3
+
+
+def test_fit_alpha_beta_recovers_line_and_stays_non_negative():
+    samples = [(b, 2e-4 + b * 1e-9) for b in (1 << 16, 1 << 18, 1 << 20, 1 << 22)]
+    a, b = fit_alpha_beta(samples)
+    assert a == pytest.approx(2e-4, rel=1e-6) and b == pytest.approx(1e-9, rel=1e-6)
+    a, b = fit_alpha_beta(
+        [(1, 5.0), (1000, 1.0)]
+    )  # decreasing: the line would need beta < 0
+    assert a >= 0 and b >= 0
+    with pytest.raises(MeshplanError):
+        fit_alpha_beta([])
+
+
+def test_fit_segments_splits_a_kinked_curve():
+    # flat ~1 ms up to 1 MiB, then 1 GB/s: one line misses the small sizes by far more than 20%
+    sizes = [64 * 1024 << i for i in range(9)]
+    samples = [(b, max(1e-3, b / 1e9)) for b in sizes]
+    segs = fit_segments(samples)
+    assert segs, "a kinked curve should get a piecewise fit"
+    fit = CollectiveFit("all_reduce", 2, *fit_alpha_beta(samples), samples, segs)
+    for b, s in samples:
+        assert abs(fit.predict(b) - s) / s < 0.2
+    assert (
+        fit_segments([(b, 1e-4 + b * 1e-9) for b in sizes]) == []
+    )  # a line needs none
+
+
+def _corrupt_cases(tmp_path):
+    good = json.loads(json.dumps(_asdict_profile()))
+    cases = {}
+    cases["missing"] = (None, "no such profile file")
+    cases["garbage"] = ("{not json", "not valid JSON")
+    cases["version"] = ({**good, "version": 99}, "version 99")
+    cases["no_field"] = (
+        {k: v for k, v in good.items() if k != "peak_flops"},
+        "'peak_flops'",
+    )
+    bad_alpha = json.loads(json.dumps(good))
+    bad_alpha["collectives"][1]["alpha_s"] = "fast"
+    cases["mistyped"] = (bad_alpha, "'collectives[1].alpha_s' must be a number")
+    bad_op = json.loads(json.dumps(good))
+    bad_op["collectives"][0]["op"] = "broadcast"
+    cases["bad_op"] = (bad_op, "'collectives[0].op'")
+    bad_matmul = json.loads(json.dumps(good))
+    del bad_matmul["matmul"][0]["k"]
+    cases["matmul_field"] = (bad_matmul, "'matmul[0].k'")
+    cases["not_object"] = ([1, 2], "must be an object")
+    out = {}
+    for name, (content, expected) in cases.items():
+        path = tmp_path / f"{name}.json"
+        if content is not None:
+            text = content if isinstance(content, str) else json.dumps(content)
+            path.write_text(text)
+        out[name] = (path, expected)
+    return out
+
+
+def _asdict_profile() -> dict:
+    import dataclasses
+
+    d = dataclasses.asdict(_profile())
+    for fit in d["collectives"]:
+        fit["samples"] = [list(p) for p in fit["samples"]]
+        fit["segments"] = [list(p) for p in fit["segments"]]
+    return d
+
+
+def test_corrupt_files_give_one_line_errors(tmp_path):
+    for name, (path, expected) in _corrupt_cases(tmp_path).items():
+        with pytest.raises(MeshplanError) as info:
+            load_profile(path)
+        msg = str(info.value)
+        assert "\n" not in msg, name
+        assert str(path) in msg and expected in msg, (name, msg)
+
+
+def test_cli_exits_2_on_corrupt_file_and_bad_nproc(tmp_path, capsys):
+    cases = _corrupt_cases(tmp_path)
+    for name in ("garbage", "version", "no_field"):
+        assert main(["profile", "--show", str(cases[name][0])]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("meshplan: error: "), err
+    for nproc in ("0", "9", "-1"):
+        assert (
+            main(["profile", "--nproc", nproc, "--out", str(tmp_path / "x.json")]) == 2
+        )
+        assert "--nproc must be between 1 and 8" in capsys.readouterr().err
+    assert main(["profile", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--nproc is required" in capsys.readouterr().err
+    good = tmp_path / "good.json"
+    save_profile(_profile(), good)
+    assert main(["profile", "--show", str(good)]) == 0
+    assert "all_reduce" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# The launcher (workers are module-level so that spawned ranks can import them)
+
+
+def _rank_and_sum() -> tuple[int, float]:
+    x = torch.ones(4) * (dist.get_rank() + 1)
+    dist.all_reduce(x)
+    return dist.get_rank(), float(x[0])
+
+
+def _rank1_raises() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()  # rank 0 waits for a peer that never comes
+    time.sleep(120)
+
+
+def _rank1_exits() -> None:
+    if dist.get_rank() == 1:
+        os._exit(1)
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    time.sleep(120)
+
+
+def _hangs() -> None:
+    time.sleep(120)
+
+
+def test_launch_returns_every_rank_result():
+    assert launch(_rank_and_sum, 2, timeout_s=60) == [(0, 3.0), (1, 3.0)]
+
+
+@pytest.mark.parametrize(
+    ("fn", "expected"),
+    [
+        (_rank1_raises, "ValueError: boom on purpose"),
+        (_rank1_exits, "exited with code 1"),
+    ],
+)
+def test_launch_fails_fast_naming_the_rank(fn, expected):
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(fn, 2, timeout_s=100)
+    elapsed = time.monotonic() - start
+    msg = str(info.value)
+    assert elapsed < 30, f"fail-fast took {elapsed:.1f} s"
+    assert info.value.rank == 1 and msg.startswith("rank 1 of 2"), msg
+    assert expected in msg and "\n" not in msg
+
+
+def test_launch_times_out():
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="timed out after 5 s"):
+        launch(_hangs, 2, timeout_s=5)
+    assert time.monotonic() - start < 25
+
+
+# ---------------------------------------------------------------------------------------------
+# A real (small) profile run, through the CLI
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> DeviceProfile:
+    out = tmp_path_factory.mktemp("profile") / "profile.json"
+    assert main(["profile", "--nproc", "2", "--quick", "--out", str(out)]) == 0
+    return load_profile(out)
+
+
+def test_profile_has_every_collective_and_dtype(measured):
+    assert measured.version == PROFILE_VERSION and measured.devices_per_host == 2
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"):
+        fit = measured.collective(op, 2)
+        assert fit is not None and len(fit.samples) == 7, op
+        assert fit.alpha_s >= 0 and fit.beta_s_per_byte > 0
+        assert all(s > 0 for _, s in fit.samples)
+    assert measured.peak_flops["float32"] > 1e9
+    assert measured.memory_bandwidth_bytes_per_s > 1e8
+    assert {s.dtype for s in measured.matmul} >= {"float32"}
+
+
+def test_all_reduce_fit_reproduces_measurements(measured):
+    fit = measured.collective("all_reduce", 2)
+    errors = [abs(fit.predict(b) - s) / s for b, s in fit.samples]
+    assert statistics.median(errors) <= TOLERANCE, errors
+    large = [e for (b, _), e in zip(fit.samples, errors) if b >= 1 << 20]
+    assert large and max(large) <= TOLERANCE, errors
+
+
+def test_matmul_samples_are_self_consistent(measured):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // measured.devices_per_host))
+    ratios = []
+    for s in measured.matmul_samples("float32"):
+        a = torch.randn(s.m, s.k)
+        b = torch.randn(s.k, s.n)
+        ratios.append(time_call(lambda a=a, b=b: a @ b, repeats=3) / s.seconds)
+    assert ratios
+    assert 1 - TOLERANCE <= statistics.median(ratios) <= 1 / (1 - TOLERANCE), ratios

@@ -1,0 +1,477 @@
+"""Tests of planner.strategies: strategies derived from DTensor's registries, and that they run.
+
+The last test is the ground truth of principle 1: sampled strategies of mm, addmm, layer_norm,
+gelu, add, view, t, log_softmax, embedding and the CPU sdpa kernel are executed by DTensor on a
+real 4-rank gloo mesh with exactly the planned input placements; DTensor must issue no collective
+and return the planned output placements and the single-device values.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import planner.dtensor_rules as dr
+from planner import strategies as st
+from planner.strategies import Strategy, fallback_ops, leaf_strategies, node_strategies
+
+aten = torch.ops.aten
+H, NH, V, B, S = 16, 4, 32, 4, 8
+MESHES = [(1, 4), (2, 2)]
+
+
+class TinyBlock(nn.Module):
+    """Embedding, one pre-LN transformer block (causal sdpa, GELU MLP), untied head, cross-entropy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.ln1, self.ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
+        self.qkv, self.proj = nn.Linear(H, 3 * H), nn.Linear(H, H)
+        self.fc1, self.fc2 = nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, ids: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        q, k, v = self.qkv(self.ln1(x)).split(H, dim=-1)
+        q, k, v = (t.view(B, S, NH, H // NH).transpose(1, 2) for t in (q, k, v))
+        a = (
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            .transpose(1, 2)
+            .reshape(B, S, H)
+        )
+        x = x + self.proj(a)
+        x = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return F.cross_entropy(self.head(x).view(-1, V), tgt.view(-1))
+
+
+@pytest.fixture(scope="module")
+def gm() -> torch.fx.GraphModule:
+    model = TinyBlock()
+    with FakeTensorMode():
+        params = {
+            n: torch.empty(p.shape, dtype=p.dtype) for n, p in model.named_parameters()
+        }
+        ids = torch.zeros(B, S, dtype=torch.long)
+        return make_fx(lambda p, i, t: functional_call(model, p, (i, t)))(
+            params, ids, ids
+        )
+
+
+def _nodes(gm: torch.fx.GraphModule, target: object) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == target]
+
+
+def _on_axis(mesh: tuple[int, int], axis: int, p: str) -> tuple[str, ...]:
+    return tuple(p if i == axis else "R" for i in range(len(mesh)))
+
+
+def _has(
+    strategies: list[Strategy],
+    mesh: tuple[int, int],
+    axis: int,
+    inputs: list[str],
+    outputs: list[str],
+) -> bool:
+    want_in = tuple(_on_axis(mesh, axis, p) for p in inputs)
+    want_out = tuple(_on_axis(mesh, axis, p) for p in outputs)
+    return any(s.inputs == want_in and s.output == want_out for s in strategies)
+
+
+def _axes(mesh: tuple[int, int]) -> list[int]:
+    return [i for i, n in enumerate(mesh) if n > 1]
+
+
+# ------------------------------------------------------------------------------ vocabulary, leaves
+
+
+def test_placement_round_trip() -> None:
+    for s in ["R", "S(0)", "S(3)", "P", "P(avg)", "P(max)"]:
+        assert st.from_placement(st.to_placement(s)) == s
+    with pytest.raises(ValueError):
+        st.to_placement("P(mask)")
+    assert (
+        str(Strategy((("S(0)", "R"),), (("S(0)", "R"), None), "classic"))
+        == "([S(0),R], -) -> ([S(0),R]) classic"
+    )
+
+
+def test_leaf_strategies_even_and_nested() -> None:
+    got = {s.output[0] for s in leaf_strategies((8, 6), (2, 2))}
+    assert ("S(0)", "S(0)") in got and ("S(0)", "S(1)") in got and ("R", "R") in got
+    assert ("S(1)", "S(1)") not in got  # 6 is not divisible by 2 * 2
+    assert {s.output[0] for s in leaf_strategies((8, 6), (1, 4))} == {
+        ("R", "R"),
+        ("R", "S(0)"),
+    }
+    assert [s.output for s in leaf_strategies((5,), (1, 1))] == [(("R", "R"),)]
+    assert all(
+        s.source == "leaf" and s.inputs == () for s in leaf_strategies((8, 6), (2, 2))
+    )
+
+
+def test_placeholders_are_leaves(gm: torch.fx.GraphModule) -> None:
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n in ph:
+        assert node_strategies(n, (2, 2)) == leaf_strategies(
+            n.meta["val"].shape, (2, 2)
+        )
+
+
+# --------------------------------------------------------------------------------- (a) matmuls
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_linear_column_row_and_data_parallel(
+    gm: torch.fx.GraphModule, mesh: tuple[int, int]
+) -> None:
+    fc1 = [
+        n for n in _nodes(gm, aten.addmm.default) if n.meta["val"].shape[-1] == 4 * H
+    ]
+    assert len(fc1) == 1
+    ss = node_strategies(fc1[0], mesh)  # inputs: bias, x, weight^T
+    assert {s.source for s in ss} == {"single_dim"}
+    for axis in _axes(mesh):
+        assert _has(ss, mesh, axis, ["S(0)", "R", "S(1)"], ["S(1)"])  # column parallel
+        assert _has(ss, mesh, axis, ["P", "S(1)", "S(0)"], ["P"])  # row parallel
+        assert _has(ss, mesh, axis, ["R", "S(0)", "R"], ["S(0)"])  # data parallel
+    (head,) = _nodes(gm, aten.mm.default)  # untied head, no bias: inputs x, weight^T
+    ss = node_strategies(head, mesh)
+    for axis in _axes(mesh):
+        assert _has(ss, mesh, axis, ["R", "S(1)"], ["S(1)"])
+        assert _has(ss, mesh, axis, ["S(1)", "S(0)"], ["P"])
+        assert _has(ss, mesh, axis, ["S(0)", "R"], ["S(0)"])
+    if mesh == (2, 2):  # data parallel on axis 0 and column parallel on axis 1 together
+        assert any(
+            s.inputs == (("R", "S(0)"), ("S(0)", "R"), ("R", "S(1)"))
+            and s.output == (("S(0)", "S(1)"),)
+            for s in node_strategies(fc1[0], mesh)
+        )
+
+
+# ------------------------------------------------------------------------- (b) single-dim registry
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_single_dim_ops_batch_sharded(
+    gm: torch.fx.GraphModule, mesh: tuple[int, int]
+) -> None:
+    ln = node_strategies(
+        _nodes(gm, aten.native_layer_norm.default)[0], mesh
+    )  # x, weight, bias
+    gelu = node_strategies(_nodes(gm, aten.gelu.default)[0], mesh)
+    add = node_strategies(_nodes(gm, aten.add.Tensor)[0], mesh)
+    emb = node_strategies(_nodes(gm, aten.embedding.default)[0], mesh)  # weight, ids
+    for ss in (ln, gelu, add, emb):
+        assert {s.source for s in ss} == {"single_dim"}
+    for axis in _axes(mesh):
+        assert _has(ln, mesh, axis, ["S(0)", "R", "R"], ["S(0)", "S(0)", "S(0)"])
+        assert _has(ln, mesh, axis, ["S(1)", "R", "R"], ["S(1)", "S(1)", "S(1)"])
+        assert _has(gelu, mesh, axis, ["S(0)"], ["S(0)"])
+        assert _has(add, mesh, axis, ["S(0)", "S(0)"], ["S(0)"])
+        assert _has(add, mesh, axis, ["P", "P"], ["P"])
+        assert _has(emb, mesh, axis, ["R", "S(0)"], ["S(0)"])
+        assert _has(emb, mesh, axis, ["S(0)", "R"], ["P(mask)"])  # vocabulary parallel
+
+
+def test_getitem_follows_producer(gm: torch.fx.GraphModule) -> None:
+    ln = _nodes(gm, aten.native_layer_norm.default)[0]
+    items = [u for u in ln.users if u.target is operator.getitem]
+    for mesh in MESHES:
+        producer = node_strategies(ln, mesh)
+        for g in items:
+            idx = g.args[1]
+            assert (
+                st.getitem_source(g) == (ln, idx) and st.consumed_output(ln, g) == idx
+            )
+            ss = node_strategies(g, mesh)
+            assert [s.output[0] for s in ss] == list(
+                dict.fromkeys(s.output[idx] for s in producer)
+            )
+            assert all(s.source == "getitem" and s.inputs == s.output for s in ss)
+
+
+# ---------------------------------------------------------------------------------- (c) CPU sdpa
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_sdpa_cpu_uses_registered_flash_rule(
+    gm: torch.fx.GraphModule, mesh: tuple[int, int]
+) -> None:
+    op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    (node,) = _nodes(gm, op)
+    ss = node_strategies(node, mesh)
+    # PyTorch registers no strategy for the CPU kernel; the one DTensor now holds is ours.
+    assert (
+        dr.propagator().op_single_dim_strategy_funcs[op].func.__module__
+        == "planner.dtensor_rules"
+    )
+    assert {s.source for s in ss} == {"custom"}
+    for axis in _axes(mesh):
+        for d in ("S(0)", "S(1)"):  # batch and heads
+            assert _has(ss, mesh, axis, [d, d, d], [d, d])
+    assert not any("S(2)" in p or "S(3)" in p for s in ss for i in s.inputs for p in i)
+
+
+# ------------------------------------------------------------------- fallback, decomposition, cache
+
+
+def test_fallback_and_decomposition() -> None:
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.cdist(x, y).sum() + F.mse_loss(F.hardswish(x), x)
+
+    with FakeTensorMode():
+        g = make_fx(f)(torch.empty(4, 8, 16), torch.empty(4, 12, 16))
+    (cdist,) = _nodes(g, aten._cdist_forward.default)
+    assert node_strategies(cdist, (2, 2)) == [
+        Strategy((("R", "R"),), (("R", "R"), ("R", "R")), "fallback")
+    ]
+    assert fallback_ops(g, (2, 2)) == [
+        "_cdist_forward: aten._cdist_forward.default (no DTensor strategy, rule or decomposition)"
+    ]
+    (mse,) = _nodes(
+        g, aten.mse_loss.default
+    )  # no strategy: DTensor traces its decomposition
+    ss = node_strategies(mse, (1, 4))
+    assert {s.source for s in ss} == {"decomp"}
+    assert Strategy((("R", "P(avg)"),), (("R", "S(0)"), ("R", "S(0)")), "decomp") in ss
+
+
+def test_uneven_sharding_dropped_and_cache(gm: torch.fx.GraphModule) -> None:
+    for n in gm.graph.nodes:
+        for s in node_strategies(n, (1, 3)):  # 3 divides none of the sizes but 3 * H
+            for placements, v in zip(s.output, st._outputs(n.meta["val"])):
+                if placements:
+                    assert st._even(v.shape, placements, (1, 3))
+    st.clear_cache()
+    t0 = time.perf_counter()
+    first = st.graph_strategies(gm, (2, 2))
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    again = st.graph_strategies(gm, (2, 2))
+    assert first == again and time.perf_counter() - t0 < cold
+    views = _nodes(gm, aten.view.default)
+    assert len(views) > len(
+        {st._signature(v, (2, 2)) for v in views}
+    )  # shared signatures
+    assert [s.output for s in node_strategies(views[0], (1, 1))] == [(("R", "R"),)]
+
+
+def test_dtensor_propagator_agrees(gm: torch.fx.GraphModule) -> None:
+    """Every strategy (all on (1, 4), a sample on (2, 2)) is what DTensor's real propagator does
+    for those input placements: no input redistribution and the same output placements."""
+    checked = 0
+    for mesh, cap in (((1, 4), None), ((2, 2), 12)):
+        axes = _axes(mesh)
+        dmesh = dr.get_mesh(tuple(mesh[a] for a in axes))
+        seen = set()
+        for n in gm.graph.nodes:
+            if (
+                n.op != "call_function"
+                or n.target is operator.getitem
+                or st._signature(n, mesh) in seen
+            ):
+                continue
+            seen.add(st._signature(n, mesh))
+            args, kwargs = st._template(n)
+            leaves = dr.tensor_leaves(n.target, args, kwargs)
+            for s in node_strategies(n, mesh)[:cap]:
+                if any("mask" in p for i in s.inputs for p in i):
+                    continue
+                placements = [
+                    tuple(st.to_placement(s.inputs[t.index][a]) for a in axes)
+                    for t in leaves
+                ]
+                out = dr.dtensor_output(n.target, args, kwargs, dmesh, placements)
+                assert out is not None, f"{n.name}: DTensor redistributes for {s}"
+                outs = (
+                    list(out)
+                    if isinstance(out, (list, tuple))
+                    else [out] * len(s.output)
+                )
+                got = tuple(st._to_strs(o.placements, axes, len(mesh)) for o in outs)
+                assert got == s.output, f"{n.name}: planned {s}, DTensor gives {got}"
+                checked += 1
+    assert checked > 100
+
+
+# ---------------------------------------------------------------- (d) ground truth on real gloo
+
+GLOO_OPS = [
+    aten.mm.default,
+    aten.addmm.default,
+    aten.native_layer_norm.default,
+    aten.gelu.default,
+    aten.add.Tensor,
+    aten.view.default,
+    aten.t.default,
+    aten._log_softmax.default,
+    aten.embedding.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+]
+
+
+def _cases(gm: torch.fx.GraphModule) -> list[dict]:
+    """Picklable cases: op name, args with tensors as ["__T__", input index], sampled strategies."""
+    cases = []
+    for op in GLOO_OPS:
+        node = _nodes(gm, op)[-1]
+        index = {m: i for i, m in enumerate(node.all_input_nodes)}
+        args = json.loads(
+            json.dumps(node.args, default=lambda x, ix=index: ["__T__", ix[x]])
+        )
+        metas = [
+            (list(m.meta["val"].shape), str(m.meta["val"].dtype))
+            for m in node.all_input_nodes
+        ]
+        base = {
+            "op": op.__name__,
+            "args": args,
+            "kwargs": dict(node.kwargs),
+            "metas": metas,
+        }
+        for mesh in MESHES:
+            ss = node_strategies(node, mesh)
+            for s in ss[:: max(1, len(ss) // 6)]:
+                name = f"{node.name} {s}"
+                cases.append(
+                    {
+                        **base,
+                        "mesh": mesh,
+                        "inputs": s.inputs,
+                        "output": s.output,
+                        "name": name,
+                    }
+                )
+    return cases
+
+
+def _make_local(
+    full: torch.Tensor, mesh: object, placements: tuple[str, ...]
+) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    base = [
+        Replicate() if p.startswith("P") else st.to_placement(p) for p in placements
+    ]
+    local = distribute_tensor(full, mesh, base).to_local()
+    for axis, p in enumerate(placements):
+        if (
+            p == "P" and mesh.get_local_rank(axis) != 0
+        ):  # partial sum: the value + zeros
+            local = torch.zeros_like(local)
+    return DTensor.from_local(
+        local,
+        mesh,
+        [st.to_placement(p) for p in placements],
+        run_check=False,
+        shape=full.shape,
+        stride=full.stride(),
+    )
+
+
+def _worker(
+    rank: int, world: int, store: str, cases: list[dict], out_path: str
+) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world
+    )
+    dr.register_missing_rules()
+    meshes = {tuple(m): init_device_mesh("cpu", tuple(m)) for m in MESHES}
+    failures, ran = [], 0
+    for i, case in enumerate(cases):
+        packet, overload = case["op"].split(".")
+        op = getattr(getattr(aten, packet), overload)
+        torch.manual_seed(i)
+        full = [
+            torch.randint(0, V, shape) if "int" in dt else torch.randn(shape)
+            for shape, dt in case["metas"]
+        ]
+
+        def fill(a: object, tensors: list) -> object:
+            if isinstance(a, list) and len(a) == 2 and a[0] == "__T__":
+                return tensors[a[1]]
+            return [fill(x, tensors) for x in a] if isinstance(a, list) else a
+
+        mesh = meshes[tuple(case["mesh"])]
+        problems = []
+        try:  # errors are the same on every rank, so collectives stay matched
+            ref = op(*[fill(a, full) for a in case["args"]], **case["kwargs"])
+            dts = [_make_local(t, mesh, tuple(p)) for t, p in zip(full, case["inputs"])]
+            with CommDebugMode() as comm:
+                out = op(*[fill(a, dts) for a in case["args"]], **case["kwargs"])
+            outs = list(out) if isinstance(out, (list, tuple)) else [out]
+            refs = list(ref) if isinstance(ref, (list, tuple)) else [ref]
+            if comm.get_total_counts():
+                problems.append(f"{comm.get_total_counts()} collectives")
+            for o, r, want in zip(outs, refs, case["output"]):
+                if not isinstance(o, DTensor):
+                    problems.append(f"output is {type(o).__name__}")
+                    continue
+                got = tuple(st.from_placement(p) for p in o.placements)
+                if got != tuple(want):
+                    problems.append(f"output placements {got} != planned {tuple(want)}")
+                if not torch.allclose(
+                    o.full_tensor(), r, atol=1e-5, rtol=1e-4, equal_nan=True
+                ):
+                    problems.append("values differ from one device")
+        except Exception as e:  # noqa: BLE001 - reported below
+            problems.append(f"{type(e).__name__}: {e}")
+        if problems:
+            failures.append(f"{case['mesh']} {case['name']}: {'; '.join(problems)}")
+        ran += 1
+    # F.scaled_dot_product_attention on DTensors dispatches to the CPU flash kernel planned above
+    mesh = meshes[(2, 2)]
+    q, k, v = (torch.randn(B, NH, S, H // NH) for _ in range(3))
+    dq, dk, dv = (_make_local(t, mesh, ("S(0)", "S(1)")) for t in (q, k, v))
+    with CommDebugMode() as comm:
+        o = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+    ok = comm.get_total_counts() == 0 and tuple(
+        st.from_placement(p) for p in o.placements
+    ) == ("S(0)", "S(1)")
+    if not ok or not torch.allclose(
+        o.full_tensor(),
+        F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        atol=1e-5,
+    ):
+        failures.append(
+            f"F.scaled_dot_product_attention: {comm.get_total_counts()} collectives, {o.placements}"
+        )
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"ran": ran, "failures": failures}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_ground_truth_on_gloo(gm: torch.fx.GraphModule, tmp_path: object) -> None:
+    import torch.multiprocessing as mp
+
+    cases = _cases(gm)
+    assert {c["op"] for c in cases} == {op.__name__ for op in GLOO_OPS}
+    out = os.path.join(str(tmp_path), "result.json")
+    mp.spawn(
+        _worker,
+        args=(4, os.path.join(str(tmp_path), "store"), cases, out),
+        nprocs=4,
+        join=True,
+    )
+    with open(out) as f:
+        result = json.load(f)
+    assert result["ran"] == len(cases) > 60
+    assert result["failures"] == [], "\n".join(result["failures"])
