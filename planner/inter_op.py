@@ -1,0 +1,107 @@
+"""Inter-operator pass: assign consecutive layer ranges to submeshes, minimising pipeline latency.
+
+Formulation (Alpa, OSDI'22, section 5.1, eq. 2-3), for layers 0..L-1, submesh shapes m with
+size |m| devices, D devices in all and B micro-batches:
+
+Input
+    cost[k, j, m, s]: per-micro-batch latency (forward + backward) of a stage that runs layers k..j
+    on submesh m, when it and the stages after it are s stages (this sets the micro-batches it keeps
+    in flight, hence its memory); +inf where it does not fit in memory.
+
+Search
+    For every candidate maximum stage latency t_max (the distinct finite costs, ascending):
+
+        F(0, L, 0) = 0
+        F(s, k, d) = min over j >= k and m with |m| <= d and cost[k, j, m, s] <= t_max of
+                     cost[k, j, m, s] + F(s - 1, j + 1, d - |m|)
+
+    pipeline latency(t_max) = min over s of F(s, 0, D) + (B - 1) * t_max          (1F1B / GPipe)
+
+    The answer is the minimum over t_max. The stages use exactly D devices (they tile the cluster).
+    Enumeration stops once (B - 1) * t_max alone reaches the best latency found. With
+    `epsilon > 0`, candidates within a relative epsilon of the last one tried are skipped (the
+    result is then within that factor of the optimum).
+
+`stage_dp` is exact for epsilon = 0 (tests compare it with brute force); it is vectorised over d.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cost_models.errors import MeshplanError
+
+
+@dataclass
+class DPResult:
+    latency: float  # sum of stage latencies + (B - 1) * max stage latency
+    t_max: float
+    stages: list[tuple[int, int, int]]  # (first layer, last layer, submesh index)
+
+
+def stage_dp(cost: np.ndarray, sizes: list[int], num_devices: int, num_microbatches: int, *, epsilon: float = 0.0) -> DPResult:
+    """Solve the program above. `cost` has shape (L, L, len(sizes), S_max + 1); index s = 0 unused."""
+    L, _, n_sub, s_cap = cost.shape
+    s_max = min(L, num_devices, s_cap - 1)
+    B = num_microbatches
+    finite = np.unique(cost[np.isfinite(cost)])
+    best: DPResult | None = None
+    last_tried = -np.inf
+    for t_max in finite:
+        if best is not None and (B - 1) * t_max >= best.latency:
+            break
+        if epsilon > 0 and t_max <= last_tried * (1 + epsilon):
+            continue
+        last_tried = t_max
+        result = _dp_for(cost, sizes, num_devices, s_max, float(t_max))
+        if result is None:
+            continue
+        total, stages = result
+        latency = total + (B - 1) * max(cost[k, j, m, s] for s, (k, j, m) in zip(range(len(stages), 0, -1), stages))
+        if best is None or latency < best.latency - 1e-15:
+            best = DPResult(float(latency), float(t_max), stages)
+    if best is None:
+        raise MeshplanError("no assignment of layers to submeshes fits in memory")
+    return best
+
+
+def _dp_for(cost: np.ndarray, sizes: list[int], D: int, s_max: int, t_max: float) -> tuple[float, list] | None:
+    L = cost.shape[0]
+    allowed = np.where(cost <= t_max, cost, np.inf)
+    inf = np.full(D + 1, np.inf)
+    # F[s][k]: array over d; arg[s][k]: (j, m) per d.
+    F = [[inf.copy() for _ in range(L + 1)] for _ in range(s_max + 1)]
+    arg_j = [[np.full(D + 1, -1) for _ in range(L + 1)] for _ in range(s_max + 1)]
+    arg_m = [[np.full(D + 1, -1) for _ in range(L + 1)] for _ in range(s_max + 1)]
+    F[0][L][0] = 0.0
+    for s in range(1, s_max + 1):
+        for k in range(L - 1, -1, -1):
+            cur, cj, cm = F[s][k], arg_j[s][k], arg_m[s][k]
+            for j in range(k, L):
+                nxt = F[s - 1][j + 1]
+                if not np.isfinite(nxt).any():
+                    continue
+                for m, size in enumerate(sizes):
+                    c = allowed[k, j, m, s]
+                    if not np.isfinite(c) or size > D:
+                        continue
+                    cand = np.full(D + 1, np.inf)
+                    cand[size:] = nxt[: D + 1 - size] + c
+                    better = cand < cur
+                    if better.any():
+                        cur[better] = cand[better]
+                        cj[better] = j
+                        cm[better] = m
+    totals = [F[s][0][D] for s in range(1, s_max + 1)]
+    if not np.isfinite(totals).any():
+        return None
+    s = int(np.argmin(totals)) + 1
+    total = float(totals[s - 1])
+    stages, k, d = [], 0, D
+    while s > 0:
+        j, m = int(arg_j[s][k][d]), int(arg_m[s][k][d])
+        stages.append((k, j, m))
+        k, d, s = j + 1, d - sizes[m], s - 1
+    return total, stages
