@@ -129,37 +129,76 @@ def activation_footprint(
     )
 
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 _SCHEDULE_ALIASES = {
     "gpipe": "gpipe",
     "schedulegpipe": "gpipe",
     "1f1b": "1f1b",
     "schedule1f1b": "1f1b",
     "pipedream": "1f1b",
+    "interleaved": "interleaved",
+    "interleaved1f1b": "interleaved",
+    "scheduleinterleaved1f1b": "interleaved",
 }
 
 
-def microbatches_in_flight(
-    schedule: str, num_microbatches: int, num_stages: int, stage_index: int
-) -> int:
-    """Micro-batches whose activations stage ``stage_index`` (0-based) holds at its peak.
-
-    GPipe runs every forward before any backward: all ``B`` micro-batches. 1F1B starts backward as
-    soon as the last stage has a micro-batch, so stage i holds at most ``min(B, S - i)``.
-    """
+def canonical_schedule(schedule: str) -> str:
+    """``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` for a schedule name or alias (case, ``-``, ``_``
+    ignored; torch's class names such as ``ScheduleInterleaved1F1B`` are accepted)."""
     key = _SCHEDULE_ALIASES.get(schedule.replace("-", "").replace("_", "").lower())
     if key is None:
         raise MeshplanError(
             f"unknown pipeline schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}"
         )
+    return key
+
+
+def microbatches_in_flight(
+    schedule: str,
+    num_microbatches: int,
+    num_stages: int,
+    stage_index: int,
+    *,
+    virtual_stages: int = 1,
+) -> float:
+    """Micro-batches whose activations stage ``stage_index`` (0-based) holds at its peak.
+
+    GPipe runs every forward before any backward: all ``B`` micro-batches. 1F1B starts backward as
+    soon as the last stage has a micro-batch, so stage i holds at most ``min(B, S - i)``.
+
+    Interleaved 1F1B (Narayanan et al. 2021; Megatron-LM's schedule): ``num_stages`` = p devices,
+    ``stage_index`` = device d, each running v = ``virtual_stages`` model chunks. Device d first runs
+    ``w = 2 (p - d - 1) + (v - 1) p`` chunk forwards (all ``B v`` when ``B == p``), then alternates one
+    forward and one backward, so it holds ``w + 1`` (micro-batch, chunk) activation sets at its peak
+    (``B v`` when ``B == p``). Returned in units of a whole micro-batch through all v chunks of the
+    device, ``(w + 1) / v``, assuming equal chunks; device 0 holds ``p + (p - 1) / v`` (Korthikanti
+    et al. 2022, section 4.2.3). Megatron requires ``B`` to be a multiple of p; with ``v == 1`` the
+    schedule is 1F1B.
+    """
+    key = canonical_schedule(schedule)
     if num_microbatches < 1 or num_stages < 1 or not 0 <= stage_index < num_stages:
         raise MeshplanError(
             f"need micro-batches >= 1, stages >= 1 and 0 <= stage < stages, got {num_microbatches}, "
             f"{num_stages}, {stage_index}"
         )
+    if virtual_stages < 1 or (virtual_stages > 1 and key != "interleaved"):
+        raise MeshplanError(
+            f"virtual_stages must be 1, or >= 1 with the interleaved schedule; got {virtual_stages} "
+            f"with {key}"
+        )
     if key == "gpipe":
         return num_microbatches
-    return min(num_microbatches, num_stages - stage_index)
+    if key == "1f1b" or virtual_stages == 1:
+        return min(num_microbatches, num_stages - stage_index)
+    p, v, b = num_stages, virtual_stages, num_microbatches
+    if b % p:
+        raise MeshplanError(
+            f"the interleaved schedule needs micro-batches to be a multiple of the {p} pipeline "
+            f"devices (Megatron-LM); got {b}"
+        )
+    if b == p:
+        return float(b)
+    return (2 * (p - stage_index - 1) + (v - 1) * p + 1) / v
 
 
 def stage_activation_bytes(

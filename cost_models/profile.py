@@ -14,8 +14,9 @@ Byte convention for `CollectiveFit.samples` and for `alpha_s + beta_s_per_byte *
 - all_to_all: the full per-rank buffer (input size on one rank; each rank sends (w-1)/w of it);
 - send_recv: the per-rank message sent from one rank to its peer.
 
-The fit (`fit_alpha_beta`) is a non-negative least-squares fit of relative error, so that a 64 KB
-message is fitted as closely as a 64 MB one; see its docstring. Where one line misses a sample by more
+The fit (`fit_alpha_beta`) is a non-negative fit of relative error (least squares, refined to least
+absolute error for robustness to outliers), so that a 64 KB message is fitted as closely as a 64 MB
+one; see its docstring. Where one line misses a sample by more
 than SEGMENT_TOLERANCE, `fit_segments` adds a piecewise fit ("segments", optional in the file);
 always price with `CollectiveFit.predict(nbytes)`, which uses the segments when present.
 
@@ -85,11 +86,12 @@ class CollectiveFit:
     in the module docstring (full unsharded tensor for all_reduce / all_gather / reduce_scatter /
     all_to_all, per-rank message for send_recv).
 
-    `segments` (optional, possibly empty) is a piecewise refinement written when one line misses a
-    measured sample by more than `SEGMENT_TOLERANCE` (gloo over TCP switches algorithms and buffer
-    regimes with message size): a list of (max_bytes, alpha_s, beta_s_per_byte), ascending; a message
-    uses the first segment whose max_bytes >= its size, or the last one. `predict` applies it; the
-    global alpha_s / beta_s_per_byte stay the single best line for closed-form uses.
+    `segments` (optional, possibly empty) is a piecewise-linear refinement written when one line
+    misses a measured sample by more than `SEGMENT_TOLERANCE` (gloo over TCP changes regime with
+    message size): a list of (max_bytes, alpha_s, beta_s_per_byte), ascending, continuous at each
+    max_bytes (see `fit_segments`); a message uses the first segment whose max_bytes >= its size.
+    `predict` applies it; the global alpha_s / beta_s_per_byte stay the single best line for
+    closed-form uses (e.g. deriving a link's latency and bandwidth).
     """
 
     op: str
@@ -100,14 +102,28 @@ class CollectiveFit:
     segments: list[tuple[int, float, float]] = field(default_factory=list)
 
     def predict(self, nbytes: float) -> float:
-        """Predicted seconds for a message of `nbytes` (byte convention as in the module docstring)."""
+        """Predicted seconds for a message of `nbytes` (byte convention as in the module docstring).
+
+        With segments: the segment whose range holds nbytes. Beyond the largest sample the last
+        segment is extended, but a bigger message is never predicted faster than the largest sample;
+        below the smallest sample the first one is extended, kept between the global alpha_s
+        (latency) and the smallest sample's time.
+        """
+        x = float(nbytes)
+        if not self.segments:
+            return self.alpha_s + self.beta_s_per_byte * x
         for max_bytes, alpha, beta in self.segments:
-            if nbytes <= max_bytes:
-                return alpha + beta * float(nbytes)
-        if self.segments:
-            _, alpha, beta = self.segments[-1]
-            return alpha + beta * float(nbytes)
-        return self.alpha_s + self.beta_s_per_byte * float(nbytes)
+            if x <= max_bytes:
+                value = alpha + beta * x
+                break
+        else:
+            max_bytes, alpha, beta = self.segments[-1]
+            return max(alpha + beta * x, alpha + beta * max_bytes)
+        if self.samples:
+            x0, y0 = min(self.samples)
+            if x < x0:
+                return min(y0, max(value, self.alpha_s))
+        return value
 
 
 @dataclass
@@ -139,44 +155,77 @@ class DeviceProfile:
         return [s for s in self.matmul if s.dtype == dtype]
 
 
-def fit_alpha_beta(samples: list[tuple[int, float]]) -> tuple[float, float]:
+def _weighted_fit(
+    pts: list[tuple[float, float]], weights: list[float], free_alpha: bool = False
+) -> tuple[float, float]:
+    """(alpha, beta) minimising sum(w * ((alpha + beta*x - y) / y)^2), beta >= 0 and, unless
+    `free_alpha`, alpha >= 0."""
+    # work in units of the largest message, for the conditioning of the normal equations
+    scale = max(x for x, _ in pts) or 1.0
+    s00 = s01 = s11 = t0 = t1 = 0.0
+    for (x, y), wt in zip(pts, weights):
+        u, w = x / scale, wt / (y * y)
+        s00 += w
+        s01 += w * u
+        s11 += w * u * u
+        t0 += w * y
+        t1 += w * u * y
+
+    def loss(a: float, b: float) -> float:
+        return sum(
+            wt * ((a + b * x / scale - y) / y) ** 2 for (x, y), wt in zip(pts, weights)
+        )
+
+    det = s00 * s11 - s01 * s01
+    if det > 1e-12 * s00 * s11:
+        a = (t0 * s11 - t1 * s01) / det
+        b = (s00 * t1 - s01 * t0) / det
+        if (a >= 0 or free_alpha) and b >= 0:
+            return a, b / scale
+    candidates = [(t0 / s00, 0.0)]  # alpha only
+    if s11 > 0 and not free_alpha:
+        candidates.append((0.0, max(t1 / s11, 0.0)))  # beta only
+    a, b = min(candidates, key=lambda ab: loss(*ab))
+    return a, b / scale
+
+
+def fit_alpha_beta(
+    samples: list[tuple[int, float]], free_alpha: bool = False
+) -> tuple[float, float]:
     """Fit time = alpha + beta * bytes to (bytes, seconds) samples; returns (alpha, beta), both >= 0.
 
-    Minimises the sum of squared RELATIVE errors, sum(((alpha + beta*x - y) / y)^2), i.e. a weighted
-    least-squares fit with weights 1/y^2, so every message size counts equally rather than the largest
-    dominating. Non-negativity is enforced exactly (a 2-variable NNLS): if the unconstrained optimum
-    has a negative coefficient, the better of the two one-coefficient fits (alpha only, beta only) is
-    returned. One sample gives (0, y/x) (or (y, 0) for x == 0); no samples raise MeshplanError.
+    The error measured is RELATIVE, (alpha + beta*x - y) / y, so a 64 KB message counts as much as a
+    64 MB one. First the least-squares fit (weights 1/y^2); then, with 3 or more samples, a robust
+    refinement to least ABSOLUTE relative error by iteratively reweighted least squares (weights
+    1/|error|), because CPU timings on a shared machine have outliers that would otherwise tilt the
+    line; the L1 fit minimises the typical (median-like) error. Non-negativity is exact in every step
+    (a 2-variable NNLS: if the unconstrained optimum has a negative coefficient, the better of the
+    alpha-only and beta-only fits); if the L1 fit lands on beta = 0 (or alpha = 0) where least squares
+    did not, as it does when most samples sit on a noise floor, the least-squares fit is kept, since
+    a zero beta would mean infinite bandwidth. One sample gives (y, 0); no samples raise MeshplanError.
+    `free_alpha` lets alpha go negative (used for the upper pieces of `fit_segments`, whose lines
+    need not pass near the origin).
     """
     pts = [(float(x), float(y)) for x, y in samples if y > 0 and math.isfinite(y)]
     if not pts:
         raise MeshplanError(
             "fit_alpha_beta: no positive (bytes, seconds) samples to fit"
         )
-    # Weighted normal equations with w = 1/y^2.
-    s00 = s01 = s11 = t0 = t1 = 0.0
-    for x, y in pts:
-        w = 1.0 / (y * y)
-        s00 += w
-        s01 += w * x
-        s11 += w * x * x
-        t0 += w * y
-        t1 += w * x * y
-
-    def loss(a: float, b: float) -> float:
-        return sum(((a + b * x - y) / y) ** 2 for x, y in pts)
-
-    candidates: list[tuple[float, float]] = []
-    det = s00 * s11 - s01 * s01
-    if det > 1e-12 * max(s00 * s11, 1e-300):
-        a = (t0 * s11 - t1 * s01) / det
-        b = (s00 * t1 - s01 * t0) / det
-        if a >= 0 and b >= 0:
-            return a, b
-    candidates.append((t0 / s00, 0.0))  # alpha only
-    if s11 > 0:
-        candidates.append((0.0, max(t1 / s11, 0.0)))  # beta only
-    return min(candidates, key=lambda ab: loss(*ab))
+    a0, b0 = a, b = _weighted_fit(pts, [1.0] * len(pts), free_alpha)
+    if len(pts) < 3:
+        return a, b
+    for _ in range(50):
+        weights = [1.0 / max(abs(a + b * x - y) / y, 1e-4) for x, y in pts]
+        a2, b2 = _weighted_fit(pts, weights, free_alpha)
+        done = abs(a2 - a) <= 1e-9 * max(abs(a), 1e-12)
+        done = done and abs(b2 - b) <= 1e-9 * max(b, 1e-30)
+        a, b = a2, b2
+        if done:
+            break
+    # L1 chose a flat (or origin) line through a noise floor: keep least squares
+    if (b <= 0 < b0) or (a <= 0 < a0 and not free_alpha):
+        return a0, b0
+    return a, b
 
 
 def _rel_errors(samples: list[tuple[int, float]], a: float, b: float) -> list[float]:
@@ -186,61 +235,58 @@ def _rel_errors(samples: list[tuple[int, float]], a: float, b: float) -> list[fl
 def fit_segments(
     samples: list[tuple[int, float]],
     tolerance: float = SEGMENT_TOLERANCE,
-    min_points: int = 3,
+    max_segments: int = 5,
 ) -> list[tuple[int, float, float]]:
-    """Piecewise alpha-beta fit: [] when one line is within `tolerance` of every sample, else the
-    best split into 2 (or, if still needed, 3) contiguous size ranges of >= `min_points` samples,
-    each fitted with `fit_alpha_beta`, as [(max_bytes, alpha, beta), ...].
+    """Piecewise-linear fit, as [(max_bytes, alpha, beta), ...] ascending; [] when one line
+    (`fit_alpha_beta`) is within `tolerance` of every sample.
 
-    "Best" minimises the summed squared relative error; a split is kept only if it lowers the worst
-    sample's relative error.
+    Otherwise: a continuous piecewise-linear curve through k + 1 of the measured points ("knots":
+    always the smallest and the largest message, plus the best k - 1 in between), k = 2, 3, ...
+    `max_segments`. For each k the knots minimising the worst relative error at the other samples
+    (ties: the summed error) are found exactly by dynamic programming; the smallest k whose worst sample is within
+    `tolerance` is returned (else the k with the smallest worst error). Segment i runs from knot i to
+    knot i + 1 (max_bytes = knot i + 1). gloo needs this: on a 2-core machine its all_gather and
+    reduce_scatter time grows ~4x per doubling above ~16 MiB, which no single line follows.
     """
     pts = sorted((int(x), float(y)) for x, y in samples if y > 0)
-    if len(pts) < 2 * min_points:
+    n = len(pts)
+    if n < 3:
         return []
     a, b = fit_alpha_beta(pts)
-    single_worst = max(_rel_errors(pts, a, b))
-    if single_worst <= tolerance:
+    worst = max(_rel_errors(pts, a, b))
+    if worst <= tolerance:
         return []
 
-    def piece(
-        part: list[tuple[int, float]],
-    ) -> tuple[tuple[int, float, float], list[float]]:
-        pa, pb = fit_alpha_beta(part)
-        return (part[-1][0], pa, pb), _rel_errors(part, pa, pb)
+    def line(i: int, j: int) -> tuple[int, float, float]:
+        (x0, y0), (x1, y1) = pts[i], pts[j]
+        beta = (y1 - y0) / (x1 - x0)
+        return (x1, y0 - beta * x0, beta)
 
-    def best_split(
-        k: int,
-    ) -> tuple[float, float, list[tuple[int, float, float]]] | None:
-        best = None
-        n = len(pts)
-        cuts: list[tuple[int, ...]] = []
-        if k == 2:
-            cuts = [(i,) for i in range(min_points, n - min_points + 1)]
-        else:
-            cuts = [
-                (i, j)
-                for i in range(min_points, n - 2 * min_points + 1)
-                for j in range(i + min_points, n - min_points + 1)
-            ]
-        for cut in cuts:
-            bounds = (0, *cut, n)
-            segs, errs = [], []
-            for lo, hi in itertools.pairwise(bounds):
-                seg, e = piece(pts[lo:hi])
-                segs.append(seg)
-                errs += e
-            score = sum(e * e for e in errs)
-            if best is None or score < best[0]:
-                best = (score, max(errs), segs)
-        return best
-
+    cost: dict[
+        tuple[int, int], tuple[float, float]
+    ] = {}  # (sum, max) of errors strictly inside
+    for i in range(n):
+        for j in range(i + 1, n):
+            _, alpha, beta = line(i, j)
+            errs = _rel_errors(pts[i + 1 : j], alpha, beta) or [0.0]
+            cost[i, j] = (sum(errs), max(errs))
+    # best[k][j]: ((worst error, summed error), knots) of a curve from knot 0 to knot j in k pieces
+    Score = tuple[tuple[float, float], tuple[int, ...]]
+    best: list[dict[int, Score]] = [{0: ((0.0, 0.0), (0,))}]
     chosen: list[tuple[int, float, float]] = []
-    worst = single_worst
-    for k in (2, 3):
-        found = best_split(k)
-        if found is not None and found[1] < worst:
-            worst, chosen = found[1], found[2]
+    for k in range(1, min(max_segments, n - 1) + 1):
+        layer: dict[int, Score] = {}
+        for i, ((w, total), knots) in best[k - 1].items():
+            for j in range(i + 1, n):
+                cand = ((max(w, cost[i, j][1]), total + cost[i, j][0]), (*knots, j))
+                if j not in layer or cand[0] < layer[j][0]:
+                    layer[j] = cand
+        best.append(layer)
+        if k == 1 or n - 1 not in layer:
+            continue
+        (k_worst, _), knots = layer[n - 1]
+        if k_worst < worst:
+            worst, chosen = k_worst, [line(i, j) for i, j in itertools.pairwise(knots)]
         if worst <= tolerance:
             break
     return chosen

@@ -99,15 +99,15 @@ def propagator() -> Any:
 # ----------------------------------------------------------------------------------- placements
 
 
-def placement_to_str(p: Placement) -> str | None:
+def placement_to_str(p: Placement, strided: bool = False) -> str | None:
     """``Replicate() -> "R"``, ``Shard(d) -> "S(d)"``, ``Partial("sum") -> "P"``, ``Partial(op) -> "P(op)"``.
 
     Partial subclasses keep their kind: ``_MaskPartial`` (vocabulary-sharded embedding) is
     ``"P(mask)"`` and ``_NormPartial`` is ``"P(norm)"``. `_StridedShard` has no string (None):
-    strategies using it are dropped by the planner.
+    strategies using it are dropped by the planner (with ``strided=True`` it is ``"S(d)"`` too).
     """
     if isinstance(p, _StridedShard):
-        return None
+        return f"S({p.dim})" if strided else None
     if isinstance(p, Shard):
         return f"S({p.dim})"
     if isinstance(p, Replicate):
@@ -480,22 +480,27 @@ def dtensor_output(
 def _sdpa_cpu_rules(
     args_schema: tuple, kwargs_schema: dict, first_qkv: int, n_out: int, n_in: int
 ) -> list:
-    """Batch (S(0)) and head (S(1)) sharding, as PyTorch registers for the CUDA flash kernel."""
-    dropout_index = n_in  # forward: (q, k, v, dropout_p, ...); backward: (grad, q, k, v, out, lse, dropout_p, ...)
-    dropout_p = args_schema[dropout_index] if len(args_schema) > dropout_index else 0.0
+    """Batch (S(0)) and head (S(1)) sharding, as PyTorch registers for the CUDA flash kernel.
+
+    Tensor inputs: forward (q, k, v), backward (grad_out, q, k, v, out, logsumexp), then the
+    optional ``attn_mask`` kwarg, which broadcasts from the right: its batch/head dims are
+    sharded like q's when present with size > 1, else replicated. Not offered: dropout (random
+    ops need DTensor's RNG tracker) and head sharding under grouped-query attention.
+    """
+    dropout_p = args_schema[n_in] if len(args_schema) > n_in else 0.0
     if dropout_p:
-        return []  # random ops need DTensor's RNG tracker: leave them replicated
+        return []
     q, k, v = args_schema[first_qkv : first_qkv + 3]
     mask = kwargs_schema.get("attn_mask")
     rules = []
     for dim in (0, 1):
         if dim == 1 and not (q.shape[1] == k.shape[1] == v.shape[1]):
-            continue  # grouped-query attention: heads do not line up shard by shard
+            continue
         rule: list = [_ShardingPlaceholder(dim)] * (n_out + n_in)
         if mask is not None:
-            rule.append(
-                _ShardingPlaceholder(dim) if mask.shape[dim] > 1 else Replicate()
-            )
+            mdim = dim - (len(q.shape) - len(mask.shape))
+            sharded = mdim >= 0 and mask.shape[mdim] > 1
+            rule.append(_ShardingPlaceholder(mdim) if sharded else Replicate())
         rules.append(rule)
     return rules
 
@@ -529,6 +534,12 @@ def register_missing_rules() -> None:
             # [grad_q, grad_k, grad_v, grad_out, q, k, v, out, logsumexp, (attn_mask)]
             return _sdpa_cpu_rules(args_schema, kwargs_schema, 1, 3, 6)
 
+
+# Ops DTensor runs through its own handler (``_tp_conv``), which builds a ``dim_map`` and so
+# rejects a tensor dim sharded on two mesh axes although the registry lists such strategies.
+NO_NESTED_SHARDING = frozenset(
+    {aten.convolution.default, aten.convolution_backward.default}
+)
 
 CUSTOM_OPS = frozenset(
     {

@@ -41,9 +41,16 @@ class DPResult:
     stages: list[tuple[int, int, int]]  # (first layer, last layer, submesh index)
 
 
-def stage_dp(cost: np.ndarray, sizes: list[int], num_devices: int, num_microbatches: int, *, epsilon: float = 0.0) -> DPResult:
+def stage_dp(
+    cost: np.ndarray,
+    sizes: list[int],
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    epsilon: float = 0.0,
+) -> DPResult:
     """Solve the program above. `cost` has shape (L, L, len(sizes), S_max + 1); index s = 0 unused."""
-    L, _, n_sub, s_cap = cost.shape
+    L, _, _, s_cap = cost.shape
     s_max = min(L, num_devices, s_cap - 1)
     B = num_microbatches
     finite = np.unique(cost[np.isfinite(cost)])
@@ -59,7 +66,9 @@ def stage_dp(cost: np.ndarray, sizes: list[int], num_devices: int, num_microbatc
         if result is None:
             continue
         total, stages = result
-        latency = total + (B - 1) * max(cost[k, j, m, s] for s, (k, j, m) in zip(range(len(stages), 0, -1), stages))
+        latency = total + (B - 1) * max(
+            cost[k, j, m, s] for s, (k, j, m) in zip(range(len(stages), 0, -1), stages)
+        )
         if best is None or latency < best.latency - 1e-15:
             best = DPResult(float(latency), float(t_max), stages)
     if best is None:
@@ -67,7 +76,9 @@ def stage_dp(cost: np.ndarray, sizes: list[int], num_devices: int, num_microbatc
     return best
 
 
-def _dp_for(cost: np.ndarray, sizes: list[int], D: int, s_max: int, t_max: float) -> tuple[float, list] | None:
+def _dp_for(
+    cost: np.ndarray, sizes: list[int], D: int, s_max: int, t_max: float
+) -> tuple[float, list] | None:
     L = cost.shape[0]
     allowed = np.where(cost <= t_max, cost, np.inf)
     inf = np.full(D + 1, np.inf)

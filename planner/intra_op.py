@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,6 +66,37 @@ class StageSolution:
     @property
     def memory_bytes(self) -> float:
         return self.param_state_bytes + self.activation_bytes
+
+    def node_costs(self) -> dict[str, tuple[float, float, float, float]]:
+        """Per node: (time per micro-batch including resharding of its inputs, forward compute time,
+        parameter-state bytes, activation bytes per in-flight micro-batch). Sums to the stage totals."""
+        ctx = self._ctx
+        out = {}
+        for n, opt in self.choice.items():
+            node = ctx.graph.node(n)
+            t = ctx.node_cost(n, opt)
+            fwd = (
+                t * node.fwd_flops / max(node.fwd_flops + node.bwd_flops, 1)
+                if node.op == "call"
+                else 0.0
+            )
+            mem = ctx.node_memory(n, opt)
+            is_param = node.op == "param"
+            out[n] = (
+                t,
+                fwd,
+                mem if is_param else 0.0,
+                0.0 if is_param else mem / ctx.settings.in_flight,
+            )
+        for u, v in ctx.edges:
+            act, grad = ctx.edge(u, v)
+            i, j = (
+                ctx.options[u].index(self.choice[u]),
+                ctx.options[v].index(self.choice[v]),
+            )
+            t, fwd, pm, am = out[v]
+            out[v] = (t + act[i, j] + grad[i, j], fwd, pm, am)
+        return out
 
     def forward_reshards(
         self, consumers: set[str] | None = None
@@ -212,13 +244,18 @@ def solve_stage(
     mesh: LogicalMesh,
     *,
     nodes: list[str] | None = None,
+    param_filter: Callable[[str, Option], bool] | None = None,
     num_microbatches: int = 1,
     in_flight: int = 1,
     optimizer: str = "adam_mixed",
     memory_budget: float | None = None,
     time_limit: float | None = None,
 ) -> StageSolution:
-    """Solve the intra-op program for `nodes` (default: the whole graph) on `mesh`."""
+    """Solve the intra-op program for `nodes` (default: the whole graph) on `mesh`.
+
+    `param_filter(path, option)` restricts the options of parameters (e.g. to price a manual
+    Megatron configuration, or pure data parallelism); every parameter must keep at least one.
+    """
     t0 = time.perf_counter()
     settings = StageSettings(mesh, num_microbatches, in_flight, optimizer)
     fx = {n.name: n for n in graph.gm.graph.nodes}
@@ -233,6 +270,13 @@ def solve_stage(
         node = graph.node(n)
         if n in in_scope or node.op in ("param", "buffer", "input"):
             options[n] = sc.node_options(fx[n], node, mesh.shape)
+            if param_filter is not None and node.op == "param":
+                path = graph.placeholder_paths[n]
+                options[n] = [o for o in options[n] if param_filter(path, o)]
+                if not options[n]:
+                    raise MeshplanError(
+                        f"no allowed placement for parameter {path} {node.outputs[0].shape} on mesh {mesh.shape}"
+                    )
         else:  # produced by an earlier stage: arrives in whatever placement we choose
             options[n] = [
                 Option(s) for s in leaf_strategies(node.outputs[0].shape, mesh.shape)

@@ -26,18 +26,27 @@ class StagePlan:
     logical_mesh: tuple[int, int]
     recompute: bool
     param_placements: dict[str, list[str]]  # parameter path -> placement per mesh axis
-    time_s: float  # forward + backward of one micro-batch, including gradient sync share
+    time_s: (
+        float  # forward + backward of one micro-batch, including gradient sync share
+    )
     memory_bytes: float  # peak per device
     compute_s: float = 0.0
     comm_s: float = 0.0
     grad_sync_s: float = 0.0  # per iteration
     zero_params: list[str] = field(default_factory=list)
-    node_strategies: dict[str, dict[str, list]] = field(default_factory=dict)  # node -> {"inputs", "outputs"}
+    node_strategies: dict[str, dict[str, list]] = field(
+        default_factory=dict
+    )  # node -> {"inputs", "outputs"}
 
     @property
     def dp_tp(self) -> str:
         """Data x tensor parallel degrees read off the parameter placements (axes that shard weights are TP)."""
-        tp_axes = {a for pl in self.param_placements.values() for a, p in enumerate(pl) if p.startswith("S")}
+        tp_axes = {
+            a
+            for pl in self.param_placements.values()
+            for a, p in enumerate(pl)
+            if p.startswith("S")
+        }
         tp = 1
         dp = 1
         for a, size in enumerate(self.logical_mesh):
@@ -92,19 +101,29 @@ class ParallelPlan:
             raise MeshplanError(f"{source}: expected a JSON object")
         version = d.get("format_version")
         if version != FORMAT_VERSION:
-            raise MeshplanError(f"{source}: plan format version {version!r} is not supported (expected {FORMAT_VERSION})")
+            raise MeshplanError(
+                f"{source}: plan format version {version!r} is not supported (expected {FORMAT_VERSION})"
+            )
         try:
             stages = [
                 StagePlan(
                     **{
-                        k: (tuple(v) if k in ("layers", "submesh", "logical_mesh") else v)
+                        k: (
+                            tuple(v)
+                            if k in ("layers", "submesh", "logical_mesh")
+                            else v
+                        )
                         for k, v in s.items()
                         if k != "dp_tp"
                     }
                 )
                 for s in d["stages"]
             ]
-            fields = {k: v for k, v in d.items() if k not in ("stages", "estimate", "layer_nodes")}
+            fields = {
+                k: v
+                for k, v in d.items()
+                if k not in ("stages", "estimate", "layer_nodes")
+            }
             return cls(
                 **fields,
                 stages=stages,
@@ -112,7 +131,9 @@ class ParallelPlan:
                 layer_nodes=[tuple(x) for x in d["layer_nodes"]],
             )
         except (KeyError, TypeError) as exc:
-            raise MeshplanError(f"{source}: malformed plan ({type(exc).__name__}: {exc})") from None
+            raise MeshplanError(
+                f"{source}: malformed plan ({type(exc).__name__}: {exc})"
+            ) from None
 
     @classmethod
     def load(cls, path: str | Path) -> ParallelPlan:
@@ -123,7 +144,9 @@ class ParallelPlan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise MeshplanError(f"{path}: not a JSON plan ({exc.msg} at line {exc.lineno})") from None
+            raise MeshplanError(
+                f"{path}: not a JSON plan ({exc.msg} at line {exc.lineno})"
+            ) from None
         return cls.from_json(data, str(path))
 
     def check_model(self, fingerprint: str, name: str = "") -> None:

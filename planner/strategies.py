@@ -25,6 +25,8 @@ placements the output DTensor's propagator actually picks, and converts to strin
   ``"P(mask)"``). Two layouts DTensor 2.13 enumerates but fails to run (found by running every
   strategy on gloo) are dropped: ``P(mask)`` on both axes, and ``P(mask)`` on an axis with the
   indices sharded on a later axis (`_bad_mask`).
+* convolution and its backward run through DTensor's own handler (``tp_convolution``), which
+  rejects a dim sharded on two axes: those strategies are dropped (`dr.NO_NESTED_SHARDING`).
 
 Node kinds:
 
@@ -291,6 +293,8 @@ def _convert(
     """DTensor (input placements, output specs) on the squeezed mesh -> Strategy, or None if dropped."""
     n = len(mesh_shape)
     in_places, out_specs = pair
+    if node.target in dr.NO_NESTED_SHARDING and _nested(pair):
+        return None
     inputs: list[Placements | None] = [None] * len(node.all_input_nodes)
     for leaf, pl in zip(leaves, in_places):
         strs = _replicated(n) if pl is None else _to_strs(pl, axes, n)
@@ -319,6 +323,22 @@ def _convert(
             return None
         outputs.append(strs)
     return Strategy(tuple(outputs), tuple(inputs), source)
+
+
+def _nested(pair: dr.Pair) -> bool:
+    """Some tensor of the pair has one dim sharded on two axes."""
+    specs = list(pair[0])
+    outs = pair[1] if isinstance(pair[1], (list, tuple)) else [pair[1]]
+    specs += [o.placements for o in outs if isinstance(o, DTensorSpec)]
+    for pl in specs:
+        dims = [
+            p.dim
+            for p in pl or ()
+            if dr.placement_to_str(p, strided=True).startswith("S")
+        ]
+        if len(dims) != len(set(dims)):
+            return True
+    return False
 
 
 def _bad_mask(placements: Placements) -> bool:

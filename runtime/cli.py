@@ -18,6 +18,7 @@ from cost_models.errors import MeshplanError
 COMMAND_MODULES = [
     "planner.commands.trace",
     "planner.commands.cluster",
+    "planner.commands.plan",
     "runtime.commands.profile",
 ]
 

@@ -5,7 +5,9 @@
 Each rank is a fresh interpreter (multiprocessing "spawn"; forking a parent that already runs torch
 thread pools is unsafe) whose `torch.distributed` default group is initialised over localhost on a free
 port (gloo on CPU, NCCL when there is one GPU per rank) before `fn` is called; `fn` reads its rank with
-`torch.distributed.get_rank()`. `fn` and its arguments must be picklable (a module-level function).
+`torch.distributed.get_rank()`. `fn` and its arguments must be picklable (a module-level function),
+and a script that calls `launch` needs the usual `if __name__ == "__main__":` guard (spawn re-imports
+it in every rank).
 With gloo each rank is bound to its own cores and uses that many torch threads (`rank_cpu_sets`), so
 that measured profiles and training runs see the same per-rank compute.
 
@@ -15,14 +17,17 @@ short grace) and `launch` raises a one-line MeshplanError naming the rank and it
 traceback is kept on the exception (`LaunchError.tracebacks`). A launch that outlives `timeout_s`
 (for example a collective that deadlocks) is terminated the same way.
 
-Why not torchrun? torchrun (and `torch.distributed.launcher.api.elastic_launch`, its programmatic
-form) starts an elastic agent with a rendezvous and returns per-rank return values, but reports a
-failure as a ChildFailedError whose message needs the `@record` decorator on the worker to carry the
-exception, logs every failure through its own loggers, and has no per-call deadline for a hung
-collective. `torch.multiprocessing.start_processes` kills the other ranks on a failure but collects no
-return values, reports whichever failed rank it happens to notice first (often a rank that only saw
-its peer's connection drop), and waits 30 s before SIGKILL. This module is the thin piece PyTorch
-lacks: a root-cause failing rank, a deadline, return values, and no global state in the parent.
+Why not torchrun? Its programmatic form, `torch.distributed.launcher.api.elastic_launch` (checked on
+torch 2.13), does return every rank's value and does fail fast: a rank raising ValueError ended the
+launch in ~3 s with a ChildFailedError naming rank 1 and its traceback. What it lacks for us: no
+deadline for a run that hangs (LaunchConfig has only rendezvous and shutdown timeouts), restarts
+the whole group by default (max_restarts=3), a c10d rendezvous and agent per launch, logs every
+failure through its own loggers onto stderr (dozens of lines), multi-line errors rather than one
+line for the CLI, and no core binding for CPU ranks. `torch.multiprocessing.start_processes` kills
+the other ranks on a failure but collects no return values, reports whichever failed rank it
+happens to see first (often a rank that only saw its peer's connection drop), and waits 30 s before
+SIGKILL. This module is the thin piece between them: results, a root-cause rank, a deadline, one
+line, core binding.
 """
 
 from __future__ import annotations

@@ -3,25 +3,31 @@
 One launch (`runtime.launch.launch`) of N ranks measures, in order:
 
 1. matrix products on rank 0 alone (the other ranks wait in a barrier), over a grid of (m, n, k)
-   shapes, for float32 and for bfloat16 / float16 when the device runs them; warm-up, then the median
-   of repeats (small products are looped so one repeat lasts at least ~1 ms). A rank computes with the
-   threads and cores it gets in training (the launcher binds rank r to its own `cores // nproc` cores,
-   or one core round-robin when there are more ranks than cores), so on CPU a "device" is that share
-   of the cores. Shapes whose predicted time exceeds `matmul_budget_s` are skipped: float16 on most CPUs
-   runs without vector units at ~1 GFLOP/s and would take minutes.
-2. memory bandwidth on rank 0: median time of copying a large tensor, counting read + write bytes.
+   shapes, for float32 and for bfloat16 / float16 when the device runs them; warm-up, then the
+   fastest of the repeats (small products are looped so one repeat lasts at least ~1 ms). The
+   fastest, not the median: one process's kernel is only slowed by outside interference, and on a
+   loaded 2-core machine a 1.5 ms product preempted for a ~4 ms scheduler slice in most repeats
+   showed a median 3.7x its real time. A rank computes with the cores and threads it gets in
+   training (the launcher binds rank r to its own `cores // nproc` cores, or one core round-robin
+   when there are more ranks than cores), so on CPU a "device" is that share of the cores. Shapes
+   whose predicted time exceeds `matmul_budget_s` are skipped: float16 on most CPUs runs without
+   vector units at ~1-2 GFLOP/s and would take minutes.
+2. memory bandwidth on rank 0: fastest copy of a large tensor, counting read + write bytes.
 3. every collective for every world size w in `world_sizes` (sub-group of ranks 0..w-1; ranks outside
    it wait) and message size: all_reduce, all_gather (all_gather_single / all_gather_into_tensor),
    reduce_scatter (reduce_scatter_single / reduce_scatter_tensor; gloo in torch 2.13 runs it, so no
    emulation is needed), all_to_all (all_to_all_single) and send_recv (world size 2 only: ranks 0 and
    1 ping-pong, one-way time = round trip / 2). One timed repeat is a sub-group barrier followed by
    `inner` back-to-back calls (inner chosen from a warm-up so a repeat lasts ~`target_repeat_s`, the
-   same on every rank); a repeat's time is the slowest rank's, and the sample is the median repeat.
+   same on every rank); a repeat's time is the slowest rank's, and the sample is the median repeat
+   (collectives vary between repeats by themselves, from the ranks' mutual scheduling, so the
+   median is their typical time).
    Byte convention: see cost_models/profile.py (the full unsharded tensor for all_gather output /
    reduce_scatter input / all_reduce / all_to_all buffer; the per-rank message for send_recv).
 
-Then alpha and beta are fitted per (op, world size) with `fit_alpha_beta`, plus a piecewise fit
-(`fit_segments`) where one line misses a sample by more than 20%. Progress goes to stderr.
+Then alpha and beta are fitted per (op, world size) with `fit_alpha_beta`, plus a continuous
+piecewise-linear fit (`fit_segments`) where one line misses a sample by more than 20%: gloo's
+all_gather / reduce_scatter grow ~4x per doubling above ~16 MiB here. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -139,9 +145,14 @@ def _device() -> Any:
 
 
 def time_call(
-    fn: Callable[[], Any], repeats: int, warmup: int = 1, min_s: float = 1e-3
+    fn: Callable[[], Any],
+    repeats: int,
+    warmup: int = 1,
+    min_s: float = 1e-3,
+    reduce: Callable[[list[float]], float] = min,
 ) -> float:
-    """Median seconds of one `fn()` call: warm-up, then `repeats` timed loops of >= `min_s` each."""
+    """Seconds of one `fn()` call: warm-up, then `repeats` timed loops of >= `min_s` each, reduced
+    with `reduce` (default the fastest: what the device can do when nothing else interferes)."""
     for _ in range(warmup):
         fn()
     _sync()
@@ -157,7 +168,7 @@ def time_call(
             fn()
         _sync()
         times.append((time.perf_counter() - t) / inner)
-    return statistics.median(times)
+    return float(reduce(times))
 
 
 def matmul_grid(opts: ProfileOptions) -> list[tuple[int, int, int]]:

@@ -24,7 +24,10 @@ def _brute(cost: np.ndarray, sizes: list[int], D: int, B: int) -> float:
             for subs in itertools.product(range(len(sizes)), repeat=S):
                 if sum(sizes[m] for m in subs) != D:
                     continue
-                times = [cost[k, j, m, S - i] for i, ((k, j), m) in enumerate(zip(ranges, subs))]
+                times = [
+                    cost[k, j, m, S - i]
+                    for i, ((k, j), m) in enumerate(zip(ranges, subs))
+                ]
                 if not all(np.isfinite(times)):
                     continue
                 best = min(best, sum(times) + (B - 1) * max(times))

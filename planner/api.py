@@ -1,0 +1,400 @@
+"""`plan(model, cluster)`: the planner's front door.
+
+1. Trace the model on fake tensors for each candidate micro-batch size.
+2. Cluster its ops into layers (`planner.layers`).
+3. For every submesh shape (1,1), (1,2), ..., (1,M), (2,M), ..., (N,M) and its logical meshes, solve
+   the intra-op program and attribute time and memory to layers (`planner.stage_table`).
+4. Run the stage DP (`planner.inter_op`) for each micro-batch count; keep the fastest.
+5. Return a `ParallelPlan` with the stages, shardings, schedule and predicted time and memory.
+
+Modes (Alpa's ablations): "auto"; "intra-only" (one stage on the whole cluster); "inter-only"
+(stages with pure data parallelism inside).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from cost_models.cluster import Cluster
+from cost_models.communication import LogicalMesh
+from cost_models.errors import MeshplanError
+from cost_models.pipeline import peak_inflight, pipeline_time
+from planner import stage_table as st
+from planner.inter_op import stage_dp
+from planner.layers import auto_num_layers, cluster_layers
+from planner.opgraph import OpGraph
+from planner.plan_format import Estimate, ParallelPlan, StagePlan
+from planner.stage_costs import Option
+from planner.tracer import trace
+
+MODES = ("auto", "intra-only", "inter-only")
+Progress = Callable[[str], None]
+
+
+def submesh_shapes(cluster: Cluster, limit_hosts: int = 24) -> list[tuple[int, int]]:
+    """(1, 1), (1, 2), (1, 4), ..., (1, M), then (n, M) for n = 2..N (for large N: n a power of two
+    or a divisor of N, so that the DP stays small)."""
+    N, M = cluster.shape
+    out = [
+        (1, m) for m in range(1, M + 1) if M % m == 0 and (m & (m - 1) == 0 or m == M)
+    ]
+    hosts = (
+        range(2, N + 1)
+        if N <= limit_hosts
+        else sorted({n for n in range(2, N + 1) if N % n == 0 or n & (n - 1) == 0})
+    )
+    return out + [(n, M) for n in hosts]
+
+
+def logical_shapes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
+    """The logical meshes tried on a submesh: one flat axis, and two axes (across x within hosts, or
+    2 x d/2 inside one host)."""
+    n, m = submesh
+    d = n * m
+    shapes = [(1, d)]
+    if n > 1:
+        shapes.append((n, m))
+    elif m >= 4:
+        shapes.append((2, m // 2))
+    return shapes
+
+
+def _resolve_model(
+    model: Any, example_batch: Any, dtype: torch.dtype, name: str | None
+):
+    """(name, batch_fn(b) -> (module, batch), default global batch)."""
+    if isinstance(model, str):
+        from planner.models import build_model
+
+        _, probe = build_model(model, device="meta", dtype=dtype)
+        default = int(probe[0].shape[0]) if probe and probe[0].dim() else 1
+        return (
+            name or model,
+            lambda b: build_model(model, batch=b, device="meta", dtype=dtype),
+            default,
+        )
+    if not isinstance(model, nn.Module):
+        raise MeshplanError(
+            f"model must be an nn.Module or a model name, got {type(model).__name__}"
+        )
+    if example_batch is None:
+        raise MeshplanError(
+            "planning an nn.Module needs its example batch (a tensor or tuple of tensors)"
+        )
+    batch = (
+        example_batch if isinstance(example_batch, (tuple, list)) else (example_batch,)
+    )
+    default = int(batch[0].shape[0])
+
+    def make(b: int):
+        return model, tuple(
+            t.new_empty((b, *t.shape[1:]), device="meta") for t in batch
+        )
+
+    return name or type(model).__name__, make, default
+
+
+def microbatch_sizes(global_batch: int, limit: int = 4) -> list[int]:
+    """Powers of two dividing the global batch, the largest `limit` of them up to 32."""
+    sizes = [
+        b for b in (1, 2, 4, 8, 16, 32) if global_batch % b == 0 and b <= global_batch
+    ]
+    return sizes[-limit:] or [global_batch]
+
+
+def plan(
+    model: nn.Module | str,
+    cluster: Cluster | str,
+    example_batch: Any = None,
+    *,
+    global_batch: int | None = None,
+    dtype: torch.dtype | str = torch.float16,
+    memory_budget: float | None = None,
+    schedule: str = "1f1b",
+    microbatch_size: int | list[int] | None = None,
+    num_layers: int | None = None,
+    optimizer: str = "adam_mixed",
+    mode: str = "auto",
+    progress: Progress | None = None,
+    model_name: str | None = None,
+) -> ParallelPlan:
+    """Plan data, tensor and pipeline parallel training of `model` on `cluster`.
+
+    `model` is an nn.Module (with `example_batch`; it may live on the meta device) or a built-in
+    model name or spec. `memory_budget` is bytes per device (default: the device's memory).
+    """
+    t0 = time.perf_counter()
+    say = progress or (lambda msg: None)
+    if mode not in MODES:
+        raise MeshplanError(
+            f"unknown mode {mode!r}; expected one of {', '.join(MODES)}"
+        )
+    cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    name, make, default_batch = _resolve_model(model, example_batch, dtype, model_name)
+    G = global_batch or default_batch
+    if G < 1:
+        raise MeshplanError(f"global batch must be positive, got {G}")
+    budget = float(memory_budget or cluster.device.memory_bytes)
+    sizes_b = (
+        [microbatch_size]
+        if isinstance(microbatch_size, int)
+        else microbatch_size or microbatch_sizes(G)
+    )
+    if any(G % b for b in sizes_b):
+        raise MeshplanError(
+            f"micro-batch sizes {sizes_b} must divide the global batch {G}"
+        )
+    subs = (
+        [(cluster.hosts, cluster.devices_per_host)]
+        if mode == "intra-only"
+        else submesh_shapes(cluster)
+    )
+    D = cluster.num_devices
+    best = None
+    layers = None
+    least = [
+        np.inf
+    ]  # smallest per-device memory of the whole model as one stage on all devices
+    for b in sorted(sizes_b, reverse=True):
+        say(f"tracing {name} with micro-batch {b}")
+        module, batch = make(b)
+        graph = trace(module, batch, model_name=name)
+        if layers is None:
+            layers = _layers(graph, num_layers, D)
+            say(f"{len(graph.ops)} ops in {len(layers)} layers")
+        B = G // b
+        result = _search(
+            graph, layers, cluster, subs, B, budget, optimizer, mode, say, least
+        )
+        if result is not None and (best is None or result[0].latency < best[0].latency):
+            best = (*result, graph, B, b)
+    if best is None:
+        raise MeshplanError(
+            f"{name} does not fit on {cluster.spec}: even as one stage on all {D} devices it needs "
+            f"{least[0] / 2**30:.1f} GiB per device, {budget / 2**30:.1f} GiB available "
+            "(use more devices, a larger memory budget or a smaller batch)"
+        )
+    dp, choices, graph, B, b = best
+    return _assemble(
+        name,
+        graph,
+        layers,
+        cluster,
+        dp,
+        choices,
+        subs,
+        B,
+        G,
+        schedule,
+        optimizer,
+        mode,
+        budget,
+        time.perf_counter() - t0,
+    )
+
+
+def _layers(
+    graph: OpGraph, num_layers: int | None, max_stages: int
+) -> list[tuple[int, int]]:
+    ops = graph.ops
+    index = {n.name: i for i, n in enumerate(ops)}
+    edges = [
+        (index[u], i, graph.node(u).output_bytes)
+        for i, n in enumerate(ops)
+        for u in dict.fromkeys(n.inputs)
+        if u in index
+    ]
+    flops = [n.fwd_flops + n.bwd_flops for n in ops]
+    from planner.intra_op import block_of
+
+    blocks = len({block_of(n.module_path) for n in ops if block_of(n.module_path)})
+    L = num_layers or auto_num_layers(flops, blocks=blocks or None)
+    return cluster_layers(flops, edges, L)
+
+
+def _param_filter(mode: str) -> Callable[[str, Option], bool] | None:
+    if mode == "inter-only":
+        return lambda path, o: (
+            not o.zero and all(p == "R" for p in o.strategy.output[0])
+        )
+    return None
+
+
+def _search(graph, layers, cluster, subs, B, budget, optimizer, mode, say, least):
+    L = len(layers)
+    layer_of = st.layer_of_nodes(graph, layers)
+    bounds = st.boundary_values(graph, layer_of, L)
+    boundary_bytes = np.array(
+        [
+            sum(graph.node(v).output_bytes for v in bounds[k + 1]) if k + 1 < L else 0
+            for k in range(L)
+        ]
+    )
+    S = min(L, cluster.num_devices) if mode != "intra-only" else 1
+    inflight = np.array(
+        [0] + [peak_inflight("1f1b", B, s, 0) for s in range(1, S + 1)], dtype=float
+    )
+    cost = np.full((L, L, len(subs), S + 1), np.inf)
+    choices: dict[tuple[int, int, int, int], tuple] = {}
+    for m, sub in enumerate(subs):
+        for shape in (
+            [(1, sub[0] * sub[1])] if mode == "inter-only" else logical_shapes(sub)
+        ):
+            mesh = LogicalMesh(cluster, sub, shape)
+            say(
+                f"micro-batches {B}: submesh {sub[0]}x{sub[1]}, logical mesh {shape[0]}x{shape[1]}"
+            )
+            profiles = st.profiles_for(
+                graph,
+                mesh,
+                layer_of,
+                bounds,
+                L,
+                num_microbatches=B,
+                budget=budget,
+                optimizer=optimizer,
+                param_filter=_param_filter(mode),
+            )
+            send = st.send_times(
+                mesh,
+                boundary_bytes,
+                crosses_hosts=cluster.hosts > 1 and sub[1] == cluster.devices_per_host,
+            )
+            for p, prof in enumerate(profiles):
+                for rc in (False, True):
+                    c, mem = st.range_costs(prof, inflight, budget, send, rc)
+                    if sub == cluster.shape:
+                        least[0] = min(least[0], float(mem[0, L - 1, 1]))
+                    better = c < cost[:, :, m, :]
+                    cost[:, :, m, :] = np.where(better, c, cost[:, :, m, :])
+                    for k, j, s in zip(*np.nonzero(better)):
+                        choices[int(k), int(j), m, int(s)] = (mesh, prof, rc)
+    if mode == "intra-only":
+        cost[:, :, :, :] = np.where(
+            np.arange(L)[:, None, None, None] == 0, cost, np.inf
+        )
+        cost[:, : L - 1] = np.inf
+    try:
+        dp = stage_dp(
+            cost, [a * b for a, b in subs], cluster.num_devices, B, epsilon=1e-3
+        )
+    except MeshplanError:
+        return None
+    return dp, choices
+
+
+def _allocate(sizes: list[int], cluster: Cluster) -> list[list[int]]:
+    """Device ranks (host-major) per stage: larger submeshes first, each aligned to its size."""
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    free = np.ones(cluster.num_devices, dtype=bool)
+    out: list[list[int]] = [[] for _ in sizes]
+    for i in order:
+        n = sizes[i]
+        start = next(
+            s for s in range(0, cluster.num_devices, n) if free[s : s + n].all()
+        )
+        free[start : start + n] = False
+        out[i] = list(range(start, start + n))
+    return out
+
+
+def _assemble(
+    name,
+    graph,
+    layers,
+    cluster,
+    dp,
+    choices,
+    subs,
+    B,
+    G,
+    schedule,
+    optimizer,
+    mode,
+    budget,
+    seconds,
+    virtual_stages=1,
+) -> ParallelPlan:
+    S = len(dp.stages)
+    layer_of = st.layer_of_nodes(graph, layers)
+    stages: list[StagePlan] = []
+    times = []
+    devices = _allocate([subs[m][0] * subs[m][1] for _, _, m in dp.stages], cluster)
+    fallbacks: list[str] = []
+    for i, (k, j, m) in enumerate(dp.stages):
+        mesh, prof, rc = choices[k, j, m, S - i]
+        inflight = np.array([0.0, peak_inflight("1f1b", B, S - i, 0)])
+        _, mem = st.range_costs(prof, inflight, np.inf, np.zeros(len(layers)), rc)
+        sol = prof.solution
+        in_stage = {n for n, layer in layer_of.items() if k <= layer <= j}
+        params = {
+            graph.placeholder_paths[n]: list(o.strategy.output[0])
+            for n, o in sol.choice.items()
+            if n in in_stage and graph.node(n).op == "param"
+        }
+        strategies = {
+            n: {
+                "inputs": [list(p) if p else None for p in o.strategy.inputs],
+                "outputs": [list(p) for p in o.strategy.output],
+            }
+            for n, o in sol.choice.items()
+            if n in in_stage and graph.node(n).op == "call"
+        }
+        fallbacks += [f for f in sol.fallback_ops if f.split(":")[0] in in_stage]
+        t = float(
+            prof.time[k : j + 1].sum() + (prof.fwd[k : j + 1].sum() if rc else 0.0)
+        )
+        times.append(t)
+        stages.append(
+            StagePlan(
+                layers=(k, j),
+                devices=devices[i],
+                submesh=subs[m],
+                logical_mesh=mesh.shape,
+                recompute=rc,
+                param_placements=params,
+                time_s=t,
+                memory_bytes=float(mem[k, j, 1]),
+                compute_s=float(sum(prof.time[k : j + 1])),
+                grad_sync_s=float(sol.grad_sync_s),
+                zero_params=[p for p in sol.zero_params if p in params],
+                node_strategies=strategies,
+            )
+        )
+    iteration = pipeline_time(times, B, schedule, virtual_stages=virtual_stages)
+    flops = graph.flops_per_iteration * B
+    D = cluster.num_devices
+    ops = graph.ops
+    return ParallelPlan(
+        model={
+            "name": name,
+            "fingerprint": graph.fingerprint(),
+            "params": graph.num_params,
+            "flops_per_iteration": flops,
+        },
+        cluster=cluster.to_json(),
+        global_batch=G,
+        num_microbatches=B,
+        schedule=schedule,
+        stages=stages,
+        estimate=Estimate(
+            iteration, flops / iteration / D / 1e12, max(s.memory_bytes for s in stages)
+        ),
+        planner_time_s=seconds,
+        layer_nodes=[(ops[a].name, ops[b].name) for a, b in layers],
+        dtype=str(graph.ops[0].outputs[0].dtype)
+        if graph.ops and graph.ops[0].outputs
+        else "float32",
+        optimizer=optimizer,
+        kind=mode,
+        virtual_stages=virtual_stages,
+        fallback_ops=sorted(set(fallbacks)),
+        memory_budget_bytes=budget,
+    )

@@ -1,0 +1,270 @@
+"""`meshplan plan`, `meshplan manual` and `meshplan explain`: make, price and read parallel plans."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+
+from cost_models.cluster import Cluster
+from cost_models.errors import MeshplanError
+from planner.fmt import nbytes, table
+from planner.plan_format import ParallelPlan
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model",
+        help="built-in name (e.g. gpt-1.3b), spec (gpt:hidden=..,layers=..,heads=..) or pkg.module:factory",
+    )
+    p.add_argument(
+        "--cluster",
+        required=True,
+        metavar="SPEC",
+        help="HOSTSxDEVICESxDEVICE, e.g. 1x4xV100-16GB",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="measured profile (meshplan profile) for the cost models",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        help="global batch size (default: the model's example batch)",
+    )
+    p.add_argument(
+        "--memory",
+        type=float,
+        metavar="GIB",
+        help="memory budget per device in GiB (default: the device's)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float16",
+        choices=["float16", "bfloat16", "float32"],
+        help="training dtype (default float16)",
+    )
+    p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="search the fastest data/tensor/pipeline parallel plan",
+        description="Plan MODEL on a cluster.",
+    )
+    _common(p)
+    p.add_argument(
+        "--microbatch-size",
+        type=int,
+        action="append",
+        help="micro-batch size(s) to try (default: powers of two up to 32)",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        help="number of layers to cluster the model into (default: automatic)",
+    )
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=["1f1b", "gpipe"],
+        help="pipeline schedule (default 1f1b)",
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--intra-only",
+        action="store_true",
+        help="one stage over the whole cluster (intra-op search only)",
+    )
+    mode.add_argument(
+        "--inter-only",
+        action="store_true",
+        help="pipeline stages with pure data parallelism inside each",
+    )
+    p.set_defaults(func=run_plan)
+
+    m = sub.add_parser(
+        "manual",
+        help="price a Megatron-style dp x tp x pp configuration",
+        description="Price a manual configuration.",
+    )
+    _common(m)
+    m.add_argument("--dp", type=int, required=True)
+    m.add_argument("--tp", type=int, required=True)
+    m.add_argument("--pp", type=int, required=True)
+    nmb = m.add_mutually_exclusive_group(required=True)
+    nmb.add_argument("--microbatches", type=int, help="number of micro-batches")
+    nmb.add_argument(
+        "--micro-batch-size",
+        type=int,
+        help="micro-batch size per data-parallel rank (Megatron's)",
+    )
+    m.add_argument(
+        "--recompute", action="store_true", help="recompute activations in backward"
+    )
+    m.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=1,
+        help="interleaved 1F1B with this many chunks per device",
+    )
+    m.set_defaults(func=run_manual)
+
+    e = sub.add_parser(
+        "explain", help="show a plan file: stages, placements and where the time goes"
+    )
+    e.add_argument("plan", help="a plan JSON file written by `meshplan plan --json`")
+    e.add_argument(
+        "--params",
+        type=int,
+        default=12,
+        help="parameters to list per stage (default 12; 0 for all)",
+    )
+    e.set_defaults(func=run_explain)
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    profile = None
+    if args.profile:
+        from cost_models.profile import load_profile
+
+        profile = load_profile(args.profile)
+    return Cluster.from_spec(args.cluster, profile=profile)
+
+
+def _budget(args: argparse.Namespace) -> float | None:
+    if args.memory is not None and args.memory <= 0:
+        raise MeshplanError(f"--memory must be positive GiB, got {args.memory}")
+    return None if args.memory is None else args.memory * 2**30
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from planner.api import plan
+
+    mode = (
+        "intra-only" if args.intra_only else "inter-only" if args.inter_only else "auto"
+    )
+    result = plan(
+        args.model,
+        _cluster(args),
+        global_batch=args.batch,
+        dtype=args.dtype,
+        memory_budget=_budget(args),
+        schedule=args.schedule,
+        microbatch_size=args.microbatch_size,
+        num_layers=args.layers,
+        mode=mode,
+        progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
+    )
+    print(summary(result))
+    _write(result, args.json)
+    return 0
+
+
+def run_manual(args: argparse.Namespace) -> int:
+    from planner.manual import manual_plan
+
+    result = manual_plan(
+        args.model,
+        _cluster(args),
+        dp=args.dp,
+        tp=args.tp,
+        pp=args.pp,
+        num_microbatches=args.microbatches,
+        microbatch_size=args.micro_batch_size,
+        global_batch=args.batch,
+        recompute=args.recompute,
+        virtual_stages=args.virtual_stages,
+        dtype=args.dtype,
+        memory_budget=_budget(args),
+    )
+    print(summary(result))
+    _write(result, args.json)
+    return 0
+
+
+def _write(result: ParallelPlan, path: str | None) -> None:
+    if path:
+        result.save(path)
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def summary(p: ParallelPlan) -> str:
+    """The plan as a readable table."""
+    head = (
+        f"{p.kind} plan for {p.model['name']} ({p.model['params'] / 1e9:.2f} B params) on {p.cluster['spec']}: "
+        f"global batch {p.global_batch}, {p.num_microbatches} micro-batches, {p.schedule}"
+        + (f" x{p.virtual_stages}" if p.virtual_stages > 1 else "")
+    )
+    rows = [
+        [
+            str(i),
+            f"{s.layers[0]}-{s.layers[1]}",
+            f"{s.submesh[0]}x{s.submesh[1]}",
+            f"{s.logical_mesh[0]}x{s.logical_mesh[1]}",
+            s.dp_tp,
+            "yes" if s.recompute else "no",
+            f"{s.time_s * 1e3:.2f}",
+            nbytes(s.memory_bytes),
+        ]
+        for i, s in enumerate(p.stages)
+    ]
+    body = table(
+        rows,
+        [
+            "stage",
+            "layers",
+            "submesh",
+            "logical mesh",
+            "dp x tp",
+            "recompute",
+            "ms / micro-batch",
+            "memory / device",
+        ],
+    )
+    est = p.estimate
+    tail = (
+        f"iteration {est.iteration_time_s:.3f} s, {est.tflops_per_device:.1f} TFLOP/s per device, "
+        f"peak memory {nbytes(est.peak_memory_bytes)} per device; planned in {p.planner_time_s:.1f} s"
+    )
+    if p.fallback_ops:
+        tail += f"\nreplicated (no DTensor rule): {len(p.fallback_ops)} ops, e.g. {p.fallback_ops[0]}"
+    return f"{head}\n{body}\n{tail}"
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    p = ParallelPlan.load(args.plan)
+    print(summary(p))
+    for i, s in enumerate(p.stages):
+        print(
+            f"\nstage {i}: layers {s.layers[0]}-{s.layers[1]} on devices {_ranks(s.devices)}, logical mesh {s.logical_mesh}"
+        )
+        print(
+            f"  time per micro-batch {s.time_s * 1e3:.3f} ms (compute and resharding; gradient sync {s.grad_sync_s * 1e3:.3f} ms per "
+            f"iteration{', recomputation on' if s.recompute else ''}); memory {nbytes(s.memory_bytes)} per device"
+        )
+        layers = [p.layer_nodes[k] for k in range(s.layers[0], s.layers[1] + 1)]
+        print(f"  layers span ops {layers[0][0]} .. {layers[-1][1]}")
+        kinds = Counter(",".join(pl) for pl in s.param_placements.values())
+        print(
+            "  parameter placements: "
+            + ", ".join(f"[{k}] x{v}" for k, v in kinds.most_common())
+        )
+        items = list(s.param_placements.items())
+        shown = items if args.params == 0 else items[: args.params]
+        for path, pl in shown:
+            zero = " +ZeRO" if path in s.zero_params else ""
+            print(f"    {path:<48} [{', '.join(pl)}]{zero}")
+        if len(shown) < len(items):
+            print(f"    ... {len(items) - len(shown)} more (--params 0 lists all)")
+    return 0
+
+
+def _ranks(devs: list[int]) -> str:
+    return (
+        f"{devs[0]}-{devs[-1]}"
+        if devs == list(range(devs[0], devs[-1] + 1))
+        else ",".join(map(str, devs))
+    )

@@ -1,0 +1,202 @@
+"""Manual (Megatron-LM style) plans, priced by the same cost models as automatic ones.
+
+A configuration (dp, tp, pp, micro-batches, recompute, interleaving) becomes a `ParallelPlan`:
+the model's layers are split into pp balanced stages (pp * v chunks when interleaved), each stage
+runs on dp * tp devices as a (dp, tp) logical mesh with tensor parallelism inside a host (Megatron's
+recommendation), and the intra-op program is restricted to Megatron's parameter placements:
+
+    attention qkv and MLP fc weights (and biases): split by output features   S(0) on the tp axis
+    attention and MLP output projections:         split by input features     S(1) on the tp axis
+    token embedding and LM head:                  split by vocabulary          S(0) on the tp axis
+    MoE expert weights wi [E, h, f] / wo [E, f, h]: split by f                  S(2) / S(1) on tp
+    everything else:                              replicated
+    every parameter replicated on the dp axis (no ZeRO)
+
+Activation placements then follow from DTensor's strategies at the least cost, which reproduces
+Megatron's dataflow (one all-reduce per sub-block forward, batch split over dp).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from cost_models.cluster import Cluster
+from cost_models.communication import LogicalMesh
+from cost_models.errors import MeshplanError
+from cost_models.pipeline import peak_inflight
+from planner import stage_table as st
+from planner.api import _assemble, _layers, _resolve_model
+from planner.inter_op import DPResult
+from planner.plan_format import ParallelPlan
+from planner.stage_costs import Option
+from planner.tracer import trace
+
+_COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc.weight", "mlp.fc.bias")
+_ROW = ("attn.proj.weight", "mlp.proj.weight")
+_VOCAB = ("wte.weight", "lm_head.weight")
+
+
+def megatron_placement(path: str) -> str:
+    """Megatron's placement of a parameter on the tensor-parallel axis (see module docstring)."""
+    if path.endswith(_COLUMN) or path.endswith(_VOCAB):
+        return "S(0)"
+    if path.endswith(_ROW) or path.endswith("mlp.wo"):
+        return "S(1)"
+    if path.endswith("mlp.wi"):
+        return "S(2)"
+    return "R"
+
+
+def megatron_filter(tp: int):
+    def allowed(path: str, option: Option) -> bool:
+        dp_p, tp_p = option.strategy.output[0]
+        return (
+            not option.zero
+            and dp_p == "R"
+            and tp_p == (megatron_placement(path) if tp > 1 else "R")
+        )
+
+    return allowed
+
+
+def manual_plan(
+    model: nn.Module | str,
+    cluster: Cluster | str,
+    example_batch: Any = None,
+    *,
+    dp: int,
+    tp: int,
+    pp: int,
+    num_microbatches: int | None = None,
+    microbatch_size: int | None = None,
+    global_batch: int | None = None,
+    recompute: bool = False,
+    virtual_stages: int = 1,
+    dtype: torch.dtype | str = torch.float16,
+    optimizer: str = "adam_mixed",
+    memory_budget: float | None = None,
+    allow_oom: bool = False,
+) -> ParallelPlan:
+    """Price a Megatron configuration. `microbatch_size` is per data-parallel rank, as in Megatron
+    (global batch = microbatch_size * dp * num_microbatches). Raises MeshplanError if a stage does
+    not fit in memory, unless `allow_oom` (the plan's `manual["fits"]` says so)."""
+    cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    D, M = cluster.num_devices, cluster.devices_per_host
+    for key, v in (
+        ("dp", dp),
+        ("tp", tp),
+        ("pp", pp),
+        ("virtual_stages", virtual_stages),
+    ):
+        if not isinstance(v, int) or v < 1:
+            raise MeshplanError(f"{key} must be a positive integer, got {v!r}")
+    if dp * tp * pp != D:
+        raise MeshplanError(
+            f"dp x tp x pp = {dp}x{tp}x{pp} = {dp * tp * pp}, but {cluster.spec} has {D} devices"
+        )
+    if M % tp:
+        raise MeshplanError(
+            f"tensor parallelism stays inside a host: tp={tp} must divide the {M} devices per host"
+        )
+    name, make, default_batch = _resolve_model(model, example_batch, dtype, None)
+    G = global_batch or default_batch
+    if (num_microbatches is None) == (microbatch_size is None):
+        raise MeshplanError("give exactly one of num_microbatches and microbatch_size")
+    B = num_microbatches or G // (microbatch_size * dp)
+    if B < 1 or G % B or (G // B) % dp:
+        raise MeshplanError(
+            f"global batch {G} does not split into {B} micro-batches divisible by dp={dp}"
+        )
+    b = G // B
+    module, batch = make(b)
+    graph = trace(module, batch, model_name=name)
+    chunks = pp * virtual_stages
+    layers = _layers(graph, chunks, D)
+    if len(layers) != chunks:
+        raise MeshplanError(f"{name} has too few ops for {chunks} pipeline chunks")
+    n = dp * tp
+    sub = (1, n) if n <= M else (n // M, M)
+    mesh = LogicalMesh(cluster, sub, (dp, tp))
+    layer_of = st.layer_of_nodes(graph, layers)
+    bounds = st.boundary_values(graph, layer_of, chunks)
+    budget = float(memory_budget or cluster.device.memory_bytes)
+    prof = st.profiles_for(
+        graph,
+        mesh,
+        layer_of,
+        bounds,
+        chunks,
+        num_microbatches=B,
+        budget=np.inf,
+        optimizer=optimizer,
+        param_filter=megatron_filter(tp),
+    )[0]
+    schedule = "interleaved" if virtual_stages > 1 else "1f1b"
+    stages, choices = [], {}
+    for c in range(chunks):
+        stages.append((c, c, 0))
+        choices[c, c, 0, chunks - c] = (mesh, prof, recompute)
+    plan = _assemble(
+        name,
+        graph,
+        layers,
+        cluster,
+        DPResult(0.0, 0.0, stages),
+        choices,
+        [sub],
+        B,
+        G,
+        schedule,
+        optimizer,
+        "manual",
+        budget,
+        0.0,
+        virtual_stages,
+    )
+    if virtual_stages > 1:
+        # Interleaved: chunk c runs on device group c % pp, which holds all of its v chunks.
+        per_chunk = [
+            _memory(
+                prof,
+                c,
+                peak_inflight(schedule, B, pp, c % pp, virtual_stages=virtual_stages),
+                recompute,
+            )
+            for c in range(chunks)
+        ]
+        for c, stage in enumerate(plan.stages):
+            stage.devices = list(range((c % pp) * n, (c % pp + 1) * n))
+            stage.memory_bytes = sum(
+                m for i, m in enumerate(per_chunk) if i % pp == c % pp
+            )
+    peak = max(s.memory_bytes for s in plan.stages)
+    plan.estimate.peak_memory_bytes = peak
+    fits = peak <= budget
+    plan.manual = {
+        "dp": dp,
+        "tp": tp,
+        "pp": pp,
+        "num_microbatches": B,
+        "microbatch_size": b // dp,
+        "recompute": recompute,
+        "virtual_stages": virtual_stages,
+        "fits": fits,
+    }
+    if not fits and not allow_oom:
+        raise MeshplanError(
+            f"dp={dp} tp={tp} pp={pp} with {B} micro-batches does not fit: a stage needs {peak / 2**30:.1f} GiB per device, "
+            f"{budget / 2**30:.1f} GiB available"
+        )
+    return plan
+
+
+def _memory(prof: st.LayerProfile, c: int, inflight: int, recompute: bool) -> float:
+    kept = prof.inputs[c] if recompute else prof.acts[c]
+    return float(
+        prof.params[c] + inflight * kept + (prof.acts[c] if recompute else 0.0)
+    )

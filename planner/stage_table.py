@@ -1,0 +1,184 @@
+"""The stage DP's cost table: latency of every (layer range, submesh, stages remaining).
+
+For one micro-batch size and one (submesh, logical mesh), the intra-op program is solved over the
+whole model (the repeated-block quotient keeps it small) at a ladder of memory budgets; each solution
+is a `LayerProfile`: its time and memory attributed to layers (an edge to its consumer's layer, a
+parameter to its first consumer's). A stage's cost for layers k..j is then a difference of prefix sums
+(principle 4: solved once, reused for every range). Memory of a stage holding layers k..j with s
+stages from it to the end (1F1B keeps min(B, s) micro-batches in flight):
+
+    without recomputation: params[k..j] + inflight * activations[k..j]
+    with recomputation:    params[k..j] + inflight * layer_inputs[k..j] + max activations of one layer
+
+and recomputation adds the layers' forward compute to the time. A range's cost is the fastest option
+(logical mesh, memory level, recomputation) that fits the budget, plus sending the boundary
+activations to the next stage and their gradient back; +inf if none fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from cost_models.communication import LogicalMesh, p2p_time
+from cost_models.errors import MeshplanError
+from planner.intra_op import StageSolution, solve_stage
+from planner.opgraph import OpGraph
+from planner.stage_costs import Option, shards
+
+
+@dataclass
+class LayerProfile:
+    solution: StageSolution
+    time: np.ndarray  # per layer, seconds per micro-batch
+    fwd: np.ndarray  # forward compute per layer (added when recomputing)
+    params: np.ndarray  # parameter-state bytes per layer
+    acts: np.ndarray  # activation bytes per layer and micro-batch
+    inputs: np.ndarray  # bytes of each layer's input boundary (kept when recomputing)
+
+
+def layer_of_nodes(graph: OpGraph, layers: list[tuple[int, int]]) -> dict[str, int]:
+    """Node -> layer: ops by their position, placeholders by their first consumer."""
+    ops = graph.ops
+    out = {}
+    for k, (a, b) in enumerate(layers):
+        for n in ops[a : b + 1]:
+            out[n.name] = k
+    for n in graph.nodes:
+        if n.op != "call" and n.op != "output":
+            users = [out[o.name] for o in ops if n.name in o.inputs and o.name in out]
+            out[n.name] = min(users) if users else 0
+    return out
+
+
+def boundary_values(
+    graph: OpGraph, layer_of: dict[str, int], num_layers: int
+) -> list[list[str]]:
+    """Values produced before layer k (ops or batch inputs) and read in or after it, for each k."""
+    out: list[set[str]] = [set() for _ in range(num_layers)]
+    for n in graph.ops:
+        for u in n.inputs:
+            if graph.node(u).op in ("param", "buffer"):
+                continue
+            a, b = layer_of.get(u, 0), layer_of[n.name]
+            for k in range(a + 1, b + 1):
+                out[k].add(u)
+        for u in n.inputs:
+            if graph.node(u).op == "input":
+                out[0].add(u)
+    return [sorted(s) for s in out]
+
+
+def profile(
+    sol: StageSolution,
+    graph: OpGraph,
+    layer_of: dict[str, int],
+    bounds: list[list[str]],
+    L: int,
+) -> LayerProfile:
+    arr = np.zeros((4, L))
+    for n, (t, fwd, pm, am) in sol.node_costs().items():
+        k = layer_of.get(n, 0)
+        arr[:, k] += (t, fwd, pm, am)
+    inputs = np.zeros(L)
+    for k, values in enumerate(bounds):
+        for v in values:
+            opt: Option = sol.choice.get(v)
+            node = graph.node(v)
+            local = (
+                node.output_bytes
+                if opt is None
+                else node.output_bytes / shards(opt.strategy.output[0], sol.mesh_shape)
+            )
+            inputs[k] += local
+    return LayerProfile(sol, *arr, inputs)
+
+
+def profiles_for(
+    graph: OpGraph,
+    mesh: LogicalMesh,
+    layer_of: dict[str, int],
+    bounds: list[list[str]],
+    num_layers: int,
+    *,
+    num_microbatches: int,
+    budget: float,
+    optimizer: str,
+    param_filter: Callable[[str, Option], bool] | None = None,
+    ladder: tuple[float, ...] = (0.35, 0.12, 0.04),
+) -> list[LayerProfile]:
+    """Time-optimal solution, then solutions under shrinking whole-model memory budgets."""
+    kw = dict(
+        num_microbatches=num_microbatches,
+        optimizer=optimizer,
+        param_filter=param_filter,
+    )
+    first = solve_stage(graph, mesh, **kw)
+    out = [profile(first, graph, layer_of, bounds, num_layers)]
+    total = first.memory_bytes
+    for f in ladder:
+        if out[-1].params.max() + out[-1].acts.max() <= budget / 4:
+            break  # already lean enough for several layers per stage
+        try:
+            sol = solve_stage(graph, mesh, memory_budget=total * f, **kw)
+        except MeshplanError:
+            break
+        out.append(profile(sol, graph, layer_of, bounds, num_layers))
+    return out
+
+
+def _range_sums(x: np.ndarray) -> np.ndarray:
+    p = np.concatenate([[0.0], np.cumsum(x)])
+    return p[None, 1:] - p[:-1, None]  # [k, j] = sum x[k..j] (valid for j >= k)
+
+
+def _range_max(x: np.ndarray) -> np.ndarray:
+    L = len(x)
+    out = np.zeros((L, L))
+    for k in range(L):
+        out[k, k:] = np.maximum.accumulate(x[k:])
+    return out
+
+
+def range_costs(
+    prof: LayerProfile,
+    inflight: np.ndarray,
+    budget: float,
+    send: np.ndarray,
+    recompute: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(cost[k, j, s], memory[k, j, s]) of one option; cost is inf where memory exceeds the budget."""
+    L = len(prof.time)
+    time = _range_sums(prof.time + (prof.fwd if recompute else 0.0))
+    params = _range_sums(prof.params)
+    if recompute:
+        kept, transient = _range_sums(prof.inputs), _range_max(prof.acts)
+    else:
+        kept, transient = _range_sums(prof.acts), np.zeros((L, L))
+    mem = (
+        params[:, :, None]
+        + kept[:, :, None] * inflight[None, None, :]
+        + transient[:, :, None]
+    )
+    valid = np.triu(np.ones((L, L), dtype=bool))[:, :, None]
+    cost = np.where(valid & (mem <= budget), (time + send[None, :])[:, :, None], np.inf)
+    return np.broadcast_to(cost, mem.shape).copy(), mem
+
+
+def send_times(
+    mesh: LogicalMesh, boundary_bytes: np.ndarray, crosses_hosts: bool
+) -> np.ndarray:
+    """Per layer j: forward activations to the next stage plus their gradient back (0 for the last layer)."""
+    n = mesh.num_devices
+    out = np.array(
+        [
+            2 * p2p_time(mesh.cluster, b / n, crosses_hosts=crosses_hosts)
+            if b > 0
+            else 0.0
+            for b in boundary_bytes
+        ]
+    )
+    out[-1] = 0.0
+    return out

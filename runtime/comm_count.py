@@ -1,0 +1,255 @@
+"""Count the bytes of every collective DTensor issues, attributed to the plan's edges and ops.
+
+PyTorch's ``torch.distributed.tensor.debug.CommDebugMode`` (torch 2.13) counts collectives per op
+and per module, but records no sizes for them (``input_shape`` is kept only for ops on DTensors,
+and collectives run on the plain local tensors), and it knows modules, not the aten nodes of an fx
+graph. `CommCounter` is the missing piece: a ``TorchDispatchMode`` that, like CommDebugMode, lets
+DTensor desugar its ops first (returns ``NotImplemented`` for DTensor arguments) and then sees the
+functional collectives (``torch.ops._c10d_functional.*``, the legacy ``c10d_functional`` and the
+autograd ``all_to_all_single``) that DTensor's redistributions and op implementations call.
+
+Bytes follow `cost_models.communication`'s convention: the FULL tensor of the collective's group,
+so the numbers compare directly with `cost_models.communication.reshard_steps`::
+
+    all_reduce(x)                  -> bytes(x)                 (the all-reduced tensor)
+    all_gather_into_tensor(x, n)   -> n * bytes(x)             (the gathered output)
+    reduce_scatter_tensor(x, n)    -> bytes(x)                 (the full input)
+    all_to_all_single(x) over n    -> n * bytes(x)             (the tensor being re-sharded)
+    broadcast(x)                   -> bytes(x)
+
+Each record carries the "site" that was current when it ran: the executor (`runtime.executor`)
+sets ``fwd:<node>`` while it runs a node, ``fwd:<u>-><v>`` / ``bwd:<u>-><v>`` while it redistributes
+the value of edge u -> v or its gradient, and ``bwd:<node>`` while autograd runs that node's
+backward. Sites live in a plain module-level stack (not a contextvar) because autograd may call
+backward hooks from another thread.
+
+Every rank of an SPMD program issues the same collectives, so the records of one rank are the
+program's. With the fake process group (``init_process_group("fake", ...)``) collectives do nothing
+but are still dispatched, so bytes can be counted for meshes larger than the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cost_models.communication import LogicalMesh, reshard_steps
+from planner.intra_op import StageSolution
+from planner.opgraph import OpGraph
+from planner.stage_costs import expected_grad, grad_from_consumer, norm
+from planner.strategies import consumed_output
+
+__all__ = [
+    "Collective",
+    "CommCounter",
+    "current_site",
+    "predicted_collectives",
+    "set_site",
+    "site",
+]
+
+_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+
+# op name -> (collective kind as in cost_models.communication, multiply input bytes by group size?)
+_KINDS: dict[str, tuple[str, bool]] = {
+    "all_reduce": ("all_reduce", False),
+    "all_reduce_": ("all_reduce", False),
+    "all_reduce_coalesced": ("all_reduce", False),
+    "all_reduce_coalesced_": ("all_reduce", False),
+    "all_gather_into_tensor": ("all_gather", True),
+    "all_gather_into_tensor_out": ("all_gather", True),
+    "all_gather_into_tensor_coalesced": ("all_gather", True),
+    "reduce_scatter_tensor": ("reduce_scatter", False),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", False),
+    "all_to_all_single": ("all_to_all", True),
+    "broadcast": ("broadcast", False),
+    "broadcast_": ("broadcast", False),
+}
+
+_SITES: list[str] = [""]
+
+
+def current_site() -> str:
+    """The label collectives are attributed to right now."""
+    return _SITES[-1]
+
+
+def set_site(label: str) -> None:
+    """Replace the current label (used by autograd pre-hooks, which have no scope to pop)."""
+    _SITES[-1] = label
+
+
+@contextlib.contextmanager
+def site(label: str) -> Iterator[None]:
+    """Attribute the collectives issued inside the block to `label`."""
+    _SITES.append(label)
+    try:
+        yield
+    finally:
+        _SITES.pop()
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as this rank issued it; `nbytes` per the module's byte convention."""
+
+    kind: str
+    nbytes: int
+    group_size: int
+    group: str
+    site: str
+
+
+def _group(arg: Any) -> tuple[str, int]:
+    if isinstance(arg, dist.ProcessGroup):
+        return arg.group_name, arg.size()
+    pg = dist.distributed_c10d._resolve_process_group(arg)
+    return str(arg), pg.size()
+
+
+def _tensor_bytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_tensor_bytes(t) for t in x)
+    return 0
+
+
+class CommCounter(TorchDispatchMode):
+    """Record every functional collective dispatched while active (see module docstring).
+
+    ``axis_of`` maps process-group names to a label (e.g. the mesh axis), so that records can be
+    grouped per mesh axis: ``{mesh.get_group(i).group_name: i for i in range(mesh.ndim)}``.
+    """
+
+    def __init__(self, axis_of: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.records: list[Collective] = []
+        self.axis_of = dict(axis_of or {})
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor desugar into local ops and collectives first
+        ns = getattr(func, "namespace", "")
+        name = getattr(func, "_opname", "")
+        if ns in _NAMESPACES and name in _KINDS:
+            kind, gathered = _KINDS[name]
+            group_arg = args[-1] if "group_name" not in kwargs else kwargs["group_name"]
+            group, size = _group(group_arg)
+            nbytes = _tensor_bytes(args[0]) * (size if gathered else 1)
+            self.records.append(Collective(kind, nbytes, size, group, current_site()))
+        return func(*args, **kwargs)
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        """Total bytes per collective kind."""
+        out: dict[str, int] = defaultdict(int)
+        for r in self.records:
+            out[r.kind] += r.nbytes
+        return dict(out)
+
+    def bytes_by_site(self) -> dict[str, dict[str, int]]:
+        """site -> kind -> bytes."""
+        out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for r in self.records:
+            out[r.site][r.kind] += r.nbytes
+        return {s: dict(k) for s, k in out.items()}
+
+    def bytes_by_axis(self) -> dict[tuple[str, Any], int]:
+        """(kind, axis label or group name) -> bytes."""
+        out: dict[tuple[str, Any], int] = defaultdict(int)
+        for r in self.records:
+            out[(r.kind, self.axis_of.get(r.group, r.group))] += r.nbytes
+        return dict(out)
+
+
+def predicted_collectives(
+    graph: OpGraph, solution: StageSolution, mesh: LogicalMesh
+) -> dict[str, list[tuple[str, float]]]:
+    """What the planner prices, per site of the executor: ``"fwd:u->v"`` -> [(kind, bytes)] for the
+    forward redistribution of every edge u -> v of the chosen strategies, and ``"bwd:u->v"`` for its
+    gradient (`planner.stage_costs`: from ``grad_from_consumer(dst, v's strategy)`` to
+    ``expected_grad(src)``), both from `cost_models.communication.reshard_steps`. One micro-batch,
+    forward + backward (the parameter-gradient part is not divided by the micro-batches)."""
+    out: dict[str, list[tuple[str, float]]] = {}
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    for fx_v in graph.gm.graph.nodes:
+        v = graph.node(fx_v.name)
+        if v.op != "call":
+            continue
+        vs = solution.choice[v.name].strategy
+        for u in dict.fromkeys(v.inputs):
+            fx_u = nodes[u]
+            k = fx_v.all_input_nodes.index(fx_u)
+            o = consumed_output(fx_u, fx_v)
+            src, dst = solution.choice[u].strategy.output[o], vs.inputs[k]
+            if not src or dst is None:
+                continue
+            src, dst = tuple(map(norm, src)), tuple(map(norm, dst))
+            meta = graph.node(u).outputs[o]
+            width = meta.nbytes / max(meta.numel(), 1)
+            steps = [(f"fwd:{u}->{v.name}", src, dst)]
+            if (
+                graph.node(u).requires_grad
+                and getattr(torch, meta.dtype).is_floating_point
+            ):
+                grad = grad_from_consumer(dst, vs, mesh.shape)
+                steps.append((f"bwd:{u}->{v.name}", grad, expected_grad(src)))
+            for label, a, b in steps:
+                if a == b:
+                    continue
+                colls = [
+                    (st.collective, st.nbytes)
+                    for st in reshard_steps(mesh, meta.shape, width, a, b)
+                    if st.collective
+                ]
+                if colls:
+                    out[label] = colls
+    return out
+
+
+def as_run_on(kind: str, device_type: str) -> str:
+    """The collective DTensor really issues for a priced one: on CPU meshes (gloo has no
+    all-to-all) DTensor 2.13 re-shards S(i) -> S(j) by all-gather + local chunk
+    (``shard_dim_alltoall``), so a priced all_to_all of B bytes runs as an all_gather of B bytes."""
+    return "all_gather" if kind == "all_to_all" and device_type == "cpu" else kind
+
+
+def compare(
+    predicted: dict[str, list[tuple[str, float]]],
+    measured: list[Collective],
+    device_type: str = "cpu",
+) -> tuple[dict[str, tuple[float, float]], list[str]]:
+    """Predicted vs measured bytes: ``{kind: (predicted, measured)}`` (predicted kinds mapped with
+    `as_run_on`) and one line per site whose collectives differ."""
+    pred_site: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for label, colls in predicted.items():
+        for kind, nbytes in colls:
+            pred_site[label][as_run_on(kind, device_type)] += nbytes
+    meas_site: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for r in measured:
+        meas_site[r.site][r.kind] += r.nbytes
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    diffs = []
+    for label in sorted(set(pred_site) | set(meas_site)):
+        p, m = dict(pred_site.get(label, {})), dict(meas_site.get(label, {}))
+        for kind, b in p.items():
+            totals[kind][0] += b
+        for kind, b in m.items():
+            totals[kind][1] += b
+        if p != m:
+            diffs.append(f"{label}: predicted {p or '{}'}, measured {m or '{}'}")
+    return {k: (v[0], v[1]) for k, v in sorted(totals.items())}, diffs

@@ -1,0 +1,383 @@
+"""Execute a traced graph under one stage's planned shardings with DTensor (principles 1, 6, 7).
+
+``run_graph(graph, solution, mesh, params, batch)`` interprets ``graph.gm`` (the aten-level fx graph
+of `planner.tracer.trace`) node by node on DTensors:
+
+* Leaves. Parameters are placed as DTensors with their planned placements (`place_params`), leaves
+  of autograd that require grad, so ``loss.backward()`` leaves their gradients in ``.grad`` as
+  DTensors. Buffers, batch tensors and factory ops without tensor inputs (``aten.arange``) are
+  created as plain tensors and placed the same way. Placing never communicates
+  (``distribute_tensor(..., src_data_rank=None)``): every rank is assumed to hold the same full
+  tensor (same seed, same batch), and keeps its own shard.
+* Edges. Before a node runs, every DTensor input is moved to the placement the node's chosen
+  strategy requires (``Strategy.inputs[k]``) by `_Edge`, an autograd function whose forward is
+  ``DTensor.redistribute`` and whose backward moves the gradient to the placement the planner
+  prices for the producer (`planner.stage_costs.expected_grad`: S(d) where the producer's output
+  was S(d), else R). DTensor refuses S -> P; we go S -> R -> P, as `cost_models` prices it. A
+  getitem of a multi-output op is an edge from the producer's output to the getitem's placement.
+* Ops. The aten op runs on the DTensors; DTensor's dispatcher picks the output placement. When it
+  differs from the planned output (it should not: the planner keeps the output DTensor's propagator
+  picks), the executor records it in ``mismatches`` and redistributes to the planned placement (or
+  raises with ``strict=True``). Ops that fell back to replication in the plan are registered with
+  DTensor's ``replicate_op_strategy`` (`planner.strategies.register_fallback`), and the rules the
+  planner added (CPU flash attention) with `planner.dtensor_rules.register_missing_rules`.
+* Output. The loss is returned replicated; a partial loss (``P(avg)`` under data parallelism) is
+  all-reduced first (one scalar, which the planner does not price: no edge leads to the output).
+
+Backward is plain autograd through DTensor ops and the `_Edge` functions. Why an explicit edge
+function instead of relying on ``DTensor.redistribute``'s own backward: the planner prices every
+edge's gradient separately (`planner.stage_costs.edge_matrices`), from the placement the consumer's
+backward hands back (`grad_from_consumer`) to ``expected_grad(src)``, including edges whose forward
+needs no redistribution (a replicated weight used by a batch-sharded matmul: the data-parallel
+gradient all-reduce). ``redistribute`` records no backward when src == dst, leaving a partial
+gradient partial (DTensor would then reduce it only where a later op needs it, or never: the
+``.grad`` of a replicated weight stays ``Partial``). The edge function makes the runtime perform
+exactly the priced collectives.
+
+What PyTorch lacks (why this module exists): there is no PyTorch API that runs an fx graph with a
+placement per node. ``parallelize_module`` / ``ParallelStyle`` work per ``nn.Module`` (inputs and
+outputs of modules, parameters of Linear/Embedding), not per aten op, and ``distribute_module``
+only places parameters; DTensor then picks every op's output placement greedily, which need not be
+the plan's. ``torch.distributed.tensor.experimental`` has no graph-level equivalent either (the
+auto-parallel prototype is not in torch 2.13), so we interpret the graph ourselves.
+
+Sites: the executor labels the current node / edge (`runtime.comm_count.site`) so that
+`runtime.comm_count.CommCounter` can attribute every collective to a forward node, an edge's
+forward or backward, or a node's backward (autograd pre-hooks on each node's ``grad_fn``).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    distribute_tensor,
+)
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.tensor.placement_types import Placement
+from torch.fx.node import map_arg
+
+from cost_models.errors import MeshplanError
+from planner.dtensor_rules import (
+    placement_to_str,
+    register_missing_rules,
+    str_to_placement,
+)
+from planner.intra_op import StageSolution
+from planner.opgraph import OpGraph
+from planner.stage_costs import expected_grad
+from planner.strategies import consumed_output, register_fallback
+from runtime import comm_count
+
+__all__ = ["PlanExecutor", "make_mesh", "place_params", "run_graph"]
+
+Strs = tuple[str, ...]
+
+
+def make_mesh(solution: StageSolution, device_type: str = "cpu") -> DeviceMesh:
+    """The DeviceMesh a solution runs on: its logical mesh without the axes of size 1 (the planner
+    derives strategies on that squeezed mesh, see `planner.strategies`). Needs an initialised
+    default process group of ``prod(solution.mesh_shape)`` ranks."""
+    shape = tuple(s for s in solution.mesh_shape if s > 1) or (1,)
+    return init_device_mesh(device_type, shape)
+
+
+def _unmask(x: DTensor, dst: tuple[Placement, ...]) -> DTensor:
+    """``_MaskPartial`` -> ``Partial("sum")`` locally, on the axes where `dst` asks for that.
+
+    A vocabulary-parallel embedding's output is a partial sum only once the rows of indices
+    outside the local shard are zeroed: DTensor does that when it reduces (``_reduce_value``) and
+    refuses to turn the placement into a plain ``Partial`` ("one partial type to another is
+    unsupported"), so an add of two embeddings would need an all-reduce. Zeroing those rows is
+    local; the planner prices ``P(mask) -> P`` as free, so we do it here (PyTorch lacks it)."""
+    places = list(x.placements)
+    local = x._local_tensor
+    for i, (c, d) in enumerate(zip(places, dst)):
+        mask = getattr(getattr(c, "mask_buffer", None), "data", None)
+        if d == Partial("sum") and c != d and c.is_partial() and mask is not None:
+            local = local.clone()
+            if local.ndim == mask.ndim:
+                local[mask] = 0.0
+            else:
+                local[mask, :] = 0.0
+            places[i] = Partial("sum")
+    if places == list(x.placements):
+        return x
+    spec = DTensorSpec(x._spec.mesh, tuple(places), tensor_meta=x._spec.tensor_meta)
+    return DTensor(local, spec, requires_grad=False)
+
+
+def _redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
+    """`x` redistributed to `dst`, without autograd (callers are `_Edge`'s forward and backward, and
+    tensors that need no gradient). Like ``DTensor.redistribute`` (DTensor's greedy plan,
+    ``redistribute_local_tensor``) but also to Partial, which the public method reserves for
+    DTensor's internal use: R -> P is local; S -> P, which DTensor refuses, goes S -> R -> P (as
+    `cost_models.communication.reshard_steps` prices it); a vocabulary-parallel embedding's
+    ``_MaskPartial`` becomes ``Partial("sum")`` locally (`_unmask`); other partials of another
+    reduction go through R."""
+    dst = tuple(dst)
+    if tuple(x.placements) == dst:
+        return x
+    x = _unmask(x, dst)
+    via = tuple(
+        Replicate() if d.is_partial() and not c.is_replicate() and c != d else d
+        for c, d in zip(x.placements, dst)
+    )
+    spec, local = x._spec, x._local_tensor
+    for target in (via, dst) if via != dst else (dst,):
+        if target == spec.placements:
+            continue
+        new = DTensorSpec(spec.mesh, target, tensor_meta=spec.tensor_meta)
+        local = redistribute_local_tensor(local, spec, new)
+        spec = new
+    return DTensor(local, spec, requires_grad=False)
+
+
+class _Edge(torch.autograd.Function):
+    """Forward: redistribute to the consumer's placement. Backward: redistribute the gradient to
+    the placement the planner prices for the producer."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: DTensor,
+        dst: tuple[Placement, ...],
+        grad_dst: tuple[Placement, ...],
+        label: str,
+    ) -> DTensor:
+        ctx.grad_dst, ctx.label = grad_dst, label
+        with comm_count.site(f"fwd:{label}"):
+            y = _redistribute(x, dst)
+        return y.view_as(y) if y is x else y
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[Any, None, None, None]:
+        with comm_count.site(f"bwd:{ctx.label}"):
+            if isinstance(grad, DTensor):
+                grad = _redistribute(grad, ctx.grad_dst)
+        return grad, None, None, None
+
+
+class PlanExecutor(torch.fx.Interpreter):
+    """Runs ``graph.gm`` on DTensors placed as ``solution`` plans on ``mesh`` (module docstring).
+
+    ``mesh`` must be the solution's logical mesh without its size-1 axes (`make_mesh`).
+    ``mismatches`` lists, after a run, every node whose DTensor output placement differed from the
+    plan (the executor redistributed it to the plan's).
+    """
+
+    def __init__(
+        self,
+        graph: OpGraph,
+        solution: StageSolution,
+        mesh: DeviceMesh,
+        *,
+        strict: bool = False,
+    ) -> None:
+        if graph.gm is None:
+            raise MeshplanError("the op graph has no fx GraphModule to execute")
+        super().__init__(graph.gm, garbage_collect_values=True)
+        self.opgraph, self.solution, self.mesh, self.strict = (
+            graph,
+            solution,
+            mesh,
+            strict,
+        )
+        shape = tuple(solution.mesh_shape)
+        self.axes = [i for i, s in enumerate(shape) if s > 1]
+        want = tuple(shape[i] for i in self.axes) or (1,)
+        if tuple(mesh.shape) != want:
+            raise MeshplanError(
+                f"plan for logical mesh {shape} runs on a DeviceMesh of shape {want} "
+                f"(size-1 axes dropped), got {tuple(mesh.shape)}"
+            )
+        self.n_axes = len(shape)
+        self.mismatches: list[str] = []
+        register_missing_rules()
+        for n in graph.gm.graph.nodes:
+            opt = solution.choice.get(n.name)
+            if n.op not in ("placeholder", "output") and opt is None:
+                raise MeshplanError(f"the plan has no strategy for node {n.name}")
+            if (
+                opt is not None
+                and opt.strategy.source == "fallback"
+                and isinstance(n.target, torch._ops.OpOverload)
+            ):
+                register_fallback(n.target)
+
+    # ------------------------------------------------------------------ placements
+
+    def placements(self, strs: Strs) -> tuple[Placement, ...]:
+        """Plan strings (one per logical-mesh axis) -> DTensor placements on the squeezed mesh."""
+        if not self.axes:
+            return (Replicate(),)
+        return tuple(str_to_placement(strs[i]) for i in self.axes)
+
+    def strings(self, placements: Sequence[Placement]) -> Strs:
+        """DTensor placements -> plan strings (``"R"`` on size-1 axes)."""
+        out = ["R"] * self.n_axes
+        for i, p in zip(self.axes, placements):
+            out[i] = placement_to_str(p) or repr(p)
+        return tuple(out)
+
+    def _place(self, t: torch.Tensor, strs: Strs) -> DTensor:
+        return distribute_tensor(
+            t.detach(), self.mesh, self.placements(strs), src_data_rank=None
+        )
+
+    def _planned_output(self, name: str, k: int = 0) -> Strs:
+        return self.solution.choice[name].strategy.output[k]
+
+    # ------------------------------------------------------------------ running
+
+    def place_params(self, params: dict[str, torch.Tensor]) -> dict[str, DTensor]:
+        """Parameters (by path) as DTensors with their planned placements, leaves requiring grad.
+        Tensors that already are DTensors are kept as they are."""
+        out = {}
+        for name, path in self.opgraph.placeholder_paths.items():
+            if path not in self.opgraph.params:
+                continue
+            if path not in params:
+                raise MeshplanError(f"missing parameter {path}")
+            t = params[path]
+            if not isinstance(t, DTensor):
+                t = self._place(t, self._planned_output(name)).requires_grad_(True)
+            out[path] = t
+        return out
+
+    def run_plan(
+        self,
+        params: dict[str, torch.Tensor],
+        batch: Sequence[torch.Tensor],
+        buffers: dict[str, torch.Tensor] | None = None,
+    ) -> DTensor:
+        """Forward pass; returns the loss as a replicated DTensor (call ``.backward()`` on it)."""
+        placed = self.place_params(params)
+        buffers = buffers or {}
+        env: dict[torch.fx.Node, Any] = {}
+        for n in self.opgraph.gm.graph.nodes:
+            if n.op != "placeholder":
+                continue
+            path = self.opgraph.placeholder_paths[n.name]
+            if path in placed:
+                env[n] = placed[path]
+            elif path.startswith("batch["):
+                env[n] = self._place(
+                    batch[int(path[6:-1])], self._planned_output(n.name)
+                )
+            elif path in buffers:
+                env[n] = self._place(buffers[path], self._planned_output(n.name))
+            else:
+                raise MeshplanError(f"missing buffer {path}")
+        out = self.run(initial_env=env, enable_io_processing=False)
+        loss = out[0] if isinstance(out, (list, tuple)) else out
+        if isinstance(loss, DTensor) and any(
+            not p.is_replicate() for p in loss.placements
+        ):
+            with comm_count.site("fwd:output"):
+                loss = loss.redistribute(placements=[Replicate()] * self.mesh.ndim)
+        return loss
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op != "call_function":
+            return super().run_node(n)
+        strategy = self.solution.choice[n.name].strategy
+        with self._set_current_node(n), comm_count.site(f"fwd:{n.name}"):
+            if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node):
+                src = self.env[n.args[0]]
+                value = src[n.args[1]]
+                if isinstance(value, DTensor) and isinstance(src, (tuple, list)):
+                    value = self._edge(value, n.args[0], n, strategy.inputs[0])
+                return value
+            moved = {}
+            for k, u in enumerate(n.all_input_nodes):
+                value = self.env[u]
+                if isinstance(value, DTensor) and strategy.inputs[k] is not None:
+                    moved[u] = self._edge(value, u, n, strategy.inputs[k])
+            args, kwargs = map_arg(
+                (n.args, n.kwargs), lambda a: moved.get(a, self.env[a])
+            )
+            out = n.target(*args, **kwargs)
+            return self._check_outputs(n, out, strategy.output)
+
+    def _edge(
+        self, x: DTensor, u: torch.fx.Node, v: torch.fx.Node, dst: Strs
+    ) -> DTensor:
+        src = self._planned_output(u.name, consumed_output(u, v))
+        return self._move(x, dst, f"{u.name}->{v.name}", src)
+
+    def _move(self, x: DTensor, dst: Strs, label: str, src: Strs) -> DTensor:
+        """Redistribute `x` to `dst`; its gradient goes back to ``expected_grad(src)``."""
+        if x.requires_grad:
+            grad_dst = self.placements(expected_grad(src))
+            return _Edge.apply(x, self.placements(dst), grad_dst, label)
+        with comm_count.site(f"fwd:{label}"):
+            return _redistribute(x, self.placements(dst))
+
+    def _check_outputs(
+        self, n: torch.fx.Node, out: Any, planned: tuple[Strs, ...]
+    ) -> Any:
+        single = not isinstance(out, (tuple, list))
+        items = [out] if single else list(out)
+        for k, item in enumerate(items):
+            if (
+                not isinstance(item, torch.Tensor)
+                or k >= len(planned)
+                or not planned[k]
+            ):
+                continue
+            if not isinstance(item, DTensor):  # a factory op: no tensor inputs
+                items[k] = self._place(item, planned[k])
+                continue
+            have = self.strings(item.placements)
+            if have != planned[k]:
+                msg = f"{n.name} ({n.target}) output {k}: DTensor gave {have}, plan {planned[k]}"
+                if self.strict:
+                    raise MeshplanError(msg)
+                self.mismatches.append(msg)
+                item = items[k] = self._move(item, planned[k], f"{n.name}.{k}", have)
+            if item.grad_fn is not None:
+                label = f"bwd:{n.name}"
+                item.grad_fn.register_prehook(
+                    lambda g, label=label: comm_count.set_site(label)
+                )
+        if single:
+            return items[0]
+        return type(out)(items) if isinstance(out, tuple) else items
+
+
+def place_params(
+    graph: OpGraph,
+    solution: StageSolution,
+    mesh: DeviceMesh,
+    params: dict[str, torch.Tensor],
+) -> dict[str, DTensor]:
+    """Parameters as DTensor leaves requiring grad with the planned placements; pass the result to
+    `run_graph` and read ``.grad`` after ``loss.backward()``."""
+    return PlanExecutor(graph, solution, mesh).place_params(params)
+
+
+def run_graph(
+    graph: OpGraph,
+    solution: StageSolution,
+    mesh: DeviceMesh,
+    params: dict[str, torch.Tensor],
+    batch: tuple[torch.Tensor, ...],
+    *,
+    buffers: dict[str, torch.Tensor] | None = None,
+    strict: bool = False,
+) -> DTensor:
+    """Run the forward pass of ``graph`` as ``solution`` plans it on ``mesh``; returns the loss
+    (replicated DTensor). ``params`` maps parameter paths to full tensors (placed here, so their
+    gradients are not reachable: use `place_params` first) or to DTensors from `place_params`."""
+    return PlanExecutor(graph, solution, mesh, strict=strict).run_plan(
+        params, batch, buffers
+    )

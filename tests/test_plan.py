@@ -1,0 +1,179 @@
+"""plan(), manual plans, plan files and the plan / manual / explain commands."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+from cost_models.errors import MeshplanError
+from planner import Cluster, plan
+from planner.manual import manual_plan
+from planner.plan_format import ParallelPlan
+from runtime.cli import main
+
+SMALL = "gpt:hidden=256,layers=4,heads=4,seq=128,vocab=1024"
+
+
+@functools.cache
+def _small_plan(spec: str = "1x4xV100-16GB", batch: int = 16) -> ParallelPlan:
+    return plan(SMALL, spec, global_batch=batch, microbatch_size=[2, 4])
+
+
+def test_plan_tiles_layers_and_devices() -> None:
+    p = _small_plan()
+    L = len(p.layer_nodes)
+    assert p.stages[0].layers[0] == 0 and p.stages[-1].layers[1] == L - 1
+    for a, b in zip(p.stages, p.stages[1:]):
+        assert b.layers[0] == a.layers[1] + 1
+    devices = sorted(d for s in p.stages for d in s.devices)
+    assert devices == list(range(4))
+    for s in p.stages:
+        assert (
+            len(s.devices)
+            == s.submesh[0] * s.submesh[1]
+            == s.logical_mesh[0] * s.logical_mesh[1]
+        )
+        assert s.memory_bytes <= p.memory_budget_bytes
+    assert p.global_batch == 16 and 16 % p.num_microbatches == 0
+    assert p.estimate.iteration_time_s > 0 and p.estimate.tflops_per_device > 0
+    # Every parameter of the model is placed by exactly one stage.
+    placed = [path for s in p.stages for path in s.param_placements]
+    assert len(placed) == len(set(placed)) and len(placed) == 4 * 12 + 5
+
+
+def test_plan_json_round_trip(tmp_path) -> None:
+    p = _small_plan()
+    path = tmp_path / "p.json"
+    p.save(path)
+    data = json.loads(path.read_text())
+    for key in ("params", "flops_per_iteration", "fingerprint"):
+        assert key in data["model"]
+    assert data["cluster"]["spec"] == "1x4xV100-16GB"
+    for key in (
+        "layers",
+        "devices",
+        "submesh",
+        "logical_mesh",
+        "recompute",
+        "param_placements",
+        "time_s",
+        "memory_bytes",
+    ):
+        assert key in data["stages"][0]
+    for key in ("iteration_time_s", "tflops_per_device", "peak_memory_bytes"):
+        assert key in data["estimate"]
+    back = ParallelPlan.load(path)
+    assert back.to_json() == p.to_json()
+
+
+def test_auto_plan_at_least_as_fast_as_manual_configs() -> None:
+    p = _small_plan()
+    for dp, tp, pp in ((4, 1, 1), (1, 4, 1), (2, 2, 1), (1, 1, 4), (2, 1, 2)):
+        m = manual_plan(
+            SMALL,
+            "1x4xV100-16GB",
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            num_microbatches=4,
+            global_batch=16,
+            allow_oom=True,
+        )
+        assert p.estimate.iteration_time_s <= m.estimate.iteration_time_s * 1.001, (
+            dp,
+            tp,
+            pp,
+        )
+
+
+def test_manual_plan_places_megatron_weights() -> None:
+    m = manual_plan(
+        SMALL, "1x4xV100-16GB", dp=2, tp=2, pp=1, num_microbatches=2, global_batch=16
+    )
+    pl = m.stages[0].param_placements
+    assert pl["blocks.0.attn.qkv.weight"] == ["R", "S(0)"]
+    assert pl["blocks.0.mlp.proj.weight"] == ["R", "S(1)"]
+    assert pl["blocks.0.ln_1.weight"] == ["R", "R"]
+    assert m.manual["fits"] and m.stages[0].dp_tp == "2x2"
+
+
+def test_manual_errors() -> None:
+    with pytest.raises(MeshplanError, match="dp x tp x pp"):
+        manual_plan(SMALL, "1x4xV100-16GB", dp=2, tp=2, pp=2, num_microbatches=2)
+    with pytest.raises(MeshplanError, match="tp=8 must divide the 4 devices per host"):
+        manual_plan(SMALL, "2x4xV100-16GB", dp=1, tp=8, pp=1, num_microbatches=2)
+    with pytest.raises(MeshplanError, match="exactly one of"):
+        manual_plan(SMALL, "1x4xV100-16GB", dp=4, tp=1, pp=1)
+
+
+def test_infeasible_model_states_memory() -> None:
+    with pytest.raises(
+        MeshplanError, match=r"needs [\d.]+ GiB per device, [\d.]+ GiB available"
+    ):
+        plan(
+            "gpt:hidden=4096,layers=8,heads=32,seq=1024,vocab=51200",
+            Cluster.from_spec("1x2xV100-16GB"),
+            global_batch=8,
+            microbatch_size=8,
+        )
+
+
+def test_cli_plan_and_explain(tmp_path, capsys) -> None:
+    out = tmp_path / "p.json"
+    assert (
+        main(
+            [
+                "plan",
+                SMALL,
+                "--cluster",
+                "1x2xV100-16GB",
+                "--batch",
+                "8",
+                "--microbatch-size",
+                "4",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "stage" in text and "TFLOP/s per device" in text
+    assert main(["explain", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "parameter placements" in text and "blocks.0.attn.qkv.weight" in text
+
+
+def test_cli_errors(tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["explain", str(bad)]) == 2
+    assert "not a JSON plan" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "manual",
+                SMALL,
+                "--cluster",
+                "1x4xV100-16GB",
+                "--dp",
+                "3",
+                "--tp",
+                "1",
+                "--pp",
+                "1",
+                "--microbatches",
+                "2",
+            ]
+        )
+        == 2
+    )
+    assert "dp x tp x pp" in capsys.readouterr().err
+
+
+def test_plan_refuses_other_model() -> None:
+    p = _small_plan()
+    with pytest.raises(MeshplanError, match="plan was made for model"):
+        p.check_model("0000", "other")
