@@ -16,7 +16,8 @@ Exact, not only a bound, whenever every stage splits its time between forward an
 same ratio: the makespan is the longest path through the forward grid (F(i, m) after F(i-1, m) and
 F(i, m-1)) then the backward grid; each grid path visits B + S - 1 tasks, crosses every link once,
 and at most B tasks of any one stage, so it is at most ``sum_i f_i + (B - 1) max_i f_i + sum s / 2``
-(likewise for backward), and the path along the slowest stage attains it.
+(likewise for backward; ``max f + max b = max t`` as the ratio is common), and the path that runs
+all B micro-batches on the slowest stage attains it.
 
 1F1B (Megatron's non-interleaved schedule: stage i runs ``S - i - 1`` warm-up forwards, then
 alternates forward and backward)::
@@ -67,8 +68,9 @@ __all__ = ["SCHEDULES", "peak_inflight", "pipeline_time", "steady_state_period"]
 
 def _times(values: Sequence[float], what: str) -> list[float]:
     out = [float(x) for x in values]
-    if any(not math.isfinite(x) or x < 0 for x in out):
-        raise MeshplanError(f"{what} must be finite and >= 0, got {list(values)}")
+    for i, x in enumerate(out):
+        if not math.isfinite(x) or x < 0:
+            raise MeshplanError(f"{what} must be finite and >= 0, got {x} at index {i}")
     return out
 
 
@@ -81,6 +83,11 @@ def steady_state_period(
     t = _times(stage_times, "stage times")
     s = _times(send_times, "send times") or [0.0] * (len(t) - 1)
     n = len(t)
+    if not t or len(s) != n - 1:
+        raise MeshplanError(
+            f"need at least one stage time and one send time per link: {n - 1} for {n} "
+            f"stages, got {len(s)}"
+        )
     period = max(t)
     if not any(s):
         return period

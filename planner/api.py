@@ -53,16 +53,13 @@ def submesh_shapes(cluster: Cluster, limit_hosts: int = 24) -> list[tuple[int, i
 
 
 def logical_shapes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
-    """The logical meshes tried on a submesh: one flat axis, and two axes (across x within hosts, or
-    2 x d/2 inside one host)."""
+    """The logical meshes tried on a submesh: inside one host, one flat axis and (if it has 4 devices
+    or more) 2 x m/2; across n hosts, n x m (a flat axis across hosts would run every collective
+    through the slow inter-host link, which the n x m mesh can always match)."""
     n, m = submesh
-    d = n * m
-    shapes = [(1, d)]
     if n > 1:
-        shapes.append((n, m))
-    elif m >= 4:
-        shapes.append((2, m // 2))
-    return shapes
+        return [(n, m)]
+    return [(1, m), (2, m // 2)] if m >= 4 else [(1, m)]
 
 
 def _resolve_model(

@@ -265,10 +265,13 @@ def solve_stage(
     names = [
         n.name for n in graph.nodes if n.name in in_scope or n.name in set(boundary)
     ]
+    rep = representatives(graph, names)
     options: dict[str, list[Option]] = {}
     for n in names:
         node = graph.node(n)
-        if n in in_scope or node.op in ("param", "buffer", "input"):
+        if rep.get(n, n) != n:  # a copy of a repeated block: the same options as its representative
+            options[n] = options[rep[n]]
+        elif n in in_scope or node.op in ("param", "buffer", "input"):
             options[n] = sc.node_options(fx[n], node, mesh.shape)
             if param_filter is not None and node.op == "param":
                 path = graph.placeholder_paths[n]
@@ -290,7 +293,6 @@ def solve_stage(
     param_derived = {n for n in names if graph.node(n).op == "param"} | _param_views(
         graph, names
     )
-    rep = representatives(graph, names)
     ctx = _Context(
         graph,
         settings,
