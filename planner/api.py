@@ -37,19 +37,13 @@ MODES = ("auto", "intra-only", "inter-only")
 Progress = Callable[[str], None]
 
 
-def submesh_shapes(cluster: Cluster, limit_hosts: int = 24) -> list[tuple[int, int]]:
-    """(1, 1), (1, 2), (1, 4), ..., (1, M), then (n, M) for n = 2..N (for large N: n a power of two
-    or a divisor of N, so that the DP stays small)."""
+def submesh_shapes(cluster: Cluster) -> list[tuple[int, int]]:
+    """(1, 1), (1, 2), (1, 4), ..., (1, M), then (n, M) for n = 2..N hosts, keeping the n that are
+    powers of two or divide N: fewer shapes for the intra-op pass to solve, and any N hosts are
+    still tiled (by powers of two)."""
     N, M = cluster.shape
-    out = [
-        (1, m) for m in range(1, M + 1) if M % m == 0 and (m & (m - 1) == 0 or m == M)
-    ]
-    hosts = (
-        range(2, N + 1)
-        if N <= limit_hosts
-        else sorted({n for n in range(2, N + 1) if N % n == 0 or n & (n - 1) == 0})
-    )
-    return out + [(n, M) for n in hosts]
+    out = [(1, m) for m in range(1, M + 1) if M % m == 0 and (m & (m - 1) == 0 or m == M)]
+    return out + [(n, M) for n in range(2, N + 1) if N % n == 0 or n & (n - 1) == 0]
 
 
 def logical_shapes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
