@@ -30,17 +30,27 @@ from planner.models import build_model
 GPT_1T = "gpt:hidden=25600,layers=128,heads=160,seq=2048,vocab=51200"
 
 
-def intra(model: str, spec: str, shape: tuple[int, int], batch: int, microbatches: int) -> str:
+def intra(
+    model: str, spec: str, shape: tuple[int, int], batch: int, microbatches: int
+) -> str:
     m, b = build_model(model, batch=batch, dtype=torch.float16)
     graph = trace(m, b)
     cluster = Cluster.from_spec(spec)
-    sol = solve_stage(graph, LogicalMesh(cluster, cluster.shape, shape), num_microbatches=microbatches, memory_budget=cluster.device.memory_bytes)
+    sol = solve_stage(
+        graph,
+        LogicalMesh(cluster, cluster.shape, shape),
+        num_microbatches=microbatches,
+        memory_budget=cluster.device.memory_bytes,
+    )
     return f"{sol.time_s * 1e3:.1f} ms per micro-batch, {sol.memory_bytes / 2**30:.1f} GiB, {sol.ilp_nodes} ILP nodes"
 
 
 def whole(model: str, spec: str, batch: int) -> str:
     p = plan(model, spec, global_batch=batch)
-    shape = ", ".join(f"{s.layers[0]}-{s.layers[1]}@{s.submesh[0]}x{s.submesh[1]}->{s.logical_mesh[0]}x{s.logical_mesh[1]}" for s in p.stages)
+    shape = ", ".join(
+        f"{s.layers[0]}-{s.layers[1]}@{s.submesh[0]}x{s.submesh[1]}->{s.logical_mesh[0]}x{s.logical_mesh[1]}"
+        for s in p.stages
+    )
     return f"{p.estimate.tflops_per_device:.1f} TFLOP/s per device, B={p.num_microbatches}, stages {shape}"
 
 
@@ -68,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         med = statistics.median(times)
         met = med <= target
         ok &= met
-        print(f"{name:<11} median {med:7.1f} s over {len(times)} (target <= {target:.0f} s: {'met' if met else 'MISSED'})  {what}", flush=True)
+        print(
+            f"{name:<11} median {med:7.1f} s over {len(times)} (target <= {target:.0f} s: {'met' if met else 'MISSED'})  {what}",
+            flush=True,
+        )
     return 0 if ok else 1
 
 

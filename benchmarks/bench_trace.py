@@ -32,7 +32,12 @@ TARGETS = {"gpt-39b": (20.0, 2 * 10**9)}
 
 
 def measure(model: str, batch: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", _CHILD, model, str(batch)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, model, str(batch)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -43,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     ok = True
-    print(f"{'model':<10} {'nodes':>6} {'params':>14} {'trace s (median)':>17} {'peak RSS GB (median)':>21}  target")
+    print(
+        f"{'model':<10} {'nodes':>6} {'params':>14} {'trace s (median)':>17} {'peak RSS GB (median)':>21}  target"
+    )
     for model in args.models:
         runs = [measure(model, args.batch) for _ in range(args.repeats)]
         t = statistics.median(r["trace_s"] + r["import_s"] for r in runs)
@@ -54,8 +61,12 @@ def main(argv: list[str] | None = None) -> int:
             met = t <= t_max and mem <= m_max
             ok &= met
             target = f"<= {t_max:.0f} s, <= {m_max / 1e9:.0f} GB: {'met' if met else 'MISSED'}"
-        print(f"{model:<10} {runs[0]['nodes']:>6} {runs[0]['params']:>14,} {t:>17.2f} {mem / 1e9:>21.2f}  {target}")
-    print("(time includes importing torch and meshplan; memory is the whole process's peak)")
+        print(
+            f"{model:<10} {runs[0]['nodes']:>6} {runs[0]['params']:>14,} {t:>17.2f} {mem / 1e9:>21.2f}  {target}"
+        )
+    print(
+        "(time includes importing torch and meshplan; memory is the whole process's peak)"
+    )
     return 0 if ok else 1
 
 

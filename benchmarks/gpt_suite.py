@@ -47,21 +47,36 @@ def run_case(gpus: int) -> dict[str, Any]:
             "planner_time_s": time.perf_counter() - t0,
             "num_microbatches": auto.num_microbatches,
             "stages": [
-                {"layers": s.layers, "submesh": s.submesh, "logical_mesh": s.logical_mesh, "recompute": s.recompute} for s in auto.stages
+                {
+                    "layers": s.layers,
+                    "submesh": s.submesh,
+                    "logical_mesh": s.logical_mesh,
+                    "recompute": s.recompute,
+                }
+                for s in auto.stages
             ],
         },
         "fits": auto.estimate.peak_memory_bytes <= auto.memory_budget_bytes,
     }
     if megatron:
         m = manual_plan(
-            model, spec, dp=megatron["dp"], tp=megatron["tp"], pp=megatron["pp"], num_microbatches=megatron["microbatches"],
-            global_batch=batch, recompute=True, allow_oom=True,
+            model,
+            spec,
+            dp=megatron["dp"],
+            tp=megatron["tp"],
+            pp=megatron["pp"],
+            num_microbatches=megatron["microbatches"],
+            global_batch=batch,
+            recompute=True,
+            allow_oom=True,
         )
         case["megatron"] = {
             "config": {k: megatron[k] for k in ("dp", "tp", "pp", "microbatches")},
             "iteration_time_s": m.estimate.iteration_time_s,
             "tflops_per_device": m.estimate.tflops_per_device,
-            "measured_tflops_per_device": measured_tflops("## GPT", "Megatron-LM")[gpus],
+            "measured_tflops_per_device": measured_tflops("## GPT", "Megatron-LM")[
+                gpus
+            ],
             "fits": m.manual["fits"],
         }
         case["ratio"] = m.estimate.iteration_time_s / auto.estimate.iteration_time_s
@@ -69,18 +84,25 @@ def run_case(gpus: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Alpa GPT suite: auto plans vs Megatron's best configurations")
+    ap = argparse.ArgumentParser(
+        description="Alpa GPT suite: auto plans vs Megatron's best configurations"
+    )
     ap.add_argument("--gpus", type=int, nargs="+", default=sorted(scaling("## GPT")))
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     cases, ok = [], True
-    print(f"{'GPUs':>4} {'model':<9} {'auto TFLOP/s':>12} {'fits':>5} {'Megatron pred.':>14} {'measured':>8} {'ratio':>6} {'plan s':>7}  stages")
+    print(
+        f"{'GPUs':>4} {'model':<9} {'auto TFLOP/s':>12} {'fits':>5} {'Megatron pred.':>14} {'measured':>8} {'ratio':>6} {'plan s':>7}  stages"
+    )
     for g in args.gpus:
         c = run_case(g)
         cases.append(c)
         mg = c.get("megatron", {})
         ok &= c["fits"] and c.get("ratio", 1.0) >= 1.0
-        stages = " ".join(f"{s['layers'][0]}-{s['layers'][1]}@{s['logical_mesh'][0]}x{s['logical_mesh'][1]}" for s in c["auto"]["stages"])
+        stages = " ".join(
+            f"{s['layers'][0]}-{s['layers'][1]}@{s['logical_mesh'][0]}x{s['logical_mesh'][1]}"
+            for s in c["auto"]["stages"]
+        )
         print(
             f"{g:>4} {c['model']:<9} {c['auto']['tflops_per_device']:>12.1f} {str(c['fits']):>5} "
             f"{mg.get('tflops_per_device', float('nan')):>14.1f} {mg.get('measured_tflops_per_device') or float('nan'):>8.1f} "
@@ -90,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cases": cases}, f, indent=1)
-    print("all plans fit and auto >= Megatron where listed" if ok else "SOME CASE MISSED (fit or ratio < 1)")
+    print(
+        "all plans fit and auto >= Megatron where listed"
+        if ok
+        else "SOME CASE MISSED (fit or ratio < 1)"
+    )
     return 0 if ok else 1
 
 

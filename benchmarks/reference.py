@@ -9,7 +9,12 @@ from pathlib import Path
 
 from cost_models.errors import MeshplanError
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "alpa-osdi22-suite.md"
+REFERENCE = (
+    Path(__file__).resolve().parents[2]
+    / "shared"
+    / "reference"
+    / "alpa-osdi22-suite.md"
+)
 
 
 @cache
@@ -18,7 +23,9 @@ def _tables() -> dict[str, list[list[str]]]:
     try:
         lines = REFERENCE.read_text().splitlines()
     except OSError as exc:
-        raise MeshplanError(f"cannot read the reference suite {REFERENCE}: {exc.strerror}") from None
+        raise MeshplanError(
+            f"cannot read the reference suite {REFERENCE}: {exc.strerror}"
+        ) from None
     out: dict[str, list[list[str]]] = {}
     title, rows = "", []
     for line in lines + [""]:
@@ -79,5 +86,8 @@ def measured_tflops(title_prefix: str, system: str) -> dict[int, float | None]:
         if len(cells) != len(header):
             break  # the table ended
         if cells[0] == system:
-            return {int(g): (float(v) if re.fullmatch(r"[\d.]+", v) else None) for g, v in zip(header[1:], cells[1:])}
+            return {
+                int(g): (float(v) if re.fullmatch(r"[\d.]+", v) else None)
+                for g, v in zip(header[1:], cells[1:])
+            }
     raise MeshplanError(f"no row {system!r} after {title_prefix!r} in {REFERENCE}")

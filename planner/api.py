@@ -42,7 +42,9 @@ def submesh_shapes(cluster: Cluster) -> list[tuple[int, int]]:
     powers of two or divide N: fewer shapes for the intra-op pass to solve, and any N hosts are
     still tiled (by powers of two)."""
     N, M = cluster.shape
-    out = [(1, m) for m in range(1, M + 1) if M % m == 0 and (m & (m - 1) == 0 or m == M)]
+    out = [
+        (1, m) for m in range(1, M + 1) if M % m == 0 and (m & (m - 1) == 0 or m == M)
+    ]
     return out + [(n, M) for n in range(2, N + 1) if N % n == 0 or n & (n - 1) == 0]
 
 
@@ -91,11 +93,9 @@ def _resolve_model(
     return name or type(model).__name__, make, default
 
 
-def microbatch_sizes(global_batch: int, limit: int = 4) -> list[int]:
-    """Powers of two dividing the global batch, the largest `limit` of them up to 32."""
-    sizes = [
-        b for b in (1, 2, 4, 8, 16, 32) if global_batch % b == 0 and b <= global_batch
-    ]
+def microbatch_sizes(global_batch: int, limit: int = 3) -> list[int]:
+    """Powers of two dividing the global batch: the largest `limit` of them up to 16."""
+    sizes = [b for b in (1, 2, 4, 8, 16) if global_batch % b == 0]
     return sizes[-limit:] or [global_batch]
 
 
@@ -152,13 +152,13 @@ def plan(
     layers = None
     least = [
         np.inf
-    ]  # smallest per-device memory of the whole model as one stage on all devices
+    ]  # per-device memory of the whole model as one stage on all devices, at best
     for b in sorted(sizes_b, reverse=True):
         say(f"tracing {name} with micro-batch {b}")
         module, batch = make(b)
         graph = trace(module, batch, model_name=name)
         if layers is None:
-            layers = _layers(graph, num_layers, D)
+            layers = _layers(graph, num_layers)
             say(f"{len(graph.ops)} ops in {len(layers)} layers")
         B = G // b
         result = _search(
@@ -191,9 +191,7 @@ def plan(
     )
 
 
-def _layers(
-    graph: OpGraph, num_layers: int | None, max_stages: int
-) -> list[tuple[int, int]]:
+def _layers(graph: OpGraph, num_layers: int | None) -> list[tuple[int, int]]:
     ops = graph.ops
     index = {n.name: i for i, n in enumerate(ops)}
     edges = [
@@ -281,6 +279,23 @@ def _search(graph, layers, cluster, subs, B, budget, optimizer, mode, say, least
     return dp, choices
 
 
+def _data_parallel_axes(
+    graph: OpGraph, sol, names: set[str], mesh_shape: tuple[int, int]
+) -> list[int]:
+    """Axes (of size > 1) on which most of the stage's parameter bytes are not sharded."""
+    params = [
+        (graph.node(n).output_bytes, sol.choice[n].strategy.output[0])
+        for n in names
+        if graph.node(n).op == "param" and n in sol.choice
+    ]
+    total = sum(b for b, _ in params) or 1
+    return [
+        a
+        for a, size in enumerate(mesh_shape)
+        if size > 1 and sum(b for b, pl in params if pl[a].startswith("S")) < total / 2
+    ]
+
+
 def _allocate(sizes: list[int], cluster: Cluster) -> list[list[int]]:
     """Device ranks (host-major) per stage: larger submeshes first, each aligned to its size."""
     order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
@@ -339,6 +354,7 @@ def _assemble(
             if n in in_stage and graph.node(n).op == "call"
         }
         fallbacks += [f for f in sol.fallback_ops if f.split(":")[0] in in_stage]
+        dp_axes = _data_parallel_axes(graph, sol, in_stage, mesh.shape)
         t = float(
             prof.time[k : j + 1].sum() + (prof.fwd[k : j + 1].sum() if rc else 0.0)
         )
@@ -357,6 +373,7 @@ def _assemble(
                 grad_sync_s=float(sol.grad_sync_s),
                 zero_params=[p for p in sol.zero_params if p in params],
                 node_strategies=strategies,
+                data_parallel_axes=dp_axes,
             )
         )
     iteration = pipeline_time(times, B, schedule, virtual_stages=virtual_stages)

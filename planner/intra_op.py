@@ -269,7 +269,9 @@ def solve_stage(
     options: dict[str, list[Option]] = {}
     for n in names:
         node = graph.node(n)
-        if rep.get(n, n) != n:  # a copy of a repeated block: the same options as its representative
+        if (
+            rep.get(n, n) != n
+        ):  # a copy of a repeated block: the same options as its representative
             options[n] = options[rep[n]]
         elif n in in_scope or node.op in ("param", "buffer", "input"):
             options[n] = sc.node_options(fx[n], node, mesh.shape)

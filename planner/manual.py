@@ -116,7 +116,7 @@ def manual_plan(
     module, batch = make(b)
     graph = trace(module, batch, model_name=name)
     chunks = pp * virtual_stages
-    layers = _layers(graph, chunks, D)
+    layers = _layers(graph, chunks)
     if len(layers) != chunks:
         raise MeshplanError(f"{name} has too few ops for {chunks} pipeline chunks")
     n = dp * tp

@@ -37,23 +37,19 @@ class StagePlan:
     node_strategies: dict[str, dict[str, list]] = field(
         default_factory=dict
     )  # node -> {"inputs", "outputs"}
+    # Mesh axes that replicate most of the stage's parameter bytes (data parallel); the other axes
+    # split the model (tensor parallel, or fully sharded weights).
+    data_parallel_axes: list[int] = field(default_factory=list)
 
     @property
     def dp_tp(self) -> str:
-        """Data x tensor parallel degrees read off the parameter placements (axes that shard weights are TP)."""
-        tp_axes = {
-            a
-            for pl in self.param_placements.values()
-            for a, p in enumerate(pl)
-            if p.startswith("S")
-        }
-        tp = 1
-        dp = 1
+        """Data x tensor parallel degrees (see `data_parallel_axes`)."""
+        dp = tp = 1
         for a, size in enumerate(self.logical_mesh):
-            if a in tp_axes:
-                tp *= size
-            else:
+            if a in self.data_parallel_axes:
                 dp *= size
+            else:
+                tp *= size
         return f"{dp}x{tp}"
 
 

@@ -110,7 +110,11 @@ def profiles_for(
     ladder: tuple[float, ...] = (0.35, 0.12, 0.04),
 ) -> list[LayerProfile]:
     """Time-optimal solution, then solutions under shrinking whole-model memory budgets."""
-    kw = {"num_microbatches": num_microbatches, "optimizer": optimizer, "param_filter": param_filter}
+    kw = {
+        "num_microbatches": num_microbatches,
+        "optimizer": optimizer,
+        "param_filter": param_filter,
+    }
     first = solve_stage(graph, mesh, **kw)
     out = [profile(first, graph, layer_of, bounds, num_layers)]
     total = first.memory_bytes
