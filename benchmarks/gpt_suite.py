@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             for s in c["auto"]["stages"]
         )
         print(
-            f"{g:>4} {c['model']:<9} {c['auto']['tflops_per_device']:>12.1f} {str(c['fits']):>5} "
+            f"{g:>4} {c['model']:<9} {c['auto']['tflops_per_device']:>12.1f} {c['fits']!s:>5} "
             f"{mg.get('tflops_per_device', float('nan')):>14.1f} {mg.get('measured_tflops_per_device') or float('nan'):>8.1f} "
             f"{c.get('ratio', float('nan')):>6.2f} {c['auto']['planner_time_s']:>7.1f}  B={c['auto']['num_microbatches']} {stages}",
             flush=True,
