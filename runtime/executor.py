@@ -38,8 +38,10 @@ What PyTorch lacks (why this module exists): there is no PyTorch API that runs a
 placement per node. ``parallelize_module`` / ``ParallelStyle`` work per ``nn.Module`` (inputs and
 outputs of modules, parameters of Linear/Embedding), not per aten op, and ``distribute_module``
 only places parameters; DTensor then picks every op's output placement greedily, which need not be
-the plan's. ``torch.distributed.tensor.experimental`` has no graph-level equivalent either (the
-auto-parallel prototype is not in torch 2.13), so we interpret the graph ourselves.
+the plan's. The closest piece, ``torch.distributed.tensor.experimental._tp_transform``
+(``tensor_parallel_transformation``), rewrites an ExportedProgram for one 1D mesh from
+colwise/rowwise styles of Linear weights, propagating the rest with DTensor's own choices: no
+per-node placements and a 1D mesh only. So we interpret the graph ourselves.
 
 Sites: the executor labels the current node / edge (`runtime.comm_count.site`) so that
 `runtime.comm_count.CommCounter` can attribute every collective to a forward node, an edge's
@@ -77,7 +79,7 @@ from planner.stage_costs import expected_grad
 from planner.strategies import consumed_output, register_fallback
 from runtime import comm_count
 
-__all__ = ["PlanExecutor", "make_mesh", "place_params", "run_graph"]
+__all__ = ["PlanExecutor", "make_mesh", "param_derived", "place_params", "run_graph"]
 
 Strs = tuple[str, ...]
 
@@ -90,29 +92,44 @@ def make_mesh(solution: StageSolution, device_type: str = "cpu") -> DeviceMesh:
     return init_device_mesh(device_type, shape)
 
 
-def _unmask(x: DTensor, dst: tuple[Placement, ...]) -> DTensor:
-    """``_MaskPartial`` -> ``Partial("sum")`` locally, on the axes where `dst` asks for that.
+def _repartial(x: DTensor, dst: tuple[Placement, ...]) -> DTensor:
+    """Change the kind of a partial placement locally, on the axes where `dst` asks for another.
 
-    A vocabulary-parallel embedding's output is a partial sum only once the rows of indices
-    outside the local shard are zeroed: DTensor does that when it reduces (``_reduce_value``) and
-    refuses to turn the placement into a plain ``Partial`` ("one partial type to another is
-    unsupported"), so an add of two embeddings would need an all-reduce. Zeroing those rows is
-    local; the planner prices ``P(mask) -> P`` as free, so we do it here (PyTorch lacks it)."""
+    The planner treats every partial as "P" (`planner.stage_costs.norm`), so a producer's partial
+    may meet a consumer that wants another kind; DTensor refuses to convert between partial types
+    ("one partial type to another is unsupported"), which would cost an all-reduce. The
+    conversions that the planner's strategies need are local (PyTorch lacks them):
+
+    * ``_MaskPartial`` (a vocabulary-parallel embedding's output) -> ``Partial("sum")``: zero the
+      rows whose indices lie outside the local shard, which DTensor does only when it reduces;
+    * ``Partial("sum")`` <-> ``Partial("avg")``: multiply / divide the local value by the axis size
+      (the full value is the sum, resp. the mean, of the local ones).
+    """
     places = list(x.placements)
     local = x._local_tensor
     for i, (c, d) in enumerate(zip(places, dst)):
+        if not (c.is_partial() and d.is_partial()) or c == d:
+            continue
         mask = getattr(getattr(c, "mask_buffer", None), "data", None)
-        if d == Partial("sum") and c != d and c.is_partial() and mask is not None:
-            local = local.clone()
-            if local.ndim == mask.ndim:
-                local[mask] = 0.0
-            else:
-                local[mask, :] = 0.0
-            places[i] = Partial("sum")
+        if mask is not None and c.reduce_op == "sum":
+            m = mask if local.ndim == mask.ndim else mask.unsqueeze(-1)
+            local = local.masked_fill(m, 0.0)
+            c = places[i] = Partial("sum")
+        ops = (c.reduce_op, d.reduce_op)
+        if type(c) is Partial and type(d) is Partial and ops in _REPARTIAL:
+            local = local * _REPARTIAL[ops](x.device_mesh.size(i))
+            places[i] = d
     if places == list(x.placements):
         return x
     spec = DTensorSpec(x._spec.mesh, tuple(places), tensor_meta=x._spec.tensor_meta)
     return DTensor(local, spec, requires_grad=False)
+
+
+_REPARTIAL = {
+    ("sum", "sum"): lambda n: 1.0,
+    ("sum", "avg"): lambda n: float(n),
+    ("avg", "sum"): lambda n: 1.0 / n,
+}
 
 
 def _redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
@@ -120,13 +137,12 @@ def _redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
     tensors that need no gradient). Like ``DTensor.redistribute`` (DTensor's greedy plan,
     ``redistribute_local_tensor``) but also to Partial, which the public method reserves for
     DTensor's internal use: R -> P is local; S -> P, which DTensor refuses, goes S -> R -> P (as
-    `cost_models.communication.reshard_steps` prices it); a vocabulary-parallel embedding's
-    ``_MaskPartial`` becomes ``Partial("sum")`` locally (`_unmask`); other partials of another
-    reduction go through R."""
+    `cost_models.communication.reshard_steps` prices it); partials of another kind are converted
+    locally where possible (`_repartial`), else through R."""
     dst = tuple(dst)
     if tuple(x.placements) == dst:
         return x
-    x = _unmask(x, dst)
+    x = _repartial(x, dst)
     via = tuple(
         Replicate() if d.is_partial() and not c.is_replicate() and c != d else d
         for c, d in zip(x.placements, dst)
@@ -153,7 +169,10 @@ class _Edge(torch.autograd.Function):
         grad_dst: tuple[Placement, ...],
         label: str,
     ) -> DTensor:
-        ctx.grad_dst, ctx.label = grad_dst, label
+        ctx.grad_dst, ctx.label = (
+            grad_dst,
+            label,
+        )  # grad_dst None: leave the gradient as it is
         with comm_count.site(f"fwd:{label}"):
             y = _redistribute(x, dst)
         return y.view_as(y) if y is x else y
@@ -161,7 +180,7 @@ class _Edge(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[Any, None, None, None]:
         with comm_count.site(f"bwd:{ctx.label}"):
-            if isinstance(grad, DTensor):
+            if isinstance(grad, DTensor) and ctx.grad_dst is not None:
                 grad = _redistribute(grad, ctx.grad_dst)
         return grad, None, None, None
 
@@ -172,6 +191,12 @@ class PlanExecutor(torch.fx.Interpreter):
     ``mesh`` must be the solution's logical mesh without its size-1 axes (`make_mesh`).
     ``mismatches`` lists, after a run, every node whose DTensor output placement differed from the
     plan (the executor redistributed it to the plan's).
+
+    Gradient accumulation: with ``sync_param_grads=False`` the edges leaving parameters (and views
+    of parameters, as `planner.intra_op` counts them) do not redistribute their gradients, so the
+    ``.grad`` of a replicated weight accumulates as a partial sum over the micro-batches; call
+    `sync_grads` once after the last backward (the planner prices this synchronisation once per
+    iteration).
     """
 
     def __init__(
@@ -181,6 +206,7 @@ class PlanExecutor(torch.fx.Interpreter):
         mesh: DeviceMesh,
         *,
         strict: bool = False,
+        sync_param_grads: bool = True,
     ) -> None:
         if graph.gm is None:
             raise MeshplanError("the op graph has no fx GraphModule to execute")
@@ -201,6 +227,8 @@ class PlanExecutor(torch.fx.Interpreter):
             )
         self.n_axes = len(shape)
         self.mismatches: list[str] = []
+        self.sync_param_grads = sync_param_grads
+        self.param_derived = param_derived(graph)
         register_missing_rules()
         for n in graph.gm.graph.nodes:
             opt = solution.choice.get(n.name)
@@ -312,12 +340,23 @@ class PlanExecutor(torch.fx.Interpreter):
         self, x: DTensor, u: torch.fx.Node, v: torch.fx.Node, dst: Strs
     ) -> DTensor:
         src = self._planned_output(u.name, consumed_output(u, v))
-        return self._move(x, dst, f"{u.name}->{v.name}", src)
+        sync = self.sync_param_grads or u.name not in self.param_derived
+        return self._move(x, dst, f"{u.name}->{v.name}", src, sync)
 
-    def _move(self, x: DTensor, dst: Strs, label: str, src: Strs) -> DTensor:
-        """Redistribute `x` to `dst`; its gradient goes back to ``expected_grad(src)``."""
+    def sync_grads(self, params: dict[str, DTensor]) -> None:
+        """Bring every parameter's accumulated ``.grad`` to the parameter's placement (all-reduce
+        or reduce-scatter of the partial sums); for ``sync_param_grads=False``."""
+        for path, p in params.items():
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                with comm_count.site(f"bwd:sync:{path}"):
+                    p.grad = _redistribute(p.grad, p.placements)
+
+    def _move(
+        self, x: DTensor, dst: Strs, label: str, src: Strs, sync: bool = True
+    ) -> DTensor:
+        """Redistribute `x` to `dst`; its gradient goes back to ``expected_grad(src)`` (if `sync`)."""
         if x.requires_grad:
-            grad_dst = self.placements(expected_grad(src))
+            grad_dst = self.placements(expected_grad(src)) if sync else None
             return _Edge.apply(x, self.placements(dst), grad_dst, label)
         with comm_count.site(f"fwd:{label}"):
             return _redistribute(x, self.placements(dst))
@@ -352,6 +391,16 @@ class PlanExecutor(torch.fx.Interpreter):
         if single:
             return items[0]
         return type(out)(items) if isinstance(out, tuple) else items
+
+
+def param_derived(graph: OpGraph) -> set[str]:
+    """Parameters and views of parameters only (``t(weight)``): the values whose gradients are
+    synchronised once per iteration (`planner.intra_op` prices them divided by micro-batches)."""
+    out = {n.name for n in graph.nodes if n.op == "param"}
+    for n in graph.nodes:
+        if n.is_view and n.inputs and all(i in out for i in n.inputs):
+            out.add(n.name)
+    return out
 
 
 def place_params(

@@ -16,8 +16,10 @@ For each plan: the loss and every parameter gradient equal the single-device run
 (relative, float32), DTensor's output placements are the planned ones, and the bytes of every
 collective DTensor issued in forward + backward (`runtime.comm_count.CommCounter`) equal what the
 planner prices (`runtime.comm_count.predicted_collectives`), per collective kind within 10 %.
-A last test counts the bytes of the Megatron plan of a hidden-2048 GPT on (1, 8) with the fake
-process group and fake tensors (nothing is computed).
+Where they differ, the site (edge or op) is listed in ``KNOWN_DIFFS`` / ``UNPRICED_SITES`` with
+its cause. The data-parallel plan is also run over two micro-batches with the parameter gradients
+synchronised once. A last test counts the bytes of the Megatron plan of a hidden-2048 GPT on (1, 8)
+with the fake process group and fake tensors (nothing is computed).
 """
 
 from __future__ import annotations
@@ -43,10 +45,19 @@ CASES = {
     "data_parallel": (16, 4, (1, 4)),
     "mixed_2x2": (8, 4, (2, 2)),
 }
-# Collectives the planner does not price (see the module docstring of runtime.executor and the
-# report in test_comm_matches_prices): the scalar loss all-reduce to return it replicated, and
-# the scalar total_weight DTensor all-reduces inside nll_loss_backward.
+# Collectives the planner does not price: the all-reduce of the scalar loss (returned replicated;
+# no edge leads to the graph's output) and the one of the scalar total_weight that DTensor's
+# nll_loss_backward wants replicated while the forward left it partial.
 UNPRICED_SITES = ("fwd:output", "bwd:nll_loss_forward")
+# Sites where the runtime's bytes differ from the price, with the cause (planner-side):
+KNOWN_DIFFS = {
+    # wte is vocabulary-sharded on axis 1 and the tokens batch-sharded on axis 0. The planner
+    # assumes the weight gradient leaves the embedding as (P, S(0)) (a sharded input gets a
+    # sharded gradient); DTensor's embedding_dense_backward has no vocabulary-sharded strategy
+    # and returns (P, R): the full gradient on every rank, so the axis-0 all-reduce moves the
+    # whole table (32 KiB) instead of half of it.
+    "mixed_2x2": {"bwd:p_1->embedding"},
+}
 
 
 def _slow_a100(n: int) -> Cluster:
@@ -72,6 +83,11 @@ def _case(name: str) -> dict[str, Any]:
     sol = solve_stage(graph, lmesh, num_microbatches=nmb)
     loss = model(*b)
     loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    # a second micro-batch, for gradient accumulation: reference = grad of loss(b) + loss(b2)
+    gen = torch.Generator().manual_seed(1)
+    b2 = tuple(torch.randint(0, 128, x.shape, generator=gen) for x in b)
+    model(*b2).backward()
     return {
         "graph": graph,
         "solution": dataclasses.replace(sol, _ctx=None),
@@ -79,8 +95,24 @@ def _case(name: str) -> dict[str, Any]:
         "params": {k: p.detach().clone() for k, p in model.named_parameters()},
         "batch": tuple(b),
         "loss": loss.item(),
-        "grads": {k: p.grad.clone() for k, p in model.named_parameters()},
+        "grads": grads,
+        "batch2": b2,
+        "grads_accumulated": {k: p.grad.clone() for k, p in model.named_parameters()},
     }
+
+
+def _quiet() -> None:
+    """Silence DTensor's per-rank warnings (gloo's missing all-to-all, unflattened 2D meshes)."""
+    import logging
+
+    logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
+
+
+def _plain(t: torch.Tensor) -> Any:
+    """A copy that survives the pipe to the parent: torch pickles tensors through shared memory,
+    which a rank that exits right after sending takes with it; numpy arrays go by value."""
+    t = t.wait() if hasattr(t, "wait") else t
+    return t.detach().numpy().copy()
 
 
 def _run_cases(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -90,10 +122,11 @@ def _run_cases(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     from runtime.comm_count import CommCounter
     from runtime.executor import PlanExecutor, make_mesh
 
+    _quiet()
     out = {}
     for name, c in cases.items():
         # fx GraphModules do not unpickle in a fresh process: trace again (deterministic names)
-        model, b = build_model(SPEC, batch=CASES[name][0], device="meta")
+        model, b = build_model(SPEC, batch=len(c["batch"][0]), device="meta")
         graph = trace(model, b)
         mesh = make_mesh(c["solution"])
         ex = PlanExecutor(graph, c["solution"], mesh)
@@ -102,9 +135,9 @@ def _run_cases(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         with CommCounter(axes) as counter:
             loss = ex.run_plan(params, c["batch"])
             loss.backward()
-        grads = {k: p.grad.full_tensor() for k, p in params.items()}
-        grad_placements = {k: tuple(p.grad.placements) for k, p in params.items()}
-        param_placements = {k: tuple(p.placements) for k, p in params.items()}
+        grads = {k: _plain(p.grad.full_tensor()) for k, p in params.items()}
+        grad_placements = {k: str(p.grad.placements) for k, p in params.items()}
+        param_placements = {k: str(p.placements) for k, p in params.items()}
         out[name] = {
             "loss": loss.to_local().item(),
             "grads": grads if dist.get_rank() == 0 else None,
@@ -112,6 +145,17 @@ def _run_cases(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "mismatches": ex.mismatches,
             "records": counter.records,
         }
+        if "batch2" in c:  # two micro-batches, parameter gradients synchronised once
+            ex = PlanExecutor(graph, c["solution"], mesh, sync_param_grads=False)
+            params = ex.place_params(c["params"])
+            with CommCounter(axes) as counter:
+                for b in (c["batch"], c["batch2"]):
+                    ex.run_plan(params, b).backward()
+                ex.sync_grads(params)
+            out[name]["accumulated"] = {
+                "grads": {k: _plain(p.grad.full_tensor()) for k, p in params.items()},
+                "records": counter.records,
+            }
     return out
 
 
@@ -119,9 +163,9 @@ def _run_cases(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def runs() -> dict[str, list[dict[str, Any]]]:
     cases = {name: _case(name) for name in CASES}
     sent = {
-        n: {k: c[k] for k in ("solution", "params", "batch")}
-        for n, c in cases.items()
+        n: {k: c[k] for k in ("solution", "params", "batch")} for n, c in cases.items()
     }
+    sent["data_parallel"]["batch2"] = cases["data_parallel"]["batch2"]
     per_rank = launch(_run_cases, 4, args=(sent,), timeout_s=300)
     return {name: [r[name] for r in per_rank] for name in CASES}
 
@@ -165,7 +209,7 @@ def test_same_numbers_as_one_device(runs: dict, name: str) -> None:
     grads = ranks[0]["grads"]
     assert set(grads) == set(ref["grads"])
     for k, g in ref["grads"].items():
-        err = (grads[k] - g).norm() / g.norm().clamp_min(1e-12)
+        err = (torch.from_numpy(grads[k]) - g).norm() / g.norm().clamp_min(1e-12)
         assert err < 1e-5, (k, err.item())
 
 
@@ -181,7 +225,7 @@ def _report(name: str, runs: dict) -> tuple[dict, list[str]]:
         ]
     priced = [r for r in records if r.site not in UNPRICED_SITES]
     unpriced = [r for r in records if r.site in UNPRICED_SITES]
-    assert sum(r.nbytes for r in unpriced) <= 4 * len(UNPRICED_SITES)  # scalars
+    assert all(r.nbytes <= 8 for r in unpriced), unpriced  # scalars
     return compare(predicted, priced)
 
 
@@ -192,3 +236,83 @@ def test_comm_matches_prices(runs: dict, name: str) -> None:
     assert totals, "the plan should communicate"
     for kind, (pred, meas) in totals.items():
         assert meas == pytest.approx(pred, rel=0.10), (kind, pred, meas, diffs)
+    assert {d.split(": ")[0] for d in diffs} <= KNOWN_DIFFS.get(name, set()), diffs
+
+
+def _count_fake(solution: Any, spec: str, batch: int, world: int) -> tuple:
+    """Body of one process: run a plan on a fake process group of `world` ranks with fake
+    tensors (collectives and kernels do nothing; DTensor still issues every collective)."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from runtime.comm_count import CommCounter
+    from runtime.executor import PlanExecutor, make_mesh
+
+    _quiet()
+    dist.destroy_process_group()  # launch's gloo group of one rank
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    model, b = build_model(spec, batch=batch, dtype=torch.float16, device="meta")
+    ex = PlanExecutor(trace(model, b), solution, make_mesh(solution))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        params = {
+            k: torch.empty(p.shape, dtype=p.dtype) for k, p in model.named_parameters()
+        }
+        batch_ = tuple(torch.zeros(x.shape, dtype=x.dtype) for x in b)
+        placed = ex.place_params(params)
+        with CommCounter() as counter:
+            ex.run_plan(placed, batch_).backward()
+    return counter.records, ex.mismatches
+
+
+def test_megatron_gpt_2048_on_8_fake_ranks_communicates_what_is_priced() -> None:
+    """tests/test_intra_op.py's Megatron case: GPT hidden 2048, 2 layers, seq 1024, fp16, on
+    (1, 8) A100s. Counted with the fake process group: one process, nothing computed."""
+    from runtime.comm_count import compare, predicted_collectives
+
+    spec = "gpt:hidden=2048,layers=2,heads=32,seq=1024,vocab=51200"
+    model, b = build_model(spec, batch=2, dtype=torch.float16)
+    graph = trace(model, b)
+    cluster = Cluster.from_spec("1x8xA100-80GB")
+    lmesh = LogicalMesh(cluster, cluster.shape, (1, 8))
+    sol = dataclasses.replace(solve_stage(graph, lmesh), _ctx=None)
+    assert sol.param_placements["blocks.0.attn.qkv.weight"] == ("R", "S(0)")
+    args = (sol, spec, 2, 8)
+    records, mismatches = launch(_count_fake, 1, args=args, timeout_s=300)[0]
+    assert mismatches == []
+    priced = [r for r in records if r.site not in UNPRICED_SITES]
+    totals, diffs = compare(predicted_collectives(graph, sol, lmesh), priced)
+    print(totals, *diffs, sep="\n  ")
+    assert diffs == []
+    assert totals["all_reduce"][0] > 0  # Megatron's all-reduces, forward and backward
+
+
+def test_gradient_accumulation_syncs_parameter_gradients_once(runs: dict) -> None:
+    """data_parallel over two micro-batches with ``sync_param_grads=False`` + ``sync_grads``:
+    the gradients of loss(b1) + loss(b2), activations' collectives twice, parameters' once."""
+    from runtime.comm_count import predicted_collectives
+    from runtime.executor import param_derived
+
+    c = _case("data_parallel")
+    acc = runs["data_parallel"][0]["accumulated"]
+    for k, g in c["grads_accumulated"].items():
+        err = (torch.from_numpy(acc["grads"][k]) - g).norm() / g.norm().clamp_min(1e-12)
+        assert err < 1e-5, (k, err.item())
+    params = param_derived(c["graph"])
+    expected: dict[str, float] = {}
+    once_bytes = 0.0
+    for site, colls in predicted_collectives(
+        c["graph"], c["solution"], c["lmesh"]
+    ).items():
+        once = site.startswith("bwd:") and site[4:].split("->")[0] in params
+        for kind, nbytes in colls:
+            expected[kind] = expected.get(kind, 0.0) + nbytes * (1 if once else 2)
+            once_bytes += nbytes if once else 0.0
+    measured: dict[str, float] = {}
+    for r in acc["records"]:
+        if r.site not in UNPRICED_SITES:
+            measured[r.kind] = measured.get(r.kind, 0.0) + r.nbytes
+    assert measured == pytest.approx(expected, rel=1e-9)
+    synced = sum(r.nbytes for r in acc["records"] if r.site.startswith("bwd:sync:"))
+    assert synced == pytest.approx(once_bytes, rel=1e-9)
+    assert once_bytes > 0
