@@ -373,6 +373,11 @@ class ReshardStep:
         return f"axis {self.axis}: {self.src} -> {self.dst} ({what}, {self.nbytes:.0f} B, {self.seconds:.3g} s)"
 
 
+def _is_gloo(cluster: Cluster) -> bool:
+    profile = cluster.profile
+    return profile is not None and profile.backend.lower() == "gloo"
+
+
 def _step_collective(src: Placement, dst: Placement) -> str | None:
     if src.kind == "S" and dst.kind == "S":
         return "all_to_all"
@@ -487,6 +492,10 @@ def reshard_steps(
             if j != i and p.is_shard:
                 group /= sizes[j]
         op = _step_collective(c, t)
+        if op == "all_to_all" and _is_gloo(lm.cluster):
+            # DTensor's shard-to-shard on a CPU (gloo) mesh is an all-gather of the group's tensor
+            # followed by a local chunk: gloo has no all-to-all (torch 2.13, shard_dim_alltoall).
+            op = "all_gather"
         seconds = lm.collective(op, group, i) if op else 0.0
         out.append(ReshardStep(i, c, t, op, group, seconds))
         cur[i] = t
