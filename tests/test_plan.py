@@ -177,3 +177,24 @@ def test_plan_refuses_other_model() -> None:
     p = _small_plan()
     with pytest.raises(MeshplanError, match="plan was made for model"):
         p.check_model("0000", "other")
+
+
+def test_intra_only_is_one_stage_on_the_whole_cluster() -> None:
+    p = plan(SMALL, "1x4xV100-16GB", global_batch=16, microbatch_size=[4], mode="intra-only")
+    assert len(p.stages) == 1 and p.stages[0].submesh == (1, 4) and p.kind == "intra-only"
+    assert p.stages[0].layers == (0, len(p.layer_nodes) - 1)
+
+
+def test_inter_only_keeps_parameters_replicated() -> None:
+    p = plan(SMALL, "1x4xV100-16GB", global_batch=16, microbatch_size=[4], mode="inter-only")
+    for s in p.stages:
+        assert s.logical_mesh[0] == 1
+        assert all(set(pl) == {"R"} for pl in s.param_placements.values())
+        assert not s.zero_params
+    auto = plan(SMALL, "1x4xV100-16GB", global_batch=16, microbatch_size=[4])
+    assert auto.estimate.iteration_time_s <= p.estimate.iteration_time_s * 1.001
+
+
+def test_unknown_mode() -> None:
+    with pytest.raises(MeshplanError, match="unknown mode"):
+        plan(SMALL, "1x4xV100-16GB", mode="both")
