@@ -27,7 +27,7 @@ alternates forward and backward)::
                   (t_a + ... + t_b + s_a + ... + s_{b-1}) / (b - a + 1) )
 
 Without sends ``P = max_i t_i`` (a window's mean never exceeds its maximum) and this is Alpa's
-formula, as for GPipe: 1F1B differs in memory (``peak_inflight``), not in this bound. With sends the
+formula, as for GPipe: 1F1B differs in memory (``cost_models.memory.microbatches_in_flight``), not in this bound. With sends the
 strict 1F1B order exposes them in the steady state: stage a admits a new forward only after a
 backward once it holds ``S - a`` micro-batches (if ``B > S - a``), and stages a..b then process
 ``b - a + 1`` micro-batches per round trip of a..b, so the period is at least that window's mean.
@@ -61,9 +61,9 @@ import math
 from collections.abc import Sequence
 
 from cost_models.errors import MeshplanError
-from cost_models.memory import SCHEDULES, canonical_schedule, microbatches_in_flight
+from cost_models.memory import SCHEDULES, canonical_schedule
 
-__all__ = ["SCHEDULES", "peak_inflight", "pipeline_time", "steady_state_period"]
+__all__ = ["SCHEDULES", "pipeline_time", "steady_state_period"]
 
 
 def _times(values: Sequence[float], what: str) -> list[float]:
@@ -147,23 +147,3 @@ def pipeline_time(
         )
     device = max(sum(t[d::p]) for d in range(p))
     return b * device + (sum(t) - device) / v + sum(s)
-
-
-def peak_inflight(
-    schedule: str,
-    num_microbatches: int,
-    num_stages: int,
-    stage_index: int,
-    virtual_stages: int = 1,
-) -> float:
-    """Micro-batches whose activations stage ``stage_index`` holds at its peak: GPipe ``B``, 1F1B
-    ``min(B, p - i)``, interleaved ``(2 (p - i - 1) + (v - 1) p + 1) / v`` for device i of
-    ``num_stages`` = p devices (``B`` when ``B == p``), in units of one micro-batch through all the
-    device's chunks (``cost_models.memory.microbatches_in_flight``)."""
-    return microbatches_in_flight(
-        schedule,
-        num_microbatches,
-        num_stages,
-        stage_index,
-        virtual_stages=virtual_stages,
-    )

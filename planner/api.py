@@ -24,7 +24,8 @@ from torch import nn
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
-from cost_models.pipeline import peak_inflight, pipeline_time
+from cost_models.memory import microbatches_in_flight
+from cost_models.pipeline import pipeline_time
 from planner import stage_table as st
 from planner.inter_op import stage_dp
 from planner.layers import auto_num_layers, cluster_layers
@@ -228,7 +229,8 @@ def _search(graph, layers, cluster, subs, B, budget, optimizer, mode, say, least
     )
     S = min(L, cluster.num_devices) if mode != "intra-only" else 1
     inflight = np.array(
-        [0] + [peak_inflight("1f1b", B, s, 0) for s in range(1, S + 1)], dtype=float
+        [0] + [microbatches_in_flight("1f1b", B, s, 0) for s in range(1, S + 1)],
+        dtype=float,
     )
     cost = np.full((L, L, len(subs), S + 1), np.inf)
     choices: dict[tuple[int, int, int, int], tuple] = {}
@@ -336,7 +338,7 @@ def _assemble(
     fallbacks: list[str] = []
     for i, (k, j, m) in enumerate(dp.stages):
         mesh, prof, rc = choices[k, j, m, S - i]
-        inflight = np.array([0.0, peak_inflight("1f1b", B, S - i, 0)])
+        inflight = np.array([0.0, microbatches_in_flight("1f1b", B, S - i, 0)])
         _, mem = st.range_costs(prof, inflight, np.inf, np.zeros(len(layers)), rc)
         sol = prof.solution
         in_stage = {n for n, layer in layer_of.items() if k <= layer <= j}

@@ -12,6 +12,10 @@ recommendation), and the intra-op program is restricted to Megatron's parameter 
     everything else:                              replicated
     every parameter replicated on the dp axis (no ZeRO)
 
+With `expert_parallel=True` (GShard/DeepSpeed-MoE expert parallelism) the MoE expert weights
+`mlp.wi` [E, h, f] and `mlp.wo` [E, f, h] are also split by experts, S(0), on the dp axis (each
+data-parallel rank holds E / dp experts; tokens reach them by all-to-all); E must divide by dp.
+
 Activation placements then follow from DTensor's strategies at the least cost, which reproduces
 Megatron's dataflow (one all-reduce per sub-block forward, batch split over dp).
 """
@@ -27,7 +31,7 @@ from torch import nn
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
-from cost_models.pipeline import peak_inflight
+from cost_models.memory import microbatches_in_flight
 from planner import stage_table as st
 from planner.api import _assemble, _layers, _resolve_model
 from planner.inter_op import DPResult
@@ -51,12 +55,20 @@ def megatron_placement(path: str) -> str:
     return "R"
 
 
-def megatron_filter(tp: int):
+def _expert_weight(path: str) -> bool:
+    return path.endswith(("mlp.wi", "mlp.wo"))
+
+
+def megatron_filter(tp: int, dp: int = 1, expert_parallel: bool = False):
+    """Parameter-option filter for `intra_op`: Megatron's placements (module docstring); with
+    `expert_parallel` and dp > 1, expert weights are split by experts on the dp axis."""
+
     def allowed(path: str, option: Option) -> bool:
         dp_p, tp_p = option.strategy.output[0]
+        want_dp = "S(0)" if expert_parallel and dp > 1 and _expert_weight(path) else "R"
         return (
             not option.zero
-            and dp_p == "R"
+            and dp_p == want_dp
             and tp_p == (megatron_placement(path) if tp > 1 else "R")
         )
 
@@ -80,10 +92,12 @@ def manual_plan(
     optimizer: str = "adam_mixed",
     memory_budget: float | None = None,
     allow_oom: bool = False,
+    expert_parallel: bool = False,
 ) -> ParallelPlan:
     """Price a Megatron configuration. `microbatch_size` is per data-parallel rank, as in Megatron
     (global batch = microbatch_size * dp * num_microbatches). Raises MeshplanError if a stage does
-    not fit in memory, unless `allow_oom` (the plan's `manual["fits"]` says so)."""
+    not fit in memory, unless `allow_oom` (the plan's `manual["fits"]` says so). `expert_parallel`
+    splits MoE expert weights by experts over the dp axis (module docstring)."""
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     D, M = cluster.num_devices, cluster.devices_per_host
@@ -134,7 +148,7 @@ def manual_plan(
         num_microbatches=B,
         budget=np.inf,
         optimizer=optimizer,
-        param_filter=megatron_filter(tp),
+        param_filter=megatron_filter(tp, dp, expert_parallel),
     )[0]
     schedule = "interleaved" if virtual_stages > 1 else "1f1b"
     stages, choices = [], {}
@@ -164,7 +178,9 @@ def manual_plan(
             _memory(
                 prof,
                 c,
-                peak_inflight(schedule, B, pp, c % pp, virtual_stages=virtual_stages),
+                microbatches_in_flight(
+                    schedule, B, pp, c % pp, virtual_stages=virtual_stages
+                ),
                 recompute,
             )
             for c in range(chunks)
@@ -185,6 +201,7 @@ def manual_plan(
         "microbatch_size": b // dp,
         "recompute": recompute,
         "virtual_stages": virtual_stages,
+        "expert_parallel": expert_parallel,
         "fits": fits,
     }
     if not fits and not allow_oom:

@@ -288,14 +288,37 @@ class PlanExecutor(torch.fx.Interpreter):
         buffers: dict[str, torch.Tensor] | None = None,
     ) -> DTensor:
         """Forward pass; returns the loss as a replicated DTensor (call ``.backward()`` on it)."""
+        out = self.run_outputs(params, batch, buffers)
+        loss = out[0] if isinstance(out, (list, tuple)) else out
+        if isinstance(loss, DTensor) and any(
+            not p.is_replicate() for p in loss.placements
+        ):
+            with comm_count.site("fwd:output"):
+                loss = loss.redistribute(placements=[Replicate()] * self.mesh.ndim)
+        return loss
+
+    def run_outputs(
+        self,
+        params: dict[str, torch.Tensor],
+        batch: Sequence[torch.Tensor],
+        buffers: dict[str, torch.Tensor] | None = None,
+        inputs: dict[str, DTensor] | None = None,
+    ) -> Any:
+        """Forward pass returning the graph's outputs as they are (DTensors in their planned
+        placements). ``inputs`` maps placeholder names to DTensors used as they are (a pipeline
+        stage's received values: leaves that may require grad); the other placeholders are
+        parameters (by path), ``"batch[i]"`` or buffers, placed per the plan."""
         placed = self.place_params(params)
         buffers = buffers or {}
+        inputs = inputs or {}
         env: dict[torch.fx.Node, Any] = {}
         for n in self.opgraph.gm.graph.nodes:
             if n.op != "placeholder":
                 continue
             path = self.opgraph.placeholder_paths[n.name]
-            if path in placed:
+            if n.name in inputs:
+                env[n] = inputs[n.name]
+            elif path in placed:
                 env[n] = placed[path]
             elif path.startswith("batch["):
                 env[n] = self._place(
@@ -304,15 +327,8 @@ class PlanExecutor(torch.fx.Interpreter):
             elif path in buffers:
                 env[n] = self._place(buffers[path], self._planned_output(n.name))
             else:
-                raise MeshplanError(f"missing buffer {path}")
-        out = self.run(initial_env=env, enable_io_processing=False)
-        loss = out[0] if isinstance(out, (list, tuple)) else out
-        if isinstance(loss, DTensor) and any(
-            not p.is_replicate() for p in loss.placements
-        ):
-            with comm_count.site("fwd:output"):
-                loss = loss.redistribute(placements=[Replicate()] * self.mesh.ndim)
-        return loss
+                raise MeshplanError(f"missing input {path}")
+        return self.run(initial_env=env, enable_io_processing=False)
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op != "call_function":

@@ -8,7 +8,7 @@ import pytest
 
 from cost_models import MeshplanError
 from cost_models.memory import microbatches_in_flight
-from cost_models.pipeline import peak_inflight, pipeline_time
+from cost_models.pipeline import pipeline_time
 
 Task = tuple[str, int, int]  # ("F" or "B", stage/chunk, micro-batch)
 
@@ -226,7 +226,7 @@ def test_peak_inflight_matches_simulation() -> None:
         t = [1.0 + 0.1 * i for i in range(p)]
         for schedule in ("gpipe", "1f1b"):
             _, peak = simulate(schedule, t, b)
-            assert [peak_inflight(schedule, b, p, i) for i in range(p)] == peak
+            assert [microbatches_in_flight(schedule, b, p, i) for i in range(p)] == peak
     for p, v, k in [
         (1, 3, 2),
         (2, 2, 1),
@@ -237,13 +237,18 @@ def test_peak_inflight_matches_simulation() -> None:
         (4, 3, 3),
     ]:
         _, peak = simulate("interleaved", [1.0] * (p * v), p * k, v)
-        got = [peak_inflight("interleaved", p * k, p, i, v) * v for i in range(p)]
+        got = [
+            microbatches_in_flight("interleaved", p * k, p, i, virtual_stages=v) * v
+            for i in range(p)
+        ]
         assert got == pytest.approx(peak)
     # Korthikanti et al. 2022: the first device holds p (1 + (p - 1) / (p v)) micro-batches
-    assert peak_inflight("interleaved", 16, 4, 0, 2) == pytest.approx(4 * (1 + 3 / 8))
-    assert peak_inflight("Interleaved1F1B", 16, 4, 3, 1) == microbatches_in_flight(
-        "1f1b", 16, 4, 3
-    )
+    assert microbatches_in_flight(
+        "interleaved", 16, 4, 0, virtual_stages=2
+    ) == pytest.approx(4 * (1 + 3 / 8))
+    assert microbatches_in_flight(
+        "Interleaved1F1B", 16, 4, 3, virtual_stages=1
+    ) == microbatches_in_flight("1f1b", 16, 4, 3)
 
 
 @pytest.mark.parametrize(
@@ -273,9 +278,9 @@ def test_errors(args: tuple, kwargs: dict, needle: str) -> None:
 def test_peak_inflight_errors() -> None:
     for bad, kw in [
         (("zb", 8, 4, 0), {}),
-        (("interleaved", 6, 4, 0, 2), {}),
-        (("1f1b", 8, 4, 0, 2), {}),
-        (("interleaved", 8, 4, 0, 0), {}),
+        (("interleaved", 6, 4, 0), {"virtual_stages": 2}),
+        (("1f1b", 8, 4, 0), {"virtual_stages": 2}),
+        (("interleaved", 8, 4, 0), {"virtual_stages": 0}),
     ]:
         with pytest.raises(MeshplanError):
-            peak_inflight(*bad, **kw)
+            microbatches_in_flight(*bad, **kw)

@@ -1,0 +1,221 @@
+"""Split a traced graph into the per-stage sub-graphs of a pipeline plan, and drive the executor
+from a plan's string strategies.
+
+`split_stages(graph, plan)` cuts ``graph.gm`` (the aten fx graph of `planner.tracer.trace`) at the
+plan's stage boundaries (``plan.layer_nodes`` and ``StagePlan.layers``). Stage ``i`` gets a
+`StageGraph`: an `OpGraph` whose ``gm`` has placeholders for
+
+* the parameters and buffers its ops use (their paths, as in the full graph),
+* the batch inputs its ops use (``"batch[i]"``: every rank holds the whole micro-batch),
+* the boundary values it receives: values produced by an earlier stage (named as their producer,
+  path ``"stage_input:<name>"``),
+
+and returns, for a stage before the last, the values that later stages read (in
+``StageGraph.outputs`` order); the last stage returns the graph's output (the loss).
+
+`stage_solution(stage_graph, stage_plan, fallback_nodes)` turns the plan's strings
+(``StagePlan.node_strategies``, ``param_placements``) into the `StageSolution` that
+`runtime.executor.PlanExecutor` reads (only ``mesh_shape`` and ``choice[node].strategy``), so the
+executor runs exactly the planned strategies. Leaves without a plan entry (batch inputs, buffers,
+received boundary values) are replicated: every rank of the stage holds the full tensor, and the
+edge to the first consumer only slices locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from cost_models.errors import MeshplanError
+from planner.intra_op import StageSolution
+from planner.opgraph import OpGraph, OpNode
+from planner.plan_format import ParallelPlan, StagePlan
+from planner.stage_costs import Option
+from planner.strategies import Strategy
+
+__all__ = ["StageGraph", "split_stages", "stage_of_nodes", "stage_solution"]
+
+INPUT_PREFIX = "stage_input:"
+
+
+@dataclass
+class StageGraph:
+    """One pipeline stage's part of the traced graph (module docstring)."""
+
+    index: int
+    graph: OpGraph  # sub-graph; ``graph.gm`` runs the stage's ops
+    inputs: dict[str, int]  # boundary value received -> stage producing it (topological order)
+    outputs: dict[str, list[int]]  # value sent -> stages reading it (gm output order)
+    is_last: bool
+
+    def meta(self, name: str) -> OpNode:
+        """The op-graph node of a value of this stage (its shape and dtype)."""
+        return self.graph.node(name)
+
+
+def stage_of_nodes(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:
+    """Op node name -> index of the stage that runs it (by the plan's layer ranges)."""
+    index = {n.name: i for i, n in enumerate(graph.ops)}
+    try:
+        bounds = [(index[a], index[b]) for a, b in plan.layer_nodes]
+    except KeyError as exc:
+        raise MeshplanError(
+            f"plan names op {exc.args[0]} that the traced model does not have"
+        ) from None
+    out: dict[str, int] = {}
+    ops = graph.ops
+    for s, stage in enumerate(plan.stages):
+        first, last = stage.layers
+        for n in ops[bounds[first][0] : bounds[last][1] + 1]:
+            out[n.name] = s
+    missing = [n.name for n in ops if n.name not in out]
+    if missing:
+        raise MeshplanError(
+            f"the plan's stages leave {len(missing)} ops unassigned ({missing[0]}, ...)"
+        )
+    return out
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def split_stages(graph: OpGraph, plan: ParallelPlan) -> list[StageGraph]:
+    """The plan's stages as sub-graphs of `graph` (module docstring)."""
+    if graph.gm is None:
+        raise MeshplanError("the op graph has no fx GraphModule to split")
+    stage_of = stage_of_nodes(graph, plan)
+    S = len(plan.stages)
+    nodes = list(graph.gm.graph.nodes)
+    for n in nodes:
+        if n.op == "call_function" and n.name not in stage_of:
+            raise MeshplanError(f"fx node {n.name} is not in the op graph")
+    # values crossing stages: producer stage -> consumer stages
+    consumers: dict[str, set[int]] = {}
+    out_node = next(n for n in nodes if n.op == "output")
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        for u in n.all_input_nodes:
+            if u.op == "call_function" and stage_of[u.name] != stage_of[n.name]:
+                if stage_of[u.name] > stage_of[n.name]:
+                    raise MeshplanError(f"{u.name} feeds an earlier stage ({n.name})")
+                if not _is_tensor(u):
+                    raise MeshplanError(
+                        f"stage boundary value {u.name} is not a tensor (cut a plan "
+                        "between a multi-output op and its getitem?)"
+                    )
+                consumers.setdefault(u.name, set()).add(stage_of[n.name])
+    for u in out_node.all_input_nodes:
+        if u.op == "call_function" and stage_of[u.name] != S - 1:
+            raise MeshplanError(f"the loss ({u.name}) is not computed by the last stage")
+    return [_stage(graph, nodes, stage_of, consumers, s, S) for s in range(S)]
+
+
+def _stage(
+    graph: OpGraph,
+    nodes: list[fx.Node],
+    stage_of: dict[str, int],
+    consumers: dict[str, set[int]],
+    s: int,
+    S: int,
+) -> StageGraph:
+    mine = [n for n in nodes if n.op == "call_function" and stage_of[n.name] == s]
+    used = {u for n in mine for u in n.all_input_nodes}
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    paths: dict[str, str] = {}
+    for n in nodes:  # parameters, buffers and batch inputs, in the original order
+        if n.op == "placeholder" and n in used:
+            env[n] = g.placeholder(n.name)
+            env[n].meta = dict(n.meta)
+            paths[n.name] = graph.placeholder_paths[n.name]
+    inputs: dict[str, int] = {}
+    for n in nodes:  # boundary values received, in topological order
+        if n.op == "call_function" and n in used and stage_of[n.name] != s:
+            env[n] = g.placeholder(n.name)
+            env[n].meta = dict(n.meta)
+            paths[n.name] = INPUT_PREFIX + n.name
+            inputs[n.name] = stage_of[n.name]
+    for n in mine:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    outputs: dict[str, list[int]] = {}
+    if s == S - 1:
+        out_node = next(n for n in nodes if n.op == "output")
+        g.output(fx.node.map_arg(out_node.args[0], lambda a: env[a]))
+    else:
+        outputs = {
+            n.name: sorted(consumers[n.name]) for n in mine if n.name in consumers
+        }
+        g.output(tuple(env[next(m for m in mine if m.name == v)] for v in outputs))
+    gm = fx.GraphModule(graph.gm, g)
+    sub_nodes = []
+    for n in g.nodes:
+        if n.op == "output":
+            continue
+        node = graph.node(n.name)
+        if n.name in inputs:  # a received value is a leaf of this stage
+            node = dataclasses.replace(node, op="input", inputs=[], params=[])
+        sub_nodes.append(node)
+    sub = OpGraph(
+        nodes=sub_nodes,
+        params={p: m for p, m in graph.params.items() if p in paths.values()},
+        buffers={p: m for p, m in graph.buffers.items() if p in paths.values()},
+        placeholder_paths=paths,
+        gm=gm,
+        model_name=graph.model_name,
+    )
+    return StageGraph(s, sub, inputs, outputs, s == S - 1)
+
+
+def _strs(p: list[str] | None) -> tuple[str, ...] | None:
+    return None if p is None else tuple(p)
+
+
+def stage_solution(
+    stage: StageGraph, plan: StagePlan, fallback_nodes: set[str] = frozenset()
+) -> StageSolution:
+    """The executor's view of a stage plan: a `StageSolution` whose ``choice`` holds the plan's
+    strategies (``source="fallback"`` for the nodes in `fallback_nodes`, so that the executor
+    registers DTensor's replicate strategy for their ops); costs are left at zero."""
+    n_axes = len(plan.logical_mesh)
+    rep = ("R",) * n_axes
+    choice: dict[str, Option] = {}
+    for n in stage.graph.gm.graph.nodes:
+        if n.op == "placeholder":
+            path = stage.graph.placeholder_paths[n.name]
+            place = tuple(plan.param_placements.get(path, rep))
+            if path in stage.graph.params and path not in plan.param_placements:
+                raise MeshplanError(f"the stage plan has no placement for {path}")
+            choice[n.name] = Option(Strategy((place,), (), "leaf"))
+        elif n.op == "call_function":
+            st = plan.node_strategies.get(n.name)
+            if st is None:
+                raise MeshplanError(f"the stage plan has no strategy for node {n.name}")
+            source = "fallback" if n.name in fallback_nodes else "plan"
+            choice[n.name] = Option(
+                Strategy(
+                    tuple(tuple(p) for p in st["outputs"]),
+                    tuple(_strs(p) for p in st["inputs"]),
+                    source,
+                )
+            )
+    return StageSolution(
+        mesh_shape=tuple(plan.logical_mesh),
+        choice=choice,
+        param_placements={},
+        zero_params=[],
+        compute_s=0.0,
+        comm_s=0.0,
+        grad_sync_s=0.0,
+        param_state_bytes=0.0,
+        activation_bytes=0.0,
+        fallback_ops=[],
+        num_microbatches=1,
+        optimal=True,
+        ilp_nodes=0,
+        solve_time_s=0.0,
+    )
