@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -57,8 +58,8 @@ __all__ = [
     "load_checkpoint",
     "load_optimizer_state",
     "optimizer_state",
+    "own_stage_mesh",
     "save_checkpoint",
-    "stage_mesh",
     "stage_of",
     "stage_placements",
 ]
@@ -87,10 +88,11 @@ def _squeezed(stage: StagePlan) -> list[int]:
     return [i for i, s in enumerate(stage.logical_mesh) if s > 1]
 
 
-def stage_mesh(
+def own_stage_mesh(
     plan: ParallelPlan, device_type: str = "cpu"
 ) -> tuple[int, DeviceMesh]:
-    """This rank's stage index and the DeviceMesh of that stage.
+    """This rank's stage index and the DeviceMesh of that stage (the meshes are those of
+    `runtime.pipeline.stage_mesh`; pass a runner's mesh to `load_checkpoint` to reuse it).
 
     Collective: every rank of the default group must call it (DeviceMesh creates its process groups
     with ``new_group``), so the meshes of all stages are built here, in plan order, on every rank.
@@ -99,7 +101,12 @@ def stage_mesh(
     mine: DeviceMesh | None = None
     for i, stage in enumerate(plan.stages):
         shape = [stage.logical_mesh[a] for a in _squeezed(stage)] or [1]
-        ranks = torch.tensor(stage.devices, dtype=torch.int).reshape(shape)
+        if len(stage.devices) != int(torch.tensor(shape).prod()):
+            raise MeshplanError(
+                f"stage {i}: {len(stage.devices)} devices cannot form the logical mesh "
+                f"{tuple(stage.logical_mesh)}"
+            )
+        ranks = torch.tensor(stage.devices, dtype=torch.int64).reshape(shape)
         mesh = DeviceMesh(device_type, ranks)
         if i == own:
             mine = mesh
@@ -143,7 +150,9 @@ def save_checkpoint(
     sd: dict[str, Any] = {f"model/{k}": v.detach() for k, v in params.items()}
     for p, state in (optimizer_state or {}).items():
         if p not in want:
-            raise MeshplanError(f"optimizer state for {p!r}, not a parameter of this stage")
+            raise MeshplanError(
+                f"optimizer state for {p!r}, not a parameter of this stage"
+            )
         for name, value in state.items():
             if "/" in name:
                 raise MeshplanError(f"optimizer state name {name!r} contains '/'")
@@ -187,25 +196,36 @@ def _read_metadata(path: Path) -> Metadata:
 
 
 def _dcp_load(sd: dict[str, Any], path: Path) -> None:
+    """``dcp.load``; a failure on any rank (DCP gathers them: every rank raises) -> one line."""
     try:
         dcp.load(sd, checkpoint_id=str(path))
-    except Exception as exc:  # noqa: BLE001 - DCP gathers every rank's failure into one
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001
+        if isinstance(exc, CheckpointException) and exc.failures:
+            rank, (exc, _) = min(exc.failures.items())
+            where = f" (rank {rank})"
+        else:
+            where = ""
         raise MeshplanError(
-            f"corrupt checkpoint {path}: {type(exc).__name__}: {_one_line(exc)}"
+            f"corrupt checkpoint {path}: cannot read it{where}: "
+            f"{type(exc).__name__}: {_one_line(exc)}"
         ) from None
 
 
 def _check_info(path: Path, md: Metadata, plan: ParallelPlan) -> dict[str, Any]:
     """The checkpoint's meshplan record; refuses a checkpoint of another model."""
     if not isinstance(md.state_dict_metadata.get(_INFO), BytesStorageMetadata):
-        raise MeshplanError(f"{path} is not a meshplan checkpoint (no {_INFO!r} record)")
+        raise MeshplanError(
+            f"{path} is not a meshplan checkpoint (no {_INFO!r} record)"
+        )
     sd: dict[str, Any] = {_INFO: ""}
     _dcp_load(sd, path)
     try:
         info = json.loads(sd[_INFO])
         fingerprint = info["fingerprint"]
     except (TypeError, ValueError, KeyError):
-        raise MeshplanError(f"corrupt checkpoint {path}: unreadable meshplan record") from None
+        raise MeshplanError(
+            f"corrupt checkpoint {path}: unreadable meshplan record"
+        ) from None
     want = plan.model.get("fingerprint")
     if fingerprint != want:
         raise MeshplanError(
@@ -220,6 +240,7 @@ def load_checkpoint(
     plan: ParallelPlan,
     like: Mapping[str, torch.Tensor] | None = None,
     *,
+    mesh: DeviceMesh | None = None,
     device_type: str = "cpu",
 ) -> tuple[dict[str, DTensor], dict[str, dict[str, Any]], int]:
     """Load this rank's stage of `plan` from a checkpoint saved under any plan of the same model.
@@ -228,13 +249,17 @@ def load_checkpoint(
     the plan's placements on the stage mesh, their optimizer state as saved (param-shaped tensors
     as DTensors placed like the parameter), step). `like` (optional: parameter path -> tensor,
     meta tensors will do) gives the dtype to load into and checks the shapes; by default the saved
-    shapes and dtypes are used. Raises a one-line MeshplanError for a missing or corrupt checkpoint
-    or one of another model (fingerprint).
+    shapes and dtypes are used. `mesh`: this rank's stage mesh when the caller has built it
+    already (default: `own_stage_mesh` builds the meshes of all stages, collectively). Raises a
+    one-line MeshplanError for a missing or corrupt checkpoint or one of another model.
     """
     path = Path(path)
     md = _read_metadata(path)
     info = _check_info(path, md, plan)
-    own, mesh = stage_mesh(plan, device_type)
+    if mesh is None:
+        own, mesh = own_stage_mesh(plan, device_type)
+    else:
+        own = stage_of(plan)
     stage = plan.stages[own]
     items = md.state_dict_metadata
     sd: dict[str, Any] = {}
@@ -294,7 +319,7 @@ def optimizer_state(
     """The per-parameter state of `optimizer` keyed by parameter path (`params` names them)."""
     out: dict[str, dict[str, Any]] = {}
     for p, t in params.items():
-        if t in optimizer.state and optimizer.state[t]:
+        if optimizer.state.get(t):
             out[p] = dict(optimizer.state[t])
     return out
 
@@ -314,6 +339,8 @@ def load_optimizer_state(
     sd["state"] = {}
     for p, s in state.items():
         if p not in params or id(params[p]) not in index:
-            raise MeshplanError(f"optimizer state for {p!r}, a parameter the optimizer lacks")
+            raise MeshplanError(
+                f"optimizer state for {p!r}, a parameter the optimizer lacks"
+            )
         sd["state"][index[id(params[p])]] = dict(s)
     optimizer.load_state_dict(sd)
