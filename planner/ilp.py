@@ -88,9 +88,16 @@ def min_memory(problem: ILPProblem) -> float:
 
 
 def solve(
-    problem: ILPProblem, *, time_limit: float | None = None, msg: bool = False
+    problem: ILPProblem,
+    *,
+    time_limit: float | None = None,
+    msg: bool = False,
+    solver: str | None = None,
 ) -> ILPSolution:
-    """Solve the program above. Raises MeshplanError if no choice fits the memory budget."""
+    """Solve the program above. Raises MeshplanError if no choice fits the memory budget.
+
+    `solver`: "highs" or "cbc" (default: HiGHS when `highspy` is installed, CBC otherwise).
+    """
     budget = problem.memory_budget
     if (
         budget is not None
@@ -168,7 +175,7 @@ def solve(
             <= budget / 2**20,
             "memory",
         )
-    status = prob.solve(_solver(time_limit, msg))
+    status = prob.solve(_solver(time_limit, msg, solver))
     state = pulp.LpStatus[status]
     if state == "Infeasible":
         raise MeshplanError(
@@ -196,9 +203,21 @@ def _variable_factory(prob: pulp.LpProblem):
     return lambda name, **kw: pulp.LpVariable(name, **kw)
 
 
-def _solver(time_limit: float | None, msg: bool) -> pulp.LpSolver:
+SOLVERS = ("highs", "cbc")
+
+
+def _solver(time_limit: float | None, msg: bool, name: str | None) -> pulp.LpSolver:
     kwargs = {"msg": msg, "timeLimit": time_limit, "gapRel": 1e-7}
-    if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
+    has_highs = "HiGHS" in pulp.listSolvers(onlyAvailable=True)
+    if name not in (None, *SOLVERS):
+        raise MeshplanError(
+            f"unknown ILP solver {name!r}; expected one of {', '.join(SOLVERS)}"
+        )
+    if name == "highs" and not has_highs:
+        raise MeshplanError(
+            "the HiGHS solver needs the highspy package (pip install highspy)"
+        )
+    if name == "highs" or (name is None and has_highs):
         return pulp.HiGHS(threads=1, random_seed=0, **kwargs)
     return pulp.PULP_CBC_CMD(threads=1, options=["randomSeed 0"], **kwargs)
 

@@ -28,12 +28,15 @@ def _random_problem(rng: np.random.Generator, with_memory: bool) -> ILPProblem:
     return ILPProblem(costs, edges, memory, budget)
 
 
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
 @pytest.mark.parametrize("with_memory", [False, True])
-def test_ilp_matches_brute_force_on_random_graphs(with_memory: bool) -> None:
+def test_ilp_matches_brute_force_on_random_graphs(
+    with_memory: bool, solver: str
+) -> None:
     rng = np.random.default_rng(1234 + with_memory)
     for _ in range(25):
         p = _random_problem(rng, with_memory)
-        got, want = solve(p), brute_force(p)
+        got, want = solve(p, solver=solver), brute_force(p)
         assert got.objective == pytest.approx(want.objective, rel=1e-6, abs=1e-9)
         if with_memory:
             assert got.memory <= p.memory_budget + 1e-6
@@ -66,6 +69,11 @@ def test_infeasible_budget_names_bytes() -> None:
         MeshplanError, match=r"at least 2\.00 GiB per device, 1\.00 GiB available"
     ):
         solve(p)
+
+
+def test_unknown_solver() -> None:
+    with pytest.raises(MeshplanError, match="expected one of highs, cbc"):
+        solve(ILPProblem([np.zeros(2)]), solver="gurobi")
 
 
 def test_bad_edge_shape() -> None:
