@@ -47,7 +47,8 @@ class StageGraph:
 
     index: int
     graph: OpGraph  # sub-graph; ``graph.gm`` runs the stage's ops
-    inputs: dict[str, int]  # boundary value received -> stage producing it (topological order)
+    # boundary value received -> stage producing it (topological order)
+    inputs: dict[str, int]
     outputs: dict[str, list[int]]  # value sent -> stages reading it (gm output order)
     is_last: bool
 
@@ -111,7 +112,9 @@ def split_stages(graph: OpGraph, plan: ParallelPlan) -> list[StageGraph]:
                 consumers.setdefault(u.name, set()).add(stage_of[n.name])
     for u in out_node.all_input_nodes:
         if u.op == "call_function" and stage_of[u.name] != S - 1:
-            raise MeshplanError(f"the loss ({u.name}) is not computed by the last stage")
+            raise MeshplanError(
+                f"the loss ({u.name}) is not computed by the last stage"
+            )
     return [_stage(graph, nodes, stage_of, consumers, s, S) for s in range(S)]
 
 

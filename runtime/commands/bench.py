@@ -1,0 +1,85 @@
+"""`meshplan bench`: Alpa's weak-scaling suites, automatic plans against the best manual configuration.
+
+meshplan bench --suite gpt                          # 1..64 V100s; writes benchmarks/results/gpt-V100-16GB.json
+meshplan bench --suite moe --gpus 1 2 4 --json moe.json
+meshplan bench --suite wresnet --device A100-80GB
+meshplan bench --report                             # regenerate benchmarks/results/REPORT.md only
+
+Everything is predicted by the cost models (no device is used); see `benchmarks.suites`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the `bench` command."""
+    from benchmarks.suites import DEVICES, SUITES
+
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark suites: automatic plans vs the best manual Megatron configuration",
+        description=(
+            "Run one of Alpa's weak-scaling suites (GPT, MoE, Wide-ResNet; 1 to 64 GPUs): plan each "
+            "case automatically, search a grid of Megatron configurations priced by the same cost "
+            "models, print a table, write the results as JSON and regenerate the markdown report. "
+            "Progress goes to stderr."
+        ),
+    )
+    p.add_argument("--suite", choices=SUITES, help="which suite to run")
+    p.add_argument(
+        "--gpus", type=int, nargs="+", help="GPU counts to run (default: all cases)"
+    )
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="V100-16GB",
+        help="device of the clusters (8 per host; default V100-16GB, as measured)",
+    )
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="results file (default benchmarks/results/SUITE-DEVICE.json)",
+    )
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="regenerate benchmarks/results/REPORT.md from the results files "
+        "(done after every full run to the default file)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the suite and/or the report; 0 on success."""
+    from benchmarks.report import RESULTS, write_report, write_results
+    from benchmarks.suites import HEADER, format_row, run_suite
+    from cost_models.errors import MeshplanError
+
+    if not args.suite and not args.report:
+        raise MeshplanError("give --suite SUITE, or --report")
+    if args.suite:
+        print(HEADER, flush=True)
+        try:
+            results = run_suite(
+                args.suite,
+                args.gpus,
+                args.device,
+                say=lambda msg: print(msg, file=sys.stderr, flush=True),
+                on_case=lambda case: print(format_row(case), flush=True),
+            )
+        except ValueError as exc:
+            raise MeshplanError(str(exc)) from None
+        path = Path(args.json or RESULTS / f"{args.suite}-{args.device}.json")
+        write_results(results, path)
+        print(
+            f"{len(results['cases'])} cases in {results['total_time_s']:.0f} s; wrote {path}"
+        )
+        if args.json is None:
+            args.report = True
+    if args.report:
+        print(f"wrote {write_report()}")
+    return 0

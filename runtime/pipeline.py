@@ -1,0 +1,292 @@
+"""Run one training step of a multi-stage plan: each stage on its own submesh, micro-batches in a
+GPipe or 1F1B order, activations and their gradients moved between the submeshes.
+
+Every rank of the launched group builds the same `PipelineRunner`: it traces nothing itself (it is
+given the traced graph of one micro-batch), splits it into stages (`runtime.stages`), and creates
+one DeviceMesh per stage over the stage's devices (``DeviceMesh("cpu", ranks.view(shape))`` with the
+logical mesh's size-1 axes squeezed, as `runtime.executor.make_mesh` does; every rank creates every
+mesh, in stage order, because creating a mesh's process groups is collective over the world). A
+rank runs the stage whose devices hold it with `runtime.executor.PlanExecutor` driven by the plan's
+strategies (`runtime.stages.stage_solution`); a rank in no stage only joins the loss broadcast.
+
+Moving a boundary value from stage s to stage t (one micro-batch):
+
+* forward: the sender stage redistributes the value from its planned placement to Replicate on its
+  mesh (an executor edge, whose backward moves the gradient back to the planned placement), then
+  sender rank ``Ds[i % |Ds|]`` sends the full tensor to the i-th receiver rank ``Dt[i]``. Every
+  receiver places it replicated on its mesh, a leaf requiring grad; the edge to its first consumer
+  slices it locally to the consumer's planned placement.
+* backward: the receiver stage's gradient of that leaf arrives replicated (the executor's edges
+  give a received value's gradient back as ``R``); receiver rank ``Dt[j % |Dt|]`` sends it to the
+  j-th sender rank ``Ds[j]``, which sums the gradients from every consuming stage and back-propagates
+  them through its replicated copy.
+
+A value read by several later stages goes to each directly (no relay through the stages between).
+Sends are ``isend`` (waited at the end of the step); receives block, so a stage runs its schedule
+in its own order: GPipe (every forward, then every backward) or 1F1B (``S - s - 1`` warm-up
+forwards, then one forward and one backward alternately, then the remaining backwards).
+
+What PyTorch lacks (why this module sends and receives itself): ``torch.distributed.pipelining``
+(``PipelineStage`` and its schedules) runs one stage per rank of a 1D pipeline group and moves
+plain local tensors between stage ``i`` on rank ``i`` and stage ``i+1`` on rank ``i+1``: it has no
+notion of a stage spanning a DeviceMesh, of DTensor boundary values, of submeshes of different
+sizes, or of values skipping a stage. Wrapping our fx-interpreted, DTensor-sharded stages into it
+would still need this rank mapping between submeshes; with equal submeshes it would fit only by
+running one pipeline per position in the mesh, with every boundary value made replicated first (as
+here). We therefore use one mechanism for all plans; its gradients and losses match one device
+(`tests/test_runtime_pipeline.py`).
+
+Losses: each micro-batch's loss is divided by the number of micro-batches before its backward, so
+the accumulated gradient is that of the mean loss over the global batch (single-device training on
+the whole batch). Parameters' gradients are synchronised once per step (`PlanExecutor.sync_grads`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from cost_models.errors import MeshplanError
+from planner.opgraph import OpGraph
+from planner.plan_format import ParallelPlan, StagePlan
+from runtime.executor import PlanExecutor, _redistribute
+from runtime.stages import StageGraph, split_stages, stage_solution
+
+__all__ = ["PipelineRunner", "schedule_order", "stage_mesh"]
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def stage_mesh(stage: StagePlan, device_type: str = "cpu") -> DeviceMesh:
+    """The DeviceMesh of a stage: its devices shaped as its logical mesh, size-1 axes dropped.
+    Collective over the world group: every rank must create every stage's mesh, in the same order."""
+    shape = tuple(s for s in stage.logical_mesh if s > 1) or (1,)
+    ranks = torch.tensor(stage.devices, dtype=torch.int64)
+    if ranks.numel() != int(torch.tensor(shape).prod()):
+        raise MeshplanError(
+            f"stage with layers {stage.layers}: {len(stage.devices)} devices cannot form a "
+            f"logical mesh {tuple(stage.logical_mesh)}"
+        )
+    return DeviceMesh(device_type, ranks.view(shape))
+
+
+def schedule_order(
+    schedule: str, stage: int, num_stages: int, B: int
+) -> list[tuple[str, int]]:
+    """The (``"F"`` or ``"B"``, micro-batch) actions of one stage, in order."""
+    if schedule == "gpipe":
+        return [("F", m) for m in range(B)] + [("B", m) for m in range(B)]
+    if schedule != "1f1b":
+        raise MeshplanError(
+            f"schedule {schedule!r} is not supported; use one of {SCHEDULES}"
+        )
+    warm = min(num_stages - stage - 1, B)
+    out = [("F", m) for m in range(warm)]
+    for m in range(warm, B):
+        out += [("F", m), ("B", m - warm)]
+    return out + [("B", m) for m in range(B - warm, B)]
+
+
+class PipelineRunner:
+    """Runs training steps of `plan` on this rank (module docstring).
+
+    `graph` is the model traced on one micro-batch (``plan.global_batch // plan.num_microbatches``
+    rows) with the dtype it trains in; node names must be the plan's.
+    """
+
+    def __init__(
+        self,
+        plan: ParallelPlan,
+        graph: OpGraph,
+        *,
+        device_type: str = "cpu",
+        schedule: str | None = None,
+    ) -> None:
+        self.plan, self.graph = plan, graph
+        self.schedule = schedule or ("gpipe" if plan.schedule == "gpipe" else "1f1b")
+        if self.schedule not in SCHEDULES:
+            raise MeshplanError(
+                f"schedule {self.schedule!r} is not supported; use one of {SCHEDULES}"
+            )
+        if plan.virtual_stages != 1:
+            raise MeshplanError(
+                "interleaved (virtual) stages are not supported by the runtime yet"
+            )
+        world = dist.get_world_size()
+        used = [r for s in plan.stages for r in s.devices]
+        if len(set(used)) != len(used) or max(used) >= world:
+            raise MeshplanError(
+                f"the plan's stages need distinct ranks below {world}, got {used}"
+            )
+        self.rank = dist.get_rank()
+        self.stages = split_stages(graph, plan)
+        self.meshes = [stage_mesh(s, device_type) for s in plan.stages]
+        self.index = next(
+            (i for i, s in enumerate(plan.stages) if self.rank in s.devices), None
+        )
+        self.executor: PlanExecutor | None = None
+        if self.index is not None:
+            fallback = {f.split(":")[0] for f in plan.fallback_ops}
+            st = self.stages[self.index]
+            sol = stage_solution(st, plan.stages[self.index], fallback)
+            self.executor = PlanExecutor(
+                st.graph, sol, self.meshes[self.index], sync_param_grads=False
+            )
+
+    @property
+    def stage(self) -> StageGraph | None:
+        """This rank's stage (None for a rank outside the plan)."""
+        return None if self.index is None else self.stages[self.index]
+
+    def place_params(self, params: dict[str, torch.Tensor]) -> dict[str, DTensor]:
+        """This stage's parameters (from full tensors by path) as DTensor leaves requiring grad."""
+        if self.executor is None:
+            return {}
+        return self.executor.place_params(
+            {p: params[p] for p in self.executor.opgraph.params}
+        )
+
+    # ------------------------------------------------------------------ one step
+
+    def step(
+        self,
+        params: dict[str, DTensor],
+        microbatches: Sequence[Sequence[torch.Tensor]],
+        buffers: dict[str, torch.Tensor] | None = None,
+    ) -> float:
+        """Forward and backward of every micro-batch, then the parameters' gradient sync; the
+        mean micro-batch loss (the global batch's loss), the same on every rank of the world."""
+        B = len(microbatches)
+        loss = torch.zeros(())
+        if self.executor is not None:
+            self._works: list[Any] = []
+            self._state: dict[int, dict[str, Any]] = {}
+            order = schedule_order(self.schedule, self.index, len(self.stages), B)
+            for action, m in order:
+                if action == "F":
+                    out = self._forward(m, microbatches[m], params, buffers or {}, B)
+                    if out is not None:
+                        loss += out
+                else:
+                    self._backward(m)
+            for w in self._works:
+                w.wait()
+            self._works, self._state = [], {}
+            self.executor.sync_grads(params)
+        dist.broadcast(loss, src=self.plan.stages[-1].devices[0])
+        return float(loss) / B
+
+    def _tag(self, m: int, value: str, backward: bool) -> int:
+        names = self._names()
+        return (m * len(names) + names[value]) * 2 + int(backward)
+
+    def _names(self) -> dict[str, int]:
+        if not hasattr(self, "_value_ids"):
+            vals = sorted({v for st in self.stages for v in st.inputs})
+            self._value_ids = {v: i for i, v in enumerate(vals)}
+        return self._value_ids
+
+    def _forward(
+        self,
+        m: int,
+        batch: Sequence[torch.Tensor],
+        params: dict[str, DTensor],
+        buffers: dict[str, torch.Tensor],
+        B: int,
+    ) -> float | None:
+        ex, st, s = self.executor, self.stage, self.index
+        assert ex is not None and st is not None and s is not None
+        inputs = {}
+        for v, src in st.inputs.items():
+            meta = st.meta(v).outputs[0]
+            buf = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype))
+            sender = self._peer(src, s, self.rank)
+            dist.recv(buf, src=sender, tag=self._tag(m, v, False))
+            x = ex._place(buf, ("R",) * ex.n_axes)
+            inputs[v] = x.requires_grad_(True) if buf.is_floating_point() else x
+        out = ex.run_outputs(params, batch, buffers, inputs=inputs)
+        state = {"inputs": inputs}
+        self._state[m] = state
+        if st.is_last:
+            loss = out[0] if isinstance(out, (list, tuple)) else out
+            if any(not p.is_replicate() for p in loss.placements):
+                loss = loss.redistribute(placements=[Replicate()] * ex.mesh.ndim)
+            state["loss"] = loss / B
+            return float(loss.to_local().detach())
+        sent = {}
+        for (v, dsts), x in zip(st.outputs.items(), out):
+            full = x
+            if x.requires_grad:
+                full = ex._move(
+                    x, ("R",) * ex.n_axes, f"{v}->send", ex._planned_output(v)
+                )
+            else:
+                full = _redistribute(x, [Replicate()] * ex.mesh.ndim)
+            sent[v] = full
+            local = full.to_local().detach().contiguous()
+            for t in dsts:
+                for i, r in enumerate(self.plan.stages[t].devices):
+                    if self._peer(s, t, r) == self.rank:
+                        self._works.append(
+                            dist.isend(local, dst=r, tag=self._tag(m, v, False))
+                        )
+        state["sent"] = sent
+        return None
+
+    def _peer(self, src_stage: int, dst_stage: int, dst_rank: int) -> int:
+        """The rank of `src_stage` that sends to rank `dst_rank` of `dst_stage`."""
+        ds, dt = (
+            self.plan.stages[src_stage].devices,
+            self.plan.stages[dst_stage].devices,
+        )
+        return ds[dt.index(dst_rank) % len(ds)]
+
+    def _backward(self, m: int) -> None:
+        ex, st, s = self.executor, self.stage, self.index
+        assert ex is not None and st is not None and s is not None
+        state = self._state.pop(m)
+        if st.is_last:
+            state["loss"].backward()
+        else:
+            outs, grads = [], []
+            for v, dsts in st.outputs.items():
+                full = state["sent"][v]
+                meta = st.meta(v).outputs[0]
+                total = None
+                for t in dsts:
+                    buf = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype))
+                    if not buf.is_floating_point():
+                        continue
+                    dist.recv(
+                        buf, src=self._peer(t, s, self.rank), tag=self._tag(m, v, True)
+                    )
+                    total = buf if total is None else total + buf
+                if total is not None and full.requires_grad:
+                    outs.append(full)
+                    grads.append(
+                        DTensor.from_local(
+                            total, ex.mesh, full.placements, run_check=False
+                        )
+                    )
+            if outs:
+                torch.autograd.backward(outs, grads)
+        for v, x in state["inputs"].items():
+            if not x.is_floating_point():
+                continue
+            g = x.grad
+            if g is None:
+                local = torch.zeros(x.shape, dtype=x.dtype)
+            else:
+                g = _redistribute(g, [Replicate()] * ex.mesh.ndim)
+                local = g.to_local().detach().contiguous()
+            src = st.inputs[v]
+            for r in self.plan.stages[src].devices:
+                if self._peer(s, src, r) == self.rank:
+                    self._works.append(
+                        dist.isend(local, dst=r, tag=self._tag(m, v, True))
+                    )

@@ -1,0 +1,161 @@
+"""Train a model as a `ParallelPlan` says, inside each rank of a launched process group.
+
+    losses = train(plan, model_fn, batches, optimizer="sgd", lr=0.1, steps=3)   # in every rank
+    losses = run_local(plan, "gpt-tiny", steps=3, nproc=4)                      # launches the ranks
+
+`model_fn()` returns the model with its initial parameters (on the CPU, the same on every rank:
+seed it); `batches` are global batches (tuples of tensors of ``plan.global_batch`` rows), each split
+into ``plan.num_microbatches`` micro-batches along dimension 0. Every rank traces the model on one
+micro-batch (fake tensors), checks that the plan was made for it (`ParallelPlan.check_model`), and
+runs its stage with `runtime.pipeline.PipelineRunner`; the optimizer (``torch.optim`` on the
+stage's DTensor parameters) updates each rank's shards locally after the gradient sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from cost_models.errors import MeshplanError
+from planner.plan_format import ParallelPlan
+from planner.tracer import trace
+from runtime.pipeline import PipelineRunner
+
+__all__ = ["Trainer", "run_local", "split_batch", "train"]
+
+Batch = tuple[torch.Tensor, ...]
+OPTIMIZERS = ("sgd", "adam")
+
+
+def split_batch(batch: Sequence[torch.Tensor], n: int) -> list[Batch]:
+    """A global batch as `n` equal micro-batches (along dimension 0)."""
+    rows = int(batch[0].shape[0])
+    if rows % n:
+        raise MeshplanError(
+            f"a batch of {rows} rows does not split into {n} micro-batches"
+        )
+    return [tuple(t.chunk(n, dim=0)[i] for t in batch) for i in range(n)]
+
+
+class Trainer:
+    """One rank's share of training `model` under `plan` (module docstring)."""
+
+    def __init__(
+        self,
+        plan: ParallelPlan,
+        model: nn.Module,
+        example_batch: Sequence[torch.Tensor],
+        *,
+        optimizer: str = "sgd",
+        lr: float = 0.1,
+        schedule: str | None = None,
+        device_type: str = "cpu",
+    ) -> None:
+        if optimizer not in OPTIMIZERS:
+            raise MeshplanError(f"optimizer {optimizer!r}: use one of {OPTIMIZERS}")
+        self.plan = plan
+        micro = split_batch(example_batch, plan.num_microbatches)[0]
+        graph = trace(model, micro, model_name=plan.model.get("name", ""))
+        plan.check_model(graph.fingerprint(), graph.model_name)
+        self.runner = PipelineRunner(
+            plan, graph, device_type=device_type, schedule=schedule
+        )
+        full = {k: p.detach().clone() for k, p in model.named_parameters()}
+        self.buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+        self.params = self.runner.place_params(full)
+        self.optimizer: torch.optim.Optimizer | None = None
+        if self.params:
+            cls = torch.optim.SGD if optimizer == "sgd" else torch.optim.Adam
+            self.optimizer = cls(list(self.params.values()), lr=lr, foreach=False)
+
+    def step(self, batch: Sequence[torch.Tensor]) -> float:
+        """One training step on a global batch; its loss (the same on every rank)."""
+        micro = split_batch(batch, self.plan.num_microbatches)
+        loss = self.runner.step(self.params, micro, self.buffers)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """This rank's stage's parameters as full tensors (collective within the stage's mesh)."""
+        return {k: p.full_tensor().detach() for k, p in self.params.items()}
+
+
+def train(
+    plan: ParallelPlan,
+    model_fn: Callable[[], nn.Module],
+    batches: Sequence[Sequence[torch.Tensor]],
+    *,
+    optimizer: str = "sgd",
+    lr: float = 0.1,
+    steps: int | None = None,
+    schedule: str | None = None,
+) -> list[float]:
+    """Train for `steps` steps (default: one per batch; batches are reused cyclically) and return
+    the per-step losses. Runs inside every rank of an initialised default process group."""
+    if not batches:
+        raise MeshplanError("train needs at least one batch")
+    trainer = Trainer(
+        plan, model_fn(), batches[0], optimizer=optimizer, lr=lr, schedule=schedule
+    )
+    n = len(batches) if steps is None else steps
+    return [trainer.step(batches[i % len(batches)]) for i in range(n)]
+
+
+def _random_batches(example: Batch, steps: int, seed: int = 0) -> list[Batch]:
+    """`steps` batches shaped like `example`: integers drawn below the example's maximum + 1,
+    floats from a normal distribution (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        b = []
+        for t in example:
+            if t.is_floating_point():
+                b.append(torch.randn(t.shape, generator=gen, dtype=t.dtype))
+            else:
+                b.append(
+                    torch.randint(
+                        0, int(t.max()) + 1, t.shape, generator=gen, dtype=t.dtype
+                    )
+                )
+        out.append(tuple(b))
+    return out
+
+
+def _model_and_batch(
+    model: str | Callable[..., Any], batch: int
+) -> tuple[nn.Module, Batch]:
+    from planner.models import build_model
+
+    torch.manual_seed(0)
+    if isinstance(model, str):
+        m, b = build_model(model, batch=batch, device="cpu", dtype=torch.float32)
+    else:
+        m, b = model()
+    return m, tuple(b) if isinstance(b, (tuple, list)) else (b,)
+
+
+def _local_rank(plan: ParallelPlan, model: Any, steps: int, kw: dict) -> list[float]:
+    m, example = _model_and_batch(model, plan.global_batch)
+    batches = _random_batches(example, steps)
+    return train(plan, lambda: m, batches, steps=steps, **kw)
+
+
+def run_local(
+    plan: ParallelPlan,
+    model: str | Callable[[], tuple[nn.Module, Any]],
+    steps: int = 3,
+    nproc: int | None = None,
+    **kw: Any,
+) -> list[float]:
+    """Launch `nproc` local ranks (default: the plan's devices) and train `model` (a model name or
+    spec built seeded in float32, or a picklable function returning ``(module, batch)``) for
+    `steps` steps on seeded random batches; rank 0's losses. ``kw`` goes to `train`."""
+    from runtime.launch import launch
+
+    n = nproc or max(r for s in plan.stages for r in s.devices) + 1
+    return launch(_local_rank, n, args=(plan, model, steps, kw))[0]
