@@ -20,6 +20,8 @@ COMMAND_MODULES = [
     "planner.commands.cluster",
     "planner.commands.plan",
     "runtime.commands.profile",
+    "runtime.commands.run",
+    "runtime.commands.bench",
 ]
 
 

@@ -187,6 +187,10 @@ def predicted_collectives(
     out: dict[str, list[tuple[str, float]]] = {}
     nodes = {n.name: n for n in graph.gm.graph.nodes}
     for fx_v in graph.gm.graph.nodes:
+        if (
+            fx_v.op != "call_function"
+        ):  # a pipeline stage's output node has no op-graph node
+            continue
         v = graph.node(fx_v.name)
         if v.op != "call":
             continue

@@ -192,6 +192,11 @@ class PlanExecutor(torch.fx.Interpreter):
     ``mismatches`` lists, after a run, every node whose DTensor output placement differed from the
     plan (the executor redistributed it to the plan's).
 
+    Recomputation: with ``recompute_layers`` (op node name -> layer index) the forward runs each
+    layer's consecutive nodes under ``torch.utils.checkpoint.checkpoint`` (non-reentrant): only the
+    values that leave a layer are kept, and backward recomputes the layer's forward (its edges'
+    redistributions included) before differentiating it.
+
     Gradient accumulation: with ``sync_param_grads=False`` the edges leaving parameters (and views
     of parameters, as `planner.intra_op` counts them) do not redistribute their gradients, so the
     ``.grad`` of a replicated weight accumulates as a partial sum over the micro-batches; call
@@ -207,6 +212,7 @@ class PlanExecutor(torch.fx.Interpreter):
         *,
         strict: bool = False,
         sync_param_grads: bool = True,
+        recompute_layers: dict[str, int] | None = None,
     ) -> None:
         if graph.gm is None:
             raise MeshplanError("the op graph has no fx GraphModule to execute")
@@ -228,6 +234,7 @@ class PlanExecutor(torch.fx.Interpreter):
         self.n_axes = len(shape)
         self.mismatches: list[str] = []
         self.sync_param_grads = sync_param_grads
+        self.recompute_layers = recompute_layers
         self.param_derived = param_derived(graph)
         register_missing_rules()
         for n in graph.gm.graph.nodes:
@@ -328,7 +335,57 @@ class PlanExecutor(torch.fx.Interpreter):
                 env[n] = self._place(buffers[path], self._planned_output(n.name))
             else:
                 raise MeshplanError(f"missing input {path}")
+        if self.recompute_layers is not None:
+            return self._run_checkpointed(env)
         return self.run(initial_env=env, enable_io_processing=False)
+
+    def _run_checkpointed(self, env: dict[torch.fx.Node, Any]) -> Any:
+        """Run the graph with every layer's nodes under a non-reentrant activation checkpoint."""
+        from torch.utils.checkpoint import checkpoint
+
+        layer_of = self.recompute_layers or {}
+        segments: list[list[torch.fx.Node]] = []
+        for n in self.opgraph.gm.graph.nodes:
+            if n.op in ("placeholder", "output"):
+                continue
+            key = layer_of.get(n.name)
+            last = segments[-1][-1] if segments else None
+            if last is not None and key is not None and layer_of.get(last.name) == key:
+                segments[-1].append(n)
+            else:
+                segments.append([n])
+        self.env = env
+        for seg in segments:
+            inside = set(seg)
+            ext = list(
+                dict.fromkeys(
+                    u for n in seg for u in n.all_input_nodes if u not in inside
+                )
+            )
+            leaving = [n for n in seg if any(w not in inside for w in n.users)]
+
+            def run_segment(
+                *values: Any,
+                seg: list[torch.fx.Node] = seg,
+                ext: list[torch.fx.Node] = ext,
+                leaving: list[torch.fx.Node] = leaving,
+            ) -> tuple[Any, ...]:
+                outer, self.env = self.env, dict(zip(ext, values))
+                try:
+                    for n in seg:
+                        self.env[n] = self.run_node(n)
+                    return tuple(self.env[n] for n in leaving)
+                finally:
+                    self.env = outer
+
+            values = [env[u] for u in ext]
+            if len(seg) == 1 and seg[0].name not in layer_of:
+                outs = run_segment(*values)
+            else:
+                outs = checkpoint(run_segment, *values, use_reentrant=False)
+            env.update(zip(leaving, outs))
+        out_node = next(n for n in self.opgraph.gm.graph.nodes if n.op == "output")
+        return map_arg(out_node.args[0], lambda a: env[a])
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op != "call_function":
@@ -397,7 +454,8 @@ class PlanExecutor(torch.fx.Interpreter):
                 msg = f"{n.name} ({n.target}) output {k}: DTensor gave {have}, plan {planned[k]}"
                 if self.strict:
                     raise MeshplanError(msg)
-                self.mismatches.append(msg)
+                if msg not in self.mismatches:  # a recomputed layer reports it again
+                    self.mismatches.append(msg)
                 item = items[k] = self._move(item, planned[k], f"{n.name}.{k}", have)
             if item.grad_fn is not None:
                 label = f"bwd:{n.name}"

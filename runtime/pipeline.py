@@ -36,6 +36,16 @@ running one pipeline per position in the mesh, with every boundary value made re
 here). We therefore use one mechanism for all plans; its gradients and losses match one device
 (`tests/test_runtime_pipeline.py`).
 
+Recomputation (``StagePlan.recompute``): the stage's executor runs each layer under a
+non-reentrant ``torch.utils.checkpoint`` (`runtime.executor.PlanExecutor`, ``recompute_layers``).
+
+ZeRO (``StagePlan.zero_params``): such a parameter's leaf, the one the optimizer updates (and keeps
+its state for), is sharded over the mesh axes where the plan replicates it (`place_params`). A step
+all-gathers it once to its planned placement (a new leaf the micro-batches compute with), and after
+the last backward reduce-scatters that leaf's accumulated partial gradient onto the shard: the
+all-reduce of data parallelism split into its two halves, plus the parameter all-gather, as
+`planner.stage_costs` prices it.
+
 Losses: each micro-batch's loss is divided by the number of micro-batches before its backward, so
 the accumulated gradient is that of the mean loss over the global batch (single-device training on
 the whole batch). Parameters' gradients are synchronised once per step (`PlanExecutor.sync_grads`).
@@ -49,15 +59,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
 from planner.opgraph import OpGraph
 from planner.plan_format import ParallelPlan, StagePlan
+from runtime import comm_count
 from runtime.executor import PlanExecutor, _redistribute
 from runtime.stages import StageGraph, split_stages, stage_solution
 
-__all__ = ["PipelineRunner", "schedule_order", "stage_mesh"]
+__all__ = ["PipelineRunner", "layer_of_nodes", "schedule_order", "stage_mesh"]
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -73,6 +85,16 @@ def stage_mesh(stage: StagePlan, device_type: str = "cpu") -> DeviceMesh:
             f"logical mesh {tuple(stage.logical_mesh)}"
         )
     return DeviceMesh(device_type, ranks.view(shape))
+
+
+def layer_of_nodes(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:
+    """Op node name -> index of the plan's layer (``plan.layer_nodes``) that holds it."""
+    index = {n.name: i for i, n in enumerate(graph.ops)}
+    out: dict[str, int] = {}
+    for k, (a, b) in enumerate(plan.layer_nodes):
+        for n in graph.ops[index[a] : index[b] + 1]:
+            out[n.name] = k
+    return out
 
 
 def schedule_order(
@@ -134,22 +156,95 @@ class PipelineRunner:
             fallback = {f.split(":")[0] for f in plan.fallback_ops}
             st = self.stages[self.index]
             sol = stage_solution(st, plan.stages[self.index], fallback)
+            stage_plan = plan.stages[self.index]
             self.executor = PlanExecutor(
-                st.graph, sol, self.meshes[self.index], sync_param_grads=False
+                st.graph,
+                sol,
+                self.meshes[self.index],
+                sync_param_grads=False,
+                recompute_layers=layer_of_nodes(graph, plan)
+                if stage_plan.recompute
+                else None,
             )
+            self.zero_placements = self._zero_placements(stage_plan)
+        else:
+            self.zero_placements = {}
 
     @property
     def stage(self) -> StageGraph | None:
         """This rank's stage (None for a rank outside the plan)."""
         return None if self.index is None else self.stages[self.index]
 
+    def _zero_placements(self, stage: StagePlan) -> dict[str, tuple[Placement, ...]]:
+        """Path -> the placements that a ZeRO parameter (``stage.zero_params``) keeps as its
+        optimizer-side shard: its planned placements with every replicated mesh axis of size > 1
+        turned into ``Shard(d)``, d the largest dimension that the axis divides (after the
+        planned sharding). Axes with no such dimension stay replicated."""
+        ex = self.executor
+        assert ex is not None
+        sizes = tuple(ex.mesh.shape)
+        names = {v: k for k, v in ex.opgraph.placeholder_paths.items()}
+        out: dict[str, tuple[Placement, ...]] = {}
+        for path in stage.zero_params:
+            if path not in names or path not in ex.opgraph.params:
+                continue
+            meta = ex.opgraph.node(names[path]).outputs[0]
+            shape = list(meta.shape)
+            places = list(ex.placements(ex._planned_output(names[path])))
+            for p, n in zip(places, sizes):
+                if p.is_shard():
+                    shape[p.dim] //= n
+            for a, (p, n) in enumerate(zip(places, sizes)):
+                if not p.is_replicate() or n == 1:
+                    continue
+                dims = [
+                    d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] >= n
+                ]
+                if dims:
+                    d = max(dims, key=lambda d: shape[d])
+                    places[a] = Shard(d)
+                    shape[d] //= n
+            if tuple(places) != ex.placements(ex._planned_output(names[path])):
+                out[path] = tuple(places)
+        return out
+
     def place_params(self, params: dict[str, torch.Tensor]) -> dict[str, DTensor]:
-        """This stage's parameters (from full tensors by path) as DTensor leaves requiring grad."""
+        """This stage's parameters (from full tensors by path) as DTensor leaves requiring grad:
+        the optimizer's parameters. A ZeRO parameter is placed as its shard (`_zero_placements`);
+        `step` gathers it to the planned placement once per step."""
         if self.executor is None:
             return {}
-        return self.executor.place_params(
+        out = self.executor.place_params(
             {p: params[p] for p in self.executor.opgraph.params}
         )
+        for path, places in self.zero_placements.items():
+            out[path] = _redistribute(out[path].detach(), places).requires_grad_(True)
+        return out
+
+    def _gather_zero(self, params: dict[str, DTensor]) -> dict[str, DTensor]:
+        """The parameters the stage computes with: ZeRO shards all-gathered to their planned
+        placements (new leaves, whose gradients accumulate over the micro-batches)."""
+        ex = self.executor
+        assert ex is not None
+        names = {v: k for k, v in ex.opgraph.placeholder_paths.items()}
+        out = dict(params)
+        for path in self.zero_placements:
+            want = ex.placements(ex._planned_output(names[path]))
+            with comm_count.site(f"fwd:zero:{path}"):
+                full = _redistribute(params[path].detach(), want)
+            out[path] = full.requires_grad_(True)
+        return out
+
+    def _scatter_zero(
+        self, params: dict[str, DTensor], used: dict[str, DTensor]
+    ) -> None:
+        """Reduce-scatter the accumulated gradient of every ZeRO parameter onto its shard."""
+        for path in self.zero_placements:
+            g = used[path].grad
+            if g is None:
+                continue
+            with comm_count.site(f"bwd:zero:{path}"):
+                params[path].grad = _redistribute(g, params[path].placements)
 
     # ------------------------------------------------------------------ one step
 
@@ -167,9 +262,10 @@ class PipelineRunner:
             self._works: list[Any] = []
             self._state: dict[int, dict[str, Any]] = {}
             order = schedule_order(self.schedule, self.index, len(self.stages), B)
+            used = self._gather_zero(params) if self.zero_placements else params
             for action, m in order:
                 if action == "F":
-                    out = self._forward(m, microbatches[m], params, buffers or {}, B)
+                    out = self._forward(m, microbatches[m], used, buffers or {}, B)
                     if out is not None:
                         loss += out
                 else:
@@ -177,7 +273,13 @@ class PipelineRunner:
             for w in self._works:
                 w.wait()
             self._works, self._state = [], {}
-            self.executor.sync_grads(params)
+            if self.zero_placements:
+                self._scatter_zero(params, used)
+                self.executor.sync_grads(
+                    {k: p for k, p in params.items() if k not in self.zero_placements}
+                )
+            else:
+                self.executor.sync_grads(params)
         dist.broadcast(loss, src=self.plan.stages[-1].devices[0])
         return float(loss) / B
 
@@ -282,7 +384,8 @@ class PipelineRunner:
             if g is None:
                 local = torch.zeros(x.shape, dtype=x.dtype)
             else:
-                g = _redistribute(g, [Replicate()] * ex.mesh.ndim)
+                with comm_count.site(f"bwd:{v}->recv"):
+                    g = _redistribute(g, [Replicate()] * ex.mesh.ndim)
                 local = g.to_local().detach().contiguous()
             src = st.inputs[v]
             for r in self.plan.stages[src].devices:

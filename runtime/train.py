@@ -24,7 +24,7 @@ from planner.plan_format import ParallelPlan
 from planner.tracer import trace
 from runtime.pipeline import PipelineRunner
 
-__all__ = ["Trainer", "run_local", "split_batch", "train"]
+__all__ = ["Trainer", "run_local", "seeded_model_and_batches", "split_batch", "train"]
 
 Batch = tuple[torch.Tensor, ...]
 OPTIMIZERS = ("sgd", "adam")
@@ -124,6 +124,24 @@ def _random_batches(example: Batch, steps: int, seed: int = 0) -> list[Batch]:
                 )
         out.append(tuple(b))
     return out
+
+
+def seeded_model_and_batches(
+    model: str,
+    global_batch: int,
+    steps: int,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[nn.Module, list[Batch]]:
+    """The built-in model `model` (name or spec) built on the CPU after ``torch.manual_seed(seed)``,
+    and `steps` synthetic global batches of `global_batch` rows drawn from `seed`: the same on every
+    rank and whatever the plan, so runs of different plans (and one device) are comparable."""
+    from planner.models import build_model
+
+    torch.manual_seed(seed)
+    m, b = build_model(model, batch=global_batch, device="cpu", dtype=dtype)
+    example = tuple(b) if isinstance(b, (tuple, list)) else (b,)
+    return m, _random_batches(example, steps, seed)
 
 
 def _model_and_batch(

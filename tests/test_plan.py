@@ -37,6 +37,9 @@ def test_plan_tiles_layers_and_devices() -> None:
         )
         assert s.memory_bytes <= p.memory_budget_bytes
     assert p.global_batch == 16 and 16 % p.num_microbatches == 0
+    assert (
+        p.dtype == "float16"
+    )  # the training dtype (the default), not some op's output dtype
     assert p.estimate.iteration_time_s > 0 and p.estimate.tflops_per_device > 0
     # Every parameter of the model is placed by exactly one stage.
     placed = [path for s in p.stages for path in s.param_placements]
@@ -180,13 +183,19 @@ def test_plan_refuses_other_model() -> None:
 
 
 def test_intra_only_is_one_stage_on_the_whole_cluster() -> None:
-    p = plan(SMALL, "1x4xV100-16GB", global_batch=16, microbatch_size=[4], mode="intra-only")
-    assert len(p.stages) == 1 and p.stages[0].submesh == (1, 4) and p.kind == "intra-only"
+    p = plan(
+        SMALL, "1x4xV100-16GB", global_batch=16, microbatch_size=[4], mode="intra-only"
+    )
+    assert (
+        len(p.stages) == 1 and p.stages[0].submesh == (1, 4) and p.kind == "intra-only"
+    )
     assert p.stages[0].layers == (0, len(p.layer_nodes) - 1)
 
 
 def test_inter_only_keeps_parameters_replicated() -> None:
-    p = plan(SMALL, "1x4xV100-16GB", global_batch=16, microbatch_size=[4], mode="inter-only")
+    p = plan(
+        SMALL, "1x4xV100-16GB", global_batch=16, microbatch_size=[4], mode="inter-only"
+    )
     for s in p.stages:
         assert s.logical_mesh[0] == 1
         assert all(set(pl) == {"R"} for pl in s.param_placements.values())
@@ -198,3 +207,23 @@ def test_inter_only_keeps_parameters_replicated() -> None:
 def test_unknown_mode() -> None:
     with pytest.raises(MeshplanError, match="unknown mode"):
         plan(SMALL, "1x4xV100-16GB", mode="both")
+
+
+def test_hill_climb_finds_the_best_unimodal_candidate_and_walks_down_from_infeasible() -> (
+    None
+):
+    from planner.api import _hill_climb
+
+    cands = [1, 2, 4, 8, 16, 32]
+    for best_at in cands:
+        seen: list[int] = []
+
+        def f(b: int, best_at: int = best_at, seen: list[int] = seen) -> float:
+            seen.append(b)
+            return abs(cands.index(b) - cands.index(best_at)) + 1.0
+
+        _hill_climb(cands, f)
+        assert best_at in seen and len(seen) <= len(cands)
+    seen = []
+    _hill_climb(cands, lambda b: seen.append(b) or (float("inf") if b > 2 else 1.0 / b))
+    assert seen[:3] == [8, 4, 2] and 1 in seen and 16 not in seen

@@ -1,0 +1,219 @@
+"""`meshplan run`: train a plan on local ranks (or under torchrun), refuse bad plans before any
+process starts, and fail fast naming the rank that died.
+
+Real launches (2 gloo ranks each, ~10 s apiece on a 2-core machine): a 2-stage pipeline plan of a
+small GPT trained for 2 steps (losses equal single-device training within 1e-5), the same under
+`torchrun --standalone --nproc-per-node 2`, a run whose rank 1 is SIGKILLed at step 2 (non-zero
+exit naming rank 1 within 60 s), and a run without --plan (planned for 2 processes from a stub
+profile, then trained). The refusals (fingerprint, --nproc, dtype) start no process.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import runtime.launch
+import runtime.profiler
+from cost_models.profile import (
+    PROFILE_VERSION,
+    CollectiveFit,
+    DeviceProfile,
+    MatmulSample,
+)
+from planner.manual import manual_plan
+from runtime.cli import COMMAND_MODULES, main
+from runtime.commands.run import Fault, launch_mode
+from runtime.train import seeded_model_and_batches
+
+SPEC = "gpt:hidden=64,layers=2,heads=4,seq=16,vocab=128"
+OTHER = "gpt:hidden=64,layers=3,heads=4,seq=16,vocab=128"
+BATCH = 4
+STEPS = 2
+LR = 0.1
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _plan_file(tmp_path: Path, dtype: str = "float32") -> str:
+    plan = manual_plan(
+        SPEC,
+        "1x2xA100-80GB",
+        dp=1,
+        tp=1,
+        pp=2,
+        num_microbatches=2,
+        global_batch=BATCH,
+        dtype=dtype,
+    )
+    path = tmp_path / f"plan-{dtype}.json"
+    plan.save(path)
+    return str(path)
+
+
+def _reference(steps: int = STEPS, seed: int = 0) -> list[float]:
+    """Single-device SGD on the model and batches `meshplan run` uses."""
+    model, batches = seeded_model_and_batches(SPEC, BATCH, steps, seed)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for b in batches:
+        loss = model(*b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any attempt to start processes fail the test."""
+
+    def refuse(*a: object, **k: object) -> None:
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(runtime.launch, "launch", refuse)
+    monkeypatch.setattr(runtime.profiler, "run_profile", refuse)
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("meshplan: error:"), err
+    return err[0]
+
+
+def test_run_is_a_cli_command() -> None:
+    assert "runtime.commands.run" in COMMAND_MODULES
+
+
+def test_launch_mode_selects_torchrun_from_the_environment() -> None:
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+    assert launch_mode(env) == "torchrun"
+    assert launch_mode({}) == "spawn"
+    assert launch_mode({k: v for k, v in env.items() if k != "MASTER_ADDR"}) == "spawn"
+
+
+def test_fault_option_parses() -> None:
+    assert Fault.parse("1:2") == Fault(1, 2, "kill")
+    assert Fault.parse("0:3:raise") == Fault(0, 3, "raise")
+
+
+def test_run_matches_single_device(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    plan = _plan_file(tmp_path)
+    argv = ["run", SPEC, "--plan", plan, "--steps", str(STEPS), "--json", str(out)]
+    assert main(argv + ["--lr", str(LR)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["step_times_s"]) == STEPS
+    assert all(t > 0 for t in result["step_times_s"])
+    assert result["losses"] == pytest.approx(_reference(), rel=1e-5, abs=1e-5)
+
+
+def test_fingerprint_mismatch_refused_before_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_launch: None
+) -> None:
+    assert main(["run", OTHER, "--plan", _plan_file(tmp_path)]) == 2
+    assert "fingerprint" in _one_line_error(capsys)
+
+
+def test_bad_nproc_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_launch: None
+) -> None:
+    assert main(["run", SPEC, "--plan", _plan_file(tmp_path), "--nproc", "3"]) == 2
+    line = _one_line_error(capsys)
+    assert "--nproc 3" in line and "2 devices" in line
+    assert main(["run", SPEC, "--plan", _plan_file(tmp_path), "--nproc", "0"]) == 2
+    _one_line_error(capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only refusal")
+def test_half_precision_plan_refused_on_cpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_launch: None
+) -> None:
+    assert main(["run", SPEC, "--plan", _plan_file(tmp_path, "float16")]) == 2
+    assert "float32" in _one_line_error(capsys)
+
+
+def test_killed_rank_fails_fast(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    t0 = time.monotonic()
+    code = main(
+        ["run", SPEC, "--plan", _plan_file(tmp_path), "--steps", "3"]
+        + ["--fault", "1:2:kill", "--timeout", "120"]
+    )
+    elapsed = time.monotonic() - t0
+    assert code != 0
+    assert elapsed < 60
+    err = capsys.readouterr().err
+    assert "rank 1 of 2 was killed by signal SIGKILL" in err
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
+def test_torchrun_runs_one_rank_per_process(tmp_path: Path) -> None:
+    out = tmp_path / "torchrun.json"
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "runtime.cli"]
+    cmd += ["run", SPEC, "--plan", _plan_file(tmp_path), "--steps", str(STEPS)]
+    cmd += ["--json", str(out)]
+    proc = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "running" not in proc.stderr  # joined torchrun's group, spawned nothing
+    assert json.loads(out.read_text())["losses"] == pytest.approx(
+        _reference(), rel=1e-5, abs=1e-5
+    )
+
+
+def _stub_profile() -> DeviceProfile:
+    return DeviceProfile(
+        version=PROFILE_VERSION,
+        device_name="test cpu",
+        backend="gloo",
+        hosts=1,
+        devices_per_host=2,
+        memory_bytes=1 << 30,
+        memory_bandwidth_bytes_per_s=1e10,
+        peak_flops={"float32": 1e10},
+        matmul=[MatmulSample(64, 64, 64, "float32", 1e-5)],
+        collectives=[
+            CollectiveFit("all_reduce", 2, 1e-4, 1e-9, [(65536, 1.6e-4)]),
+            CollectiveFit("send_recv", 2, 5e-5, 5e-10, [(65536, 8e-5)]),
+        ],
+        created="2025-01-01T00:00:00+00:00",
+        host="testhost",
+    )
+
+
+def test_run_without_plan_profiles_plans_and_runs(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[int] = []
+
+    def quick(opts: runtime.profiler.ProfileOptions) -> DeviceProfile:
+        calls.append(opts.nproc)
+        return _stub_profile()
+
+    monkeypatch.setattr(runtime.profiler, "run_profile", quick)
+    out, saved = tmp_path / "auto.json", tmp_path / "plan.json"
+    argv = ["run", SPEC, "--nproc", "2", "--batch", str(BATCH), "--steps", "2"]
+    argv += ["--json", str(out), "--save-plan", str(saved)]
+    assert main(argv) == 0
+    assert calls == [2]
+    assert "plan for" in capsys.readouterr().out
+    assert saved.exists()
+    assert json.loads(out.read_text())["losses"] == pytest.approx(
+        _reference(), rel=1e-5, abs=1e-5
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
