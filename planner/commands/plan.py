@@ -227,7 +227,8 @@ def summary(p: ParallelPlan) -> str:
     est = p.estimate
     tail = (
         f"iteration {est.iteration_time_s:.3f} s, {est.tflops_per_device:.1f} TFLOP/s per device, "
-        f"peak memory {nbytes(est.peak_memory_bytes)} per device; planned in {p.planner_time_s:.1f} s"
+        f"peak memory {nbytes(est.peak_memory_bytes)} per device"
+        + ("" if p.kind == "manual" else f"; planned in {p.planner_time_s:.1f} s")
     )
     if p.fallback_ops:
         tail += f"\nreplicated (no DTensor rule): {len(p.fallback_ops)} ops, e.g. {p.fallback_ops[0]}"
