@@ -95,27 +95,12 @@ def _resolve_model(
 
 
 def microbatch_sizes(global_batch: int) -> list[int]:
-    """Candidate micro-batch sizes: the powers of two up to 32 that divide the global batch."""
-    return [b for b in (1, 2, 4, 8, 16, 32) if global_batch % b == 0] or [global_batch]
-
-
-def _hill_climb(candidates: list[int], evaluate: Callable[[int], float]) -> None:
-    """Evaluate candidates (ascending) from the one nearest 8, moving up and then down while the
-    latency improves: usually three evaluations instead of all of them. Assumes the latency is
-    unimodal in the micro-batch size (smaller micro-batches trade per-op efficiency for smaller
-    pipeline bubbles and less memory)."""
-    i = min(range(len(candidates)), key=lambda k: abs(candidates[k] - 8))
-    best = evaluate(candidates[i])
-    # An infeasible start means too much memory: only smaller micro-batches can help.
-    for step in (1, -1) if np.isfinite(best) else (-1,):
-        j = i + step
-        while 0 <= j < len(candidates):
-            latency = evaluate(candidates[j])
-            if latency < best:
-                best, i = latency, j
-            elif np.isfinite(best):
-                break
-            j += step
+    """Candidate micro-batch sizes: 4, 8, 16 and 32 where they divide the global batch (else the
+    largest power of two that does). Each costs one trace and one intra-op pass per mesh; all are
+    evaluated, because the latency is not unimodal in the micro-batch size (memory decides when
+    recomputation is needed)."""
+    sizes = [b for b in (4, 8, 16, 32) if global_batch % b == 0]
+    return sizes or [max(b for b in (1, 2) if global_batch % b == 0)]
 
 
 def plan(
@@ -189,11 +174,8 @@ def plan(
         found[b] = (*result, graph, G // b, b)
         return result[0].latency
 
-    if microbatch_size is None:
-        _hill_climb(sizes_b, evaluate)
-    else:
-        for b in sorted(sizes_b, reverse=True):
-            evaluate(b)
+    for b in sorted(sizes_b, reverse=True):
+        evaluate(b)
     best = min(found.values(), key=lambda r: r[0].latency) if found else None
     if best is None:
         raise MeshplanError(

@@ -209,21 +209,10 @@ def test_unknown_mode() -> None:
         plan(SMALL, "1x4xV100-16GB", mode="both")
 
 
-def test_hill_climb_finds_the_best_unimodal_candidate_and_walks_down_from_infeasible() -> (
-    None
-):
-    from planner.api import _hill_climb
+def test_microbatch_candidates() -> None:
+    from planner.api import microbatch_sizes
 
-    cands = [1, 2, 4, 8, 16, 32]
-    for best_at in cands:
-        seen: list[int] = []
-
-        def f(b: int, best_at: int = best_at, seen: list[int] = seen) -> float:
-            seen.append(b)
-            return abs(cands.index(b) - cands.index(best_at)) + 1.0
-
-        _hill_climb(cands, f)
-        assert best_at in seen and len(seen) <= len(cands)
-    seen = []
-    _hill_climb(cands, lambda b: seen.append(b) or (float("inf") if b > 2 else 1.0 / b))
-    assert seen[:3] == [8, 4, 2] and 1 in seen and 16 not in seen
+    assert microbatch_sizes(1024) == [4, 8, 16, 32]
+    assert microbatch_sizes(24) == [4, 8]
+    assert microbatch_sizes(6) == [2]
+    assert microbatch_sizes(3) == [1]
