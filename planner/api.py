@@ -344,7 +344,10 @@ def _assemble(
     layer_of = st.layer_of_nodes(graph, layers)
     stages: list[StagePlan] = []
     times = []
-    devices = _allocate([subs[m][0] * subs[m][1] for _, _, m in dp.stages], cluster)
+    # With interleaving, the S stages are p * v chunks and chunk c runs on device group c % p.
+    p = S // virtual_stages
+    groups = _allocate([subs[m][0] * subs[m][1] for _, _, m in dp.stages[:p]], cluster)
+    devices = [groups[i % p] for i in range(S)]
     fallbacks: list[str] = []
     for i, (k, j, m) in enumerate(dp.stages):
         mesh, prof, rc = choices[k, j, m, S - i]

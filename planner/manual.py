@@ -186,7 +186,6 @@ def manual_plan(
             for c in range(chunks)
         ]
         for c, stage in enumerate(plan.stages):
-            stage.devices = list(range((c % pp) * n, (c % pp + 1) * n))
             stage.memory_bytes = sum(
                 m for i, m in enumerate(per_chunk) if i % pp == c % pp
             )

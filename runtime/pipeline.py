@@ -23,8 +23,19 @@ Moving a boundary value from stage s to stage t (one micro-batch):
 
 A value read by several later stages goes to each directly (no relay through the stages between).
 Sends are ``isend`` (waited at the end of the step); receives block, so a stage runs its schedule
-in its own order: GPipe (every forward, then every backward) or 1F1B (``S - s - 1`` warm-up
-forwards, then one forward and one backward alternately, then the remaining backwards).
+in its own order (`runtime.schedules`): GPipe (every forward, then every backward) or 1F1B
+(``S - s - 1`` warm-up forwards, then one forward and one backward alternately, then the remaining
+backwards). The runner checks at construction, by simulating every group's order
+(`runtime.schedules.deadlock_free`), that every blocking receive has its send posted before.
+
+Interleaved plans (``plan.virtual_stages == v > 1``, ``schedule "interleaved"``): the plan's
+``p * v`` stages are chunks, chunk ``c`` on the devices of group ``c % p``. A rank runs the ``v``
+chunks of its group, each with its own executor and parameters, in Megatron-LM's interleaved 1F1B
+order (warm-up forwards across its chunks, steady one-forward-one-backward, cool-down; the
+micro-batches a multiple of ``p``). Boundary values move between chunks as between stages above:
+chunk ``p - 1`` sends to chunk ``p`` on group 0. A value between two chunks of the same group (a
+skip by a multiple of ``p``) stays on the rank. Messages are tagged by micro-batch, value and
+consuming chunk.
 
 What PyTorch lacks (why this module sends and receives itself): ``torch.distributed.pipelining``
 (``PipelineStage`` and its schedules) runs one stage per rank of a 1D pipeline group and moves
@@ -67,11 +78,16 @@ from planner.opgraph import OpGraph
 from planner.plan_format import ParallelPlan, StagePlan
 from runtime import comm_count
 from runtime.executor import PlanExecutor, _redistribute
+from runtime.schedules import (
+    SCHEDULES,
+    Action,
+    deadlock_free,
+    interleaved_order,
+    schedule_order,
+)
 from runtime.stages import StageGraph, split_stages, stage_solution
 
 __all__ = ["PipelineRunner", "layer_of_nodes", "schedule_order", "stage_mesh"]
-
-SCHEDULES = ("gpipe", "1f1b")
 
 
 def stage_mesh(stage: StagePlan, device_type: str = "cpu") -> DeviceMesh:
@@ -97,28 +113,36 @@ def layer_of_nodes(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:
     return out
 
 
-def schedule_order(
-    schedule: str, stage: int, num_stages: int, B: int
-) -> list[tuple[str, int]]:
-    """The (``"F"`` or ``"B"``, micro-batch) actions of one stage, in order."""
-    if schedule == "gpipe":
-        return [("F", m) for m in range(B)] + [("B", m) for m in range(B)]
-    if schedule != "1f1b":
+def _check_devices(plan: ParallelPlan, world: int) -> int:
+    """The number of device groups of `plan` (its stages, or ``len(stages) // v`` when
+    interleaved); raises unless the groups are disjoint ranks below `world` and, when
+    interleaved, chunk ``c`` runs on the devices of group ``c % p``."""
+    v = plan.virtual_stages
+    S = len(plan.stages)
+    if v < 1 or S % v:
+        raise MeshplanError(f"{S} stages do not form {v} chunks per device group")
+    p = S // v
+    used = [r for s in plan.stages[:p] for r in s.devices]
+    if len(set(used)) != len(used) or max(used) >= world:
         raise MeshplanError(
-            f"schedule {schedule!r} is not supported; use one of {SCHEDULES}"
+            f"the plan's device groups need distinct ranks below {world}, got {used}"
         )
-    warm = min(num_stages - stage - 1, B)
-    out = [("F", m) for m in range(warm)]
-    for m in range(warm, B):
-        out += [("F", m), ("B", m - warm)]
-    return out + [("B", m) for m in range(B - warm, B)]
+    for c, st in enumerate(plan.stages):
+        if list(st.devices) != list(plan.stages[c % p].devices):
+            raise MeshplanError(
+                f"interleaved chunk {c} runs on {st.devices}, not on the devices of group "
+                f"{c % p} ({plan.stages[c % p].devices})"
+            )
+    return p
 
 
 class PipelineRunner:
     """Runs training steps of `plan` on this rank (module docstring).
 
     `graph` is the model traced on one micro-batch (``plan.global_batch // plan.num_microbatches``
-    rows) with the dtype it trains in; node names must be the plan's.
+    rows) with the dtype it trains in; node names must be the plan's. ``chunks`` are the stages
+    this rank runs (one, or the ``v`` chunks of its device group when interleaved), each with its
+    own `PlanExecutor` in ``executors``; ``index`` and ``executor`` are the first of them.
     """
 
     def __init__(
@@ -130,58 +154,80 @@ class PipelineRunner:
         schedule: str | None = None,
     ) -> None:
         self.plan, self.graph = plan, graph
-        self.schedule = schedule or ("gpipe" if plan.schedule == "gpipe" else "1f1b")
+        interleaved = plan.virtual_stages > 1
+        default = "gpipe" if plan.schedule == "gpipe" else "1f1b"
+        self.schedule = schedule or ("interleaved" if interleaved else default)
         if self.schedule not in SCHEDULES:
             raise MeshplanError(
                 f"schedule {self.schedule!r} is not supported; use one of {SCHEDULES}"
             )
-        if plan.virtual_stages != 1:
+        if (self.schedule == "interleaved") != interleaved:
             raise MeshplanError(
-                "interleaved (virtual) stages are not supported by the runtime yet"
+                f"schedule {self.schedule!r} does not fit a plan with "
+                f"{plan.virtual_stages} virtual stages (interleaved needs more than one)"
             )
-        world = dist.get_world_size()
-        used = [r for s in plan.stages for r in s.devices]
-        if len(set(used)) != len(used) or max(used) >= world:
-            raise MeshplanError(
-                f"the plan's stages need distinct ranks below {world}, got {used}"
-            )
+        self.groups = _check_devices(plan, dist.get_world_size())
         self.rank = dist.get_rank()
         self.stages = split_stages(graph, plan)
-        self.meshes = [stage_mesh(s, device_type) for s in plan.stages]
-        self.index = next(
-            (i for i, s in enumerate(plan.stages) if self.rank in s.devices), None
-        )
-        self.executor: PlanExecutor | None = None
-        if self.index is not None:
-            fallback = {f.split(":")[0] for f in plan.fallback_ops}
-            st = self.stages[self.index]
-            sol = stage_solution(st, plan.stages[self.index], fallback)
-            stage_plan = plan.stages[self.index]
-            self.executor = PlanExecutor(
+        meshes: dict[tuple, DeviceMesh] = {}
+        # one mesh per device group (and logical shape), created in stage order
+        for s in plan.stages:
+            key = (tuple(s.devices), tuple(s.logical_mesh))
+            if key not in meshes:
+                meshes[key] = stage_mesh(s, device_type)
+        self.meshes = [
+            meshes[tuple(s.devices), tuple(s.logical_mesh)] for s in plan.stages
+        ]
+        self.chunks = [i for i, s in enumerate(plan.stages) if self.rank in s.devices]
+        self.index: int | None = self.chunks[0] if self.chunks else None
+        fallback = {f.split(":")[0] for f in plan.fallback_ops}
+        recompute = layer_of_nodes(graph, plan)
+        self.executors: dict[int, PlanExecutor] = {}
+        self._zero: dict[int, dict[str, tuple[Placement, ...]]] = {}
+        for c in self.chunks:
+            st, stage_plan = self.stages[c], plan.stages[c]
+            self.executors[c] = PlanExecutor(
                 st.graph,
-                sol,
-                self.meshes[self.index],
+                stage_solution(st, stage_plan, fallback),
+                self.meshes[c],
                 sync_param_grads=False,
-                recompute_layers=layer_of_nodes(graph, plan)
-                if stage_plan.recompute
-                else None,
+                recompute_layers=recompute if stage_plan.recompute else None,
             )
-            self.zero_placements = self._zero_placements(stage_plan)
-        else:
-            self.zero_placements = {}
+            self._zero[c] = self._zero_placements(self.executors[c], stage_plan)
+        self.executor: PlanExecutor | None = (
+            None if self.index is None else self.executors[self.index]
+        )
+        # ZeRO parameter path -> its shard placements (every chunk of this rank)
+        self.zero_placements = {k: v for z in self._zero.values() for k, v in z.items()}
+        inputs = {st.index: set(st.inputs.values()) for st in self.stages}
+        blocked = deadlock_free(
+            [self._order(g, plan.num_microbatches) for g in range(self.groups)], inputs
+        )
+        if blocked:
+            raise MeshplanError(
+                f"the {self.schedule} order deadlocks on this plan (blocked: {blocked})"
+            )
+
+    def _order(self, group: int, B: int) -> list[Action]:
+        """The (kind, chunk, micro-batch) actions of device group `group` in a step."""
+        if self.schedule == "interleaved":
+            return interleaved_order(group, self.groups, self.plan.virtual_stages, B)
+        order = schedule_order(self.schedule, group, len(self.stages), B)
+        return [(a, group, m) for a, m in order]
 
     @property
     def stage(self) -> StageGraph | None:
-        """This rank's stage (None for a rank outside the plan)."""
+        """This rank's (first) stage (None for a rank outside the plan)."""
         return None if self.index is None else self.stages[self.index]
 
-    def _zero_placements(self, stage: StagePlan) -> dict[str, tuple[Placement, ...]]:
-        """Path -> the placements that a ZeRO parameter (``stage.zero_params``) keeps as its
-        optimizer-side shard: its planned placements with every replicated mesh axis of size > 1
-        turned into ``Shard(d)``, d the largest dimension that the axis divides (after the
-        planned sharding). Axes with no such dimension stay replicated."""
-        ex = self.executor
-        assert ex is not None
+    @staticmethod
+    def _zero_placements(
+        ex: PlanExecutor, stage: StagePlan
+    ) -> dict[str, tuple[Placement, ...]]:
+        """Path -> the placements that a ZeRO parameter (``stage.zero_params``) of the stage run
+        by `ex` keeps as its optimizer-side shard: its planned placements with every replicated
+        mesh axis of size > 1 turned into ``Shard(d)``, d the largest dimension that the axis
+        divides (after the planned sharding). Axes with no such dimension stay replicated."""
         sizes = tuple(ex.mesh.shape)
         names = {v: k for k, v in ex.opgraph.placeholder_paths.items()}
         out: dict[str, tuple[Placement, ...]] = {}
@@ -209,30 +255,30 @@ class PipelineRunner:
         return out
 
     def place_params(self, params: dict[str, torch.Tensor]) -> dict[str, DTensor]:
-        """This stage's parameters (from full tensors by path) as DTensor leaves requiring grad:
-        the optimizer's parameters. A ZeRO parameter is placed as its shard (`_zero_placements`);
-        `step` gathers it to the planned placement once per step."""
-        if self.executor is None:
-            return {}
-        out = self.executor.place_params(
-            {p: params[p] for p in self.executor.opgraph.params}
-        )
-        for path, places in self.zero_placements.items():
-            out[path] = _redistribute(out[path].detach(), places).requires_grad_(True)
+        """This rank's parameters (from full tensors by path; those of every chunk it runs) as
+        DTensor leaves requiring grad: the optimizer's parameters. A ZeRO parameter is placed as
+        its shard (`_zero_placements`); `step` gathers it to the planned placement once per
+        step."""
+        out: dict[str, DTensor] = {}
+        for c, ex in self.executors.items():
+            out.update(ex.place_params({p: params[p] for p in ex.opgraph.params}))
+            for path, places in self._zero[c].items():
+                out[path] = _redistribute(out[path].detach(), places).requires_grad_(
+                    True
+                )
         return out
 
     def _gather_zero(self, params: dict[str, DTensor]) -> dict[str, DTensor]:
-        """The parameters the stage computes with: ZeRO shards all-gathered to their planned
+        """The parameters the chunks compute with: ZeRO shards all-gathered to their planned
         placements (new leaves, whose gradients accumulate over the micro-batches)."""
-        ex = self.executor
-        assert ex is not None
-        names = {v: k for k, v in ex.opgraph.placeholder_paths.items()}
         out = dict(params)
-        for path in self.zero_placements:
-            want = ex.placements(ex._planned_output(names[path]))
-            with comm_count.site(f"fwd:zero:{path}"):
-                full = _redistribute(params[path].detach(), want)
-            out[path] = full.requires_grad_(True)
+        for c, ex in self.executors.items():
+            names = {v: k for k, v in ex.opgraph.placeholder_paths.items()}
+            for path in self._zero[c]:
+                want = ex.placements(ex._planned_output(names[path]))
+                with comm_count.site(f"fwd:zero:{path}"):
+                    full = _redistribute(params[path].detach(), want)
+                out[path] = full.requires_grad_(True)
         return out
 
     def _scatter_zero(
@@ -258,34 +304,41 @@ class PipelineRunner:
         mean micro-batch loss (the global batch's loss), the same on every rank of the world."""
         B = len(microbatches)
         loss = torch.zeros(())
-        if self.executor is not None:
+        if self.index is not None:
             self._works: list[Any] = []
-            self._state: dict[int, dict[str, Any]] = {}
-            order = schedule_order(self.schedule, self.index, len(self.stages), B)
+            self._state: dict[tuple[int, int], dict[str, Any]] = {}
+            self._local: dict[int, torch.Tensor] = {}  # tag -> value sent to this rank
+            order = self._order(self.index % self.groups, B)
             used = self._gather_zero(params) if self.zero_placements else params
-            for action, m in order:
+            for action, c, m in order:
                 if action == "F":
-                    out = self._forward(m, microbatches[m], used, buffers or {}, B)
+                    out = self._forward(c, m, microbatches[m], used, buffers or {}, B)
                     if out is not None:
                         loss += out
                 else:
-                    self._backward(m)
+                    self._backward(c, m)
             for w in self._works:
                 w.wait()
-            self._works, self._state = [], {}
+            self._works, self._state, self._local = [], {}, {}
             if self.zero_placements:
                 self._scatter_zero(params, used)
-                self.executor.sync_grads(
-                    {k: p for k, p in params.items() if k not in self.zero_placements}
+            for c, ex in self.executors.items():
+                ex.sync_grads(
+                    {
+                        k: params[k]
+                        for k in ex.opgraph.params
+                        if k in params and k not in self.zero_placements
+                    }
                 )
-            else:
-                self.executor.sync_grads(params)
         dist.broadcast(loss, src=self.plan.stages[-1].devices[0])
         return float(loss) / B
 
-    def _tag(self, m: int, value: str, backward: bool) -> int:
+    def _tag(self, m: int, value: str, dst: int, backward: bool) -> int:
+        """The message tag of `value` of micro-batch `m` sent to (or, backward, from) chunk
+        `dst`."""
         names = self._names()
-        return (m * len(names) + names[value]) * 2 + int(backward)
+        key = (m * len(names) + names[value]) * len(self.stages) + dst
+        return key * 2 + int(backward)
 
     def _names(self) -> dict[str, int]:
         if not hasattr(self, "_value_ids"):
@@ -293,27 +346,41 @@ class PipelineRunner:
             self._value_ids = {v: i for i, v in enumerate(vals)}
         return self._value_ids
 
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        """Send `t` to rank `dst` (kept locally when `dst` is this rank: chunks of one group)."""
+        if dst == self.rank:
+            self._local[tag] = t
+        else:
+            self._works.append(dist.isend(t, dst=dst, tag=tag))
+
+    def _recv(self, buf: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+        """Receive into `buf` from rank `src` (or take what this rank sent itself)."""
+        if src == self.rank:
+            return self._local.pop(tag).clone()
+        dist.recv(buf, src=src, tag=tag)
+        return buf
+
     def _forward(
         self,
+        c: int,
         m: int,
         batch: Sequence[torch.Tensor],
         params: dict[str, DTensor],
         buffers: dict[str, torch.Tensor],
         B: int,
     ) -> float | None:
-        ex, st, s = self.executor, self.stage, self.index
-        assert ex is not None and st is not None and s is not None
+        ex, st = self.executors[c], self.stages[c]
         inputs = {}
         for v, src in st.inputs.items():
             meta = st.meta(v).outputs[0]
             buf = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype))
-            sender = self._peer(src, s, self.rank)
-            dist.recv(buf, src=sender, tag=self._tag(m, v, False))
+            sender = self._peer(src, c, self.rank)
+            buf = self._recv(buf, sender, self._tag(m, v, c, False))
             x = ex._place(buf, ("R",) * ex.n_axes)
             inputs[v] = x.requires_grad_(True) if buf.is_floating_point() else x
         out = ex.run_outputs(params, batch, buffers, inputs=inputs)
-        state = {"inputs": inputs}
-        self._state[m] = state
+        state: dict[str, Any] = {"inputs": inputs}
+        self._state[c, m] = state
         if st.is_last:
             loss = out[0] if isinstance(out, (list, tuple)) else out
             if any(not p.is_replicate() for p in loss.placements):
@@ -332,11 +399,9 @@ class PipelineRunner:
             sent[v] = full
             local = full.to_local().detach().contiguous()
             for t in dsts:
-                for i, r in enumerate(self.plan.stages[t].devices):
-                    if self._peer(s, t, r) == self.rank:
-                        self._works.append(
-                            dist.isend(local, dst=r, tag=self._tag(m, v, False))
-                        )
+                for r in self.plan.stages[t].devices:
+                    if self._peer(c, t, r) == self.rank:
+                        self._send(local, r, self._tag(m, v, t, False))
         state["sent"] = sent
         return None
 
@@ -348,10 +413,9 @@ class PipelineRunner:
         )
         return ds[dt.index(dst_rank) % len(ds)]
 
-    def _backward(self, m: int) -> None:
-        ex, st, s = self.executor, self.stage, self.index
-        assert ex is not None and st is not None and s is not None
-        state = self._state.pop(m)
+    def _backward(self, c: int, m: int) -> None:
+        ex, st = self.executors[c], self.stages[c]
+        state = self._state.pop((c, m))
         if st.is_last:
             state["loss"].backward()
         else:
@@ -364,8 +428,8 @@ class PipelineRunner:
                     buf = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype))
                     if not buf.is_floating_point():
                         continue
-                    dist.recv(
-                        buf, src=self._peer(t, s, self.rank), tag=self._tag(m, v, True)
+                    buf = self._recv(
+                        buf, self._peer(t, c, self.rank), self._tag(m, v, t, True)
                     )
                     total = buf if total is None else total + buf
                 if total is not None and full.requires_grad:
@@ -389,7 +453,5 @@ class PipelineRunner:
                 local = g.to_local().detach().contiguous()
             src = st.inputs[v]
             for r in self.plan.stages[src].devices:
-                if self._peer(s, src, r) == self.rank:
-                    self._works.append(
-                        dist.isend(local, dst=r, tag=self._tag(m, v, True))
-                    )
+                if self._peer(c, src, r) == self.rank:
+                    self._send(local, r, self._tag(m, v, c, True))
