@@ -63,6 +63,7 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement
 from torch.fx.node import map_arg
@@ -75,7 +76,7 @@ from planner.dtensor_rules import (
 )
 from planner.intra_op import StageSolution
 from planner.opgraph import OpGraph
-from planner.stage_costs import expected_grad
+from planner.stage_costs import expected_grad, grad_from_consumer
 from planner.strategies import consumed_output, register_fallback
 from runtime import comm_count
 
@@ -155,6 +156,22 @@ def _redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
         local = redistribute_local_tensor(local, spec, new)
         spec = new
     return DTensor(local, spec, requires_grad=False)
+
+
+def _allreduce_axes(
+    src: Sequence[Placement], dst: Sequence[Placement]
+) -> tuple[int, ...] | None:
+    """The mesh axes on which `src` -> `dst` is a plain all-reduce (``Partial`` of sum or avg ->
+    ``Replicate``), if every other axis keeps its placement; else None."""
+    axes = []
+    for a, (c, d) in enumerate(zip(src, dst)):
+        if c == d:
+            continue
+        if type(c) is Partial and c.reduce_op in ("sum", "avg") and d.is_replicate():
+            axes.append(a)
+            continue
+        return None
+    return tuple(axes) if axes else None
 
 
 class _Edge(torch.autograd.Function):
@@ -247,6 +264,67 @@ class PlanExecutor(torch.fx.Interpreter):
                 and isinstance(n.target, torch._ops.OpOverload)
             ):
                 register_fallback(n.target)
+        self._parsed: dict[Strs, tuple[Placement, ...]] = {}
+        self._plans = {
+            n: self._node_plan(n)
+            for n in graph.gm.graph.nodes
+            if n.op == "call_function"
+        }
+
+    def _parse(self, strs: Strs) -> tuple[Placement, ...]:
+        """`placements`, memoised per string tuple."""
+        got = self._parsed.get(strs)
+        if got is None:
+            got = self._parsed[strs] = self.placements(strs)
+        return got
+
+    def _try_parse(self, strs: Strs) -> tuple[Placement, ...] | None:
+        try:
+            return self._parse(strs)
+        except Exception:  # "P(mask)" / "P(norm)": not rebuildable from the string
+            return None
+
+    def _edge_plan(self, u: torch.fx.Node, v: torch.fx.Node, dst: Strs) -> tuple:
+        """Everything `_edge` needs for edge u -> v, computed once: (dst placements, gradient
+        placements or None, label, skip). ``skip``: the edge moves nothing in either direction as
+        planned - the producer's planned output already is `dst`, and the gradient the consumer's
+        backward hands back (`grad_from_consumer`, no partial) already is the one priced for the
+        producer, or the gradient is left as it is - so no autograd function is needed (checked
+        again at run time against the value's actual placements)."""
+        src = self._planned_output(u.name, consumed_output(u, v))
+        sync = self.sync_param_grads or u.name not in self.param_derived
+        dst_pl = self._parse(dst)
+        grad_strs = expected_grad(src)
+        grad_dst = self._parse(grad_strs) if sync else None
+        src_pl = self._try_parse(src)
+        skip = src_pl is not None and src_pl == dst_pl
+        if skip and sync:
+            if u.name in self.param_derived:  # a leaf's .grad must end as planned
+                return dst_pl, grad_dst, f"{u.name}->{v.name}", False
+            strategy = self.solution.choice[v.name].strategy
+            got = grad_from_consumer(dst, strategy, tuple(self.solution.mesh_shape))
+            skip = tuple(got) == tuple(grad_strs) and not any(
+                g.startswith("P") for g in got
+            )
+        return dst_pl, grad_dst, f"{u.name}->{v.name}", skip
+
+    def _node_plan(self, n: torch.fx.Node) -> tuple:
+        """(site label, getitem edge or None, input edges {k: (u, edge plan)}, planned outputs
+        with their parsed placements)."""
+        strategy = self.solution.choice[n.name].strategy
+        getitem = None
+        edges: list[tuple[torch.fx.Node, tuple]] = []
+        if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node):
+            if strategy.inputs and strategy.inputs[0] is not None:
+                getitem = self._edge_plan(n.args[0], n, strategy.inputs[0])
+        else:
+            for k, u in enumerate(n.all_input_nodes):
+                if strategy.inputs[k] is not None:
+                    edges.append((u, self._edge_plan(u, n, strategy.inputs[k])))
+        outputs = tuple(
+            (strs, self._try_parse(strs) if strs else None) for strs in strategy.output
+        )
+        return f"fwd:{n.name}", getitem, edges, outputs, f"bwd:{n.name}"
 
     # ------------------------------------------------------------------ placements
 
@@ -265,7 +343,7 @@ class PlanExecutor(torch.fx.Interpreter):
 
     def _place(self, t: torch.Tensor, strs: Strs) -> DTensor:
         return distribute_tensor(
-            t.detach(), self.mesh, self.placements(strs), src_data_rank=None
+            t.detach(), self.mesh, self._parse(strs), src_data_rank=None
         )
 
     def _planned_output(self, name: str, k: int = 0) -> Strs:
@@ -390,77 +468,130 @@ class PlanExecutor(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op != "call_function":
             return super().run_node(n)
-        strategy = self.solution.choice[n.name].strategy
-        with self._set_current_node(n), comm_count.site(f"fwd:{n.name}"):
+        label, getitem, edges, outputs, bwd_label = self._plans[n]
+        sites = comm_count._SITES
+        sites.append(label)
+        try:
+            env = self.env
             if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node):
-                src = self.env[n.args[0]]
+                src = env[n.args[0]]
                 value = src[n.args[1]]
-                if isinstance(value, DTensor) and isinstance(src, (tuple, list)):
-                    value = self._edge(value, n.args[0], n, strategy.inputs[0])
+                if (
+                    getitem is not None
+                    and isinstance(value, DTensor)
+                    and isinstance(src, (tuple, list))
+                ):
+                    value = self._edge(value, getitem)
                 return value
             moved = {}
-            for k, u in enumerate(n.all_input_nodes):
-                value = self.env[u]
-                if isinstance(value, DTensor) and strategy.inputs[k] is not None:
-                    moved[u] = self._edge(value, u, n, strategy.inputs[k])
-            args, kwargs = map_arg(
-                (n.args, n.kwargs), lambda a: moved.get(a, self.env[a])
-            )
+            for u, plan in edges:
+                value = env[u]
+                if isinstance(value, DTensor):
+                    moved[u] = self._edge(value, plan)
+            if moved:
+                args, kwargs = map_arg(
+                    (n.args, n.kwargs), lambda a: moved.get(a, env[a])
+                )
+            else:
+                args, kwargs = map_arg((n.args, n.kwargs), lambda a: env[a])
             out = n.target(*args, **kwargs)
-            return self._check_outputs(n, out, strategy.output)
+            return self._check_outputs(n, out, outputs, bwd_label)
+        finally:
+            sites.pop()
 
-    def _edge(
-        self, x: DTensor, u: torch.fx.Node, v: torch.fx.Node, dst: Strs
-    ) -> DTensor:
-        src = self._planned_output(u.name, consumed_output(u, v))
-        sync = self.sync_param_grads or u.name not in self.param_derived
-        return self._move(x, dst, f"{u.name}->{v.name}", src, sync)
+    def _edge(self, x: DTensor, plan: tuple) -> DTensor:
+        dst, grad_dst, label, skip = plan
+        if x.requires_grad:
+            if skip and x.placements == dst:
+                return x
+            return _Edge.apply(x, dst, grad_dst, label)
+        if x.placements == dst:
+            return x
+        with comm_count.site(f"fwd:{label}"):
+            return _redistribute(x, dst)
 
     def sync_grads(self, params: dict[str, DTensor]) -> None:
         """Bring every parameter's accumulated ``.grad`` to the parameter's placement (all-reduce
-        or reduce-scatter of the partial sums); for ``sync_param_grads=False``."""
+        or reduce-scatter of the partial sums); for ``sync_param_grads=False``.
+
+        Gradients that only need all-reduces (``Partial`` -> ``Replicate`` on some axes, the other
+        axes unchanged) are bucketed: those with the same placements and dtype are flattened into
+        one tensor, all-reduced once per axis, and split again - the same bytes per collective
+        kind, fewer collectives. The others are redistributed one by one."""
+        buckets: dict[tuple, list[str]] = {}
         for path, p in params.items():
-            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            g = p.grad
+            if not isinstance(g, DTensor) or g.placements == p.placements:
+                continue
+            axes = _allreduce_axes(g.placements, p.placements)
+            if axes is None or g.device_mesh != p.device_mesh:
                 with comm_count.site(f"bwd:sync:{path}"):
-                    p.grad = _redistribute(p.grad, p.placements)
+                    p.grad = _redistribute(g, p.placements)
+                continue
+            key = (tuple(g.placements), tuple(p.placements), g.dtype, axes)
+            buckets.setdefault(key, []).append(path)
+        for (g_pl, p_pl, _, axes), paths in buckets.items():
+            grads = [params[k].grad for k in paths]
+            locals_ = [g._local_tensor for g in grads]
+            mesh = grads[0].device_mesh
+            if len(paths) == 1:
+                flat = locals_[0]
+            else:
+                flat = torch.cat([t.reshape(-1) for t in locals_])
+            with comm_count.site(f"bwd:sync:{paths[0]}"):
+                for a in axes:
+                    flat = g_pl[a]._reduce_value(flat, mesh, a)
+                    if isinstance(flat, funcol.AsyncCollectiveTensor):
+                        flat = flat.wait()
+            if len(paths) == 1:
+                pieces = [flat]
+            else:
+                pieces = [
+                    t.view(ref.shape)
+                    for t, ref in zip(
+                        flat.split([t.numel() for t in locals_]), locals_
+                    )
+                ]
+            for k, g, local in zip(paths, grads, pieces):
+                spec = DTensorSpec(mesh, p_pl, tensor_meta=g._spec.tensor_meta)
+                params[k].grad = DTensor(local, spec, requires_grad=False)
 
     def _move(
         self, x: DTensor, dst: Strs, label: str, src: Strs, sync: bool = True
     ) -> DTensor:
         """Redistribute `x` to `dst`; its gradient goes back to ``expected_grad(src)`` (if `sync`)."""
         if x.requires_grad:
-            grad_dst = self.placements(expected_grad(src)) if sync else None
-            return _Edge.apply(x, self.placements(dst), grad_dst, label)
+            grad_dst = self._parse(expected_grad(src)) if sync else None
+            return _Edge.apply(x, self._parse(dst), grad_dst, label)
         with comm_count.site(f"fwd:{label}"):
-            return _redistribute(x, self.placements(dst))
+            return _redistribute(x, self._parse(dst))
 
     def _check_outputs(
-        self, n: torch.fx.Node, out: Any, planned: tuple[Strs, ...]
+        self, n: torch.fx.Node, out: Any, planned: tuple, bwd_label: str
     ) -> Any:
         single = not isinstance(out, (tuple, list))
         items = [out] if single else list(out)
         for k, item in enumerate(items):
-            if (
-                not isinstance(item, torch.Tensor)
-                or k >= len(planned)
-                or not planned[k]
-            ):
+            if not isinstance(item, torch.Tensor) or k >= len(planned):
+                continue
+            strs, parsed = planned[k]
+            if not strs:
                 continue
             if not isinstance(item, DTensor):  # a factory op: no tensor inputs
-                items[k] = self._place(item, planned[k])
+                items[k] = self._place(item, strs)
                 continue
-            have = self.strings(item.placements)
-            if have != planned[k]:
-                msg = f"{n.name} ({n.target}) output {k}: DTensor gave {have}, plan {planned[k]}"
-                if self.strict:
-                    raise MeshplanError(msg)
-                if msg not in self.mismatches:  # a recomputed layer reports it again
-                    self.mismatches.append(msg)
-                item = items[k] = self._move(item, planned[k], f"{n.name}.{k}", have)
+            if parsed is None or item.placements != parsed:
+                have = self.strings(item.placements)
+                if have != strs:
+                    msg = f"{n.name} ({n.target}) output {k}: DTensor gave {have}, plan {strs}"
+                    if self.strict:
+                        raise MeshplanError(msg)
+                    if msg not in self.mismatches:  # a recomputed layer reports it again
+                        self.mismatches.append(msg)
+                    item = items[k] = self._move(item, strs, f"{n.name}.{k}", have)
             if item.grad_fn is not None:
-                label = f"bwd:{n.name}"
                 item.grad_fn.register_prehook(
-                    lambda g, label=label: comm_count.set_site(label)
+                    lambda g, label=bwd_label: comm_count.set_site(label)
                 )
         if single:
             return items[0]
