@@ -22,22 +22,31 @@ Pruning, so the grid stays fast (each pruned configuration cannot be the best fe
 * within one (dp, tp, pp, expert parallel), micro-batch sizes are tried smallest first; predicted
   memory grows with the size, so once a size does not fit even with recomputation, larger ones are
   skipped;
+* the time is taken as unimodal in the micro-batch size (larger micro-batches run more efficiently
+  until the pipeline bubble of fewer micro-batches dominates): a group stops at the first size that
+  is slower than the one before (a heuristic; it can miss a second minimum);
 * recomputation is priced only when the same configuration without it does not fit (without
-  recomputation the time is never larger and the memory never smaller).
+  recomputation the time is never larger and the memory never smaller), and once recompute-off has
+  not fitted at one micro-batch size it is not tried at larger ones.
+
+Pricing traces the model once per micro-batch size (`shared_traces`), not once per configuration.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from cost_models.memory import state_bytes_per_param
+from planner import manual
 from planner.manual import manual_plan
 from planner.models import build_model
+from planner.opgraph import OpGraph
 from planner.plan_format import ParallelPlan
 
 MICROBATCH_SIZES = (1, 2, 4, 8, 16)
@@ -96,7 +105,12 @@ def parallel_degrees(
     """(dp, tp, pp) with dp * tp * pp = devices, tp a power of two dividing the host, pp <= max_pp."""
     out = []
     for tp in range(1, per_host + 1):
-        if per_host % tp or not _pow2(tp) or devices % tp or (tp > 1 and not tensor_parallel):
+        if (
+            per_host % tp
+            or not _pow2(tp)
+            or devices % tp
+            or (tp > 1 and not tensor_parallel)
+        ):
             continue
         for pp in range(1, min(devices // tp, max_pp) + 1):
             if (devices // tp) % pp == 0:
@@ -155,6 +169,27 @@ def grid(
     return groups, pruned
 
 
+@contextmanager
+def shared_traces() -> Iterator[None]:
+    """Within the block, `planner.manual` traces a model once per (name, batch shapes) and reuses
+    the OpGraph (planning reads it and never changes it): most of a configuration's pricing time is
+    tracing, and a grid prices the same micro-batch size many times."""
+    original = manual.trace
+    graphs: dict[tuple[str, tuple], OpGraph] = {}
+
+    def cached(module: Any, batch: Any, *, model_name: str = "") -> OpGraph:
+        key = (model_name, tuple(tuple(t.shape) for t in batch))
+        if key not in graphs:
+            graphs[key] = original(module, batch, model_name=model_name)
+        return graphs[key]
+
+    manual.trace = cached
+    try:
+        yield
+    finally:
+        manual.trace = original
+
+
 def price(
     model: str,
     cluster: Cluster,
@@ -198,25 +233,37 @@ def best_manual(
     groups, pruned = grid(model, cluster, global_batch, optimizer, suite)
     best: tuple[float, ManualConfig, ParallelPlan] | None = None
     priced = 0
-    for group in groups:
-        for i in range(0, len(group), 2):  # (recompute off, recompute on) per micro-batch size
-            fitted = False
-            for config in group[i : i + 2]:
-                try:
-                    p = price(model, cluster, config, global_batch, dtype, optimizer)
-                except MeshplanError as exc:  # e.g. too few ops for pp stages
-                    if say:
-                        say(f"  {config.label()}: skipped ({exc})")
-                    continue
-                priced += 1
-                if p.manual["fits"]:
+    with shared_traces():
+        for group in groups:
+            previous = float("inf")  # best time at the previous micro-batch size
+            plain_fits = True  # recompute off fitted at the previous size
+            for i in range(
+                0, len(group), 2
+            ):  # (recompute off, on) per micro-batch size
+                fitted, here = False, float("inf")
+                for config in group[i : i + 2] if plain_fits else group[i + 1 : i + 2]:
+                    try:
+                        p = price(
+                            model, cluster, config, global_batch, dtype, optimizer
+                        )
+                    except MeshplanError as exc:  # e.g. too few ops for pp stages
+                        if say:
+                            say(f"  {config.label()}: skipped ({exc})")
+                        continue
+                    priced += 1
+                    if not p.manual["fits"]:
+                        plain_fits = plain_fits and config.recompute
+                        continue
                     fitted = True
-                    t = p.estimate.iteration_time_s
+                    here = t = p.estimate.iteration_time_s
+                    if say:
+                        say(f"  {config.label()}: {t:.2f} s")
                     if best is None or t < best[0]:
                         best = (t, config, p)
                     break  # recomputation would only be slower
-            if not fitted:
-                break
+                if not fitted or here > previous:
+                    break
+                previous = here
     out: dict[str, Any] = {
         "config": None,
         "iteration_time_s": None,

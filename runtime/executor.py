@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import (
     DTensor,
@@ -63,7 +64,6 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement
 from torch.fx.node import map_arg
@@ -281,7 +281,7 @@ class PlanExecutor(torch.fx.Interpreter):
     def _try_parse(self, strs: Strs) -> tuple[Placement, ...] | None:
         try:
             return self._parse(strs)
-        except Exception:  # "P(mask)" / "P(norm)": not rebuildable from the string
+        except ValueError:  # "P(mask)" / "P(norm)": not rebuildable from the string
             return None
 
     def _edge_plan(self, u: torch.fx.Node, v: torch.fx.Node, dst: Strs) -> tuple:
@@ -548,9 +548,7 @@ class PlanExecutor(torch.fx.Interpreter):
             else:
                 pieces = [
                     t.view(ref.shape)
-                    for t, ref in zip(
-                        flat.split([t.numel() for t in locals_]), locals_
-                    )
+                    for t, ref in zip(flat.split([t.numel() for t in locals_]), locals_)
                 ]
             for k, g, local in zip(paths, grads, pieces):
                 spec = DTensorSpec(mesh, p_pl, tensor_meta=g._spec.tensor_meta)
@@ -586,7 +584,9 @@ class PlanExecutor(torch.fx.Interpreter):
                     msg = f"{n.name} ({n.target}) output {k}: DTensor gave {have}, plan {strs}"
                     if self.strict:
                         raise MeshplanError(msg)
-                    if msg not in self.mismatches:  # a recomputed layer reports it again
+                    if (
+                        msg not in self.mismatches
+                    ):  # a recomputed layer reports it again
                         self.mismatches.append(msg)
                     item = items[k] = self._move(item, strs, f"{n.name}.{k}", have)
             if item.grad_fn is not None:

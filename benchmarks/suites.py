@@ -1,0 +1,234 @@
+"""Alpa's weak-scaling suites (GPT, GShard MoE, Wide-ResNet): automatic plans against manual ones.
+
+The cases are those of ../shared/reference/alpa-osdi22-suite.md (1 to 64 GPUs, 8 per host, the model
+growing with the cluster), on V100-16GB hosts as measured there, or on A100-80GB / H100-80GB hosts
+(`device`). For each case: plan automatically (`planner.plan`), search the grid of manual Megatron
+configurations (`benchmarks.manual_grid`), both priced by the same cost models, and record
+
+    ratio = best manual iteration time / automatic iteration time   (> 1: the automatic plan is faster)
+
+For GPT on V100s, the configurations Megatron's authors found best (the reference's table) are also
+priced as listed, next to their measured TFLOP/s: the cost model's error on published data.
+
+Settings taken from the reference: GPT global batch 1024 (128 at 1 GPU, as listed), fp16, Adam with
+mixed precision; Wide-ResNet batch 1536 (1520 at 32 and 64 GPUs) in fp32 (Adam, fp32 states). The
+reference gives no MoE batch: 1024 sequences, as Alpa's MoE benchmark (an assumption).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from benchmarks.manual_grid import best_manual
+from benchmarks.reference import gpt_megatron_configs, measured_tflops, scaling
+from planner import plan
+from planner.manual import manual_plan
+
+HOST = 8  # GPUs per host (p3.16xlarge, DGX A100, DGX H100)
+SUITES = ("gpt", "moe", "wresnet")
+DEVICES = ("V100-16GB", "A100-80GB", "H100-80GB")
+_HEADING = {"gpt": "## GPT", "moe": "## GShard MoE", "wresnet": "## Wide-ResNet"}
+# Measured rows of the reference: (automatic, baseline) per suite.
+_SYSTEMS = {
+    "gpt": ("Alpa (auto)", "Megatron-LM"),
+    "moe": ("Alpa (auto)", "DeepSpeed (ZeRO + expert parallel)"),
+    "wresnet": ("Alpa (auto)", "PP-DP baseline"),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case: a model on a cluster with a global batch."""
+
+    suite: str
+    model: str
+    num_devices: int
+    cluster: str
+    global_batch: int
+    dtype: str = "float16"
+    optimizer: str = "adam_mixed"
+
+
+def cluster_spec(gpus: int, device: str = "V100-16GB") -> str:
+    """`HxDxDEVICE` with up to 8 devices per host."""
+    return f"{max(1, gpus // HOST)}x{min(gpus, HOST)}x{device}"
+
+
+def suite_cases(
+    suite: str, gpus: list[int] | None = None, device: str = "V100-16GB"
+) -> list[Case]:
+    """The weak-scaling cases of `suite` (all of the reference's GPU counts unless `gpus`)."""
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite!r}; expected one of {SUITES}")
+    sizes = scaling(_HEADING[suite])
+    unknown = sorted(set(gpus or []) - set(sizes))
+    if unknown:
+        raise ValueError(f"{suite}: no case for {unknown} GPUs; cases: {sorted(sizes)}")
+    listed = {c["gpus"]: c["global_batch"] for c in gpt_megatron_configs()}
+    out = []
+    for g in gpus or sorted(sizes):
+        model = f"{suite}-{sizes[g].lower()}"
+        spec = cluster_spec(g, device)
+        if suite == "gpt":
+            out.append(Case(suite, model, g, spec, int(listed.get(g, 1024))))
+        elif suite == "moe":
+            out.append(Case(suite, model, g, spec, 1024))
+        else:
+            batch = 1520 if g >= 32 else 1536
+            out.append(Case(suite, model, g, spec, batch, "float32", "adam_fp32"))
+    return out
+
+
+def _stage_json(s: Any) -> dict[str, Any]:
+    return {
+        "layers": list(s.layers),
+        "submesh": list(s.submesh),
+        "logical_mesh": list(s.logical_mesh),
+        "dp_tp": s.dp_tp,
+        "recompute": s.recompute,
+    }
+
+
+def listed_megatron(case: Case) -> dict[str, Any] | None:
+    """Megatron's listed best configuration of a GPT case, priced, next to its measured TFLOP/s."""
+    if case.suite != "gpt":
+        return None
+    listed = {c["gpus"]: c for c in gpt_megatron_configs()}.get(case.num_devices)
+    if listed is None:
+        return None
+    m = manual_plan(
+        case.model,
+        case.cluster,
+        dp=int(listed["dp"]),
+        tp=int(listed["tp"]),
+        pp=int(listed["pp"]),
+        num_microbatches=int(listed["microbatches"]),
+        global_batch=case.global_batch,
+        recompute=True,
+        allow_oom=True,
+    )
+    measured = measured_tflops("## GPT", "Megatron-LM").get(case.num_devices)
+    predicted = m.estimate.tflops_per_device
+    return {
+        "config": {k: listed[k] for k in ("dp", "tp", "pp", "microbatches")},
+        "iteration_time_s": m.estimate.iteration_time_s,
+        "predicted_tflops_per_device": predicted,
+        "measured_tflops_per_device": measured,
+        "relative_error": predicted / measured - 1.0 if measured else None,
+        "fits": m.manual["fits"],
+        "peak_memory_bytes": m.estimate.peak_memory_bytes,
+    }
+
+
+def run_case(case: Case, say: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Plan `case` automatically and search its manual grid; the JSON record of the case."""
+    t0 = time.perf_counter()
+    auto = plan(
+        case.model,
+        case.cluster,
+        global_batch=case.global_batch,
+        dtype=case.dtype,
+        optimizer=case.optimizer,
+    )
+    planner_s = time.perf_counter() - t0
+    manual = best_manual(
+        case.model,
+        case.cluster,
+        case.global_batch,
+        suite=case.suite,
+        dtype=case.dtype,
+        optimizer=case.optimizer,
+        say=say,
+    )
+    t_auto = auto.estimate.iteration_time_s
+    out: dict[str, Any] = asdict(case) | {
+        "auto": {
+            "iteration_time_s": t_auto,
+            "tflops_per_device": auto.estimate.tflops_per_device,
+            "peak_memory_bytes": auto.estimate.peak_memory_bytes,
+            "fits": auto.estimate.peak_memory_bytes <= auto.memory_budget_bytes,
+            "planner_time_s": planner_s,
+            "num_microbatches": auto.num_microbatches,
+            "stages": [_stage_json(s) for s in auto.stages],
+        },
+        "manual_best": manual,
+        "ratio": manual["iteration_time_s"] / t_auto if manual["config"] else None,
+    }
+    if case.cluster.endswith("V100-16GB"):
+        auto_sys, base_sys = _SYSTEMS[case.suite]
+        heading = _HEADING[case.suite]
+        out["measured_tflops_per_device"] = {
+            auto_sys: measured_tflops(heading, auto_sys).get(case.num_devices),
+            base_sys: measured_tflops(heading, base_sys).get(case.num_devices),
+        }
+        listed = listed_megatron(case)
+        if listed:
+            out["megatron_listed"] = listed
+    return out
+
+
+def machine() -> str:
+    """The machine the suite ran on (the planner's own run; predictions do not depend on it)."""
+    import os
+    import platform
+
+    return f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()})"
+
+
+def run_suite(
+    suite: str,
+    gpus: list[int] | None = None,
+    device: str = "V100-16GB",
+    say: Callable[[str], None] | None = None,
+    on_case: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run every case of a suite; the results document (`benchmarks.report` writes and reads it).
+    `say` gets progress lines, `on_case` each case's record when it is done."""
+    import datetime
+
+    import torch
+
+    t0 = time.perf_counter()
+    cases = []
+    for case in suite_cases(suite, gpus, device):
+        if say:
+            say(f"{case.suite} {case.model} on {case.cluster}")
+        cases.append(run_case(case, say))
+        if on_case:
+            on_case(cases[-1])
+    return {
+        "suite": suite,
+        "device": device,
+        "machine": machine(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+        "total_time_s": time.perf_counter() - t0,
+        "cases": cases,
+    }
+
+
+HEADER = (
+    f"{'GPUs':>4} {'model':<13} {'auto TFLOP/s':>12} {'manual best':>26} {'TFLOP/s':>7} "
+    f"{'ratio':>6} {'plan s':>7} {'grid s':>7}  auto stages"
+)
+
+
+def format_row(c: dict[str, Any]) -> str:
+    """One line of the console table."""
+    m = c["manual_best"]
+    stages = " ".join(
+        f"{s['layers'][0]}-{s['layers'][1]}@{s['logical_mesh'][0]}x{s['logical_mesh'][1]}"
+        for s in c["auto"]["stages"]
+    )
+    ratio = f"{c['ratio']:.2f}" if c["ratio"] else "-"
+    return (
+        f"{c['num_devices']:>4} {c['model']:<13} {c['auto']['tflops_per_device']:>12.1f} "
+        f"{m.get('label', 'none fits'):>26} {m.get('tflops_per_device') or 0:>7.1f} {ratio:>6} "
+        f"{c['auto']['planner_time_s']:>7.1f} {m['search_time_s']:>7.1f}  "
+        f"B={c['auto']['num_microbatches']} {stages}"
+    )

@@ -1,0 +1,153 @@
+"""Benchmark suites (small cases only; `meshplan bench --suite SUITE` runs them all): the case
+records' JSON fields, the manual grid (expert parallelism for MoE, memory pruning), and the report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.manual_grid import grid, model_facts, parallel_degrees
+from benchmarks.report import load_results, write_report, write_results
+from benchmarks.suites import run_case, suite_cases
+from cost_models.cluster import Cluster
+from planner.manual import manual_plan
+
+
+def test_suite_cases_follow_the_reference() -> None:
+    gpt = {c.num_devices: c for c in suite_cases("gpt")}
+    assert sorted(gpt) == [1, 2, 4, 8, 16, 32, 64]
+    assert gpt[1].model == "gpt-350m" and gpt[1].global_batch == 128
+    assert gpt[64].cluster == "8x8xV100-16GB" and gpt[64].model == "gpt-39b"
+    wres = {c.num_devices: c for c in suite_cases("wresnet", device="A100-80GB")}
+    assert wres[32].global_batch == 1520 and wres[16].global_batch == 1536
+    assert wres[2].cluster == "1x2xA100-80GB" and wres[2].dtype == "float32"
+    assert suite_cases("moe", [16])[0].model == "moe-10b"
+
+
+def test_parallel_degrees_keep_tp_in_a_host() -> None:
+    degrees = parallel_degrees(16, 8, max_pp=24)
+    assert all(dp * tp * pp == 16 and tp in (1, 2, 4, 8) for dp, tp, pp in degrees)
+    assert (2, 8, 1) in degrees and (1, 1, 16) in degrees
+    assert all(tp == 1 for _, tp, _ in parallel_degrees(8, 8, 8, tensor_parallel=False))
+
+
+def test_grid_prunes_by_memory_and_adds_expert_parallel() -> None:
+    groups, pruned = grid(
+        "gpt-39b", Cluster.from_spec("8x8xV100-16GB"), 1024, "adam_mixed", "gpt"
+    )
+    # 39 B parameters x 16 bytes need tp * pp >= 39 devices of 16 GB; pp <= 48 blocks.
+    assert {(g[0].dp, g[0].tp, g[0].pp) for g in groups} == {
+        (1, 2, 32),
+        (1, 4, 16),
+        (1, 8, 8),
+    }
+    assert pruned > 0
+    groups, _ = grid(
+        "moe-690m", Cluster.from_spec("1x2xV100-16GB"), 1024, "adam_mixed", "moe"
+    )
+    assert any(g[0].expert_parallel and g[0].dp == 2 for g in groups)
+    assert model_facts("moe-690m").experts == 16
+
+
+def test_expert_parallel_shards_expert_weights_on_dp() -> None:
+    p = manual_plan(
+        "moe-tiny",
+        "1x2xV100-16GB",
+        dp=2,
+        tp=1,
+        pp=1,
+        num_microbatches=1,
+        global_batch=4,
+        expert_parallel=True,
+        allow_oom=True,
+    )
+    placements = p.stages[0].param_placements
+    wi = [v for k, v in placements.items() if k.endswith("mlp.wi")]
+    assert wi and all(v == ["S(0)", "R"] for v in wi)
+    assert all(
+        v[0] == "R"
+        for k, v in placements.items()
+        if not k.endswith(("mlp.wi", "mlp.wo"))
+    )
+    assert p.manual["expert_parallel"]
+
+
+@pytest.mark.parametrize("suite,gpus", [("gpt", 1), ("moe", 1), ("wresnet", 1)])
+def test_case_record(suite: str, gpus: int) -> None:
+    case = run_case(suite_cases(suite, [gpus])[0])
+    json.dumps(case)  # plain JSON
+    assert case["suite"] == suite and case["num_devices"] == gpus
+    auto = case["auto"]
+    for key in ("iteration_time_s", "tflops_per_device", "planner_time_s"):
+        assert auto[key] > 0
+    assert auto["fits"] and auto["stages"]
+    assert {"layers", "submesh", "logical_mesh", "dp_tp"} <= set(auto["stages"][0])
+    best = case["manual_best"]
+    assert {"dp", "tp", "pp", "num_microbatches", "recompute"} <= set(best["config"])
+    assert case["ratio"] == pytest.approx(
+        best["iteration_time_s"] / auto["iteration_time_s"]
+    )
+    assert case["ratio"] > 0
+    if (
+        suite == "gpt"
+    ):  # on one device the automatic plan is pure data parallel, as good as manual
+        assert case["ratio"] >= 1.0 - 1e-6
+    assert case["measured_tflops_per_device"]
+    if suite == "gpt" and gpus == 1:
+        listed = case["megatron_listed"]
+        assert listed["config"] == {"dp": 1, "tp": 1, "pp": 1, "microbatches": 8}
+        assert listed["measured_tflops_per_device"] == 47.5
+        assert listed["relative_error"] == pytest.approx(
+            listed["predicted_tflops_per_device"] / 47.5 - 1
+        )
+
+
+def test_report_from_a_tiny_results_file(tmp_path) -> None:
+    case = {
+        "suite": "gpt",
+        "model": "gpt-350m",
+        "num_devices": 1,
+        "cluster": "1x1xV100-16GB",
+        "global_batch": 128,
+        "auto": {
+            "iteration_time_s": 4.0,
+            "tflops_per_device": 70.0,
+            "planner_time_s": 3.0,
+            "num_microbatches": 16,
+            "stages": [{"layers": [0, 11], "logical_mesh": [1, 1], "recompute": False}],
+        },
+        "manual_best": {
+            "label": "dp1 tp1 pp1 B16",
+            "iteration_time_s": 5.0,
+            "tflops_per_device": 56.0,
+            "config": {},
+        },
+        "ratio": 1.25,
+        "measured_tflops_per_device": {"Alpa (auto)": 45.1, "Megatron-LM": 47.5},
+        "megatron_listed": {
+            "config": {"dp": 1, "tp": 1, "pp": 1, "microbatches": 8},
+            "predicted_tflops_per_device": 56.6,
+            "measured_tflops_per_device": 47.5,
+            "relative_error": 0.19,
+            "fits": False,
+        },
+    }
+    doc = {
+        "suite": "gpt",
+        "device": "V100-16GB",
+        "machine": "test",
+        "date": "2026-01-01",
+        "cases": [case],
+    }
+    write_results(doc, tmp_path / "gpt-V100-16GB.json")
+    (tmp_path / "other.json").write_text("[1, 2]")  # not results files: ignored
+    (tmp_path / "cases.json").write_text('{"cases": []}')
+    assert len(load_results(tmp_path)) == 1
+    text = write_report(tmp_path).read_text()
+    assert "## gpt on V100-16GB" in text and "2026-01-01" in text
+    assert "| 1 | gpt-350m | 70.0 |" in text and "1.25" in text and "+19%" in text
+    assert "(a) every GPT case has ratio >= 1.00: yes" in text
+    assert "within 15% of measured: no (largest error 19%)" in text
+    if (tmp_path / "gpt-V100-16GB.png").exists():
+        assert "(gpt-V100-16GB.png)" in text
