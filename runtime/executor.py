@@ -10,7 +10,7 @@ of `planner.tracer.trace`) node by node on DTensors:
   (``distribute_tensor(..., src_data_rank=None)``): every rank is assumed to hold the same full
   tensor (same seed, same batch), and keeps its own shard.
 * Edges. Before a node runs, every DTensor input is moved to the placement the node's chosen
-  strategy requires (``Strategy.inputs[k]``) by `_Edge`, an autograd function whose forward is
+  strategy requires (``Strategy.inputs[k]``) by `Edge`, an autograd function whose forward is
   ``DTensor.redistribute`` and whose backward moves the gradient to the placement the planner
   prices for the producer (`planner.stage_costs.expected_grad`: S(d) where the producer's output
   was S(d), else R). DTensor refuses S -> P; we go S -> R -> P, as `cost_models` prices it. A
@@ -24,7 +24,7 @@ of `planner.tracer.trace`) node by node on DTensors:
 * Output. The loss is returned replicated; a partial loss (``P(avg)`` under data parallelism) is
   all-reduced first (one scalar, which the planner does not price: no edge leads to the output).
 
-Backward is plain autograd through DTensor ops and the `_Edge` functions. Why an explicit edge
+Backward is plain autograd through DTensor ops and the `Edge` functions. Why an explicit edge
 function instead of relying on ``DTensor.redistribute``'s own backward: the planner prices every
 edge's gradient separately (`planner.stage_costs.edge_matrices`), from the placement the consumer's
 backward hands back (`grad_from_consumer`) to ``expected_grad(src)``, including edges whose forward
@@ -59,12 +59,10 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import (
     DTensor,
-    Partial,
     Replicate,
     distribute_tensor,
 )
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement
 from torch.fx.node import map_arg
 
@@ -79,6 +77,7 @@ from planner.opgraph import OpGraph
 from planner.stage_costs import expected_grad, grad_from_consumer
 from planner.strategies import consumed_output, register_fallback
 from runtime import comm_count
+from runtime.redistribute import Edge, allreduce_axes, redistribute
 
 __all__ = ["PlanExecutor", "make_mesh", "param_derived", "place_params", "run_graph"]
 
@@ -91,115 +90,6 @@ def make_mesh(solution: StageSolution, device_type: str = "cpu") -> DeviceMesh:
     default process group of ``prod(solution.mesh_shape)`` ranks."""
     shape = tuple(s for s in solution.mesh_shape if s > 1) or (1,)
     return init_device_mesh(device_type, shape)
-
-
-def _repartial(x: DTensor, dst: tuple[Placement, ...]) -> DTensor:
-    """Change the kind of a partial placement locally, on the axes where `dst` asks for another.
-
-    The planner treats every partial as "P" (`planner.stage_costs.norm`), so a producer's partial
-    may meet a consumer that wants another kind; DTensor refuses to convert between partial types
-    ("one partial type to another is unsupported"), which would cost an all-reduce. The
-    conversions that the planner's strategies need are local (PyTorch lacks them):
-
-    * ``_MaskPartial`` (a vocabulary-parallel embedding's output) -> ``Partial("sum")``: zero the
-      rows whose indices lie outside the local shard, which DTensor does only when it reduces;
-    * ``Partial("sum")`` <-> ``Partial("avg")``: multiply / divide the local value by the axis size
-      (the full value is the sum, resp. the mean, of the local ones).
-    """
-    places = list(x.placements)
-    local = x._local_tensor
-    for i, (c, d) in enumerate(zip(places, dst)):
-        if not (c.is_partial() and d.is_partial()) or c == d:
-            continue
-        mask = getattr(getattr(c, "mask_buffer", None), "data", None)
-        if mask is not None and c.reduce_op == "sum":
-            m = mask if local.ndim == mask.ndim else mask.unsqueeze(-1)
-            local = local.masked_fill(m, 0.0)
-            c = places[i] = Partial("sum")
-        ops = (c.reduce_op, d.reduce_op)
-        if type(c) is Partial and type(d) is Partial and ops in _REPARTIAL:
-            local = local * _REPARTIAL[ops](x.device_mesh.size(i))
-            places[i] = d
-    if places == list(x.placements):
-        return x
-    spec = DTensorSpec(x._spec.mesh, tuple(places), tensor_meta=x._spec.tensor_meta)
-    return DTensor(local, spec, requires_grad=False)
-
-
-_REPARTIAL = {
-    ("sum", "sum"): lambda n: 1.0,
-    ("sum", "avg"): lambda n: float(n),
-    ("avg", "sum"): lambda n: 1.0 / n,
-}
-
-
-def _redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
-    """`x` redistributed to `dst`, without autograd (callers are `_Edge`'s forward and backward, and
-    tensors that need no gradient). Like ``DTensor.redistribute`` (DTensor's greedy plan,
-    ``redistribute_local_tensor``) but also to Partial, which the public method reserves for
-    DTensor's internal use: R -> P is local; S -> P, which DTensor refuses, goes S -> R -> P (as
-    `cost_models.communication.reshard_steps` prices it); partials of another kind are converted
-    locally where possible (`_repartial`), else through R."""
-    dst = tuple(dst)
-    if tuple(x.placements) == dst:
-        return x
-    x = _repartial(x, dst)
-    via = tuple(
-        Replicate() if d.is_partial() and not c.is_replicate() and c != d else d
-        for c, d in zip(x.placements, dst)
-    )
-    spec, local = x._spec, x._local_tensor
-    for target in (via, dst) if via != dst else (dst,):
-        if target == spec.placements:
-            continue
-        new = DTensorSpec(spec.mesh, target, tensor_meta=spec.tensor_meta)
-        local = redistribute_local_tensor(local, spec, new)
-        spec = new
-    return DTensor(local, spec, requires_grad=False)
-
-
-def _allreduce_axes(
-    src: Sequence[Placement], dst: Sequence[Placement]
-) -> tuple[int, ...] | None:
-    """The mesh axes on which `src` -> `dst` is a plain all-reduce (``Partial`` of sum or avg ->
-    ``Replicate``), if every other axis keeps its placement; else None."""
-    axes = []
-    for a, (c, d) in enumerate(zip(src, dst)):
-        if c == d:
-            continue
-        if type(c) is Partial and c.reduce_op in ("sum", "avg") and d.is_replicate():
-            axes.append(a)
-            continue
-        return None
-    return tuple(axes) if axes else None
-
-
-class _Edge(torch.autograd.Function):
-    """Forward: redistribute to the consumer's placement. Backward: redistribute the gradient to
-    the placement the planner prices for the producer."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: DTensor,
-        dst: tuple[Placement, ...],
-        grad_dst: tuple[Placement, ...],
-        label: str,
-    ) -> DTensor:
-        ctx.grad_dst, ctx.label = (
-            grad_dst,
-            label,
-        )  # grad_dst None: leave the gradient as it is
-        with comm_count.site(f"fwd:{label}"):
-            y = _redistribute(x, dst)
-        return y.view_as(y) if y is x else y
-
-    @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> tuple[Any, None, None, None]:
-        with comm_count.site(f"bwd:{ctx.label}"):
-            if isinstance(grad, DTensor) and ctx.grad_dst is not None:
-                grad = _redistribute(grad, ctx.grad_dst)
-        return grad, None, None, None
 
 
 class PlanExecutor(torch.fx.Interpreter):
@@ -504,11 +394,11 @@ class PlanExecutor(torch.fx.Interpreter):
         if x.requires_grad:
             if skip and x.placements == dst:
                 return x
-            return _Edge.apply(x, dst, grad_dst, label)
+            return Edge.apply(x, dst, grad_dst, label)
         if x.placements == dst:
             return x
         with comm_count.site(f"fwd:{label}"):
-            return _redistribute(x, dst)
+            return redistribute(x, dst)
 
     def sync_grads(self, params: dict[str, DTensor]) -> None:
         """Bring every parameter's accumulated ``.grad`` to the parameter's placement (all-reduce
@@ -523,10 +413,10 @@ class PlanExecutor(torch.fx.Interpreter):
             g = p.grad
             if not isinstance(g, DTensor) or g.placements == p.placements:
                 continue
-            axes = _allreduce_axes(g.placements, p.placements)
+            axes = allreduce_axes(g.placements, p.placements)
             if axes is None or g.device_mesh != p.device_mesh:
                 with comm_count.site(f"bwd:sync:{path}"):
-                    p.grad = _redistribute(g, p.placements)
+                    p.grad = redistribute(g, p.placements)
                 continue
             key = (tuple(g.placements), tuple(p.placements), g.dtype, axes)
             buckets.setdefault(key, []).append(path)
@@ -560,9 +450,9 @@ class PlanExecutor(torch.fx.Interpreter):
         """Redistribute `x` to `dst`; its gradient goes back to ``expected_grad(src)`` (if `sync`)."""
         if x.requires_grad:
             grad_dst = self._parse(expected_grad(src)) if sync else None
-            return _Edge.apply(x, self._parse(dst), grad_dst, label)
+            return Edge.apply(x, self._parse(dst), grad_dst, label)
         with comm_count.site(f"fwd:{label}"):
-            return _redistribute(x, self._parse(dst))
+            return redistribute(x, self._parse(dst))
 
     def _check_outputs(
         self, n: torch.fx.Node, out: Any, planned: tuple, bwd_label: str

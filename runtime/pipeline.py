@@ -77,7 +77,8 @@ from cost_models.errors import MeshplanError
 from planner.opgraph import OpGraph
 from planner.plan_format import ParallelPlan, StagePlan
 from runtime import comm_count
-from runtime.executor import PlanExecutor, _redistribute
+from runtime.executor import PlanExecutor
+from runtime.redistribute import redistribute
 from runtime.schedules import (
     SCHEDULES,
     Action,
@@ -263,7 +264,7 @@ class PipelineRunner:
         for c, ex in self.executors.items():
             out.update(ex.place_params({p: params[p] for p in ex.opgraph.params}))
             for path, places in self._zero[c].items():
-                out[path] = _redistribute(out[path].detach(), places).requires_grad_(
+                out[path] = redistribute(out[path].detach(), places).requires_grad_(
                     True
                 )
         return out
@@ -277,7 +278,7 @@ class PipelineRunner:
             for path in self._zero[c]:
                 want = ex.placements(ex._planned_output(names[path]))
                 with comm_count.site(f"fwd:zero:{path}"):
-                    full = _redistribute(params[path].detach(), want)
+                    full = redistribute(params[path].detach(), want)
                 out[path] = full.requires_grad_(True)
         return out
 
@@ -290,7 +291,7 @@ class PipelineRunner:
             if g is None:
                 continue
             with comm_count.site(f"bwd:zero:{path}"):
-                params[path].grad = _redistribute(g, params[path].placements)
+                params[path].grad = redistribute(g, params[path].placements)
 
     # ------------------------------------------------------------------ one step
 
@@ -395,7 +396,7 @@ class PipelineRunner:
                     x, ("R",) * ex.n_axes, f"{v}->send", ex._planned_output(v)
                 )
             else:
-                full = _redistribute(x, [Replicate()] * ex.mesh.ndim)
+                full = redistribute(x, [Replicate()] * ex.mesh.ndim)
             sent[v] = full
             local = full.to_local().detach().contiguous()
             for t in dsts:
@@ -449,7 +450,7 @@ class PipelineRunner:
                 local = torch.zeros(x.shape, dtype=x.dtype)
             else:
                 with comm_count.site(f"bwd:{v}->recv"):
-                    g = _redistribute(g, [Replicate()] * ex.mesh.ndim)
+                    g = redistribute(g, [Replicate()] * ex.mesh.ndim)
                 local = g.to_local().detach().contiguous()
             src = st.inputs[v]
             for r in self.plan.stages[src].devices:

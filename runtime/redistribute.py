@@ -1,0 +1,131 @@
+"""Moving DTensors between placements, as the planner priced it.
+
+DTensor's `redistribute` refuses conversions between partial kinds (P(mask), P(avg), P(sum)) and
+from Shard to Partial, and records no backward when source and target already match (so a
+replicated weight's gradient would stay Partial and the data-parallel all-reduce would never run).
+What PyTorch lacks is written here: local partial-kind conversions (`_repartial`), S -> P through R
+(as `cost_models` prices it), and `Edge`, an autograd function whose backward moves the gradient
+to the placement `planner.stage_costs.expected_grad` prices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+from runtime import comm_count
+
+
+def _repartial(x: DTensor, dst: tuple[Placement, ...]) -> DTensor:
+    """Change the kind of a partial placement locally, on the axes where `dst` asks for another.
+
+    The planner treats every partial as "P" (`planner.stage_costs.norm`), so a producer's partial
+    may meet a consumer that wants another kind; DTensor refuses to convert between partial types
+    ("one partial type to another is unsupported"), which would cost an all-reduce. The
+    conversions that the planner's strategies need are local (PyTorch lacks them):
+
+    * ``_MaskPartial`` (a vocabulary-parallel embedding's output) -> ``Partial("sum")``: zero the
+      rows whose indices lie outside the local shard, which DTensor does only when it reduces;
+    * ``Partial("sum")`` <-> ``Partial("avg")``: multiply / divide the local value by the axis size
+      (the full value is the sum, resp. the mean, of the local ones).
+    """
+    places = list(x.placements)
+    local = x._local_tensor
+    for i, (c, d) in enumerate(zip(places, dst)):
+        if not (c.is_partial() and d.is_partial()) or c == d:
+            continue
+        mask = getattr(getattr(c, "mask_buffer", None), "data", None)
+        if mask is not None and c.reduce_op == "sum":
+            m = mask if local.ndim == mask.ndim else mask.unsqueeze(-1)
+            local = local.masked_fill(m, 0.0)
+            c = places[i] = Partial("sum")
+        ops = (c.reduce_op, d.reduce_op)
+        if type(c) is Partial and type(d) is Partial and ops in _REPARTIAL:
+            local = local * _REPARTIAL[ops](x.device_mesh.size(i))
+            places[i] = d
+    if places == list(x.placements):
+        return x
+    spec = DTensorSpec(x._spec.mesh, tuple(places), tensor_meta=x._spec.tensor_meta)
+    return DTensor(local, spec, requires_grad=False)
+
+
+_REPARTIAL = {
+    ("sum", "sum"): lambda n: 1.0,
+    ("sum", "avg"): lambda n: float(n),
+    ("avg", "sum"): lambda n: 1.0 / n,
+}
+
+
+def redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
+    """`x` redistributed to `dst`, without autograd (callers are `Edge`'s forward and backward, and
+    tensors that need no gradient). Like ``DTensor.redistribute`` (DTensor's greedy plan,
+    ``redistribute_local_tensor``) but also to Partial, which the public method reserves for
+    DTensor's internal use: R -> P is local; S -> P, which DTensor refuses, goes S -> R -> P (as
+    `cost_models.communication.reshard_steps` prices it); partials of another kind are converted
+    locally where possible (`_repartial`), else through R."""
+    dst = tuple(dst)
+    if tuple(x.placements) == dst:
+        return x
+    x = _repartial(x, dst)
+    via = tuple(
+        Replicate() if d.is_partial() and not c.is_replicate() and c != d else d
+        for c, d in zip(x.placements, dst)
+    )
+    spec, local = x._spec, x._local_tensor
+    for target in (via, dst) if via != dst else (dst,):
+        if target == spec.placements:
+            continue
+        new = DTensorSpec(spec.mesh, target, tensor_meta=spec.tensor_meta)
+        local = redistribute_local_tensor(local, spec, new)
+        spec = new
+    return DTensor(local, spec, requires_grad=False)
+
+
+def allreduce_axes(
+    src: Sequence[Placement], dst: Sequence[Placement]
+) -> tuple[int, ...] | None:
+    """The mesh axes on which `src` -> `dst` is a plain all-reduce (``Partial`` of sum or avg ->
+    ``Replicate``), if every other axis keeps its placement; else None."""
+    axes = []
+    for a, (c, d) in enumerate(zip(src, dst)):
+        if c == d:
+            continue
+        if type(c) is Partial and c.reduce_op in ("sum", "avg") and d.is_replicate():
+            axes.append(a)
+            continue
+        return None
+    return tuple(axes) if axes else None
+
+
+class Edge(torch.autograd.Function):
+    """Forward: redistribute to the consumer's placement. Backward: redistribute the gradient to
+    the placement the planner prices for the producer."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: DTensor,
+        dst: tuple[Placement, ...],
+        grad_dst: tuple[Placement, ...],
+        label: str,
+    ) -> DTensor:
+        ctx.grad_dst, ctx.label = (
+            grad_dst,
+            label,
+        )  # grad_dst None: leave the gradient as it is
+        with comm_count.site(f"fwd:{label}"):
+            y = redistribute(x, dst)
+        return y.view_as(y) if y is x else y
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[Any, None, None, None]:
+        with comm_count.site(f"bwd:{ctx.label}"):
+            if isinstance(grad, DTensor) and ctx.grad_dst is not None:
+                grad = redistribute(grad, ctx.grad_dst)
+        return grad, None, None, None
