@@ -28,6 +28,7 @@ from cost_models.memory import microbatches_in_flight
 from cost_models.pipeline import pipeline_time
 from planner import stage_table as st
 from planner.inter_op import stage_dp
+from planner.intra_op import block_of
 from planner.layers import auto_num_layers, cluster_layers
 from planner.opgraph import OpGraph
 from planner.plan_format import Estimate, ParallelPlan, StagePlan
@@ -212,8 +213,6 @@ def _layers(graph: OpGraph, num_layers: int | None) -> list[tuple[int, int]]:
         if u in index
     ]
     flops = [n.fwd_flops + n.bwd_flops for n in ops]
-    from planner.intra_op import block_of
-
     blocks = len({block_of(n.module_path) for n in ops if block_of(n.module_path)})
     L = num_layers or auto_num_layers(flops, blocks=blocks or None)
     return cluster_layers(flops, edges, L)
@@ -268,7 +267,7 @@ def _search(graph, layers, cluster, subs, B, budget, optimizer, mode, say, least
                 boundary_bytes,
                 crosses_hosts=cluster.hosts > 1 and sub[1] == cluster.devices_per_host,
             )
-            for p, prof in enumerate(profiles):
+            for prof in profiles:
                 for rc in (False, True):
                     c, mem = st.range_costs(prof, inflight, budget, send, rc)
                     if sub == cluster.shape:
@@ -277,11 +276,10 @@ def _search(graph, layers, cluster, subs, B, budget, optimizer, mode, say, least
                     cost[:, :, m, :] = np.where(better, c, cost[:, :, m, :])
                     for k, j, s in zip(*np.nonzero(better)):
                         choices[int(k), int(j), m, int(s)] = (mesh, prof, rc)
-    if mode == "intra-only":
-        cost[:, :, :, :] = np.where(
-            np.arange(L)[:, None, None, None] == 0, cost, np.inf
-        )
-        cost[:, : L - 1] = np.inf
+    if mode == "intra-only":  # one stage: only the range of all layers
+        whole = cost[0, L - 1].copy()
+        cost[:] = np.inf
+        cost[0, L - 1] = whole
     try:
         dp = stage_dp(
             cost, [a * b for a, b in subs], cluster.num_devices, B, epsilon=1e-3
