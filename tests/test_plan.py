@@ -216,3 +216,21 @@ def test_microbatch_candidates() -> None:
     assert microbatch_sizes(24) == [4, 8]
     assert microbatch_sizes(6) == [2]
     assert microbatch_sizes(3) == [1]
+
+
+def test_cli_output_into_a_closed_pipe_is_not_an_error(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "p.json"
+    _small_plan().save(out)
+    # The reader is gone before the command writes (like `meshplan explain p.json | head -1`).
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli", "explain", str(out), "--params", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait() == 0 and "Traceback" not in err, err
