@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import single_device
 import torch
 
 import runtime.launch
@@ -60,15 +61,9 @@ def _plan_file(tmp_path: Path, dtype: str = "float32") -> str:
 def _reference(steps: int = STEPS, seed: int = 0) -> list[float]:
     """Single-device SGD on the model and batches `meshplan run` uses."""
     model, batches = seeded_model_and_batches(SPEC, BATCH, steps, seed)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for b in batches:
-        loss = model(*b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return single_device.train(
+        model, batches, torch.optim.SGD(model.parameters(), lr=LR)
+    )[0]
 
 
 @pytest.fixture

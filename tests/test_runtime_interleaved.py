@@ -18,6 +18,7 @@ import functools
 from typing import Any
 
 import pytest
+import single_device
 import torch
 
 from cost_models.errors import MeshplanError
@@ -68,15 +69,9 @@ def _model_and_batches() -> tuple[torch.nn.Module, list[tuple[torch.Tensor, ...]
 @functools.cache
 def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     model, batches = _model_and_batches()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for b in batches:
-        loss = model(*b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
+    return single_device.train(
+        model, batches, torch.optim.SGD(model.parameters(), lr=LR)
+    )
 
 
 def _train_all(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
@@ -127,10 +122,7 @@ def test_same_numbers_as_one_device(runs: list[dict[str, Any]], name: str) -> No
         assert res["mismatches"] == []
         assert res["losses"] == pytest.approx(ref_losses, rel=1e-5)
         got.update({k: torch.from_numpy(v) for k, v in res["params"].items()})
-    assert set(got) == set(ref_params)
-    for k, p in ref_params.items():
-        err = (got[k] - p).norm() / p.norm().clamp_min(1e-12)
-        assert err < 1e-5, (k, err.item())
+    single_device.assert_same_parameters(got, ref_params)
     if (
         plan.stages[-1].logical_mesh[1] > 1
     ):  # tensor-parallel chunks really shard weights

@@ -28,6 +28,7 @@ import functools
 from typing import Any
 
 import pytest
+import single_device
 import torch
 
 from planner.manual import manual_plan
@@ -95,15 +96,9 @@ def _optimizer(params: list[torch.Tensor], kind: str) -> torch.optim.Optimizer:
 @functools.cache
 def _reference(optimizer: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     model, batches = _model_and_batches()
-    opt = _optimizer(list(model.parameters()), optimizer)
-    losses = []
-    for b in batches:
-        loss = model(*b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
+    return single_device.train(
+        model, batches, _optimizer(list(model.parameters()), optimizer)
+    )
 
 
 def _train_all(plans: dict[str, tuple[ParallelPlan, str]]) -> dict[str, Any]:
@@ -154,13 +149,7 @@ def test_same_numbers_as_one_device(runs: list[dict[str, Any]], name: str) -> No
         assert res["mismatches"] == []
         assert res["losses"] == pytest.approx(ref_losses, rel=1e-5)
         got.update({k: torch.from_numpy(v) for k, v in res["params"].items()})
-    assert set(got) == set(ref_params)
-    worst = max(
-        ((got[k] - p).norm() / p.norm().clamp_min(1e-12)).item()
-        for k, p in ref_params.items()
-    )
-    print(name, "max relative parameter error", worst)
-    assert worst < 1e-5
+    single_device.assert_same_parameters(got, ref_params)
 
 
 def test_expert_weights_are_tensor_parallel(runs: list[dict[str, Any]]) -> None:

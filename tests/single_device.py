@@ -1,0 +1,29 @@
+"""Ground truth for the runtime tests: the same training on one device, and the comparison."""
+
+from __future__ import annotations
+
+import torch
+
+
+def train(
+    model: torch.nn.Module, batches: list, optimizer: torch.optim.Optimizer
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Per-step losses and the parameters after training `model` on `batches` on one device."""
+    losses = []
+    for b in batches:
+        loss = model(*b)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def assert_same_parameters(
+    got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], rel: float = 1e-5
+) -> None:
+    """Every parameter present, each within `rel` relative (Frobenius) error of the reference."""
+    assert set(got) == set(ref)
+    for k, p in ref.items():
+        err = (got[k] - p).norm() / p.norm().clamp_min(1e-12)
+        assert err < rel, (k, err.item())
