@@ -148,6 +148,29 @@ _NVLINK_LAT = 3.4e-6
 _IB_LAT = 9.6e-6
 _TCP_LAT = 30e-6
 
+
+def _dgx_a100(memory_gib: int, bandwidth_gb_s: float) -> Preset:
+    """A DGX A100 host; the 40 and 80 GB models differ only in memory and its bandwidth."""
+    name = f"A100-{memory_gib}GB"
+    return Preset(
+        device=DeviceSpec(
+            name=name,
+            peak_flops={
+                "float32": 19.5 * _T,
+                "tfloat32": 156 * _T,
+                "float16": 312 * _T,
+                "bfloat16": 312 * _T,
+            },
+            memory_bytes=memory_gib * _GiB,
+            memory_bandwidth_bytes_per_s=bandwidth_gb_s * _GB,
+        ),
+        intra_host_link=LinkSpec(300 * _GB, _NVLINK_LAT),
+        inter_host_link=LinkSpec(200e9 / 8, _IB_LAT),
+        gpus_per_host=8,
+        machine=f"NVIDIA DGX A100 ({memory_gib} GB)",
+    )
+
+
 PRESETS: dict[str, Preset] = {
     # AWS p3.16xlarge, 8 x V100-SXM2 16 GB (the hardware of Alpa's OSDI'22 measurements).
     # NVIDIA V100 datasheet: 125 TFLOP/s fp16 tensor core, 15.7 TFLOP/s fp32, 900 GB/s HBM2, 16 GB.
@@ -180,40 +203,8 @@ PRESETS: dict[str, Preset] = {
     # 80 GB HBM2e at 2039 GB/s. NVLink 3: 12 links x 25 GB/s = 300 GB/s per GPU per direction, all
     # GPUs through NVSwitch. Between hosts: 8 x Mellanox HDR 200 Gb/s InfiniBand per DGX A100 (one per
     # GPU) = 25 GB/s per GPU.
-    "A100-40GB": Preset(
-        device=DeviceSpec(
-            name="A100-40GB",
-            peak_flops={
-                "float32": 19.5 * _T,
-                "tfloat32": 156 * _T,
-                "float16": 312 * _T,
-                "bfloat16": 312 * _T,
-            },
-            memory_bytes=40 * _GiB,
-            memory_bandwidth_bytes_per_s=1555 * _GB,
-        ),
-        intra_host_link=LinkSpec(300 * _GB, _NVLINK_LAT),
-        inter_host_link=LinkSpec(200e9 / 8, _IB_LAT),
-        gpus_per_host=8,
-        machine="NVIDIA DGX A100 (40 GB)",
-    ),
-    "A100-80GB": Preset(
-        device=DeviceSpec(
-            name="A100-80GB",
-            peak_flops={
-                "float32": 19.5 * _T,
-                "tfloat32": 156 * _T,
-                "float16": 312 * _T,
-                "bfloat16": 312 * _T,
-            },
-            memory_bytes=80 * _GiB,
-            memory_bandwidth_bytes_per_s=2039 * _GB,
-        ),
-        intra_host_link=LinkSpec(300 * _GB, _NVLINK_LAT),
-        inter_host_link=LinkSpec(200e9 / 8, _IB_LAT),
-        gpus_per_host=8,
-        machine="NVIDIA DGX A100 (80 GB)",
-    ),
+    "A100-40GB": _dgx_a100(40, 1555),
+    "A100-80GB": _dgx_a100(80, 2039),
     # DGX H100, 8 x H100-SXM5 80 GB. NVIDIA H100 whitepaper (SXM5, dense, i.e. half the "with
     # sparsity" datasheet figures): 66.9 TFLOP/s fp32, 494.7 TFLOP/s TF32, 989.4 TFLOP/s fp16/bf16;
     # 80 GB HBM3 at 3.35 TB/s. NVLink 4: 18 links x 25 GB/s = 450 GB/s per GPU per direction through
