@@ -46,10 +46,14 @@ def layer_of_nodes(graph: OpGraph, layers: list[tuple[int, int]]) -> dict[str, i
     for k, (a, b) in enumerate(layers):
         for n in ops[a : b + 1]:
             out[n.name] = k
+    # Ops are in topological order and layers ascend with it: the first consumer has the least layer.
+    for o in ops:
+        for u in o.inputs:
+            if graph.node(u).op != "call":
+                out.setdefault(u, out[o.name])
     for n in graph.nodes:
         if n.op != "call" and n.op != "output":
-            users = [out[o.name] for o in ops if n.name in o.inputs and o.name in out]
-            out[n.name] = min(users) if users else 0
+            out.setdefault(n.name, 0)  # consumed by no op
     return out
 
 

@@ -207,7 +207,8 @@ def _build_graph(
         raise MeshplanError(
             f"internal error: {len(placeholders)} graph inputs for {len(paths)} model tensors"
         )
-    for i, fx_node in enumerate(gm.graph.nodes):
+    position = {n: j for j, n in enumerate(placeholders)}
+    for fx_node in gm.graph.nodes:
         val = fx_node.meta.get("val")
         outs = [
             TensorMeta.of(t)
@@ -216,7 +217,7 @@ def _build_graph(
         ]
         path = fx_node.meta.get("custom", {}).get("module_path", "")
         if fx_node.op == "placeholder":
-            j = placeholders.index(fx_node)
+            j = position[fx_node]
             kind = (
                 "param"
                 if j < num_params

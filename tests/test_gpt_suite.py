@@ -6,12 +6,16 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.gpt_suite import run_case
+from cost_models.cluster import Cluster
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 4])
 def test_gpt_case_fits_and_beats_megatron(gpus: int) -> None:
     case = run_case(gpus)
     assert case["fits"]
-    assert case["auto"]["peak_memory_bytes"] <= 16 * 2**30
+    assert (
+        case["auto"]["peak_memory_bytes"]
+        <= Cluster.from_spec(case["cluster"]).device.memory_bytes
+    )
     if "megatron" in case:
         assert case["ratio"] >= 1.0
