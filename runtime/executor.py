@@ -77,7 +77,7 @@ from planner.opgraph import OpGraph
 from planner.stage_costs import expected_grad, grad_from_consumer
 from planner.strategies import consumed_output, register_fallback
 from runtime import comm_count
-from runtime.redistribute import Edge, allreduce_axes, redistribute
+from runtime.redistribute import Edge, allreduce_axes, redistribute, unmask
 
 __all__ = ["PlanExecutor", "make_mesh", "param_derived", "place_params", "run_graph"]
 
@@ -479,6 +479,7 @@ class PlanExecutor(torch.fx.Interpreter):
                     ):  # a recomputed layer reports it again
                         self.mismatches.append(msg)
                     item = items[k] = self._move(item, strs, f"{n.name}.{k}", have)
+            item = items[k] = unmask(item)  # P(mask) -> P now (redistribute.unmask says why)
             if item.grad_fn is not None:
                 item.grad_fn.register_prehook(
                     lambda g, label=bwd_label: comm_count.set_site(label)

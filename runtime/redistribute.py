@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import Placement
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.tensor.placement_types import Placement, _MaskPartial
 
+from cost_models.errors import MeshplanError
 from runtime import comm_count
 
 
@@ -31,7 +32,8 @@ def _repartial(x: DTensor, dst: tuple[Placement, ...]) -> DTensor:
     conversions that the planner's strategies need are local (PyTorch lacks them):
 
     * ``_MaskPartial`` (a vocabulary-parallel embedding's output) -> ``Partial("sum")``: zero the
-      rows whose indices lie outside the local shard, which DTensor does only when it reduces;
+      rows whose indices lie outside the local shard, which DTensor does only when it reduces, and
+      release the mask as DTensor's reduction does (`unmask` says why this matters);
     * ``Partial("sum")`` <-> ``Partial("avg")``: multiply / divide the local value by the axis size
       (the full value is the sum, resp. the mean, of the local ones).
     """
@@ -40,10 +42,16 @@ def _repartial(x: DTensor, dst: tuple[Placement, ...]) -> DTensor:
     for i, (c, d) in enumerate(zip(places, dst)):
         if not (c.is_partial() and d.is_partial()) or c == d:
             continue
-        mask = getattr(getattr(c, "mask_buffer", None), "data", None)
-        if mask is not None and c.reduce_op == "sum":
+        if isinstance(c, _MaskPartial) and c.reduce_op == "sum":
+            mask = c.mask_buffer.data
+            if mask is None:
+                raise MeshplanError(
+                    "a vocabulary-sharded (P(mask)) value was converted after its mask was "
+                    "released: it must be unmasked once, where it is produced (`unmask`)"
+                )
             m = mask if local.ndim == mask.ndim else mask.unsqueeze(-1)
             local = local.masked_fill(m, 0.0)
+            c.mask_buffer.release_mask()
             c = places[i] = Partial("sum")
         ops = (c.reduce_op, d.reduce_op)
         if type(c) is Partial and type(d) is Partial and ops in _REPARTIAL:
@@ -129,3 +137,31 @@ class Edge(torch.autograd.Function):
             if isinstance(grad, DTensor) and ctx.grad_dst is not None:
                 grad = redistribute(grad, ctx.grad_dst)
         return grad, None, None, None
+
+
+def unmask(x: Any) -> Any:
+    """`x` with every ``_MaskPartial`` placement made ``Partial("sum")`` (`_repartial`: the rows
+    outside the local vocabulary shard zeroed, the mask released); anything else as it is.
+
+    Why at once, where the value is produced: DTensor keeps the mask of a vocabulary-sharded
+    embedding in the ``MaskBuffer`` of the output's placement object, and that object is shared by
+    every later call of the op with the same input specs (DTensor's sharding propagation caches the
+    output spec). The mask is materialised when the embedding runs and must be released, exactly
+    once, before the op runs again with other indices: DTensor releases it when it reduces the
+    value (P(mask) -> R or S). A planned P(mask) -> P edge (the residual stream kept partial)
+    converts locally instead; without a release, the next micro-batch's embedding finds the buffer
+    still holding the previous indices' mask and fails ("MaskBuffer has been materialized with
+    conflicting data"). A value read by several consumers would also need the mask more than once.
+    As a plain ``Partial("sum")`` the value is the same full tensor (the gradient passes through
+    unchanged) and every later redistribution costs what the planner priced for "P".
+    """
+    if not isinstance(x, DTensor) or not any(
+        isinstance(p, _MaskPartial) for p in x.placements
+    ):
+        return x
+    dst = tuple(
+        Partial("sum") if isinstance(p, _MaskPartial) else p for p in x.placements
+    )
+    if x.requires_grad:
+        return Edge.apply(x, dst, None, "unmask")
+    return redistribute(x, dst)
