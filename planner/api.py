@@ -230,12 +230,7 @@ def _search(graph, layers, cluster, subs, B, budget, optimizer, mode, say, least
     L = len(layers)
     layer_of = st.layer_of_nodes(graph, layers)
     bounds = st.boundary_values(graph, layer_of, L)
-    boundary_bytes = np.array(
-        [
-            sum(graph.node(v).output_bytes for v in bounds[k + 1]) if k + 1 < L else 0
-            for k in range(L)
-        ]
-    )
+    boundary_bytes = st.boundary_bytes(graph, bounds)
     S = min(L, cluster.num_devices) if mode != "intra-only" else 1
     inflight = np.array(
         [0] + [microbatches_in_flight("1f1b", B, s, 0) for s in range(1, S + 1)],

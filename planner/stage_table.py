@@ -75,6 +75,33 @@ def boundary_values(
     return [sorted(s) for s in out]
 
 
+def boundary_bytes(graph: OpGraph, bounds: list[list[str]]) -> np.ndarray:
+    """Per layer j: bytes of the full values crossing from layer j to layer j + 1 (``bounds[j + 1]``),
+    one micro-batch; 0 for the last layer. `send_times` prices them each way (activations forward,
+    their gradients backward)."""
+    L = len(bounds)
+    return np.array(
+        [
+            sum(graph.node(v).output_bytes for v in bounds[k + 1]) if k + 1 < L else 0
+            for k in range(L)
+        ]
+    )
+
+
+def stage_boundary_bytes(
+    graph: OpGraph, layer_nodes: list[tuple[str, str]], first_layers: list[int]
+) -> list[float]:
+    """What the planner prices as sent from each stage to the next, per micro-batch and direction:
+    ``boundary_bytes`` at the layer before each later stage's first layer. `layer_nodes`: the first
+    and last op of every layer (``ParallelPlan.layer_nodes``); `first_layers`: every stage's first
+    layer. `graph` is traced on one micro-batch."""
+    index = {n.name: i for i, n in enumerate(graph.ops)}
+    layers = [(index[a], index[b]) for a, b in layer_nodes]
+    bounds = boundary_values(graph, layer_of_nodes(graph, layers), len(layers))
+    sent = boundary_bytes(graph, bounds)
+    return [float(sent[k - 1]) for k in first_layers[1:]]
+
+
 def profile(
     sol: StageSolution,
     graph: OpGraph,

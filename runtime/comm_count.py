@@ -16,6 +16,13 @@ so the numbers compare directly with `cost_models.communication.reshard_steps`::
     reduce_scatter_tensor(x, n)    -> bytes(x)                 (the full input)
     all_to_all_single(x) over n    -> n * bytes(x)             (the tensor being re-sharded)
     broadcast(x)                   -> bytes(x)
+    send(x) / recv(x)              -> bytes(x)                 (point-to-point, kinds "send", "recv")
+
+Point-to-point: the pipeline runner's sends and receives between stages (``dist.isend`` /
+``dist.recv``) reach the dispatcher as ``c10d.send`` / ``c10d.recv_`` and are recorded too, with
+the peer rank as their group (``"peer:<rank>"``) and the runner's site ``fwd:<value>->p2p`` (the
+activation) or ``bwd:<value>->p2p`` (its gradient). `predicted_boundary` gives what the planner
+prices for them and `compare_boundary` compares the two per direction.
 
 Each record carries the "site" that was current when it ran: the executor (`runtime.executor`)
 sets ``fwd:<node>`` while it runs a node, ``fwd:<u>-><v>`` / ``bwd:<u>-><v>`` while it redistributes
@@ -43,13 +50,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cost_models.communication import LogicalMesh, reshard_steps
 from planner.intra_op import StageSolution
 from planner.opgraph import OpGraph
+from planner.plan_format import ParallelPlan
 from planner.stage_costs import expected_grad, grad_from_consumer, norm
+from planner.stage_table import stage_boundary_bytes
 from planner.strategies import consumed_output
 
 __all__ = [
     "Collective",
     "CommCounter",
+    "compare_boundary",
     "current_site",
+    "predicted_boundary",
     "predicted_collectives",
     "set_site",
     "site",
@@ -72,6 +83,9 @@ _KINDS: dict[str, tuple[str, bool]] = {
     "broadcast": ("broadcast", False),
     "broadcast_": ("broadcast", False),
 }
+
+# point-to-point ops of c10d (ProcessGroup.send / recv) -> kind
+_P2P = {"send": "send", "recv_": "recv"}
 
 _SITES: list[str] = [""]
 
@@ -146,7 +160,12 @@ class CommCounter(TorchDispatchMode):
             return NotImplemented  # let DTensor desugar into local ops and collectives first
         ns = getattr(func, "namespace", "")
         name = getattr(func, "_opname", "")
-        if ns in _NAMESPACES and name in _KINDS:
+        if ns == "c10d" and name in _P2P:
+            nbytes = _tensor_bytes(args[0])
+            self.records.append(
+                Collective(_P2P[name], nbytes, 2, f"peer:{args[2]}", current_site())
+            )
+        elif ns in _NAMESPACES and name in _KINDS:
             kind, gathered = _KINDS[name]
             group_arg = args[-1] if "group_name" not in kwargs else kwargs["group_name"]
             group, size = _group(group_arg)
@@ -257,3 +276,46 @@ def compare(
         if p != m:
             diffs.append(f"{label}: predicted {p or '{}'}, measured {m or '{}'}")
     return {k: (v[0], v[1]) for k, v in sorted(totals.items())}, diffs
+
+
+DIRECTIONS = ("fwd", "bwd")
+
+
+def predicted_boundary(graph: OpGraph, plan: ParallelPlan) -> dict[str, float]:
+    """Point-to-point bytes of one step between stages as the planner prices them, per direction:
+    ``{"fwd": activations, "bwd": their gradients}``. For every stage boundary, the full values
+    crossing it (`planner.stage_table.stage_boundary_bytes`; the planner's send time is that many
+    bytes split over the sending stage's devices, once each way) times the micro-batches. `graph`:
+    the model traced on one micro-batch."""
+    per_mb = stage_boundary_bytes(
+        graph, plan.layer_nodes, [s.layers[0] for s in plan.stages]
+    )
+    total = sum(per_mb) * plan.num_microbatches
+    return {d: total for d in DIRECTIONS}
+
+
+def boundary_bytes(records: list[Collective], kind: str = "send") -> dict[str, float]:
+    """Bytes of the point-to-point records of `kind` ("send" or "recv") per direction, from the
+    runner's sites ``fwd:<value>->p2p`` / ``bwd:<value>->p2p``. Pass the records of every rank: a
+    rank records only what it sends or receives itself."""
+    out = dict.fromkeys(DIRECTIONS, 0.0)
+    for r in records:
+        if r.kind == kind and r.site.endswith("->p2p"):
+            out[r.site.split(":", 1)[0]] += r.nbytes
+    return out
+
+
+def compare_boundary(
+    predicted: dict[str, float], records: list[Collective], rel: float = 0.1
+) -> tuple[dict[str, tuple[float, float]], list[str]]:
+    """Priced vs sent point-to-point bytes per direction: ``{direction: (predicted, measured)}``
+    and one line per direction where they differ by more than `rel` of the prediction (measured
+    from every rank's "send" records)."""
+    sent = boundary_bytes(records)
+    table = {d: (predicted[d], sent[d]) for d in DIRECTIONS}
+    diffs = [
+        f"{d}: priced {p:.0f} B, sent {m:.0f} B"
+        for d, (p, m) in table.items()
+        if abs(m - p) > rel * max(p, 1.0)
+    ]
+    return table, diffs

@@ -13,13 +13,14 @@ Moving a boundary value from stage s to stage t (one micro-batch):
 
 * forward: the sender stage redistributes the value from its planned placement to Replicate on its
   mesh (an executor edge, whose backward moves the gradient back to the planned placement), then
-  sender rank ``Ds[i % |Ds|]`` sends the full tensor to the i-th receiver rank ``Dt[i]``. Every
-  receiver places it replicated on its mesh, a leaf requiring grad; the edge to its first consumer
-  slices it locally to the consumer's planned placement.
+  sender rank ``Ds[i % |Ds|]`` sends the i-th of ``|Dt|`` pieces of it to the i-th receiver rank
+  (`runtime.boundary`: every byte crosses once, as the planner prices it); the receivers all-gather
+  the pieces and place the value replicated on their mesh, a leaf requiring grad; the edge to its
+  first consumer slices it locally to the consumer's planned placement.
 * backward: the receiver stage's gradient of that leaf arrives replicated (the executor's edges
-  give a received value's gradient back as ``R``); receiver rank ``Dt[j % |Dt|]`` sends it to the
-  j-th sender rank ``Ds[j]``, which sums the gradients from every consuming stage and back-propagates
-  them through its replicated copy.
+  give a received value's gradient back as ``R``); receiver rank ``Dt[j % |Dt|]`` sends the j-th of
+  ``|Ds|`` pieces of it to the j-th sender rank, which sums the pieces from every consuming stage,
+  all-gathers them within its stage and back-propagates the sum through its replicated copy.
 
 A value read by several later stages goes to each directly (no relay through the stages between).
 Sends are ``isend`` (waited at the end of the step); receives block, so a stage runs its schedule
@@ -76,7 +77,7 @@ from torch.distributed.tensor.placement_types import Placement
 from cost_models.errors import MeshplanError
 from planner.opgraph import OpGraph
 from planner.plan_format import ParallelPlan, StagePlan
-from runtime import comm_count
+from runtime import boundary, comm_count
 from runtime.executor import PlanExecutor
 from runtime.redistribute import redistribute
 from runtime.schedules import (
@@ -179,6 +180,8 @@ class PipelineRunner:
         self.meshes = [
             meshes[tuple(s.devices), tuple(s.logical_mesh)] for s in plan.stages
         ]
+        # boundary values travel in pieces, gathered within each stage (`runtime.boundary`)
+        self._groups = boundary.stage_groups([s.devices for s in plan.stages])
         self.chunks = [i for i, s in enumerate(plan.stages) if self.rank in s.devices]
         self.index: int | None = self.chunks[0] if self.chunks else None
         fallback = {f.split(":")[0] for f in plan.fallback_ops}
@@ -372,11 +375,17 @@ class PipelineRunner:
     ) -> float | None:
         ex, st = self.executors[c], self.stages[c]
         inputs = {}
+        devices = self.plan.stages[c].devices
         for v, src in st.inputs.items():
             meta = st.meta(v).outputs[0]
-            buf = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype))
+            piece = boundary.empty_piece(
+                meta.shape, getattr(torch, meta.dtype), len(devices)
+            )
             sender = self._peer(src, c, self.rank)
-            buf = self._recv(buf, sender, self._tag(m, v, c, False))
+            with comm_count.site(f"fwd:{v}->p2p"):
+                piece = self._recv(piece, sender, self._tag(m, v, c, False))
+            with comm_count.site(f"fwd:{v}->recv"):
+                buf = boundary.assemble(piece, meta.shape, self._group(c))
             x = ex._place(buf, ("R",) * ex.n_axes)
             inputs[v] = x.requires_grad_(True) if buf.is_floating_point() else x
         out = ex.run_outputs(params, batch, buffers, inputs=inputs)
@@ -398,13 +407,21 @@ class PipelineRunner:
             else:
                 full = redistribute(x, [Replicate()] * ex.mesh.ndim)
             sent[v] = full
-            local = full.to_local().detach().contiguous()
+            local = full.to_local()
             for t in dsts:
-                for r in self.plan.stages[t].devices:
+                dt = self.plan.stages[t].devices
+                parts = boundary.pieces(local, len(dt))
+                for r in dt:
                     if self._peer(c, t, r) == self.rank:
-                        self._send(local, r, self._tag(m, v, t, False))
+                        with comm_count.site(f"fwd:{v}->p2p"):
+                            part = parts[boundary.piece_index(dt, r)]
+                            self._send(part, r, self._tag(m, v, t, False))
         state["sent"] = sent
         return None
+
+    def _group(self, c: int) -> dist.ProcessGroup | None:
+        """The process group over chunk `c`'s devices (None for one device)."""
+        return self._groups.get(tuple(sorted(self.plan.stages[c].devices)))
 
     def _peer(self, src_stage: int, dst_stage: int, dst_rank: int) -> int:
         """The rank of `src_stage` that sends to rank `dst_rank` of `dst_stage`."""
@@ -425,14 +442,21 @@ class PipelineRunner:
                 full = state["sent"][v]
                 meta = st.meta(v).outputs[0]
                 total = None
+                ds = self.plan.stages[c].devices
                 for t in dsts:
-                    buf = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype))
+                    buf = boundary.empty_piece(
+                        meta.shape, getattr(torch, meta.dtype), len(ds)
+                    )
                     if not buf.is_floating_point():
                         continue
-                    buf = self._recv(
-                        buf, self._peer(t, c, self.rank), self._tag(m, v, t, True)
-                    )
+                    with comm_count.site(f"bwd:{v}->p2p"):
+                        buf = self._recv(
+                            buf, self._peer(t, c, self.rank), self._tag(m, v, t, True)
+                        )
                     total = buf if total is None else total + buf
+                if total is not None:  # the pieces' sum is a piece of the sum
+                    with comm_count.site(f"bwd:{v}->send"):
+                        total = boundary.assemble(total, meta.shape, self._group(c))
                 if total is not None and full.requires_grad:
                     outs.append(full)
                     grads.append(
@@ -451,8 +475,12 @@ class PipelineRunner:
             else:
                 with comm_count.site(f"bwd:{v}->recv"):
                     g = redistribute(g, [Replicate()] * ex.mesh.ndim)
-                local = g.to_local().detach().contiguous()
+                local = g.to_local()
             src = st.inputs[v]
-            for r in self.plan.stages[src].devices:
+            ds = self.plan.stages[src].devices
+            parts = boundary.pieces(local, len(ds))
+            for r in ds:
                 if self._peer(c, src, r) == self.rank:
-                    self._send(local, r, self._tag(m, v, c, True))
+                    with comm_count.site(f"bwd:{v}->p2p"):
+                        part = parts[boundary.piece_index(ds, r)]
+                        self._send(part, r, self._tag(m, v, c, True))
