@@ -479,7 +479,8 @@ class PlanExecutor(torch.fx.Interpreter):
                     ):  # a recomputed layer reports it again
                         self.mismatches.append(msg)
                     item = items[k] = self._move(item, strs, f"{n.name}.{k}", have)
-            item = items[k] = unmask(item)  # P(mask) -> P now (redistribute.unmask says why)
+            # P(mask) -> P at once (`runtime.redistribute.unmask` says why)
+            item = items[k] = unmask(item)
             if item.grad_fn is not None:
                 item.grad_fn.register_prehook(
                     lambda g, label=bwd_label: comm_count.set_site(label)
