@@ -161,3 +161,23 @@ def test_boundary_point_to_point_bytes_match_the_plan(
     assert all(p > 0 for p, _ in table.values())
     # every byte sent was received
     assert boundary_bytes(records, "recv") == boundary_bytes(records, "send")
+
+
+@pytest.mark.parametrize(
+    "shape,n", [((4, 16, 64), 2), ((3, 5), 4), ((7,), 3), ((2, 3), 1)]
+)
+def test_boundary_pieces_rebuild_the_value(shape: tuple[int, ...], n: int) -> None:
+    """`runtime.boundary.pieces`: n equal pieces (zero-padded) whose concatenation starts with the
+    flattened value; a stage of one device rebuilds it from its single piece."""
+    from runtime.boundary import assemble, empty_piece, piece_index, pieces
+
+    t = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+    parts = pieces(t, n)
+    assert len(parts) == n
+    assert all(p.shape == empty_piece(shape, t.dtype, n).shape for p in parts)
+    flat = torch.cat(parts)
+    assert torch.equal(flat[: t.numel()], t.reshape(-1))
+    assert not flat[t.numel() :].any()
+    if n == 1:
+        assert torch.equal(assemble(parts[0], shape, None), t)
+    assert [piece_index([5, 2, 9], r) for r in (2, 5, 9)] == [0, 1, 2]
