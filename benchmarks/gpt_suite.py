@@ -16,9 +16,16 @@ import sys
 import time
 from typing import Any
 
+import torch
+
+from benchmarks.megatron_gpt import alpa_gpt_flops, megatron_iteration_time
 from benchmarks.reference import gpt_megatron_configs, measured_tflops, scaling
+from cost_models.cluster import Cluster
 from planner import plan
+from planner.api import _resolve_model
 from planner.manual import manual_plan
+from planner.models.gpt import GPT_CONFIGS
+from planner.tracer import trace
 
 HOST = 8  # V100s per p3.16xlarge host
 
@@ -69,14 +76,34 @@ def run_case(gpus: int) -> dict[str, Any]:
             global_batch=batch,
             recompute=True,
             allow_oom=True,
+            split="blocks",
+        )
+        config = GPT_CONFIGS[model]
+        micro = batch // megatron["microbatches"]
+        module, example = _resolve_model(model, None, torch.float16, None)[1](micro)
+        graph = trace(module, example, model_name=model)
+        cluster = Cluster.from_spec(spec)
+        t_meg = megatron_iteration_time(
+            m, graph, cluster, tp=megatron["tp"], pp=megatron["pp"]
+        )
+        flops = alpa_gpt_flops(
+            batch,
+            config.seq,
+            config.layers,
+            config.hidden,
+            config.vocab,
+            recompute=True,
         )
         case["megatron"] = {
             "config": {k: megatron[k] for k in ("dp", "tp", "pp", "microbatches")},
             "iteration_time_s": m.estimate.iteration_time_s,
             "tflops_per_device": m.estimate.tflops_per_device,
+            "megatron_program_iteration_time_s": t_meg,
+            "predicted_alpa_tflops_per_device": flops / t_meg / gpus / 1e12,
             "measured_tflops_per_device": measured_tflops("## GPT", "Megatron-LM")[
                 gpus
             ],
+            "peak_memory_bytes": m.estimate.peak_memory_bytes,
             "fits": m.manual["fits"],
         }
         case["ratio"] = m.estimate.iteration_time_s / auto.estimate.iteration_time_s
@@ -105,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"{g:>4} {c['model']:<9} {c['auto']['tflops_per_device']:>12.1f} {c['fits']!s:>5} "
-            f"{mg.get('tflops_per_device', float('nan')):>14.1f} {mg.get('measured_tflops_per_device') or float('nan'):>8.1f} "
+            f"{mg.get('predicted_alpa_tflops_per_device', float('nan')):>14.1f} {mg.get('measured_tflops_per_device') or float('nan'):>8.1f} "
             f"{c.get('ratio', float('nan')):>6.2f} {c['auto']['planner_time_s']:>7.1f}  B={c['auto']['num_microbatches']} {stages}",
             flush=True,
         )

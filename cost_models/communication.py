@@ -89,6 +89,8 @@ class MeshAxis:
     size: int
     per_host: int
     hosts: int
+    #: Distance between consecutive devices of a group inside a host (``Cluster.group_link``).
+    stride: int = 1
 
     def __post_init__(self) -> None:
         if (
@@ -125,7 +127,10 @@ def collective_time(cluster: Cluster, op: str, nbytes: float, axis: MeshAxis) ->
     n = axis.size
     if n == 1 or nbytes == 0:
         return 0.0
-    intra, inter = cluster.intra_host_link, cluster.inter_host_link
+    intra, inter = (
+        cluster.group_link(axis.per_host, axis.stride),
+        cluster.inter_host_link,
+    )
     if op == "send_recv":
         return send_recv(nbytes, inter if axis.hosts > 1 else intra)
     if axis.hosts == 1 and cluster.profile is not None:
@@ -186,7 +191,7 @@ def _axis_layout(
     if b <= per_host:
         if per_host % b:
             raise ValueError
-        return MeshAxis(a, per_host // b, hosts), MeshAxis(b, b, 1)
+        return MeshAxis(a, per_host // b, hosts, b), MeshAxis(b, b, 1)
     if b % per_host:
         raise ValueError
     return MeshAxis(a, 1, a), MeshAxis(b, per_host, b // per_host)
