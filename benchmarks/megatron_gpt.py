@@ -25,20 +25,31 @@ of what Megatron runs differently, each from ``cost_models.compute``:
   stream replicated on the tensor-parallel ranks, so each rank runs them on the whole tensor; where
   the plan's solver sharded them on the tensor-parallel axis (reduce-scatter + all-gather in place
   of the all-reduce: the same ring bytes), their price is replaced by the unsharded one;
+* hidden dropout: each residual add inside a block is Megatron's bias-dropout-add, which also
+  writes a keep-mask and runs a dropout backward (``fused_dropout_time``);
 * one optimizer step after the pipeline flush (``optimizer_step_time``) on the parameters of one
   device, ``params / (tp * pp)``.
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
+
+from benchmarks.reference import measured_tflops
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from cost_models.compute import (
     fp32_cross_entropy_time,
+    fused_dropout_time,
     optimizer_step_time,
     unfused_attention_time,
 )
 from cost_models.pipeline import pipeline_time
+from planner.api import _resolve_model
+from planner.manual import manual_plan
+from planner.models.gpt import GPT_CONFIGS
 from planner.opgraph import OpGraph
 from planner.plan_format import ParallelPlan
 from planner.stage_costs import (
@@ -48,6 +59,7 @@ from planner.stage_costs import (
     forward_time,
 )
 from planner.strategies import Strategy
+from planner.tracer import trace
 
 
 def alpa_gpt_flops(
@@ -133,15 +145,26 @@ def stage_corrections(
                 delta += fwd + bwd - compute_time(node, opt, settings)
                 if stage.recompute:
                     delta += fwd - forward_time(node, opt, settings)
-            elif _replicated_in_megatron(node) and _split_on(st, 1, mesh.shape):
+            elif _replicated_in_megatron(node):
                 whole = Option(_replicated(strategy))
-                delta += compute_time(node, whole, settings) - compute_time(
-                    node, opt, settings
-                )
-                if stage.recompute:
-                    delta += forward_time(node, whole, settings) - forward_time(
+                if _split_on(st, 1, mesh.shape):
+                    delta += compute_time(node, whole, settings) - compute_time(
                         node, opt, settings
                     )
+                    if stage.recompute:
+                        delta += forward_time(node, whole, settings) - forward_time(
+                            node, opt, settings
+                        )
+                if node.target.endswith("add.Tensor"):  # Megatron's bias-dropout-add
+                    elements = math.prod(
+                        _local_shape(
+                            node.outputs[0].shape,
+                            list(whole.strategy.output[0]),
+                            mesh.shape,
+                        )
+                    )
+                    f, b = fused_dropout_time(cluster, elements, node.outputs[0].dtype)
+                    delta += f + b + (f if stage.recompute else 0.0)
             elif "_log_softmax" in node.target:
                 logits = float(local[0]) * local[-1]
                 f, b = fp32_cross_entropy_time(cluster, logits)
@@ -178,5 +201,57 @@ def megatron_iteration_time(
 __all__ = [
     "alpa_gpt_flops",
     "megatron_iteration_time",
+    "megatron_prediction",
     "stage_corrections",
 ]
+
+
+def megatron_prediction(
+    model: str, cluster_spec: str, listed: dict, global_batch: int
+) -> dict:
+    """Megatron's listed configuration ``listed`` (dp, tp, pp, microbatches) of GPT ``model`` on
+    ``cluster_spec``: the plan priced with our ops (``plan_*``), Megatron's program
+    (``iteration_time_s``) and its TFLOP/s per GPU in Alpa's convention next to the measured ones."""
+    dp, tp, pp = int(listed["dp"]), int(listed["tp"]), int(listed["pp"])
+    B = int(listed["microbatches"])
+    m = manual_plan(
+        model,
+        cluster_spec,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        num_microbatches=B,
+        global_batch=global_batch,
+        recompute=True,
+        allow_oom=True,
+        split="blocks",
+    )
+    module, example = _resolve_model(model, None, torch.float16, None)[1](
+        global_batch // B
+    )
+    graph = trace(module, example, model_name=model)
+    cluster = Cluster.from_spec(cluster_spec)
+    seconds = megatron_iteration_time(m, graph, cluster, tp=tp, pp=pp)
+    config = GPT_CONFIGS[model]
+    flops = alpa_gpt_flops(
+        global_batch,
+        config.seq,
+        config.layers,
+        config.hidden,
+        config.vocab,
+        recompute=True,
+    )
+    gpus = cluster.num_devices
+    predicted = flops / seconds / gpus / 1e12
+    measured = measured_tflops("## GPT", "Megatron-LM").get(gpus)
+    return {
+        "config": {"dp": dp, "tp": tp, "pp": pp, "microbatches": B},
+        "plan_iteration_time_s": m.estimate.iteration_time_s,
+        "plan_tflops_per_device": m.estimate.tflops_per_device,
+        "iteration_time_s": seconds,
+        "predicted_tflops_per_device": predicted,
+        "measured_tflops_per_device": measured,
+        "relative_error": predicted / measured - 1.0 if measured else None,
+        "fits": m.manual["fits"],
+        "peak_memory_bytes": m.estimate.peak_memory_bytes,
+    }

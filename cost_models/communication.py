@@ -31,7 +31,9 @@ Logical mesh (Alpa's mapping): a submesh of ``hosts x per_host`` devices numbere
 viewed as ``(a, b)`` with device ``(i, j) = i * b + j``. The second axis is contiguous: if b divides
 per_host it stays inside a host; otherwise (per_host divides b) it spans b / per_host whole hosts.
 The first axis strides by b: per_host / b devices of it share a host when b < per_host, else one per
-host.
+host. ``MeshAxis.stride`` records that distance (b for the first axis with several devices per host,
+1 otherwise): on hosts whose GPUs are not all switch-connected (V100 NVLink cube-mesh) the link of a
+collective inside a host depends on which GPUs form its group (``Cluster.group_link``).
 """
 
 from __future__ import annotations
@@ -191,7 +193,8 @@ def _axis_layout(
     if b <= per_host:
         if per_host % b:
             raise ValueError
-        return MeshAxis(a, per_host // b, hosts, b), MeshAxis(b, b, 1)
+        first = MeshAxis(a, per_host // b, hosts, b if per_host // b > 1 else 1)
+        return first, MeshAxis(b, b, 1)
     if b % per_host:
         raise ValueError
     return MeshAxis(a, 1, a), MeshAxis(b, per_host, b // per_host)

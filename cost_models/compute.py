@@ -47,6 +47,11 @@ TENSOR_CORE_DTYPES = frozenset({"tfloat32", "float16", "bfloat16"})
 TENSOR_CORE_CURVE = (0.80, 64.0)
 FP32_CURVE = (0.90, 16.0)
 MEMORY_EFFICIENCY = 0.85
+#: Fixed seconds per GPU kernel (datasheet pricing only): a CUDA kernel launch takes about 5-10 us
+#: on a V100, and each kernel ramps up and drains its waves of thread blocks; we charge the low end,
+#: 5 us, per kernel a pass runs (``op_time(..., kernels=k)``). A GPT block launches some 20 kernels
+#: per forward, so at small micro-batches this is a few percent of its time.
+KERNEL_OVERHEAD_S = 5e-6
 #: How many measured samples the interpolation averages.
 NEIGHBOURS = 3
 
@@ -116,8 +121,12 @@ def op_time(
     dtype: object,
     *,
     shape_hint: ShapeHint | None = None,
+    kernels: int = 0,
 ) -> float:
     """Seconds one device takes for an op of ``flops`` FLOPs reading and writing ``bytes_accessed`` bytes.
+
+    ``kernels``: how many GPU kernels the op runs; without a measured profile each adds
+    ``KERNEL_OVERHEAD_S`` (a profile's measured rates already include it).
 
     ``shape_hint = (m, n, k)`` marks a matrix product (m x k) @ (k x n), with any batch folded into
     m (a batched product fills the device like one with a taller m; a convolution is the implicit
@@ -128,9 +137,10 @@ def op_time(
     if flops <= 0 and bytes_accessed <= 0:
         return 0.0
     name = canonical_dtype(dtype)
+    overhead = kernels * KERNEL_OVERHEAD_S if cluster.profile is None else 0.0
     memory = _memory_time(cluster, max(bytes_accessed, 0.0))
     if flops <= 0:
-        return memory
+        return memory + overhead
     rate = 0.0
     if cluster.profile is not None:
         if shape_hint is not None:
@@ -146,7 +156,7 @@ def op_time(
                 peak
                 * (TENSOR_CORE_CURVE if name in TENSOR_CORE_DTYPES else FP32_CURVE)[0]
             )
-    return max(flops / rate, memory)
+    return max(flops / rate, memory) + overhead
 
 
 def matmul_flops(m: int, n: int, k: int, batch: int = 1) -> float:
@@ -197,7 +207,7 @@ def unfused_attention_time(
     context = probs v (bmm)           (s x s)(s x d)                      dP = dC v^T, dv = P^T dC
     ================================  ==================================  =========================
 
-    The softmax and dropout move ``n`` elements with no matrix FLOPs, so they are memory-bound; for
+    Each kernel also pays ``KERNEL_OVERHEAD_S``. The softmax and dropout move ``n`` elements with no matrix FLOPs, so they are memory-bound; for
     the 350M GPT of Alpa's suite (micro-batch 16, 16 heads, s = 1024) ``n * p`` is 0.5 GB per layer.
     A fused (flash / memory-efficient) kernel never writes the scores: compare ``op_time`` of one
     op with q, k, v and the output as its only traffic.
@@ -209,18 +219,20 @@ def unfused_attention_time(
     p = dtype_bytes(dtype)
     n = float(batch_heads) * seq * seq
     s, d, bh = seq, head_dim, batch_heads
-    scores = matmul_time(cluster, s, s, d, dtype, batch=bh)
-    context = matmul_time(cluster, s, d, s, dtype, batch=bh)
-    softmax_f = op_time(cluster, 0.0, 2 * n * p, dtype)
-    softmax_b = op_time(cluster, 0.0, 3 * n * p, dtype)
-    drop_f = op_time(cluster, 0.0, 2 * n * p + n, dtype) if dropout else 0.0
-    drop_b = op_time(cluster, 0.0, 2 * n * p + n, dtype) if dropout else 0.0
+    launch = KERNEL_OVERHEAD_S if cluster.profile is None else 0.0
+    scores = matmul_time(cluster, s, s, d, dtype, batch=bh) + launch
+    context = matmul_time(cluster, s, d, s, dtype, batch=bh) + launch
+    softmax_f = op_time(cluster, 0.0, 2 * n * p, dtype, kernels=1)
+    softmax_b = op_time(cluster, 0.0, 3 * n * p, dtype, kernels=1)
+    drop_f = op_time(cluster, 0.0, 2 * n * p + n, dtype, kernels=1) if dropout else 0.0
+    drop_b = op_time(cluster, 0.0, 2 * n * p + n, dtype, kernels=1) if dropout else 0.0
     # Backward of C = P V: dP = dC V^T (s x d)(d x s) and dV = P^T dC (s x s)(s x d);
     # of S = Q K^T: dQ = dS K and dK = dS^T Q, both (s x s)(s x d).
     context_b = matmul_time(cluster, s, s, d, dtype, batch=bh) + matmul_time(
         cluster, s, d, s, dtype, batch=bh
     )
-    scores_b = 2 * matmul_time(cluster, s, d, s, dtype, batch=bh)
+    context_b += 2 * launch
+    scores_b = 2 * (matmul_time(cluster, s, d, s, dtype, batch=bh) + launch)
     forward = scores + softmax_f + drop_f + context
     backward = context_b + drop_b + softmax_b + scores_b
     return forward, backward
@@ -235,13 +247,14 @@ CROSS_ENTROPY_BYTES_PER_LOGIT = (38, 14)
 
 def fp32_cross_entropy_time(cluster: Cluster, logits: float) -> tuple[float, float]:
     """(forward, backward) seconds of a cross-entropy over ``logits`` fp16 logits computed in fp32
-    (memory-bound; bytes per logit in ``CROSS_ENTROPY_BYTES_PER_LOGIT``)."""
+    (memory-bound; bytes per logit in ``CROSS_ENTROPY_BYTES_PER_LOGIT``; 6 kernels forward, 2
+    backward)."""
     if logits < 0:
         raise MeshplanError(f"number of logits must be >= 0, got {logits}")
     f, b = CROSS_ENTROPY_BYTES_PER_LOGIT
     return (
-        op_time(cluster, 0.0, f * logits, "float32"),
-        op_time(cluster, 0.0, b * logits, "float32"),
+        op_time(cluster, 0.0, f * logits, "float32", kernels=6),
+        op_time(cluster, 0.0, b * logits, "float32", kernels=2),
     )
 
 
@@ -272,4 +285,20 @@ def optimizer_step_time(
         raise MeshplanError(f"number of parameters must be >= 0, got {num_params}")
     return op_time(
         cluster, 0.0, OPTIMIZER_STEP_BYTES[optimizer] * num_params, "float32"
+    )
+
+
+def fused_dropout_time(
+    cluster: Cluster, elements: float, dtype: object
+) -> tuple[float, float]:
+    """(forward, backward) seconds that dropout adds when fused into an elementwise kernel, as in
+    Megatron-LM's bias-dropout-add: the forward kernel also writes a 1-byte keep-mask per element;
+    the backward is one more kernel that reads the gradient and the mask and writes the gradient
+    (``2 p + 1`` bytes per element for ``p``-byte ``dtype``)."""
+    if elements < 0:
+        raise MeshplanError(f"number of elements must be >= 0, got {elements}")
+    p = dtype_bytes(dtype)
+    return (
+        op_time(cluster, 0.0, elements, dtype),
+        op_time(cluster, 0.0, (2 * p + 1) * elements, dtype, kernels=1),
     )

@@ -32,11 +32,11 @@ from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from cost_models.memory import microbatches_in_flight
-from planner import stage_table as st
 from cost_models.pipeline import pipeline_time
+from planner import stage_table as st
 from planner.api import _assemble, _layers, _resolve_model
-from planner.manual_costs import block_chunks, recompute_costs
 from planner.inter_op import DPResult
+from planner.manual_costs import block_chunks, recompute_costs
 from planner.plan_format import ParallelPlan
 from planner.stage_costs import Option
 from planner.tracer import trace

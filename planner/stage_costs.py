@@ -128,6 +128,7 @@ def compute_time(node: OpNode, option: Option, s: StageSettings) -> float:
         nbytes,
         dtype,
         shape_hint=_matmul_hint(node, option.strategy, s.mesh.shape),
+        kernels=passes,  # forward, and the input- and weight-gradient kernels of backward
     )
 
 
@@ -149,6 +150,7 @@ def forward_time(node: OpNode, option: Option, s: StageSettings) -> float:
         (node.bytes_read + node.bytes_written) / f,
         dtype,
         shape_hint=_matmul_hint(node, option.strategy, s.mesh.shape),
+        kernels=1,
     )
 
 

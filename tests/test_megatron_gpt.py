@@ -115,3 +115,44 @@ def test_megatron_350m_on_one_v100_fits() -> None:
         m.estimate.peak_memory_bytes
         <= Cluster.from_spec("1x1xV100-16GB").device.memory_bytes
     )
+
+
+def test_forward_time_is_one_pass_of_a_memory_bound_op() -> None:
+    """Recomputation re-runs the forward: for an op without FLOPs (GELU, layer norm) one pass over
+    its bytes and one kernel, a third of the forward + backward price (three passes, three
+    kernels), not zero."""
+    from cost_models.communication import LogicalMesh
+    from planner.stage_costs import (
+        Option,
+        StageSettings,
+        compute_time,
+        forward_time,
+    )
+    from planner.strategies import Strategy
+
+    g = _graph(4)
+    gelu = next(n for n in g.ops if n.target.endswith("gelu.default"))
+    settings = StageSettings(mesh=LogicalMesh.of(Cluster.from_spec("1x1xV100-16GB")))
+    opt = Option(Strategy((("R", "R"),), (("R", "R"),), "test"))
+    assert gelu.fwd_flops == 0 and gelu.requires_grad
+    assert forward_time(gelu, opt, settings) > 0
+    assert 3 * forward_time(gelu, opt, settings) == pytest.approx(
+        compute_time(gelu, opt, settings)
+    )
+
+
+@pytest.mark.parametrize("gpus", [1, 4, 8, 16, 32])
+def test_listed_megatron_configurations_within_15_percent(gpus: int) -> None:
+    """Issue #7: predicted TFLOP/s per GPU of Megatron's listed configurations, in Alpa's FLOP
+    convention, within 15% of the measured ones."""
+    from benchmarks.gpt_suite import cluster_spec
+    from benchmarks.megatron_gpt import megatron_prediction
+    from benchmarks.reference import gpt_megatron_configs
+
+    listed = {c["gpus"]: c for c in gpt_megatron_configs()}[gpus]
+    got = megatron_prediction(
+        str(listed["model"]), cluster_spec(gpus), listed, int(listed["global_batch"])
+    )
+    assert got["measured_tflops_per_device"] > 0
+    assert abs(got["relative_error"]) <= 0.15
+    assert got["fits"]
