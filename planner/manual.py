@@ -201,7 +201,11 @@ def manual_plan(
             inflight = microbatches_in_flight(
                 schedule, B, pp, c % pp, virtual_stages=virtual_stages
             )
-            rc_time, kept, transient = costs[c]
+            rc_time, kept, transient = costs[c] or (
+                prof.fwd[c],
+                prof.inputs[c],
+                prof.acts[c],
+            )
             per_chunk[c] = float(prof.params[c] + inflight * kept + transient)
             stage.time_s = float(prof.time[c] + rc_time)
             times.append(stage.time_s)

@@ -63,9 +63,10 @@ def recompute_costs(
     graph: OpGraph,
     layer_of: dict[str, int],
     chunks: int,
-) -> list[tuple[float, float, float]]:
+) -> list[tuple[float, float, float] | None]:
     """Per chunk: (recompute seconds, kept bytes, transient bytes) per micro-batch with per-block
-    checkpointing (module docstring), for the solved intra-op program ``sol``."""
+    checkpointing (module docstring), for the solved intra-op program ``sol``; None for a chunk
+    without numbered blocks (the caller checkpoints it whole)."""
     ctx = sol._ctx
     if ctx is None:
         raise MeshplanError("recompute_costs needs a solved stage with its context")
@@ -117,7 +118,9 @@ def recompute_costs(
         (
             recompute[c],
             inputs[c] + other_acts[c],
-            max(block_acts[c].values(), default=0.0),
+            max(block_acts[c].values()),
         )
+        if block_acts[c]
+        else None  # no transformer block in the chunk: it is checkpointed as a whole
         for c in range(chunks)
     ]
