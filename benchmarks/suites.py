@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks.manual_grid import best_manual
+from benchmarks.megatron_gpt import megatron_prediction
 from benchmarks.reference import gpt_megatron_configs, measured_tflops, scaling
 from planner import plan
-from planner.manual import manual_plan
 
 HOST = 8  # GPUs per host (p3.16xlarge, DGX A100, DGX H100)
 SUITES = ("gpt", "moe", "wresnet")
@@ -99,28 +99,7 @@ def listed_megatron(case: Case) -> dict[str, Any] | None:
     listed = {c["gpus"]: c for c in gpt_megatron_configs()}.get(case.num_devices)
     if listed is None:
         return None
-    m = manual_plan(
-        case.model,
-        case.cluster,
-        dp=int(listed["dp"]),
-        tp=int(listed["tp"]),
-        pp=int(listed["pp"]),
-        num_microbatches=int(listed["microbatches"]),
-        global_batch=case.global_batch,
-        recompute=True,
-        allow_oom=True,
-    )
-    measured = measured_tflops("## GPT", "Megatron-LM").get(case.num_devices)
-    predicted = m.estimate.tflops_per_device
-    return {
-        "config": {k: listed[k] for k in ("dp", "tp", "pp", "microbatches")},
-        "iteration_time_s": m.estimate.iteration_time_s,
-        "predicted_tflops_per_device": predicted,
-        "measured_tflops_per_device": measured,
-        "relative_error": predicted / measured - 1.0 if measured else None,
-        "fits": m.manual["fits"],
-        "peak_memory_bytes": m.estimate.peak_memory_bytes,
-    }
+    return megatron_prediction(case.model, case.cluster, listed, case.global_batch)
 
 
 def run_case(case: Case, say: Callable[[str], None] | None = None) -> dict[str, Any]:

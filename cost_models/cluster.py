@@ -18,6 +18,7 @@ with what was actually achieved.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -134,6 +135,9 @@ class Preset:
     inter_host_link: LinkSpec
     gpus_per_host: int  # of the real machine the figures come from
     machine: str
+    #: NVLinks between each pair of GPUs of a host (``nvidia-smi topo -m``'s NV#), for machines whose
+    #: GPUs are not all connected through a switch; None: every GPU reaches every other at full rate.
+    nvlinks: tuple[tuple[int, ...], ...] | None = None
 
 
 _GiB = 1 << 30
@@ -197,6 +201,19 @@ PRESETS: dict[str, Preset] = {
         inter_host_link=LinkSpec(25e9 / 8 / 8, _TCP_LAT),
         gpus_per_host=8,
         machine="AWS p3.16xlarge",
+        # Hybrid cube-mesh of an 8-GPU V100 NVLink server (p3.16xlarge, DGX-1V): `nvidia-smi topo -m`
+        # shows NV1 / NV2 (one or two bonded links) between these pairs and none (SYS) elsewhere;
+        # every GPU has 6 links (the 150 GB/s above). See `Cluster.group_link`.
+        nvlinks=(
+            (0, 1, 1, 2, 2, 0, 0, 0),
+            (1, 0, 2, 1, 0, 2, 0, 0),
+            (1, 2, 0, 2, 0, 0, 1, 0),
+            (2, 1, 2, 0, 0, 0, 0, 1),
+            (2, 0, 0, 0, 0, 1, 1, 2),
+            (0, 2, 0, 0, 1, 0, 2, 1),
+            (0, 0, 1, 0, 1, 2, 0, 2),
+            (0, 0, 0, 1, 2, 1, 2, 0),
+        ),
     ),
     # DGX A100, 8 x A100-SXM4. NVIDIA A100 datasheet / Ampere whitepaper: 19.5 TFLOP/s fp32,
     # 156 TFLOP/s TF32, 312 TFLOP/s fp16 and bf16 tensor core (dense); 40 GB HBM2 at 1555 GB/s,
@@ -294,6 +311,7 @@ class Cluster:
     inter_host_link: LinkSpec
     spec: str
     profile: DeviceProfile | None = field(default=None, hash=False, repr=False)
+    nvlinks: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -314,6 +332,36 @@ class Cluster:
     def link(self, crosses_hosts: bool) -> LinkSpec:
         """The inter-host link if ``crosses_hosts`` else the intra-host one."""
         return self.inter_host_link if crosses_hosts else self.intra_host_link
+
+    def group_link(self, size: int, stride: int = 1) -> LinkSpec:
+        """The link of a ring collective among ``size`` GPUs of one host, ``stride`` apart.
+
+        Without a link matrix (``nvlinks``; NVSwitch machines, profiles) every group gets
+        ``intra_host_link``. With one, the mesh axis's groups are the aligned sets
+        ``{base + j + i * stride}``; NCCL runs one ring per free link (a ring uses one direction
+        of a link on each hop), so a GPU can send at ``(its links to the rest of its group) x
+        per-link bandwidth``, per-link = ``intra_host_link`` / the most links any GPU has (150 / 6 =
+        25 GB/s on V100). The group's rate is its worst member's, the axis's its worst group's
+        (the slowest group sets the pace; the planner does not know where a submesh is placed).
+        On a p3.16xlarge: 2 GPUs side by side 25 GB/s (GPUs 0 and 1 share one NVLink), 4 GPUs
+        (a fully connected quad) 100 GB/s, all 8 150 GB/s. An upper bound: it assumes the
+        link-disjoint rings exist (they do for these groups) and every link runs at full rate.
+        """
+        if (
+            self.nvlinks is None
+            or self.profile is not None
+            or size <= 1
+            or size * stride > min(self.devices_per_host, len(self.nvlinks))
+        ):
+            return self.intra_host_link
+        bandwidth = _group_bandwidth(
+            self.nvlinks,
+            self.devices_per_host,
+            self.intra_host_link.bandwidth_bytes_per_s,
+            size,
+            stride,
+        )
+        return LinkSpec(bandwidth, self.intra_host_link.latency_s)
 
     @classmethod
     def from_spec(cls, spec: str, profile: DeviceProfile | None = None) -> Cluster:
@@ -351,6 +399,7 @@ class Cluster:
             p.inter_host_link,
             canonical,
             profile,
+            p.nvlinks,
         )
 
     @classmethod
@@ -421,6 +470,7 @@ class Cluster:
             self.inter_host_link,
             f"{hosts}x{devices_per_host}x{name}",
             self.profile,
+            self.nvlinks,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -435,6 +485,8 @@ class Cluster:
             "inter_host_link": self.inter_host_link.to_json(),
             "profile": None,
         }
+        if self.nvlinks is not None:
+            out["nvlinks"] = [list(row) for row in self.nvlinks]
         if self.profile is not None:
             p = self.profile
             out["profile"] = {
@@ -472,8 +524,32 @@ class Cluster:
                 device,
                 *links,
                 str(data["spec"]),
+                None,
+                tuple(tuple(int(x) for x in row) for row in data["nvlinks"])
+                if data.get("nvlinks")
+                else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise MeshplanError(
                 f"cluster JSON is missing or has a bad field ({exc})"
             ) from None
+
+
+@functools.cache
+def _group_bandwidth(
+    nvlinks: tuple[tuple[int, ...], ...],
+    per_host: int,
+    full: float,
+    size: int,
+    stride: int,
+) -> float:
+    """Per-GPU ring bandwidth of the worst group of ``size`` GPUs ``stride`` apart (``group_link``)."""
+    per_link = full / max(sum(row) for row in nvlinks)
+    worst = None
+    for base in range(0, per_host - size * stride + 1, size * stride):
+        for j in range(stride):
+            group = [base + j + i * stride for i in range(size)]
+            links = min(sum(nvlinks[d][e] for e in group if e != d) for d in group)
+            worst = links if worst is None else min(worst, links)
+    # A group with no NVLink between some members still rings through a neighbour: one link.
+    return max(worst or 0, 1) * per_link

@@ -31,7 +31,9 @@ Logical mesh (Alpa's mapping): a submesh of ``hosts x per_host`` devices numbere
 viewed as ``(a, b)`` with device ``(i, j) = i * b + j``. The second axis is contiguous: if b divides
 per_host it stays inside a host; otherwise (per_host divides b) it spans b / per_host whole hosts.
 The first axis strides by b: per_host / b devices of it share a host when b < per_host, else one per
-host.
+host. ``MeshAxis.stride`` records that distance (b for the first axis with several devices per host,
+1 otherwise): on hosts whose GPUs are not all switch-connected (V100 NVLink cube-mesh) the link of a
+collective inside a host depends on which GPUs form its group (``Cluster.group_link``).
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class MeshAxis:
     size: int
     per_host: int
     hosts: int
+    #: Distance between consecutive devices of a group inside a host (``Cluster.group_link``).
+    stride: int = 1
 
     def __post_init__(self) -> None:
         if (
@@ -125,7 +129,10 @@ def collective_time(cluster: Cluster, op: str, nbytes: float, axis: MeshAxis) ->
     n = axis.size
     if n == 1 or nbytes == 0:
         return 0.0
-    intra, inter = cluster.intra_host_link, cluster.inter_host_link
+    intra, inter = (
+        cluster.group_link(axis.per_host, axis.stride),
+        cluster.inter_host_link,
+    )
     if op == "send_recv":
         return send_recv(nbytes, inter if axis.hosts > 1 else intra)
     if axis.hosts == 1 and cluster.profile is not None:
@@ -186,7 +193,8 @@ def _axis_layout(
     if b <= per_host:
         if per_host % b:
             raise ValueError
-        return MeshAxis(a, per_host // b, hosts), MeshAxis(b, b, 1)
+        first = MeshAxis(a, per_host // b, hosts, b if per_host // b > 1 else 1)
+        return first, MeshAxis(b, b, 1)
     if b % per_host:
         raise ValueError
     return MeshAxis(a, 1, a), MeshAxis(b, per_host, b // per_host)

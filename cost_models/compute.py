@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from cost_models.cluster import Cluster, canonical_dtype, dtype_bytes
+from cost_models.errors import MeshplanError
 
 if TYPE_CHECKING:
     from cost_models.profile import MatmulSample
@@ -46,6 +47,11 @@ TENSOR_CORE_DTYPES = frozenset({"tfloat32", "float16", "bfloat16"})
 TENSOR_CORE_CURVE = (0.80, 64.0)
 FP32_CURVE = (0.90, 16.0)
 MEMORY_EFFICIENCY = 0.85
+#: Fixed seconds per GPU kernel (datasheet pricing only): a CUDA kernel launch takes about 5-10 us
+#: on a V100, and each kernel ramps up and drains its waves of thread blocks; we charge the low end,
+#: 5 us, per kernel a pass runs (``op_time(..., kernels=k)``). A GPT block launches some 20 kernels
+#: per forward, so at small micro-batches this is a few percent of its time.
+KERNEL_OVERHEAD_S = 5e-6
 #: How many measured samples the interpolation averages.
 NEIGHBOURS = 3
 
@@ -115,8 +121,12 @@ def op_time(
     dtype: object,
     *,
     shape_hint: ShapeHint | None = None,
+    kernels: int = 0,
 ) -> float:
     """Seconds one device takes for an op of ``flops`` FLOPs reading and writing ``bytes_accessed`` bytes.
+
+    ``kernels``: how many GPU kernels the op runs; without a measured profile each adds
+    ``KERNEL_OVERHEAD_S`` (a profile's measured rates already include it).
 
     ``shape_hint = (m, n, k)`` marks a matrix product (m x k) @ (k x n), with any batch folded into
     m (a batched product fills the device like one with a taller m; a convolution is the implicit
@@ -127,9 +137,10 @@ def op_time(
     if flops <= 0 and bytes_accessed <= 0:
         return 0.0
     name = canonical_dtype(dtype)
+    overhead = kernels * KERNEL_OVERHEAD_S if cluster.profile is None else 0.0
     memory = _memory_time(cluster, max(bytes_accessed, 0.0))
     if flops <= 0:
-        return memory
+        return memory + overhead
     rate = 0.0
     if cluster.profile is not None:
         if shape_hint is not None:
@@ -145,7 +156,7 @@ def op_time(
                 peak
                 * (TENSOR_CORE_CURVE if name in TENSOR_CORE_DTYPES else FP32_CURVE)[0]
             )
-    return max(flops / rate, memory)
+    return max(flops / rate, memory) + overhead
 
 
 def matmul_flops(m: int, n: int, k: int, batch: int = 1) -> float:
@@ -169,4 +180,125 @@ def matmul_time(
         matmul_bytes(m, n, k, dtype, batch),
         dtype,
         shape_hint=(batch * m, n, k),
+    )
+
+
+def unfused_attention_time(
+    cluster: Cluster,
+    batch_heads: int,
+    seq: int,
+    head_dim: int,
+    dtype: object,
+    *,
+    dropout: bool = True,
+) -> tuple[float, float]:
+    """(forward, backward) seconds of attention that materializes its scores, as Megatron-LM runs it.
+
+    ``batch_heads`` = micro-batch x heads on the device, ``s`` = ``seq``, ``d`` = ``head_dim``,
+    ``p`` = bytes of ``dtype``; ``n = batch_heads * s * s`` score elements. The kernels, each priced
+    with ``op_time``/``matmul_time`` (the batched products by the matmul roofline with k or n = d):
+
+    ================================  ==================================  =========================
+    kernel                            forward                             backward
+    ================================  ==================================  =========================
+    scores = q k^T (baddbmm)          (s x d)(d x s), writes n*p bytes    dq = dS k, dk = dS^T q
+    scale + causal mask + softmax     reads n*p, writes n*p               reads 2 n*p, writes n*p
+    dropout (p_drop > 0)              reads n*p, writes n*p + n (mask)    reads n*p + n, writes n*p
+    context = probs v (bmm)           (s x s)(s x d)                      dP = dC v^T, dv = P^T dC
+    ================================  ==================================  =========================
+
+    Each kernel also pays ``KERNEL_OVERHEAD_S``. The softmax and dropout move ``n`` elements with no matrix FLOPs, so they are memory-bound; for
+    the 350M GPT of Alpa's suite (micro-batch 16, 16 heads, s = 1024) ``n * p`` is 0.5 GB per layer.
+    A fused (flash / memory-efficient) kernel never writes the scores: compare ``op_time`` of one
+    op with q, k, v and the output as its only traffic.
+    """
+    if min(batch_heads, seq, head_dim) < 1:
+        raise MeshplanError(
+            f"attention sizes must be positive, got {batch_heads}, {seq}, {head_dim}"
+        )
+    p = dtype_bytes(dtype)
+    n = float(batch_heads) * seq * seq
+    s, d, bh = seq, head_dim, batch_heads
+    launch = KERNEL_OVERHEAD_S if cluster.profile is None else 0.0
+    scores = matmul_time(cluster, s, s, d, dtype, batch=bh) + launch
+    context = matmul_time(cluster, s, d, s, dtype, batch=bh) + launch
+    softmax_f = op_time(cluster, 0.0, 2 * n * p, dtype, kernels=1)
+    softmax_b = op_time(cluster, 0.0, 3 * n * p, dtype, kernels=1)
+    drop_f = op_time(cluster, 0.0, 2 * n * p + n, dtype, kernels=1) if dropout else 0.0
+    drop_b = op_time(cluster, 0.0, 2 * n * p + n, dtype, kernels=1) if dropout else 0.0
+    # Backward of C = P V: dP = dC V^T (s x d)(d x s) and dV = P^T dC (s x s)(s x d);
+    # of S = Q K^T: dQ = dS K and dK = dS^T Q, both (s x s)(s x d).
+    context_b = matmul_time(cluster, s, s, d, dtype, batch=bh) + matmul_time(
+        cluster, s, d, s, dtype, batch=bh
+    )
+    context_b += 2 * launch
+    scores_b = 2 * (matmul_time(cluster, s, d, s, dtype, batch=bh) + launch)
+    forward = scores + softmax_f + drop_f + context
+    backward = context_b + drop_b + softmax_b + scores_b
+    return forward, backward
+
+
+#: Bytes moved per logit by Megatron-LM's cross-entropy on fp16 logits (``output.float()`` then
+#: ``vocab_parallel_cross_entropy``), forward: cast 2 + 4, max 4, subtract in place 4 + 4, exp in
+#: place 4 + 4, sum 4, divide in place 4 + 4 = 38; backward: scale the saved softmax in place
+#: 4 + 4, cast the gradient to fp16 4 + 2 = 14.
+CROSS_ENTROPY_BYTES_PER_LOGIT = (38, 14)
+
+
+def fp32_cross_entropy_time(cluster: Cluster, logits: float) -> tuple[float, float]:
+    """(forward, backward) seconds of a cross-entropy over ``logits`` fp16 logits computed in fp32
+    (memory-bound; bytes per logit in ``CROSS_ENTROPY_BYTES_PER_LOGIT``; 6 kernels forward, 2
+    backward)."""
+    if logits < 0:
+        raise MeshplanError(f"number of logits must be >= 0, got {logits}")
+    f, b = CROSS_ENTROPY_BYTES_PER_LOGIT
+    return (
+        op_time(cluster, 0.0, f * logits, "float32", kernels=6),
+        op_time(cluster, 0.0, b * logits, "float32", kernels=2),
+    )
+
+
+#: Bytes read + written per parameter by one optimizer step (memory-bound elementwise kernels).
+#: ``adam_mixed`` (Megatron-LM's fp16 optimizer): copy the fp16 gradient to an fp32 main gradient
+#: 2 + 4; unscale and check for inf/nan 4 + 4; gradient norm for clipping 4; Adam reads the fp32
+#: weight, gradient, m, v (16) and writes weight, m, v (12); copy the weight back to fp16 4 + 2:
+#: 52 in all. ``adam_fp32``: Adam's 28. SGD reads weight and gradient, writes the weight: 12; with
+#: momentum also reads and writes the buffer: 20.
+OPTIMIZER_STEP_BYTES = {
+    "adam_mixed": 52,
+    "adam_fp32": 28,
+    "sgd": 12,
+    "sgd_momentum": 20,
+}
+
+
+def optimizer_step_time(
+    cluster: Cluster, num_params: float, optimizer: str = "adam_mixed"
+) -> float:
+    """Seconds of one optimizer step over ``num_params`` local parameters:
+    ``op_time`` of ``OPTIMIZER_STEP_BYTES[optimizer] * num_params`` bytes."""
+    if optimizer not in OPTIMIZER_STEP_BYTES:
+        raise MeshplanError(
+            f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZER_STEP_BYTES)}"
+        )
+    if num_params < 0:
+        raise MeshplanError(f"number of parameters must be >= 0, got {num_params}")
+    return op_time(
+        cluster, 0.0, OPTIMIZER_STEP_BYTES[optimizer] * num_params, "float32"
+    )
+
+
+def fused_dropout_time(
+    cluster: Cluster, elements: float, dtype: object
+) -> tuple[float, float]:
+    """(forward, backward) seconds that dropout adds when fused into an elementwise kernel, as in
+    Megatron-LM's bias-dropout-add: the forward kernel also writes a 1-byte keep-mask per element;
+    the backward is one more kernel that reads the gradient and the mask and writes the gradient
+    (``2 p + 1`` bytes per element for ``p``-byte ``dtype``)."""
+    if elements < 0:
+        raise MeshplanError(f"number of elements must be >= 0, got {elements}")
+    p = dtype_bytes(dtype)
+    return (
+        op_time(cluster, 0.0, elements, dtype),
+        op_time(cluster, 0.0, (2 * p + 1) * elements, dtype, kernels=1),
     )

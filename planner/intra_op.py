@@ -75,11 +75,7 @@ class StageSolution:
         for n, opt in self.choice.items():
             node = ctx.graph.node(n)
             t = ctx.node_cost(n, opt)
-            fwd = (
-                t * node.fwd_flops / max(node.fwd_flops + node.bwd_flops, 1)
-                if node.op == "call"
-                else 0.0
-            )
+            fwd = sc.forward_time(node, opt, ctx.settings)
             mem = ctx.node_memory(n, opt)
             is_param = node.op == "param"
             out[n] = (

@@ -32,9 +32,11 @@ from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from cost_models.memory import microbatches_in_flight
+from cost_models.pipeline import pipeline_time
 from planner import stage_table as st
 from planner.api import _assemble, _layers, _resolve_model
 from planner.inter_op import DPResult
+from planner.manual_costs import block_chunks, recompute_costs
 from planner.plan_format import ParallelPlan
 from planner.stage_costs import Option
 from planner.tracer import trace
@@ -93,11 +95,16 @@ def manual_plan(
     memory_budget: float | None = None,
     allow_oom: bool = False,
     expert_parallel: bool = False,
+    split: str = "balanced",
 ) -> ParallelPlan:
     """Price a Megatron configuration. `microbatch_size` is per data-parallel rank, as in Megatron
     (global batch = microbatch_size * dp * num_microbatches). Raises MeshplanError if a stage does
     not fit in memory, unless `allow_oom` (the plan's `manual["fits"]` says so). `expert_parallel`
-    splits MoE expert weights by experts over the dp axis (module docstring)."""
+    splits MoE expert weights by experts over the dp axis (module docstring). `split`: "balanced"
+    cuts the layers into pp * v chunks of about equal FLOPs; "blocks" cuts as Megatron-LM does, the
+    same number of transformer blocks per chunk, the embedding in the first and the head and loss in
+    the last (`block_chunks`). With `recompute`, each transformer block is checkpointed on its own
+    (Megatron's --checkpoint-activations; `recompute_costs`)."""
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     D, M = cluster.num_devices, cluster.devices_per_host
@@ -130,7 +137,11 @@ def manual_plan(
     module, batch = make(b)
     graph = trace(module, batch, model_name=name)
     chunks = pp * virtual_stages
-    layers = _layers(graph, chunks)
+    if split not in ("balanced", "blocks"):
+        raise MeshplanError(f"split must be 'balanced' or 'blocks', got {split!r}")
+    layers = (
+        block_chunks(graph, chunks) if split == "blocks" else _layers(graph, chunks)
+    )
     if len(layers) != chunks:
         raise MeshplanError(f"{name} has too few ops for {chunks} pipeline chunks")
     n = dp * tp
@@ -172,23 +183,44 @@ def manual_plan(
         0.0,
         virtual_stages,
     )
-    if virtual_stages > 1:
-        # Interleaved: chunk c runs on device group c % pp, which holds all of its v chunks.
-        per_chunk = [
-            _memory(
-                prof,
-                c,
-                microbatches_in_flight(
-                    schedule, B, pp, c % pp, virtual_stages=virtual_stages
-                ),
-                recompute,
-            )
-            for c in range(chunks)
-        ]
+    per_chunk = [
+        _memory(
+            prof,
+            c,
+            microbatches_in_flight(
+                schedule, B, pp, c % pp, virtual_stages=virtual_stages
+            ),
+            recompute,
+        )
+        for c in range(chunks)
+    ]
+    if recompute:
+        costs = recompute_costs(prof.solution, graph, layer_of, chunks)
+        times = []
         for c, stage in enumerate(plan.stages):
-            stage.memory_bytes = sum(
-                m for i, m in enumerate(per_chunk) if i % pp == c % pp
+            inflight = microbatches_in_flight(
+                schedule, B, pp, c % pp, virtual_stages=virtual_stages
             )
+            rc_time, kept, transient = costs[c] or (
+                prof.fwd[c],
+                prof.inputs[c],
+                prof.acts[c],
+            )
+            per_chunk[c] = float(prof.params[c] + inflight * kept + transient)
+            stage.time_s = float(prof.time[c] + rc_time)
+            times.append(stage.time_s)
+        plan.estimate.iteration_time_s = pipeline_time(
+            times, B, schedule, virtual_stages=virtual_stages
+        )
+        plan.estimate.tflops_per_device = (
+            plan.model["flops_per_iteration"]
+            / plan.estimate.iteration_time_s
+            / D
+            / 1e12
+        )
+    # Chunk c runs on device group c % pp, which holds all of its v chunks (v = 1: one chunk).
+    for c, stage in enumerate(plan.stages):
+        stage.memory_bytes = sum(m for i, m in enumerate(per_chunk) if i % pp == c % pp)
     peak = max(s.memory_bytes for s in plan.stages)
     plan.estimate.peak_memory_bytes = peak
     fits = peak <= budget

@@ -128,6 +128,29 @@ def compute_time(node: OpNode, option: Option, s: StageSettings) -> float:
         nbytes,
         dtype,
         shape_hint=_matmul_hint(node, option.strategy, s.mesh.shape),
+        kernels=passes,  # forward, and the input- and weight-gradient kernels of backward
+    )
+
+
+def forward_time(node: OpNode, option: Option, s: StageSettings) -> float:
+    """Seconds of the op's forward pass alone: what recomputation runs again.
+
+    ``op_time`` of the forward FLOPs and ONE pass over the bytes the forward reads and writes (the
+    full price in ``compute_time`` charges three passes to ops that need a gradient). A memory-bound
+    op (layer norm, GELU, softmax, residual add: no FLOPs counted) thus recomputes at a third of its
+    forward + backward price, not for free.
+    """
+    if node.op != "call" or node.is_view:
+        return 0.0
+    f = split_factor(option.strategy, s.mesh.shape)
+    dtype = node.outputs[0].dtype if node.outputs else "float32"
+    return op_time(
+        s.mesh.cluster,
+        node.fwd_flops / f,
+        (node.bytes_read + node.bytes_written) / f,
+        dtype,
+        shape_hint=_matmul_hint(node, option.strategy, s.mesh.shape),
+        kernels=1,
     )
 
 

@@ -53,7 +53,7 @@ def expected_all_to_all(nbytes: float, n: int, alpha: float, beta: float) -> flo
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce"])
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_ring_formulas_inside_a_host(op, n):
-    link = V100x4.intra_host_link
+    link = V100x4.group_link(n)
     got = collective_time(V100x4, op, 64 * MB, MeshAxis(n, n, 1))
     assert got == pytest.approx(
         expected_ring(op, 64 * MB, n, link.latency_s, 1 / link.bandwidth_bytes_per_s)
@@ -77,9 +77,33 @@ def test_all_to_all_and_send_recv_formulas():
     assert collective_time(
         V100x4, "all_to_all", 64 * MB, MeshAxis(8, 8, 1)
     ) == pytest.approx(expected_all_to_all(64 * MB, 8, a, b))
+    pair = V100x4.group_link(2)
     assert collective_time(V100x4, "send_recv", MB, MeshAxis(2, 2, 1)) == pytest.approx(
-        a + MB * b
+        pair.latency_s + MB / pair.bandwidth_bytes_per_s
     )
+
+
+def test_v100_group_links_follow_the_nvlink_topology():
+    """p3.16xlarge (`nvidia-smi topo -m`): GPUs 0-1 share one NVLink (NV1), 2-3 two (NV2); a quad
+    0-3 has 4 links per GPU inside it; all 8 have 6. 25 GB/s per link and direction (150 / 6)."""
+    GB = 1e9
+    link = 150 * GB / 6
+    rows = V100x4.nvlinks
+    assert all(rows[i][j] == rows[j][i] for i in range(8) for j in range(8))
+    assert all(sum(r) == 6 for r in rows)
+    assert V100x4.group_link(2).bandwidth_bytes_per_s == pytest.approx(1 * link)
+    assert V100x4.group_link(4).bandwidth_bytes_per_s == pytest.approx(4 * link)
+    assert V100x4.group_link(8) == V100x4.intra_host_link
+    # The first axis of a 2 x 4 mesh pairs GPUs 4 apart: 0-4 and 1-5 have NV2, 2-6 and 3-7 NV1.
+    assert V100x4.group_link(2, 4).bandwidth_bytes_per_s == pytest.approx(1 * link)
+    # {0, 2, 4, 6}: GPU 2 reaches 0 and 6 over one link each and 4 not at all.
+    assert V100x4.group_link(4, 2).bandwidth_bytes_per_s == pytest.approx(2 * link)
+    mesh = LogicalMesh(V100x4, (1, 8), (2, 4))
+    assert mesh.axis(0).stride == 4 and mesh.axis(1).stride == 1
+    assert Cluster.from_json(V100x4.to_json()).nvlinks == V100x4.nvlinks
+    # NVSwitch machines: every group gets the full per-GPU bandwidth.
+    a100 = Cluster.from_spec("1x8xA100-40GB")
+    assert a100.group_link(2) == a100.intra_host_link
 
 
 AXES = [
@@ -103,7 +127,7 @@ def test_all_reduce_is_reduce_scatter_plus_all_gather(axis):
 def test_hierarchical_all_reduce_derivation():
     # 2 devices per host x 4 hosts: reduce-scatter inside (B over 2), all-reduce of the B/2 shard
     # between hosts (over 4), all-gather inside.
-    i, e = V100x4.intra_host_link, V100x4.inter_host_link
+    i, e = V100x4.group_link(2), V100x4.inter_host_link
     B = 128 * MB
     want = (
         expected_ring("reduce_scatter", B, 2, i.latency_s, i.beta)
@@ -126,8 +150,10 @@ def test_cost_grows_with_size_and_devices(op):
     # all-to-all moves (n-1)/n^2 of the full tensor per device: it grows with devices at a fixed
     # per-device buffer; the others at a fixed full tensor
     per = (lambda n: 1e8 * n) if op == "all_to_all" else (lambda n: 1e8)
+    # On NVSwitch hosts (A100) every group gets the same per-GPU link; on a V100 host a pair of
+    # GPUs has one NVLink and a quad four per GPU, so there a bigger group can be faster.
     devices = [
-        collective_time(V100x4, op, per(n), MeshAxis(n, n, 1)) for n in (1, 2, 4, 8)
+        collective_time(A100x2, op, per(n), MeshAxis(n, n, 1)) for n in (1, 2, 4, 8)
     ]
     assert devices[0] == 0.0
     assert devices == sorted(devices) and devices[1] < devices[-1]
@@ -220,7 +246,7 @@ def test_logical_mesh_examples_and_errors():
     assert m.axis(1).kind == "intra" and m.axis(0).kind == "hierarchical"
     assert LogicalMesh.of(V100x4).axes == (MeshAxis(4, 1, 4), MeshAxis(8, 8, 1))
     assert LogicalMesh(V100x4, (1, 8), (2, 4)).axes == (
-        MeshAxis(2, 2, 1),
+        MeshAxis(2, 2, 1, 4),
         MeshAxis(4, 4, 1),
     )
     assert m.flat_axis() == MeshAxis(16, 8, 2)

@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 
 from cost_models import Cluster, matmul_efficiency, matmul_time, op_time
-from cost_models.compute import FP32_CURVE, MEMORY_EFFICIENCY, TENSOR_CORE_CURVE
+from cost_models.compute import (
+    FP32_CURVE,
+    KERNEL_OVERHEAD_S,
+    MEMORY_EFFICIENCY,
+    TENSOR_CORE_CURVE,
+    fp32_cross_entropy_time,
+    fused_dropout_time,
+    optimizer_step_time,
+    unfused_attention_time,
+)
+from cost_models.errors import MeshplanError
 
 profile_mod = pytest.importorskip("cost_models.profile")
 
@@ -115,3 +125,73 @@ def test_profile_memory_term_uses_measured_bandwidth():
     # the preset spec with the same profile attached also prices from it
     v = Cluster.from_spec("1x2xV100-16GB", profile=c.profile)
     assert op_time(v, 10, 20e9, "float32") == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------- kernels, attention, loss, step
+V1 = Cluster.from_spec("1x1xV100-16GB")
+BW = 900e9 * MEMORY_EFFICIENCY  # V100 HBM2 at the streaming efficiency
+
+
+def test_kernel_overhead_is_added_per_kernel_without_a_profile() -> None:
+    base = op_time(V1, 1e9, 1e8, "float16")
+    assert op_time(V1, 1e9, 1e8, "float16", kernels=3) == pytest.approx(
+        base + 3 * KERNEL_OVERHEAD_S
+    )
+    prof = cpu_profile([(64, 64, 64, 1e-3)])
+    c = Cluster.from_spec("1x2xCPU", profile=prof)
+    assert op_time(c, 10, 20e9, "float32", kernels=5) == op_time(c, 10, 20e9, "float32")
+
+
+def test_unfused_attention_moves_the_scores_as_derived() -> None:
+    """350M GPT, micro-batch 16: bh = 256 head-batches, s = 1024, d = 64, fp16. Every kernel is
+    memory-bound here (a k = 64 product runs at 0.4 of peak, 2.7 us of math per head-batch against
+    3.1 us of traffic), so the times are bytes / bandwidth plus one overhead per kernel. With
+    n = bh s^2 score elements and q = bh s d elements per q, k, v or output tensor (p = 2 bytes):
+    forward: q k^T reads 2q writes n; softmax reads and writes n; probs v reads n + q writes q:
+    4n + 4q elements, 3 kernels. Backward: dP = dC v^T reads 2q writes n; dv = P^T dC reads n + q
+    writes q; softmax backward reads 2n writes n; dq = dS k and dk = dS^T q read n + q write q
+    each: 7n + 8q elements, 5 kernels. Dropout adds n p + n (mask) forward and backward."""
+    bh, s, d, p = 256, 1024, 64, 2
+    n, q = bh * s * s, bh * s * d
+    fwd, bwd = unfused_attention_time(V1, bh, s, d, "float16", dropout=False)
+    assert fwd == pytest.approx((4 * n + 4 * q) * p / BW + 3 * KERNEL_OVERHEAD_S)
+    assert bwd == pytest.approx((7 * n + 8 * q) * p / BW + 5 * KERNEL_OVERHEAD_S)
+    fwd_d, bwd_d = unfused_attention_time(V1, bh, s, d, "float16", dropout=True)
+    drop = (2 * n * p + n) / BW + KERNEL_OVERHEAD_S
+    assert fwd_d - fwd == pytest.approx(drop)
+    assert bwd_d - bwd == pytest.approx(drop)
+    # A fused kernel moves only q, k, v and the output: over 5x less than the unfused forward here.
+    assert fwd > 5 * op_time(V1, 0.0, 4 * q * p, "float16")
+    with pytest.raises(MeshplanError):
+        unfused_attention_time(V1, 0, s, d, "float16")
+
+
+def test_fp32_cross_entropy_bytes_per_logit() -> None:
+    """Megatron's loss on fp16 logits, in fp32: forward cast (2 + 4), max (4), subtract (4 + 4),
+    exp (4 + 4), sum (4), divide (4 + 4); backward scale (4 + 4), cast back (4 + 2)."""
+    forward = [2 + 4, 4, 4 + 4, 4 + 4, 4, 4 + 4]
+    backward = [4 + 4, 4 + 2]
+    logits = 16 * 1024 * 51200
+    f, b = fp32_cross_entropy_time(V1, logits)
+    assert f == pytest.approx(
+        sum(forward) * logits / BW + len(forward) * KERNEL_OVERHEAD_S
+    )
+    assert b == pytest.approx(
+        sum(backward) * logits / BW + len(backward) * KERNEL_OVERHEAD_S
+    )
+
+
+def test_optimizer_step_and_fused_dropout_bytes() -> None:
+    """Megatron's mixed-precision Adam step per parameter: fp16 grad -> fp32 (2 + 4), unscale and
+    inf check (4 + 4), clip norm (4), Adam reads w, g, m, v and writes w, m, v (16 + 12), fp32 ->
+    fp16 weight (4 + 2)."""
+    per_param = (2 + 4) + (4 + 4) + 4 + (16 + 12) + (4 + 2)
+    assert optimizer_step_time(V1, 1e9) == pytest.approx(per_param * 1e9 / BW)
+    assert optimizer_step_time(V1, 1e9, "adam_fp32") == pytest.approx(28e9 / BW)
+    with pytest.raises(MeshplanError):
+        optimizer_step_time(V1, 1e9, "lamb")
+    f, b = fused_dropout_time(V1, 1e6, "float16")
+    assert f == pytest.approx(1e6 / BW)  # the 1-byte mask
+    assert b == pytest.approx(
+        5e6 / BW + KERNEL_OVERHEAD_S
+    )  # read grad + mask, write grad

@@ -1,0 +1,158 @@
+"""Megatron-LM's GPT program: Alpa's FLOP convention, the block-wise pipeline split, per-block
+checkpointing, and the 1-GPU configuration of the reference fitting in a V100's 16 GB."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.megatron_gpt import alpa_gpt_flops
+from cost_models.cluster import Cluster
+from cost_models.errors import MeshplanError
+from cost_models.memory import gpt_layer_activation_bytes, state_bytes_per_param
+from planner.api import _resolve_model
+from planner.intra_op import block_of
+from planner.manual import manual_plan
+from planner.manual_costs import block_chunks
+from planner.models.gpt import GPTConfig, gpt_param_count
+from planner.tracer import trace
+
+SPEC = "gpt:hidden=256,layers=4,heads=4,seq=128,vocab=1024"
+CFG = GPTConfig(hidden=256, layers=4, heads=4, seq=128, vocab=1024)
+
+
+def _graph(batch: int):
+    module, example = _resolve_model(SPEC, None, torch.float16, None)[1](batch)
+    return trace(module, example, model_name=SPEC)
+
+
+def test_alpa_flops_without_recompute_equal_counted_model_flops() -> None:
+    """72 B s L h^2 (1 + s/6h) + 6 B s h V is forward + backward matrix FLOPs of our GPT, as
+    FlopCounterMode counts them (the embedding lookup counts none)."""
+    b = 4
+    g = _graph(b)
+    c = CFG
+    assert g.flops_per_iteration == pytest.approx(
+        alpa_gpt_flops(b, c.seq, c.layers, c.hidden, c.vocab, recompute=False), rel=1e-9
+    )
+    # Recomputation adds one forward of the blocks: 24 B s L h^2 (1 + s/6h).
+    extra = 24 * b * c.seq * c.layers * c.hidden**2 * (1 + c.seq / (6 * c.hidden))
+    assert alpa_gpt_flops(
+        b, c.seq, c.layers, c.hidden, c.vocab, recompute=True
+    ) - g.flops_per_iteration == pytest.approx(extra)
+
+
+def test_block_chunks_split_blocks_evenly_with_embedding_first_and_head_last() -> None:
+    g = _graph(2)
+    ops = g.ops
+    chunks = block_chunks(g, 2)
+    assert chunks[0][0] == 0 and chunks[-1][1] == len(ops) - 1
+    assert chunks[0][1] + 1 == chunks[1][0]
+    blocks = [
+        {block_of(n.module_path) for n in ops[a : b + 1]} - {None} for a, b in chunks
+    ]
+    assert blocks == [{"blocks.0", "blocks.1"}, {"blocks.2", "blocks.3"}]
+    assert any("lm_head" in n.module_path for n in ops[chunks[1][0] :])
+    assert any("wte" in n.module_path for n in ops[: chunks[0][1] + 1])
+    with pytest.raises(MeshplanError, match="divisible"):
+        block_chunks(g, 3)
+
+
+def test_per_block_recompute_memory_matches_hand_derivation() -> None:
+    """One device, recomputation: model state 16 B/param + every block's input (2 s b h) + the
+    saved tensors of the head (not checkpointed) + ONE block's saved set while it is recomputed."""
+    b = 8
+    m = manual_plan(
+        SPEC,
+        "1x1xV100-16GB",
+        dp=1,
+        tp=1,
+        pp=1,
+        num_microbatches=1,
+        global_batch=b,
+        recompute=True,
+        split="blocks",
+    )
+    c, p = CFG, 2
+    s, h, v = c.seq, c.hidden, c.vocab
+    state = gpt_param_count(c) * state_bytes_per_param("adam_mixed").total
+    inputs = c.layers * p * s * b * h
+    one_block = gpt_layer_activation_bytes(s, b, h, c.heads, p, recompute=False)
+    # ln_f: its input and fp32 mean/rstd; lm_head: its input (ln_f's output); log_softmax: its
+    # fp16 output, which nll_loss reads in backward.
+    head = p * s * b * h + 8 * s * b + p * s * b * h + p * s * b * v
+    expected = state + inputs + one_block + head
+    assert m.estimate.peak_memory_bytes == pytest.approx(expected, rel=0.02)
+    whole = manual_plan(
+        SPEC,
+        "1x1xV100-16GB",
+        dp=1,
+        tp=1,
+        pp=1,
+        num_microbatches=1,
+        global_batch=b,
+        recompute=False,
+    )
+    assert m.estimate.peak_memory_bytes < whole.estimate.peak_memory_bytes
+
+
+def test_megatron_350m_on_one_v100_fits() -> None:
+    """The reference ran gpt-350m on one 16 GB V100 (micro-batch 16, recomputation): it must fit."""
+    m = manual_plan(
+        "gpt-350m",
+        "1x1xV100-16GB",
+        dp=1,
+        tp=1,
+        pp=1,
+        num_microbatches=8,
+        global_batch=128,
+        recompute=True,
+        allow_oom=True,
+        split="blocks",
+    )
+    assert m.manual["fits"]
+    assert (
+        m.estimate.peak_memory_bytes
+        <= Cluster.from_spec("1x1xV100-16GB").device.memory_bytes
+    )
+
+
+def test_forward_time_is_one_pass_of_a_memory_bound_op() -> None:
+    """Recomputation re-runs the forward: for an op without FLOPs (GELU, layer norm) one pass over
+    its bytes and one kernel, a third of the forward + backward price (three passes, three
+    kernels), not zero."""
+    from cost_models.communication import LogicalMesh
+    from planner.stage_costs import (
+        Option,
+        StageSettings,
+        compute_time,
+        forward_time,
+    )
+    from planner.strategies import Strategy
+
+    g = _graph(4)
+    gelu = next(n for n in g.ops if n.target.endswith("gelu.default"))
+    settings = StageSettings(mesh=LogicalMesh.of(Cluster.from_spec("1x1xV100-16GB")))
+    opt = Option(Strategy((("R", "R"),), (("R", "R"),), "test"))
+    assert gelu.fwd_flops == 0 and gelu.requires_grad
+    assert forward_time(gelu, opt, settings) > 0
+    assert 3 * forward_time(gelu, opt, settings) == pytest.approx(
+        compute_time(gelu, opt, settings)
+    )
+
+
+@pytest.mark.parametrize("gpus", [1, 4, 8, 16, 32])
+def test_listed_megatron_configurations_within_15_percent(gpus: int) -> None:
+    """Issue #7: predicted TFLOP/s per GPU of Megatron's listed configurations, in Alpa's FLOP
+    convention, within 15% of the measured ones."""
+    from benchmarks.gpt_suite import cluster_spec
+    from benchmarks.megatron_gpt import megatron_prediction
+    from benchmarks.reference import gpt_megatron_configs
+
+    listed = {c["gpus"]: c for c in gpt_megatron_configs()}[gpus]
+    got = megatron_prediction(
+        str(listed["model"]), cluster_spec(gpus), listed, int(listed["global_batch"])
+    )
+    assert got["measured_tflops_per_device"] > 0
+    assert abs(got["relative_error"]) <= 0.15
+    assert got["fits"]
