@@ -74,6 +74,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
+from planner.intra_op import StageSolution
 from planner.opgraph import OpGraph
 from planner.plan_format import ParallelPlan, StagePlan
 from runtime import comm_count
@@ -170,15 +171,7 @@ class PipelineRunner:
         self.groups = _check_devices(plan, dist.get_world_size())
         self.rank = dist.get_rank()
         self.stages = split_stages(graph, plan)
-        meshes: dict[tuple, DeviceMesh] = {}
-        # one mesh per device group (and logical shape), created in stage order
-        for s in plan.stages:
-            key = (tuple(s.devices), tuple(s.logical_mesh))
-            if key not in meshes:
-                meshes[key] = stage_mesh(s, device_type)
-        self.meshes = [
-            meshes[tuple(s.devices), tuple(s.logical_mesh)] for s in plan.stages
-        ]
+        self.meshes = self._build_meshes(device_type)
         self.chunks = [i for i, s in enumerate(plan.stages) if self.rank in s.devices]
         self.index: int | None = self.chunks[0] if self.chunks else None
         fallback = {f.split(":")[0] for f in plan.fallback_ops}
@@ -189,7 +182,7 @@ class PipelineRunner:
             st, stage_plan = self.stages[c], plan.stages[c]
             self.executors[c] = PlanExecutor(
                 st.graph,
-                stage_solution(st, stage_plan, fallback),
+                self._solution(c, fallback),
                 self.meshes[c],
                 sync_param_grads=False,
                 recompute_layers=recompute if stage_plan.recompute else None,
@@ -208,6 +201,21 @@ class PipelineRunner:
             raise MeshplanError(
                 f"the {self.schedule} order deadlocks on this plan (blocked: {blocked})"
             )
+
+    def _build_meshes(self, device_type: str) -> list[DeviceMesh | None]:
+        """One DeviceMesh per stage (`stage_mesh`), shared by the stages of a device group;
+        every rank creates every mesh, in stage order. A subclass may build them otherwise
+        (``None`` for the stages this rank does not run)."""
+        meshes: dict[tuple, DeviceMesh] = {}
+        for s in self.plan.stages:
+            key = (tuple(s.devices), tuple(s.logical_mesh))
+            if key not in meshes:
+                meshes[key] = stage_mesh(s, device_type)
+        return [meshes[tuple(s.devices), tuple(s.logical_mesh)] for s in self.plan.stages]
+
+    def _solution(self, c: int, fallback: set[str]) -> StageSolution:
+        """The executor's solution for chunk `c` (`runtime.stages.stage_solution`)."""
+        return stage_solution(self.stages[c], self.plan.stages[c], fallback)
 
     def _order(self, group: int, B: int) -> list[Action]:
         """The (kind, chunk, micro-batch) actions of device group `group` in a step."""
@@ -321,18 +329,25 @@ class PipelineRunner:
             for w in self._works:
                 w.wait()
             self._works, self._state, self._local = [], {}, {}
-            if self.zero_placements:
-                self._scatter_zero(params, used)
-            for c, ex in self.executors.items():
-                ex.sync_grads(
-                    {
-                        k: params[k]
-                        for k in ex.opgraph.params
-                        if k in params and k not in self.zero_placements
-                    }
-                )
+            self._finish_grads(params, used)
         dist.broadcast(loss, src=self.plan.stages[-1].devices[0])
         return float(loss) / B
+
+    def _finish_grads(
+        self, params: dict[str, DTensor], used: dict[str, DTensor]
+    ) -> None:
+        """After the last backward of a step: reduce-scatter the ZeRO parameters' gradients
+        onto their shards, and synchronise the other parameters' accumulated gradients."""
+        if self.zero_placements:
+            self._scatter_zero(params, used)
+        for ex in self.executors.values():
+            ex.sync_grads(
+                {
+                    k: params[k]
+                    for k in ex.opgraph.params
+                    if k in params and k not in self.zero_placements
+                }
+            )
 
     def _tag(self, m: int, value: str, dst: int, backward: bool) -> int:
         """The message tag of `value` of micro-batch `m` sent to (or, backward, from) chunk
