@@ -211,7 +211,9 @@ class PipelineRunner:
             key = (tuple(s.devices), tuple(s.logical_mesh))
             if key not in meshes:
                 meshes[key] = stage_mesh(s, device_type)
-        return [meshes[tuple(s.devices), tuple(s.logical_mesh)] for s in self.plan.stages]
+        return [
+            meshes[tuple(s.devices), tuple(s.logical_mesh)] for s in self.plan.stages
+        ]
 
     def _solution(self, c: int, fallback: set[str]) -> StageSolution:
         """The executor's solution for chunk `c` (`runtime.stages.stage_solution`)."""

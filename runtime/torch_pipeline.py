@@ -145,7 +145,9 @@ def make_runner(
         raise MeshplanError(f"pipeline implementation {impl!r}: use one of {IMPLS}")
     reason = torch_pipelining_unsupported(plan)
     if impl == "torch" and reason is not None:
-        raise MeshplanError(f"torch.distributed.pipelining cannot run this plan: {reason}")
+        raise MeshplanError(
+            f"torch.distributed.pipelining cannot run this plan: {reason}"
+        )
     if impl == "ours" or reason is not None:
         return PipelineRunner(plan, graph, device_type=device_type, schedule=schedule)
     return TorchPipelineRunner(plan, graph, device_type=device_type, schedule=schedule)

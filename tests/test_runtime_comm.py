@@ -6,9 +6,12 @@ one `Trainer.step` (`runtime.comm_count.CommCounter`). Per stage, the prediction
 intra-stage edges (`predicted_collectives` on `runtime.stages.stage_solution`) times the number
 of micro-batches, except the gradients of parameters (edges leaving parameters or their views),
 synchronised once per step. Stage-boundary transfers are reported separately: the planner prices
-them as point-to-point sends of the boundary activation; the runtime first makes the value
-replicated on the sender's mesh (``fwd:<v>->send``), and the receiver's gradient replicated
-(``bwd:<v>->recv``), which are collectives the planner does not price.
+them as point-to-point sends of the boundary activation. The plan's stages have equal submeshes, so
+it runs on torch.distributed.pipelining (`runtime.torch_pipeline`), which sends each rank's local
+shard in the placement its reader needs (a collective ``fwd:<v>->send`` only where the producer's
+placement differs); our own runner (`runtime.pipeline`) would first make the value replicated
+(``fwd:<v>->send``) and the receiver's gradient replicated (``bwd:<v>->recv``), collectives the
+planner does not price.
 """
 
 from __future__ import annotations
