@@ -38,14 +38,20 @@ skip by a multiple of ``p``) stays on the rank. Messages are tagged by micro-bat
 consuming chunk.
 
 What PyTorch lacks (why this module sends and receives itself): ``torch.distributed.pipelining``
-(``PipelineStage`` and its schedules) runs one stage per rank of a 1D pipeline group and moves
-plain local tensors between stage ``i`` on rank ``i`` and stage ``i+1`` on rank ``i+1``: it has no
-notion of a stage spanning a DeviceMesh, of DTensor boundary values, of submeshes of different
-sizes, or of values skipping a stage. Wrapping our fx-interpreted, DTensor-sharded stages into it
-would still need this rank mapping between submeshes; with equal submeshes it would fit only by
-running one pipeline per position in the mesh, with every boundary value made replicated first (as
-here). We therefore use one mechanism for all plans; its gradients and losses match one device
-(`tests/test_runtime_pipeline.py`).
+(``PipelineStage`` and its schedules) runs stages over a 1D pipeline process group and moves the
+tensors a stage returns from stage ``i`` to stage ``i + 1`` only, between ranks of that group. When
+every stage has the same logical mesh, one such group per mesh position fits, and
+`runtime.torch_pipeline.TorchPipelineRunner` (a subclass of this runner, chosen by
+`runtime.torch_pipeline.make_runner`) runs those plans on PyTorch's schedules. It has no piece for
+stages whose submeshes differ in size or shape (a rank of one stage would have to exchange parts of
+a value with several ranks of the next), so this runner keeps those plans: every boundary value made
+replicated, and the rank mapping between the submeshes above. It also runs any plan when forced
+(``MESHPLAN_PIPELINE=ours``, ``Trainer(..., pipeline="ours")``); its gradients and losses match one
+device (`tests/test_runtime_pipeline.py`).
+
+The hooks `_build_meshes` (the stage meshes), `_solution` (each chunk's executor solution) and
+`_finish_grads` (ZeRO reduce-scatter and gradient sync after the last backward) are shared with
+the torch-pipelining subclass.
 
 Recomputation (``StagePlan.recompute``): the stage's executor runs each layer under a
 non-reentrant ``torch.utils.checkpoint`` (`runtime.executor.PlanExecutor`, ``recompute_layers``).

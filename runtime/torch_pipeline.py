@@ -88,7 +88,7 @@ from planner.plan_format import ParallelPlan
 from planner.stage_costs import Option
 from planner.strategies import Strategy
 from runtime import comm_count
-from runtime.pipeline import PipelineRunner, _check_devices
+from runtime.pipeline import PipelineRunner
 from runtime.stages import StageGraph
 
 __all__ = [
@@ -280,7 +280,7 @@ class TorchPipelineRunner(PipelineRunner):
     def _build_meshes(self, device_type: str) -> list[DeviceMesh | None]:
         """One DeviceMesh ``(p, *stage shape)`` over the device groups (module docstring); this
         rank's stage mesh for the chunks it runs, None for the others."""
-        p = _check_devices(self.plan, dist.get_world_size())
+        p = self.groups
         shape = tuple(s for s in self.plan.stages[0].logical_mesh if s > 1) or (1,)
         ranks = torch.tensor(
             [list(s.devices) for s in self.plan.stages[:p]], dtype=torch.int64
@@ -306,11 +306,9 @@ class TorchPipelineRunner(PipelineRunner):
         """The stage's solution with every received value's placeholder planned in its
         boundary placement (`boundary_placements`)."""
         sol = super()._solution(c, fallback)
-        if self._boundary is None:
-            self._boundary = boundary_placements(self.stages, self.plan)
         choice = dict(sol.choice)
         for v in self.stages[c].inputs:
-            choice[v] = Option(Strategy((self._boundary[v],), (), "leaf"))
+            choice[v] = Option(Strategy((self.boundary[v],), (), "leaf"))
         sol.choice = choice
         return sol
 
