@@ -7,7 +7,8 @@ default (``"auto"``) runner choice:
 * GPT (4 layers, hidden 64), global batch 8: ``pp2`` (2 stages of 1 device, 1F1B), ``pp2_tp2``
   (Megatron tensor parallel inside each stage, 1F1B), ``pp2_dp2_gpipe`` / ``pp2_dp2_1f1b`` (data
   parallel inside each stage), ``pp2_v2`` (interleaved 1F1B, 2 chunks per device, 4
-  micro-batches), ``pp4`` (1F1B with warm-up);
+  micro-batches), ``pp2_tp2_v2`` (interleaved, tensor parallel chunks, 2 micro-batches), ``pp4``
+  (1F1B with warm-up);
 * the same GPT with the boundary value forced into a sharded placement (``pp2_dp2_shard``:
   ``S(0)`` on the data-parallel axis; ``pp2_tp2_shard``: ``S(2)`` on the tensor-parallel axis), so
   that the local shard a rank sends is a slice of the value, not all of it;
@@ -16,7 +17,8 @@ default (``"auto"``) runner choice:
   data-parallel axis), ``moe_pp4`` (values read 2 and 3 stages after their producer are relayed
   by the stages between);
 * ``uneven``: stage 0 on 1 device, stage 1 tensor parallel on 2: the auto choice stays on our
-  runner, and forcing torch pipelining raises.
+  runner, and forcing torch pipelining raises;
+* ``pp2_tp2`` again with ``MESHPLAN_PIPELINE=ours`` set: our runner.
 
 For each: the runner is `TorchPipelineRunner` (torch's ``PipelineStage`` objects and schedule
 class exist on the rank and its ``pp`` process group spans one rank per stage), and the losses and
@@ -38,7 +40,7 @@ from planner.manual import manual_plan
 from planner.models import build_model
 from planner.plan_format import ParallelPlan
 from runtime.launch import launch
-from runtime.torch_pipeline import torch_pipelining_unsupported
+from runtime.torch_pipeline import make_runner, torch_pipelining_unsupported
 from runtime.train import _random_batches
 
 GPT = "gpt:hidden=64,layers=4,heads=4,seq=16,vocab=128"
@@ -54,6 +56,7 @@ SCHEDULES = {
     "pp2_dp2_gpipe": "ScheduleGPipe",
     "pp2_dp2_1f1b": "Schedule1F1B",
     "pp2_v2": "ScheduleInterleaved1F1B",
+    "pp2_tp2_v2": "ScheduleInterleaved1F1B",
     "pp4": "Schedule1F1B",
     "pp2_dp2_shard": "Schedule1F1B",
     "pp2_tp2_shard": "Schedule1F1B",
@@ -88,6 +91,7 @@ def _plans() -> dict[str, tuple[ParallelPlan, str | None]]:
         num_microbatches=4,
         virtual_stages=2,
     )
+    tp2_v2 = gpt(dp=1, tp=2, pp=2, num_microbatches=2, virtual_stages=2)
     pp4 = gpt(dp=1, tp=1, pp=4, num_microbatches=4)
     moe2 = manual_plan(MOE, "1x2xA100-80GB", dp=1, tp=1, pp=2, num_microbatches=2, **KW)
     rec = manual_plan(
@@ -108,6 +112,7 @@ def _plans() -> dict[str, tuple[ParallelPlan, str | None]]:
         "pp2_dp2_gpipe": (dp2, "gpipe"),
         "pp2_dp2_1f1b": (dp2, "1f1b"),
         "pp2_v2": (v2, None),
+        "pp2_tp2_v2": (tp2_v2, None),
         "pp4": (pp4, None),
         "pp2_dp2_shard": (dp2, None),
         "pp2_tp2_shard": (tp2, None),
@@ -136,6 +141,7 @@ def _reference(spec: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 def _train_all(plans: dict[str, tuple[ParallelPlan, str | None]]) -> dict[str, Any]:
     """Body of every rank: train each plan for 3 steps; losses, parameters, what ran it."""
     import logging
+    import os
 
     import torch.distributed as dist
 
@@ -174,6 +180,15 @@ def _train_all(plans: dict[str, tuple[ParallelPlan, str | None]]) -> dict[str, A
         res["placements"] = {k: str(p.placements) for k, p in tr.params.items()}
         out[name] = res
     model, batches = _model_and_batches(GPT)
+    os.environ[tp.PIPELINE_ENV] = "ours"
+    try:
+        tr = Trainer(plans["pp2_tp2"][0], model, batches[0], lr=LR)
+    finally:
+        del os.environ[tp.PIPELINE_ENV]
+    out["env_ours"] = {
+        "runner": type(tr.runner).__name__,
+        "losses": [tr.step(b) for b in batches],
+    }
     try:
         Trainer(plans["uneven"][0], model, batches[0], pipeline="torch")
         out["forced_uneven"] = "no error"
@@ -249,3 +264,15 @@ def test_unsupported_reasons() -> None:
         GPT, "1x2xA100-80GB", dp=1, tp=2, pp=1, num_microbatches=1, **KW
     )
     assert "one stage" in torch_pipelining_unsupported(single)
+
+
+def test_environment_forces_our_runner(runs: list[dict[str, Any]]) -> None:
+    ref_losses, _ = _reference(GPT)
+    for r in runs:
+        assert r["env_ours"]["runner"] == "PipelineRunner"
+        assert r["env_ours"]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_bad_implementation_name() -> None:
+    with pytest.raises(MeshplanError, match="pipeline implementation"):
+        make_runner(_plans()["pp2"][0], None, impl="gpipe")  # type: ignore[arg-type]
