@@ -54,11 +54,15 @@ submeshes differ in size or shape); ``"ours"`` forces `PipelineRunner`; ``"torch
 runner and raises when the plan does not fit it. Plans of one stage run on `PipelineRunner`
 (there is no pipeline to schedule).
 
-What PyTorch lacks here (why `_StageModule` exists): ``PipelineStage`` moves the tensors a stage
-module returns, DTensors included, but reconstructs a received DTensor on a mesh it looks up by
-the sender's mesh layout, which is another set of ranks here; and it has no notion of an
-fx graph run under per-node placements (`runtime.executor`). So the module exchanges local
-shards and does the DTensor wrapping itself.
+What PyTorch lacks here (why `_StageModule` exists): no PyTorch piece runs an fx graph under
+per-node placements (`runtime.executor`), so the stage module wraps our executor. Why it exchanges
+local shards rather than DTensors: torch 2.13's ``PipelineStage`` can carry DTensor boundary values
+(it sends the local tensor and rebuilds the DTensor from metadata, on a mesh looked up by dimension
+names and layout), but then the gradients' placements must be declared up front (static
+``input_grads`` / ``output_grads``) or inferred by a metadata pass that runs the stage on real
+tensors, and a value would cross in whatever placement its producer left it. Plain local shards in
+a boundary placement fixed from the plan keep both sides' layouts, and the gradients' placements
+(pinned by ``to_local`` / ``from_local``), in our hands, with plain-tensor static metadata.
 """
 
 from __future__ import annotations
