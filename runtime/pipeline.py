@@ -39,14 +39,20 @@ skip by a multiple of ``p``) stays on the rank. Messages are tagged by micro-bat
 consuming chunk.
 
 What PyTorch lacks (why this module sends and receives itself): ``torch.distributed.pipelining``
-(``PipelineStage`` and its schedules) runs one stage per rank of a 1D pipeline group and moves
-plain local tensors between stage ``i`` on rank ``i`` and stage ``i+1`` on rank ``i+1``: it has no
-notion of a stage spanning a DeviceMesh, of DTensor boundary values, of submeshes of different
-sizes, or of values skipping a stage. Wrapping our fx-interpreted, DTensor-sharded stages into it
-would still need this rank mapping between submeshes; with equal submeshes it would fit only by
-running one pipeline per position in the mesh, with every boundary value made replicated first (as
-here). We therefore use one mechanism for all plans; its gradients and losses match one device
-(`tests/test_runtime_pipeline.py`).
+(``PipelineStage`` and its schedules) runs stages over a 1D pipeline process group and moves the
+tensors a stage returns from stage ``i`` to stage ``i + 1`` only, between ranks of that group. When
+every stage has the same logical mesh, one such group per mesh position fits, and
+`runtime.torch_pipeline.TorchPipelineRunner` (a subclass of this runner, chosen by
+`runtime.torch_pipeline.make_runner`) runs those plans on PyTorch's schedules. It has no piece for
+stages whose submeshes differ in size or shape (a rank of one stage would have to exchange parts of
+a value with several ranks of the next), so this runner keeps those plans: every boundary value made
+replicated, and the rank mapping between the submeshes above. It also runs any plan when forced
+(``MESHPLAN_PIPELINE=ours``, ``Trainer(..., pipeline="ours")``); its gradients and losses match one
+device (`tests/test_runtime_pipeline.py`).
+
+The hooks `_build_meshes` (the stage meshes), `_solution` (each chunk's executor solution) and
+`_finish_grads` (ZeRO reduce-scatter and gradient sync after the last backward) are shared with
+the torch-pipelining subclass.
 
 Recomputation (``StagePlan.recompute``): the stage's executor runs each layer under a
 non-reentrant ``torch.utils.checkpoint`` (`runtime.executor.PlanExecutor`, ``recompute_layers``).
@@ -75,6 +81,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
+from planner.intra_op import StageSolution
 from planner.opgraph import OpGraph
 from planner.plan_format import ParallelPlan, StagePlan
 from runtime import boundary, comm_count
@@ -171,15 +178,7 @@ class PipelineRunner:
         self.groups = _check_devices(plan, dist.get_world_size())
         self.rank = dist.get_rank()
         self.stages = split_stages(graph, plan)
-        meshes: dict[tuple, DeviceMesh] = {}
-        # one mesh per device group (and logical shape), created in stage order
-        for s in plan.stages:
-            key = (tuple(s.devices), tuple(s.logical_mesh))
-            if key not in meshes:
-                meshes[key] = stage_mesh(s, device_type)
-        self.meshes = [
-            meshes[tuple(s.devices), tuple(s.logical_mesh)] for s in plan.stages
-        ]
+        self.meshes = self._build_meshes(device_type)
         # boundary values travel in pieces, gathered within each stage (`runtime.boundary`)
         self._groups = boundary.stage_groups([s.devices for s in plan.stages])
         self.chunks = [i for i, s in enumerate(plan.stages) if self.rank in s.devices]
@@ -192,7 +191,7 @@ class PipelineRunner:
             st, stage_plan = self.stages[c], plan.stages[c]
             self.executors[c] = PlanExecutor(
                 st.graph,
-                stage_solution(st, stage_plan, fallback),
+                self._solution(c, fallback),
                 self.meshes[c],
                 sync_param_grads=False,
                 recompute_layers=recompute if stage_plan.recompute else None,
@@ -211,6 +210,23 @@ class PipelineRunner:
             raise MeshplanError(
                 f"the {self.schedule} order deadlocks on this plan (blocked: {blocked})"
             )
+
+    def _build_meshes(self, device_type: str) -> list[DeviceMesh | None]:
+        """One DeviceMesh per stage (`stage_mesh`), shared by the stages of a device group;
+        every rank creates every mesh, in stage order. A subclass may build them otherwise
+        (``None`` for the stages this rank does not run)."""
+        meshes: dict[tuple, DeviceMesh] = {}
+        for s in self.plan.stages:
+            key = (tuple(s.devices), tuple(s.logical_mesh))
+            if key not in meshes:
+                meshes[key] = stage_mesh(s, device_type)
+        return [
+            meshes[tuple(s.devices), tuple(s.logical_mesh)] for s in self.plan.stages
+        ]
+
+    def _solution(self, c: int, fallback: set[str]) -> StageSolution:
+        """The executor's solution for chunk `c` (`runtime.stages.stage_solution`)."""
+        return stage_solution(self.stages[c], self.plan.stages[c], fallback)
 
     def _order(self, group: int, B: int) -> list[Action]:
         """The (kind, chunk, micro-batch) actions of device group `group` in a step."""
@@ -324,18 +340,25 @@ class PipelineRunner:
             for w in self._works:
                 w.wait()
             self._works, self._state, self._local = [], {}, {}
-            if self.zero_placements:
-                self._scatter_zero(params, used)
-            for c, ex in self.executors.items():
-                ex.sync_grads(
-                    {
-                        k: params[k]
-                        for k in ex.opgraph.params
-                        if k in params and k not in self.zero_placements
-                    }
-                )
+            self._finish_grads(params, used)
         dist.broadcast(loss, src=self.plan.stages[-1].devices[0])
         return float(loss) / B
+
+    def _finish_grads(
+        self, params: dict[str, DTensor], used: dict[str, DTensor]
+    ) -> None:
+        """After the last backward of a step: reduce-scatter the ZeRO parameters' gradients
+        onto their shards, and synchronise the other parameters' accumulated gradients."""
+        if self.zero_placements:
+            self._scatter_zero(params, used)
+        for ex in self.executors.values():
+            ex.sync_grads(
+                {
+                    k: params[k]
+                    for k in ex.opgraph.params
+                    if k in params and k not in self.zero_placements
+                }
+            )
 
     def _tag(self, m: int, value: str, dst: int, backward: bool) -> int:
         """The message tag of `value` of micro-batch `m` sent to (or, backward, from) chunk

@@ -7,7 +7,9 @@
 seed it); `batches` are global batches (tuples of tensors of ``plan.global_batch`` rows), each split
 into ``plan.num_microbatches`` micro-batches along dimension 0. Every rank traces the model on one
 micro-batch (fake tensors), checks that the plan was made for it (`ParallelPlan.check_model`), and
-runs its stage with `runtime.pipeline.PipelineRunner`; the optimizer (``torch.optim`` on the
+runs its stage with the runner `runtime.torch_pipeline.make_runner` picks (``torch.distributed.pipelining``
+when the stages' submeshes are equal, else `runtime.pipeline.PipelineRunner`; ``pipeline="ours"`` or
+``MESHPLAN_PIPELINE=ours`` forces the latter); the optimizer (``torch.optim`` on the
 stage's DTensor parameters) updates each rank's shards locally after the gradient sync.
 """
 
@@ -23,6 +25,7 @@ from cost_models.errors import MeshplanError
 from planner.plan_format import ParallelPlan
 from planner.tracer import trace
 from runtime.pipeline import PipelineRunner
+from runtime.torch_pipeline import make_runner
 
 __all__ = ["Trainer", "run_local", "seeded_model_and_batches", "split_batch", "train"]
 
@@ -53,6 +56,7 @@ class Trainer:
         lr: float = 0.1,
         schedule: str | None = None,
         device_type: str = "cpu",
+        pipeline: str | None = None,
     ) -> None:
         if optimizer not in OPTIMIZERS:
             raise MeshplanError(f"optimizer {optimizer!r}: use one of {OPTIMIZERS}")
@@ -60,8 +64,8 @@ class Trainer:
         micro = split_batch(example_batch, plan.num_microbatches)[0]
         graph = trace(model, micro, model_name=plan.model.get("name", ""))
         plan.check_model(graph.fingerprint(), graph.model_name)
-        self.runner = PipelineRunner(
-            plan, graph, device_type=device_type, schedule=schedule
+        self.runner: PipelineRunner = make_runner(
+            plan, graph, device_type=device_type, schedule=schedule, impl=pipeline
         )
         full = {k: p.detach().clone() for k, p in model.named_parameters()}
         self.buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
@@ -94,13 +98,20 @@ def train(
     lr: float = 0.1,
     steps: int | None = None,
     schedule: str | None = None,
+    pipeline: str | None = None,
 ) -> list[float]:
     """Train for `steps` steps (default: one per batch; batches are reused cyclically) and return
     the per-step losses. Runs inside every rank of an initialised default process group."""
     if not batches:
         raise MeshplanError("train needs at least one batch")
     trainer = Trainer(
-        plan, model_fn(), batches[0], optimizer=optimizer, lr=lr, schedule=schedule
+        plan,
+        model_fn(),
+        batches[0],
+        optimizer=optimizer,
+        lr=lr,
+        schedule=schedule,
+        pipeline=pipeline,
     )
     n = len(batches) if steps is None else steps
     return [trainer.step(batches[i % len(batches)]) for i in range(n)]

@@ -69,7 +69,7 @@ def _count(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
         torch.manual_seed(0)
         model, b = build_model(SPEC, batch=8, device="cpu")
         batch = _random_batches(tuple(b), 1, seed=1)[0]
-        tr = Trainer(plan, model, batch, lr=0.1)
+        tr = Trainer(plan, model, batch, lr=0.1, pipeline="ours")
         tr.step(batch)  # warm-up (process groups, caches)
         with CommCounter() as counter:
             tr.step(batch)

@@ -9,7 +9,9 @@ gloo ranks in one launch of 4 ranks (ranks outside a plan idle):
   2 micro-batches (B == p: every forward is warm-up).
 
 For each: the losses of 3 SGD steps and the parameters after them equal single-device training on
-the whole batch within 1e-5 (relative). The schedule itself is checked without ranks.
+the whole batch within 1e-5 (relative), on our own runner (``pipeline="ours"``;
+`tests/test_runtime_torch_pipeline.py` runs interleaved plans on torch.distributed.pipelining). The
+schedule itself is checked without ranks.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def _train_all(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
     out = {}
     for name, plan in plans.items():
         model, batches = _model_and_batches()
-        tr = Trainer(plan, model, batches[0], lr=LR)
+        tr = Trainer(plan, model, batches[0], lr=LR, pipeline="ours")
         losses = [tr.step(b) for b in batches]
         runner = tr.runner
         out[name] = {

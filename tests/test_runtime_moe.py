@@ -18,7 +18,8 @@ gloo launch of 4 ranks runs them all; ranks outside a plan idle):
   data-parallel axis, trained with SGD + momentum 0.9 (its state lives on the shards only).
 
 For each: the losses of 3 steps and the parameters after them equal single-device training within
-1e-5 (relative).
+1e-5 (relative). The pipeline plans run on our own runner (``pipeline="ours"``);
+`tests/test_runtime_torch_pipeline.py` runs MoE pipelines on torch.distributed.pipelining.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def _train_all(plans: dict[str, tuple[ParallelPlan, str]]) -> dict[str, Any]:
     out = {}
     for name, (plan, optimizer) in plans.items():
         model, batches = _model_and_batches()
-        tr = Trainer(plan, model, batches[0], lr=LR)
+        tr = Trainer(plan, model, batches[0], lr=LR, pipeline="ours")
         if tr.optimizer is not None:
             tr.optimizer = _optimizer(list(tr.params.values()), optimizer)
         losses = [tr.step(b) for b in batches]

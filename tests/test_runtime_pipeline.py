@@ -11,7 +11,10 @@ Plans of a small GPT (4 layers, hidden 64), global batch 8, run as real gloo ran
   submeshes of different sizes (stage 0 of ``pp2``, stage 1 of ``pp2_tp2`` moved to ranks 1, 2).
 
 For each: the losses of 3 SGD steps and the parameters after them equal single-device training on
-the whole batch within 1e-5 (relative). `run_local` is checked once, in its own launch.
+the whole batch within 1e-5 (relative). These run on our own runner (``pipeline="ours"``; the
+equal-submesh plans would otherwise take torch.distributed.pipelining, tested in
+`tests/test_runtime_torch_pipeline.py`). `run_local` is checked once, in its own launch (on the
+default choice).
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def _train_all(plans: dict[str, tuple[ParallelPlan, str | None]]) -> dict[str, A
     out = {}
     for name, (plan, schedule) in plans.items():
         model, batches = _model_and_batches()
-        tr = Trainer(plan, model, batches[0], lr=LR, schedule=schedule)
+        tr = Trainer(plan, model, batches[0], lr=LR, schedule=schedule, pipeline="ours")
         losses = [tr.step(b) for b in batches]
         params = {k: v.numpy().copy() for k, v in tr.full_params().items()}
         ex = tr.runner.executor

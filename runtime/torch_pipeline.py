@@ -1,0 +1,438 @@
+"""Run a pipeline plan whose stages have equal submeshes with ``torch.distributed.pipelining``.
+
+    runner = make_runner(plan, graph)            # TorchPipelineRunner or PipelineRunner
+    loss = runner.step(params, microbatches, buffers)
+
+When every stage of a plan (every chunk, when interleaved) has the same logical mesh shape, the
+stage meshes line up coordinate by coordinate: the rank at position ``i`` of stage ``s``'s mesh
+talks only to the rank at position ``i`` of stage ``s + 1``'s mesh. `TorchPipelineRunner` then
+builds one ``DeviceMesh`` of shape ``(p, *stage_mesh_shape)`` over the ``p`` device groups, with
+dimension names ``("pp", "stage0", ...)``: the ``"stage*"`` slice is this rank's stage mesh (what
+the executor shards over), and the ``"pp"`` dimension's process group links the ranks at the same
+mesh position of every stage. Over that group each rank runs PyTorch's own schedule
+(``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` for ``plan.virtual_stages >
+1``) with one ``PipelineStage`` per stage (or chunk) it runs. The pipelines of the different mesh
+positions run side by side; the collectives inside a stage (tensor or data parallelism) run on the
+stage mesh's own groups.
+
+The stage's submodule (`_StageModule`) wraps the stage's `runtime.executor.PlanExecutor`:
+
+* it receives, as plain tensors, the local shards of the boundary values crossing into the stage
+  and wraps them with ``DTensor.from_local`` in their boundary placement (below);
+* it runs the stage's graph with ``PlanExecutor.run_outputs`` on the parameters, the micro-batch
+  (looked up by the ``mb`` keyword argument that the schedule splits like a batch) and buffers;
+* for every boundary value crossing out of the stage, it redistributes the value on its own mesh to
+  the boundary placement and returns ``to_local()``: the shard at mesh position ``i`` is the one
+  the receiving stage's rank at position ``i`` needs, because both meshes have the same shape.
+
+A value's boundary placement is the placement its first reader (the first consumer node in the
+first stage that reads it) requires (``StagePlan.node_strategies``), or ``Replicate`` where that
+has a ``Partial``; the receiving stages' solutions plan their placeholder for the value with that
+placement (so the executor's edge and its gradient start from what arrives). A value read by a
+stage after the next is relayed by the stages between (their submodules pass its local shard
+through): torch's schedules only move values between adjacent stages.
+
+Backward is autograd end to end: ``PipelineStage`` back-propagates the received output gradients
+through ``to_local`` (which wraps the local gradient in the boundary placement), the executor's
+graph and ``from_local`` (which redistributes the input's gradient to the boundary placement and
+returns its local shard), and sends that shard back.
+
+Loss semantics are those of `runtime.pipeline.PipelineRunner`: the last stage's submodule returns
+the micro-batch loss (replicated, as a local scalar), the schedule's ``loss_fn`` divides it by the
+number of micro-batches ``B`` before its backward (``scale_grads=False``: the parameters are the
+runner's DTensor leaves, not the submodule's), so the accumulated gradient is that of the global
+batch's mean loss; the step's loss is the mean of the micro-batch losses, broadcast from the last
+stage's first rank to the world. ZeRO parameters are all-gathered once per step before the
+schedule runs and their gradients reduce-scattered after it, and the other gradients synchronised
+once per step (`PipelineRunner._finish_grads`); recomputation runs inside the executor
+(``recompute_layers``), so both work as in `PipelineRunner`.
+
+Which runner (`make_runner`): ``impl="auto"`` (the default; or the environment variable
+``MESHPLAN_PIPELINE``) takes this module's runner when `torch_pipelining_unsupported` finds no
+reason against it, else `PipelineRunner` (our own send/recv and schedules, needed when the
+submeshes differ in size or shape); ``"ours"`` forces `PipelineRunner`; ``"torch"`` forces this
+runner and raises when the plan does not fit it. Plans of one stage run on `PipelineRunner`
+(there is no pipeline to schedule).
+
+What PyTorch lacks here (why `_StageModule` exists): no PyTorch piece runs an fx graph under
+per-node placements (`runtime.executor`), so the stage module wraps our executor. Why it exchanges
+local shards rather than DTensors: torch 2.13's ``PipelineStage`` can carry DTensor boundary values
+(it sends the local tensor and rebuilds the DTensor from metadata, on a mesh looked up by dimension
+names and layout), but then the gradients' placements must be declared up front (static
+``input_grads`` / ``output_grads``) or inferred by a metadata pass that runs the stage on real
+tensors, and a value would cross in whatever placement its producer left it. Plain local shards in
+a boundary placement fixed from the plan keep both sides' layouts, and the gradients' placements
+(pinned by ``to_local`` / ``from_local``), in our hands, with plain-tensor static metadata.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from cost_models.errors import MeshplanError
+from planner.dtensor_rules import str_to_placement
+from planner.intra_op import StageSolution
+from planner.opgraph import OpGraph
+from planner.plan_format import ParallelPlan
+from planner.stage_costs import Option
+from planner.strategies import Strategy
+from runtime import comm_count
+from runtime.pipeline import PipelineRunner
+from runtime.stages import StageGraph
+
+__all__ = [
+    "IMPLS",
+    "PIPELINE_ENV",
+    "TorchPipelineRunner",
+    "boundary_placements",
+    "crossing_values",
+    "make_runner",
+    "torch_pipelining_unsupported",
+]
+
+PIPELINE_ENV = "MESHPLAN_PIPELINE"
+IMPLS = ("auto", "torch", "ours")
+Strs = tuple[str, ...]
+
+
+def torch_pipelining_unsupported(plan: ParallelPlan) -> str | None:
+    """Why `plan` cannot run on ``torch.distributed.pipelining`` (None when it can): it needs at
+    least two stages, the same logical mesh for every stage, and at every mesh position the
+    device groups' ranks increasing in stage order (the ``pp`` group's rank order is the ranks'
+    order, and torch's schedules place stage ``s`` on group rank ``s % p``)."""
+    if len(plan.stages) < 2:
+        return "a plan of one stage has no pipeline"
+    shapes = {tuple(s.logical_mesh) for s in plan.stages}
+    if len(shapes) > 1:
+        return f"the stages' logical meshes differ ({sorted(shapes)})"
+    p = len(plan.stages) // max(plan.virtual_stages, 1)
+    groups = [list(s.devices) for s in plan.stages[:p]]
+    if len({len(g) for g in groups}) > 1:
+        return "the device groups differ in size"
+    for i in range(len(groups[0])):
+        ranks = [g[i] for g in groups]
+        if ranks != sorted(ranks):
+            return (
+                f"the ranks at mesh position {i} ({ranks}) are not increasing in stage "
+                "order"
+            )
+    return None
+
+
+def make_runner(
+    plan: ParallelPlan,
+    graph: OpGraph,
+    *,
+    device_type: str = "cpu",
+    schedule: str | None = None,
+    impl: str | None = None,
+) -> PipelineRunner:
+    """The runner of `plan` (module docstring): `impl` is ``"auto"``, ``"torch"`` or ``"ours"``
+    (default: ``$MESHPLAN_PIPELINE`` or ``"auto"``)."""
+    impl = impl or os.environ.get(PIPELINE_ENV) or "auto"
+    if impl not in IMPLS:
+        raise MeshplanError(f"pipeline implementation {impl!r}: use one of {IMPLS}")
+    reason = torch_pipelining_unsupported(plan)
+    if impl == "torch" and reason is not None:
+        raise MeshplanError(
+            f"torch.distributed.pipelining cannot run this plan: {reason}"
+        )
+    if impl == "ours" or reason is not None:
+        return PipelineRunner(plan, graph, device_type=device_type, schedule=schedule)
+    return TorchPipelineRunner(plan, graph, device_type=device_type, schedule=schedule)
+
+
+def crossing_values(stages: Sequence[StageGraph]) -> list[list[str]]:
+    """``out[b]``: the boundary values that go from stage ``b`` to stage ``b + 1`` - produced at
+    a stage ``<= b`` and read at a stage ``> b`` - in the order of their producers' outputs."""
+    producer: dict[str, int] = {}
+    last_reader: dict[str, int] = {}
+    for st in stages:
+        for v, dsts in st.outputs.items():
+            producer[v] = st.index
+            last_reader[v] = max(dsts)
+    order = [v for st in stages for v in st.outputs]
+    return [
+        [v for v in order if producer[v] <= b < last_reader[v]]
+        for b in range(len(stages) - 1)
+    ]
+
+
+def _parseable(strs: Strs) -> bool:
+    try:
+        places = [str_to_placement(s) for s in strs]
+    except ValueError:
+        return False
+    return not any(p.is_partial() for p in places)
+
+
+def boundary_placements(
+    stages: Sequence[StageGraph], plan: ParallelPlan
+) -> dict[str, Strs]:
+    """Boundary value -> the placement (plan strings, one per logical-mesh axis) it crosses
+    stages in: what its first reader requires, ``R`` on every axis where that is partial or not
+    a placement (module docstring)."""
+    out: dict[str, Strs] = {}
+    for st in stages:
+        for v, dsts in st.outputs.items():
+            reader = stages[min(dsts)]
+            sp = plan.stages[reader.index]
+            want: Strs = ("R",) * len(sp.logical_mesh)
+            for n in reader.graph.gm.graph.nodes:
+                if n.op != "call_function":
+                    continue
+                ks = [k for k, u in enumerate(n.all_input_nodes) if u.name == v]
+                if not ks:
+                    continue
+                got = sp.node_strategies[n.name]["inputs"][ks[0]]
+                if got is not None and _parseable(tuple(got)):
+                    want = tuple(got)
+                break
+            out[v] = want
+    return out
+
+
+def _loss_fn(num_microbatches: int) -> Any:
+    def scaled(output: torch.Tensor, _mb: torch.Tensor) -> torch.Tensor:
+        # the micro-batch loss over B: gradients accumulate to the mean loss's
+        return output / num_microbatches
+
+    return scaled
+
+
+class TorchPipelineRunner(PipelineRunner):
+    """`PipelineRunner` whose step runs ``torch.distributed.pipelining`` (module docstring).
+
+    ``pp_group`` is this rank's pipeline process group (None outside the plan),
+    ``pipeline_stages`` its ``PipelineStage`` objects (one per chunk it runs) and
+    ``pipeline_schedule`` the torch schedule object driving them."""
+
+    uses_torch_pipelining = True
+
+    def __init__(
+        self,
+        plan: ParallelPlan,
+        graph: OpGraph,
+        *,
+        device_type: str = "cpu",
+        schedule: str | None = None,
+    ) -> None:
+        reason = torch_pipelining_unsupported(plan)
+        if reason is not None:
+            raise MeshplanError(
+                f"torch.distributed.pipelining cannot run this plan: {reason}"
+            )
+        self.pp_group: dist.ProcessGroup | None = None
+        self._boundary: dict[str, Strs] | None = None
+        super().__init__(plan, graph, device_type=device_type, schedule=schedule)
+        self.crossing = crossing_values(self.stages)
+        self._micro: Sequence[Sequence[torch.Tensor]] = ()
+        self._used: dict[str, DTensor] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._losses: list[float] = []
+        self.pipeline_stages: list[PipelineStage] = []
+        self.pipeline_schedule: Any = None
+        if not self.chunks:
+            return
+        if device_type == "cpu":
+            device = torch.device("cpu")
+        else:
+            device = torch.device(device_type, torch.accelerator.current_device_index())
+        S = len(self.stages)
+        for c in self.chunks:
+            module = _StageModule(self, c)
+            self.pipeline_stages.append(
+                PipelineStage(
+                    module,
+                    c,
+                    S,
+                    device,
+                    input_args=module.example_inputs(),
+                    output_args=module.example_outputs(),
+                    group=self.pp_group,
+                )
+            )
+        B = plan.num_microbatches
+        loss_fn = _loss_fn(B)
+        if self.schedule == "interleaved":
+            self.pipeline_schedule = ScheduleInterleaved1F1B(
+                self.pipeline_stages, B, loss_fn=loss_fn, scale_grads=False
+            )
+        else:
+            cls = ScheduleGPipe if self.schedule == "gpipe" else Schedule1F1B
+            self.pipeline_schedule = cls(
+                self.pipeline_stages[0], B, loss_fn=loss_fn, scale_grads=False
+            )
+
+    # ------------------------------------------------------------------ construction hooks
+
+    def _build_meshes(self, device_type: str) -> list[DeviceMesh | None]:
+        """One DeviceMesh ``(p, *stage shape)`` over the device groups (module docstring); this
+        rank's stage mesh for the chunks it runs, None for the others."""
+        p = self.groups
+        shape = tuple(s for s in self.plan.stages[0].logical_mesh if s > 1) or (1,)
+        ranks = torch.tensor(
+            [list(s.devices) for s in self.plan.stages[:p]], dtype=torch.int64
+        ).view(p, *shape)
+        names = ("pp", *(f"stage{i}" for i in range(len(shape))))
+        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
+        mine = [self.rank in s.devices for s in self.plan.stages]
+        if not any(mine):
+            return [None] * len(self.plan.stages)
+        stage = mesh[names[1]] if len(names) == 2 else mesh[names[1:]]
+        self.pp_group = mesh.get_group("pp")
+        pos = next(s.devices for s in self.plan.stages if self.rank in s.devices)
+        i = list(pos).index(self.rank)
+        for g in range(p):
+            got = dist.get_group_rank(self.pp_group, self.plan.stages[g].devices[i])
+            if got != g:
+                raise MeshplanError(
+                    f"device group {g} has rank {got} in the pipeline group, not {g}"
+                )
+        return [stage if m else None for m in mine]
+
+    def _solution(self, c: int, fallback: set[str]) -> StageSolution:
+        """The stage's solution with every received value's placeholder planned in its
+        boundary placement (`boundary_placements`)."""
+        sol = super()._solution(c, fallback)
+        choice = dict(sol.choice)
+        for v in self.stages[c].inputs:
+            choice[v] = Option(Strategy((self.boundary[v],), (), "leaf"))
+        sol.choice = choice
+        return sol
+
+    @property
+    def boundary(self) -> dict[str, Strs]:
+        """Boundary value -> its placement between stages (plan strings)."""
+        if self._boundary is None:
+            self._boundary = boundary_placements(self.stages, self.plan)
+        return self._boundary
+
+    # ------------------------------------------------------------------ one step
+
+    def step(
+        self,
+        params: dict[str, DTensor],
+        microbatches: Sequence[Sequence[torch.Tensor]],
+        buffers: dict[str, torch.Tensor] | None = None,
+    ) -> float:
+        """Forward and backward of every micro-batch in PyTorch's schedule, then the gradient
+        sync; the mean micro-batch loss, the same on every rank of the world."""
+        B = len(microbatches)
+        if B != self.plan.num_microbatches:
+            raise MeshplanError(
+                f"the plan runs {self.plan.num_microbatches} micro-batches, got {B}"
+            )
+        loss = torch.zeros(())
+        if self.index is not None:
+            self._micro, self._buffers, self._losses = microbatches, buffers or {}, []
+            used = self._gather_zero(params) if self.zero_placements else params
+            self._used = used
+            ids = torch.arange(B)
+            try:
+                self.pipeline_schedule.step(target=ids, return_outputs=False, mb=ids)
+            finally:
+                self._micro, self._used, self._buffers = (), {}, {}
+            for x in self._losses:
+                loss += x
+            self._finish_grads(params, used)
+        dist.broadcast(loss, src=self.plan.stages[-1].devices[0])
+        return float(loss) / B
+
+
+class _StageModule(nn.Module):
+    """One stage (chunk) of a `TorchPipelineRunner` as the module of a ``PipelineStage``:
+    ``forward(*received_shards, mb)`` -> the local shards of the values crossing out of the
+    stage, or the micro-batch loss on the last stage (module docstring). It holds no
+    parameters: they are the runner's DTensor leaves."""
+
+    def __init__(self, runner: TorchPipelineRunner, c: int) -> None:
+        super().__init__()
+        self.runner, self.c = runner, c
+        self.ex = runner.executors[c]
+        self.st = runner.stages[c]
+        self.recv = runner.crossing[c - 1] if c > 0 else []
+        self.send = [] if self.st.is_last else runner.crossing[c]
+        self.places = {
+            v: self.ex.placements(runner.boundary[v]) for v in self.recv + self.send
+        }
+
+    def _example(self, v: str) -> torch.Tensor:
+        """An empty tensor shaped as this rank's shard of boundary value `v`."""
+        meta = self.runner.graph.node(v).outputs[0]
+        shape, _ = compute_local_shape_and_global_offset(
+            tuple(meta.shape), self.ex.mesh, self.places[v]
+        )
+        t = torch.empty(shape, dtype=getattr(torch, meta.dtype))
+        return t.requires_grad_(t.is_floating_point())
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        """Examples of the received shards (none for the first stage: its input is the batch)."""
+        return tuple(self._example(v) for v in self.recv)
+
+    def example_outputs(self) -> tuple[torch.Tensor, ...]:
+        """Examples of the sent shards, or of the loss on the last stage."""
+        if not self.st.is_last:
+            return tuple(self._example(v) for v in self.send)
+        out = next(n for n in self.st.graph.gm.graph.nodes if n.op == "output")
+        val = out.args[0]
+        val = val[0] if isinstance(val, (tuple, list)) else val
+        dtype = val.meta["val"].dtype
+        return (torch.empty((), dtype=dtype, requires_grad=True),)
+
+    def forward(
+        self, *received: torch.Tensor, mb: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        runner, ex = self.runner, self.ex
+        m = int(mb.reshape(-1)[0])
+        shards = dict(zip(self.recv, received))
+        inputs = {}
+        for v in self.st.inputs:
+            meta = runner.graph.node(v).outputs[0]
+            shape = torch.Size(meta.shape)
+            inputs[v] = DTensor.from_local(
+                shards[v],
+                ex.mesh,
+                self.places[v],
+                run_check=False,
+                shape=shape,
+                stride=torch.empty(shape, device="meta").stride(),
+            )
+        out = ex.run_outputs(
+            runner._used, runner._micro[m], runner._buffers, inputs=inputs
+        )
+        if self.st.is_last:
+            loss = out[0] if isinstance(out, (list, tuple)) else out
+            if any(not p.is_replicate() for p in loss.placements):
+                with comm_count.site("fwd:output"):
+                    loss = loss.redistribute(placements=[Replicate()] * ex.mesh.ndim)
+            local = loss.to_local()
+            runner._losses.append(float(local.detach()))
+            return local
+        produced = dict(zip(self.st.outputs, out))
+        sent = []
+        for v in self.send:
+            if v not in produced:  # relayed to a later stage
+                sent.append(shards[v].view_as(shards[v]))
+                continue
+            x = produced[v]
+            if tuple(x.placements) != tuple(self.places[v]):
+                with comm_count.site(f"fwd:{v}->send"):
+                    x = x.redistribute(ex.mesh, self.places[v])
+            sent.append(x.to_local().contiguous())
+        return tuple(sent)
