@@ -17,13 +17,18 @@ stage mesh's own groups.
 
 The stage's submodule (`_StageModule`) wraps the stage's `runtime.executor.PlanExecutor`:
 
-* it receives, as plain tensors, the local shards of the boundary values crossing into the stage
-  and wraps them with ``DTensor.from_local`` in their boundary placement (below);
+* it receives, as plain tensors, the local shards of the boundary values crossing into the stage,
+  wraps them with ``DTensor.from_local`` in their wire placement and redistributes them to their
+  boundary placement (below);
 * it runs the stage's graph with ``PlanExecutor.run_outputs`` on the parameters, the micro-batch
   (looked up by the ``mb`` keyword argument that the schedule splits like a batch) and buffers;
 * for every boundary value crossing out of the stage, it redistributes the value on its own mesh to
-  the boundary placement and returns ``to_local()``: the shard at mesh position ``i`` is the one
+  its wire placement and returns ``to_local()``: the shard at mesh position ``i`` is the one
   the receiving stage's rank at position ``i`` needs, because both meshes have the same shape.
+
+The wire placement (`wire_placements`) is the boundary placement with its replicated mesh axes
+sharded on a tensor dimension: each rank sends a 1/n piece and the receiving mesh all-gathers
+them, so the full value crosses once per direction, as the planner prices stage boundaries.
 
 A value's boundary placement is the placement its first reader (the first consumer node in the
 first stage that reads it) requires (``StagePlan.node_strategies``), or ``Replicate`` where that
@@ -81,8 +86,9 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
 from planner.dtensor_rules import str_to_placement
@@ -205,6 +211,28 @@ def boundary_placements(
                 break
             out[v] = want
     return out
+
+
+def wire_placements(
+    shape: Sequence[int], places: Sequence[Placement], mesh_shape: Sequence[int]
+) -> tuple[Placement, ...]:
+    """The placement a boundary value travels in: `places` (its boundary placement) with every
+    replicated mesh axis of size n > 1 sharded on the largest tensor dimension that no other axis
+    shards and that n divides (kept replicated when there is none). The ranks of a stage then each
+    send a 1/n piece and the full value crosses once per direction, as the planner prices it
+    (`planner.stage_table`; Alpa's cross-mesh resharding: send pieces, all-gather on the
+    receiving mesh) instead of n copies of it."""
+    out = list(places)
+    taken = {p.dim for p in out if isinstance(p, Shard)}
+    for axis, n in enumerate(mesh_shape):
+        if n == 1 or not out[axis].is_replicate():
+            continue
+        dims = [d for d in range(len(shape)) if d not in taken and shape[d] % n == 0]
+        if dims:
+            d = max(dims, key=lambda d: shape[d])
+            out[axis] = Shard(d)
+            taken.add(d)
+    return tuple(out)
 
 
 def _loss_fn(num_microbatches: int) -> Any:
@@ -371,12 +399,19 @@ class _StageModule(nn.Module):
         self.places = {
             v: self.ex.placements(runner.boundary[v]) for v in self.recv + self.send
         }
+        # the placement each value crosses in (`wire_placements`)
+        self.wire = {
+            v: wire_placements(
+                runner.graph.node(v).outputs[0].shape, p, self.ex.mesh.shape
+            )
+            for v, p in self.places.items()
+        }
 
     def _example(self, v: str) -> torch.Tensor:
         """An empty tensor shaped as this rank's shard of boundary value `v`."""
         meta = self.runner.graph.node(v).outputs[0]
         shape, _ = compute_local_shape_and_global_offset(
-            tuple(meta.shape), self.ex.mesh, self.places[v]
+            tuple(meta.shape), self.ex.mesh, self.wire[v]
         )
         t = torch.empty(shape, dtype=getattr(torch, meta.dtype))
         return t.requires_grad_(t.is_floating_point())
@@ -405,14 +440,18 @@ class _StageModule(nn.Module):
         for v in self.st.inputs:
             meta = runner.graph.node(v).outputs[0]
             shape = torch.Size(meta.shape)
-            inputs[v] = DTensor.from_local(
+            x = DTensor.from_local(
                 shards[v],
                 ex.mesh,
-                self.places[v],
+                self.wire[v],
                 run_check=False,
                 shape=shape,
                 stride=torch.empty(shape, device="meta").stride(),
             )
+            if self.wire[v] != self.places[v]:  # gather the pieces (module docstring)
+                with comm_count.site(f"fwd:{v}->recv"):
+                    x = x.redistribute(ex.mesh, self.places[v])
+            inputs[v] = x
         out = ex.run_outputs(
             runner._used, runner._micro[m], runner._buffers, inputs=inputs
         )
@@ -431,8 +470,8 @@ class _StageModule(nn.Module):
                 sent.append(shards[v].view_as(shards[v]))
                 continue
             x = produced[v]
-            if tuple(x.placements) != tuple(self.places[v]):
+            if tuple(x.placements) != self.wire[v]:
                 with comm_count.site(f"fwd:{v}->send"):
-                    x = x.redistribute(ex.mesh, self.places[v])
+                    x = x.redistribute(ex.mesh, self.wire[v])
             sent.append(x.to_local().contiguous())
         return tuple(sent)

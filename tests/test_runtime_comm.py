@@ -36,6 +36,8 @@ SPEC = "gpt:hidden=64,layers=4,heads=4,seq=16,vocab=128"
 CLUSTER = "1x4xA100-80GB"
 # the loss all-reduce and nll_loss's total_weight (see tests/test_executor.py)
 UNPRICED_SITES = ("fwd:output", "bwd:nll_loss_forward")
+# our runner (`runtime.pipeline`) and torch.distributed.pipelining (`runtime.torch_pipeline`)
+IMPLS = ("ours", "torch")
 
 
 @functools.cache
@@ -66,14 +68,15 @@ def _count(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     out = {}
     for name, plan in plans.items():
-        torch.manual_seed(0)
-        model, b = build_model(SPEC, batch=8, device="cpu")
-        batch = _random_batches(tuple(b), 1, seed=1)[0]
-        tr = Trainer(plan, model, batch, lr=0.1, pipeline="ours")
-        tr.step(batch)  # warm-up (process groups, caches)
-        with CommCounter() as counter:
-            tr.step(batch)
-        out[name] = {"stage": tr.runner.index, "records": counter.records}
+        for impl in IMPLS:
+            torch.manual_seed(0)
+            model, b = build_model(SPEC, batch=8, device="cpu")
+            batch = _random_batches(tuple(b), 1, seed=1)[0]
+            tr = Trainer(plan, model, batch, lr=0.1, pipeline=impl)
+            tr.step(batch)  # warm-up (process groups, caches)
+            with CommCounter() as counter:
+                tr.step(batch)
+            out[name, impl] = {"stage": tr.runner.index, "records": counter.records}
     return out
 
 
@@ -84,7 +87,7 @@ def all_runs() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def runs(all_runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r["pp2_tp2"] for r in all_runs]
+    return [r["pp2_tp2", "ours"] for r in all_runs]
 
 
 def _predicted(stage_index: int) -> dict[str, float]:
@@ -149,7 +152,7 @@ def test_boundary_point_to_point_bytes_match_the_plan(
     from runtime.comm_count import boundary_bytes, compare_boundary, predicted_boundary
 
     plan = _plans()[name]
-    records = [rec for r in all_runs for rec in r[name]["records"]]
+    records = [rec for r in all_runs for rec in r[name, "ours"]["records"]]
     torch.manual_seed(0)
     model, b = build_model(
         SPEC, batch=plan.global_batch // plan.num_microbatches, device="cpu"
@@ -181,3 +184,29 @@ def test_boundary_pieces_rebuild_the_value(shape: tuple[int, ...], n: int) -> No
     if n == 1:
         assert torch.equal(assemble(parts[0], shape, None), t)
     assert [piece_index([5, 2, 9], r) for r in (2, 5, 9)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("name", ["pp2", "pp2_tp2"])
+def test_torch_pipelining_sends_what_the_plan_priced(
+    all_runs: list[dict[str, Any]], name: str
+) -> None:
+    """On torch.distributed.pipelining the sends are issued by PyTorch's schedule (no site tells
+    forward from backward): every rank's point-to-point bytes of one step, both directions
+    together, against the planner's price (10%). pp2 x tp2 sends each value in pieces over the
+    tensor axis (`runtime.torch_pipeline.wire_placements`), not one copy per rank."""
+    from planner.tracer import trace
+    from runtime.comm_count import predicted_boundary
+
+    plan = _plans()[name]
+    records = [rec for r in all_runs for rec in r[name, "torch"]["records"]]
+    torch.manual_seed(0)
+    model, b = build_model(
+        SPEC, batch=plan.global_batch // plan.num_microbatches, device="cpu"
+    )
+    priced = sum(predicted_boundary(trace(model, b), plan).values())
+    sent = sum(r.nbytes for r in records if r.kind == "send")
+    received = sum(r.nbytes for r in records if r.kind == "recv")
+    print(f"{name} on torch pipelining: priced {priced:.0f} B, sent {sent:.0f} B")
+    assert priced > 0
+    assert sent == pytest.approx(priced, rel=0.1)
+    assert received == sent
