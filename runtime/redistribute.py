@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import Placement
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.tensor.placement_types import Placement
 
+from cost_models.errors import MeshplanError
 from runtime import comm_count
 
 
@@ -40,10 +41,21 @@ def _repartial(x: DTensor, dst: tuple[Placement, ...]) -> DTensor:
     for i, (c, d) in enumerate(zip(places, dst)):
         if not (c.is_partial() and d.is_partial()) or c == d:
             continue
-        mask = getattr(getattr(c, "mask_buffer", None), "data", None)
-        if mask is not None and c.reduce_op == "sum":
+        buffer = getattr(c, "mask_buffer", None)
+        if buffer is not None and c.reduce_op == "sum":
+            if buffer.data is None:
+                raise MeshplanError(
+                    "a vocabulary-parallel embedding's output was converted twice (its mask is "
+                    "released after the first conversion)"
+                )
+            mask = buffer.data
             m = mask if local.ndim == mask.ndim else mask.unsqueeze(-1)
             local = local.masked_fill(m, 0.0)
+            # This conversion is the value's reduction in DTensor's contract: release the mask
+            # as `_MaskPartial._reduce_value` does. DTensor caches the placement object with the
+            # op's sharding, so a mask left materialized makes the next step's embedding (other
+            # indices) fail with "MaskBuffer has been materialized with conflicting data".
+            buffer.release_mask()
             c = places[i] = Partial("sum")
         ops = (c.reduce_op, d.reduce_op)
         if type(c) is Partial and type(d) is Partial and ops in _REPARTIAL:
