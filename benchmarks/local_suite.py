@@ -80,7 +80,10 @@ def local_cases(procs: Sequence[int] | None = None) -> list[LocalCase]:
 
 def profile_options(nproc: int) -> Any:
     """What the suite measures: float32 products (m x d) @ (d x d) for m in 64, 256, 1024 and d in
-    64, 128, 512 (the small models' shapes), every rank at once; collectives
+    64, 128, 512 (the small models' shapes), every rank at once; memory bandwidth as the copy of
+    a 2 MiB tensor, the size of these models' activations (a 64 MiB copy measures DRAM streaming,
+    while these tensors stay in the caches; the roofline prices their elementwise ops with it);
+    collectives
     of 4 KiB .. 4 MiB on the power-of-two world sizes up to `nproc` (the submesh sizes planned)
     and `nproc`; the runtime's per-op overhead."""
     from runtime.profiler import KB, MB, ProfileOptions, size_range
@@ -94,7 +97,7 @@ def profile_options(nproc: int) -> Any:
         matmul_shapes=[(m, d, d) for m in (64, 256, 1024) for d in (64, 128, 512)],
         dtypes=("float32",),
         matmul_repeats=3,
-        bandwidth_bytes=64 * MB,
+        bandwidth_bytes=2 * MB,
         progress=False,
         concurrent_compute=True,
         op_overhead=True,

@@ -10,7 +10,9 @@ it, so the profiler measures it here and the cost model adds it per op
 Measurement (`measure_op_overhead`, inside a launched group, on every rank at once as in training):
 a tiny GPT (``CALIBRATION_MODEL``, hidden 8: a few thousand FLOPs per op) is traced, every node is
 given its fully replicated strategy on a 1-D mesh of all the ranks (no op communicates, nothing is
-sharded), and the executor runs forward + ``loss.backward()`` ``steps`` times after ``warmup``. The
+sharded), and the executor runs forward + ``loss.backward()`` ``steps`` times after ``warmup`` (the
+first step costs ~10x the rest - DTensor's propagation caches fill - and the next few still fall
+by about a third on this machine, hence 5). The
 overhead is the median step time divided by the graph's ``call_function`` nodes (views included:
 they dispatch too). The ops' own compute is negligible at this size (it is not subtracted). Every
 rank measures at the same time, so on a machine with fewer cores than ranks the figure includes
@@ -71,7 +73,7 @@ def replicated_solution(graph: Any, mesh_shape: tuple[int, int]) -> Any:
     )
 
 
-def measure_op_overhead(steps: int = 7, warmup: int = 2) -> float:
+def measure_op_overhead(steps: int = 10, warmup: int = 5) -> float:
     """Seconds of runtime overhead per traced op per micro-batch (forward + backward); call on every
     rank of an initialised CPU (gloo) process group. See the module docstring."""
     import torch
