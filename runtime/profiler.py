@@ -364,7 +364,7 @@ def _profile_worker(opts: ProfileOptions) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    out: dict[str, Any] = {"op_overhead": 0.0}
+    out: dict[str, Any] = {"op_overhead": None}
     if rank == 0 or opts.concurrent_compute:
         out["matmul"] = measure_matmul(opts)
         _log(opts, f"memory bandwidth ({opts.bandwidth_bytes // MB} MiB copy)")
@@ -470,8 +470,23 @@ def profile_from_raw(
             timespec="seconds"
         ),
         host=socket.gethostname(),
-        op_overhead_s=raw["op_overhead"],
+        op_overhead_s=_op_overhead(raw["op_overhead"], fits, opts.nproc),
     )
+
+
+def _op_overhead(
+    raw: dict[str, float] | None, fits: list[CollectiveFit], nproc: int
+) -> float:
+    """`runtime.overhead.overhead_from_step` with the all_reduce fit at `nproc` ranks (0 when
+    the overhead was not measured)."""
+    if raw is None:
+        return 0.0
+    from runtime.overhead import overhead_from_step
+
+    fit = next(
+        (f for f in fits if f.op == "all_reduce" and f.world_size == nproc), None
+    )
+    return overhead_from_step(raw, fit)
 
 
 def run_profile(opts: ProfileOptions) -> DeviceProfile:
