@@ -9,6 +9,7 @@ least 4 of 5 cases (the same fraction for another number of cases).
 
 from __future__ import annotations
 
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,12 @@ def _stages(case: dict[str, Any]) -> str:
     )
 
 
+def _load(case: dict[str, Any]) -> str:
+    """The 1-minute load average before -> after the case ("-" when not recorded)."""
+    load = case.get("load_average")
+    return "-" if not load else f"{load[0]:.1f} -> {load[1]:.1f}"
+
+
 def _faster(t_auto: float, t_manual: float) -> str:
     return "auto" if t_auto <= t_manual else "manual"
 
@@ -39,9 +46,9 @@ def local_table(doc: dict[str, Any]) -> list[str]:
         (
             "| procs | model | auto plan | predicted ms | measured ms | error | best manual "
             "| predicted ms | measured ms | error | faster predicted / measured "
-            "| per-op overhead us |"
+            "| per-op overhead us | load average |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in doc["cases"]:
         a, m = c["auto"], c["manual_best"]
@@ -51,7 +58,8 @@ def local_table(doc: dict[str, Any]) -> list[str]:
             f"| {c['num_devices']} | {c['suite']} | {_stages(c)} | {_ms(a['iteration_time_s'])} | "
             f"{_ms(a['measured_iteration_time_s'])} | {a['error']:+.0%} | {m['label']} | "
             f"{_ms(m['iteration_time_s'])} | {_ms(m['measured_iteration_time_s'])} | "
-            f"{m['error']:+.0%} | {fp} / {fm} | {c['profile']['op_overhead_s'] * 1e6:.0f} |"
+            f"{m['error']:+.0%} | {fp} / {fm} | {c['profile']['op_overhead_s'] * 1e6:.0f} | "
+            f"{_load(c)} |"
         )
     return out
 
@@ -82,6 +90,7 @@ def local_figure(doc: dict[str, Any], path: Path) -> bool:
     (nothing written) without matplotlib."""
     try:
         import matplotlib
+        import matplotlib.ticker
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -120,6 +129,9 @@ def local_figure(doc: dict[str, Any], path: Path) -> bool:
     )
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
     ax.set_xlabel("predicted step time (ms)")
@@ -143,7 +155,9 @@ def local_section(doc: dict[str, Any], directory: Path) -> list[str]:
             f"torch {doc.get('torch', '?')}; median of {doc.get('steps', '?')} steps after "
             f"{doc.get('warmup', '?')} warm-up, steps of the two plans alternating in one launch; "
             f"the suite took {doc.get('total_time_s', 0):.0f} s. Predicted = the cost models on "
-            "the profile measured in the same launch; error = predicted / measured - 1."
+            "the profile measured in the same launch; error = predicted / measured - 1. Load "
+            f"average: the 1-minute load of this machine ({os.cpu_count()} cores) before -> "
+            "after the case, other users' work included."
         ),
         "",
         *local_checks(doc),

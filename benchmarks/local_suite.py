@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -229,6 +230,7 @@ def run_local_case(
 
     options = options or profile_options(case.num_devices)
     check_options(options)
+    load_before = os.getloadavg()[0]
     if say:
         say(
             f"  one launch of {case.num_devices} processes: profile, plan, {warmup}+{steps} steps"
@@ -270,6 +272,10 @@ def run_local_case(
         "agree": (t_man >= t_auto) == (measured[1] >= measured[0]),
         "first_losses": [runs["losses"][0][0], runs["losses"][1][0]],
         "times_s": r["times_s"],
+        # 1-minute load average before and after the case: other work sharing the cores
+        # inflates and scatters the measured times (the cost model prices an idle machine's
+        # share as measured by the profile)
+        "load_average": [load_before, os.getloadavg()[0]],
     }
 
 

@@ -75,7 +75,7 @@ def test_end_to_end_record(doc, tmp_path):
     assert doc["steps"] == STEPS and doc["date"] and doc["machine"]
     (c,) = doc["cases"]
     assert (c["suite"], c["model"], c["num_devices"]) == ("gpt", SPEC, 2)
-    assert c["cluster"] == "1x2xCPU"
+    assert c["cluster"] == "1x2xCPU" and len(c["load_average"]) == 2
     assert c["profile"]["op_overhead_s"] > 0
     for key in ("auto", "manual_best"):
         part = c[key]
@@ -179,7 +179,7 @@ def test_report_table_and_figure(tmp_path):
     assert (
         "| 2 | gpt | B=2; 0-3@1x2 | 100.0 | 110.0 | -9% | dp2 tp1 pp1 B1 |" in rows[2]
     )
-    assert rows[3].endswith("| manual / manual | 100 |")
+    assert rows[3].endswith("| manual / manual | 100 | - |")
     pytest.importorskip("matplotlib")
     lines = local_report.local_section(doc, tmp_path)
     assert (tmp_path / "local-CPU.png").stat().st_size > 0
