@@ -5,7 +5,9 @@
 `benchmarks/results/REPORT.md`: per suite and device a table (automatic plan, best manual
 configuration, ratio, measured numbers of the reference), a figure of TFLOP/s per device against
 devices (automatic vs manual, predicted, and measured where the reference has them; needs matplotlib,
-the `bench` extra), and for GPT the cost model's error on Megatron's listed configurations.
+the `bench` extra), and for GPT the cost model's error on Megatron's listed configurations. The
+local measured suite's section (predicted against measured step time) comes from
+`benchmarks.local_report`.
 
     python -m benchmarks.report [RESULTS_DIR]
 """
@@ -16,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from benchmarks.local_report import local_section
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -153,7 +157,7 @@ def figure(doc: dict[str, Any], path: Path) -> bool:
 
 def checks(docs: list[dict[str, Any]]) -> list[str]:
     """The issue's targets, evaluated on the V100 results present (nothing is tuned to them)."""
-    v100 = [d for d in docs if d["device"] == "V100-16GB"]
+    v100 = [d for d in docs if d["device"] == "V100-16GB" and d["suite"] != "local"]
 
     def misses(cases: list[dict[str, Any]], low: float) -> str:
         # No manual configuration fits (ratio None) while the automatic plan does: target met.
@@ -207,12 +211,17 @@ def report(directory: str | Path = RESULTS) -> str:
             "measured, which are Alpa's authors' measurements on AWS p3.16xlarge (V100) hosts "
             "(../../../shared/reference/alpa-osdi22-suite.md). ratio = best manual iteration time / "
             "automatic iteration time (> 1: the automatic plan is faster; - when no manual configuration fits). Best manual = the fastest "
-            "configuration of the grid in `benchmarks/manual_grid.py` that fits in memory."
+            "configuration of the grid in `benchmarks/manual_grid.py` that fits in memory. The local "
+            "suite's section is measured on this machine's processes (predicted against measured "
+            "step time)."
         ),
         "",
     ]
     out += ["## Targets", "", *checks(docs), ""]
     for doc in docs:
+        if doc["suite"] == "local":
+            out += local_section(doc, directory)
+            continue
         out += [
             f"## {doc['suite']} on {doc['device']}",
             "",

@@ -28,6 +28,13 @@ datasheet ones: the memory term uses the measured bandwidth as is, ops without a
 measured peak, and matrix products interpolate the measured samples (``_measured_rate``): the
 achieved FLOP/s of the nearest measured shapes in the plane (log2 min-dimension, log2 FLOPs),
 averaged in log space with inverse-distance weights. All functions here are pure.
+
+Per-op overhead (``op_overhead``): a profile may also carry ``op_overhead_s``, the runtime's
+measured time per traced op per micro-batch beyond the op's compute (interpreting the graph and
+DTensor's dispatch, forward and backward; see `runtime.overhead`). It is a fixed cost per op,
+independent of the op's sharding, charged once per op (views included) by the planner's node
+prices. Without a profile it is 0: the roofline models a device whose kernels are launched ahead of
+their execution, where host overhead hides behind compute.
 """
 
 from __future__ import annotations
@@ -157,6 +164,12 @@ def op_time(
                 * (TENSOR_CORE_CURVE if name in TENSOR_CORE_DTYPES else FP32_CURVE)[0]
             )
     return max(flops / rate, memory) + overhead
+
+
+def op_overhead(cluster: Cluster) -> float:
+    """Seconds of runtime overhead per op per micro-batch: the profile's ``op_overhead_s``, else 0."""
+    profile = cluster.profile
+    return float(getattr(profile, "op_overhead_s", 0.0)) if profile is not None else 0.0
 
 
 def matmul_flops(m: int, n: int, k: int, batch: int = 1) -> float:

@@ -28,7 +28,8 @@ JSON layout (version 1)::
      "collectives": [{"op": "all_reduce", "world_size": 2, "alpha_s": .., "beta_s_per_byte": ..,
                       "samples": [[bytes, seconds], ...],
                       "segments": [[max_bytes, alpha_s, beta_s_per_byte], ...]}, ...],
-     "created": "2025-01-01T00:00:00+00:00", "host": "hostname"}
+     "created": "2025-01-01T00:00:00+00:00", "host": "hostname",
+     "op_overhead_s": 6e-05}                            # optional (0 when absent)
 
 This module is a leaf: it imports nothing from `planner` or `runtime`.
 """
@@ -142,6 +143,10 @@ class DeviceProfile:
     collectives: list[CollectiveFit]
     created: str
     host: str
+    #: Seconds the runtime spends per traced op per micro-batch beyond the op's own compute (the
+    #: interpreter's and DTensor's dispatch in forward and backward), measured by the profiler
+    #: (`runtime.overhead`); 0.0 when not measured. Optional in the file.
+    op_overhead_s: float = 0.0
 
     def collective(self, op: str, world_size: int) -> CollectiveFit | None:
         """The fit for `op` at `world_size`, or None when that pair was not measured."""
@@ -466,4 +471,5 @@ def load_profile(path: str | os.PathLike[str]) -> DeviceProfile:
         collectives=collectives,
         created=r.str_(data, "created"),
         host=r.str_(data, "host"),
+        op_overhead_s=r.num(data, "op_overhead_s") if "op_overhead_s" in data else 0.0,
     )

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from cost_models.communication import LogicalMesh, reshard_cost
-from cost_models.compute import op_time
+from cost_models.compute import op_overhead, op_time
 from cost_models.memory import state_bytes_per_param
 from planner.opgraph import OpGraph, OpNode, TensorMeta
 from planner.strategies import Strategy, consumed_output, node_strategies
@@ -113,8 +113,13 @@ def _matmul_hint(
 
 
 def compute_time(node: OpNode, option: Option, s: StageSettings) -> float:
-    if node.op != "call" or node.is_view:
+    """Forward + backward compute of a call node under `option`, plus the runtime's fixed
+    per-op overhead (`cost_models.compute.op_overhead`, 0 without a measured profile), which
+    views pay too."""
+    if node.op != "call":
         return 0.0
+    if node.is_view:
+        return op_overhead(s.mesh.cluster)
     f = split_factor(option.strategy, s.mesh.shape)
     flops = (node.fwd_flops + node.bwd_flops) / f
     passes = (
@@ -122,7 +127,7 @@ def compute_time(node: OpNode, option: Option, s: StageSettings) -> float:
     )  # backward reads and writes about twice what forward does
     nbytes = (node.bytes_read + node.bytes_written) * passes / f
     dtype = node.outputs[0].dtype if node.outputs else "float32"
-    return op_time(
+    return op_overhead(s.mesh.cluster) + op_time(
         s.mesh.cluster,
         flops,
         nbytes,

@@ -25,6 +25,10 @@ One launch (`runtime.launch.launch`) of N ranks measures, in order:
    Byte convention: see cost_models/profile.py (the full unsharded tensor for all_gather output /
    reduce_scatter input / all_reduce / all_to_all buffer; the per-rank message for send_recv).
 
+With ``concurrent_compute`` steps 1 and 2 run on every rank at once (rank 0's figures are kept;
+see `ProfileOptions`); with ``op_overhead`` every rank then measures the runtime's per-op overhead
+(`runtime.overhead`, CPU ranks).
+
 Then alpha and beta are fitted per (op, world size) with `fit_alpha_beta`, plus a continuous
 piecewise-linear fit (`fit_segments`) where one line misses a sample by more than 20%: gloo's
 all_gather / reduce_scatter grow ~4x per doubling above ~16 MiB here. Progress goes to stderr.
@@ -82,6 +86,12 @@ class ProfileOptions:
     backend: str | None = None
     timeout_s: float = 1200.0
     progress: bool = True
+    #: Every rank measures matmul and bandwidth at once (rank 0's figures are kept): a device is
+    #: what one rank gets while all of them compute, as in data- or tensor-parallel training (on a
+    #: CPU with fewer cores than ranks, the ranks time-share the cores). False: rank 0 alone.
+    concurrent_compute: bool = False
+    #: Measure the runtime's per-op overhead (`runtime.overhead`; CPU ranks only).
+    op_overhead: bool = False
 
     @staticmethod
     def full(nproc: int, max_bytes: int = 64 * MB) -> ProfileOptions:
@@ -179,6 +189,35 @@ def matmul_grid(opts: ProfileOptions) -> list[tuple[int, int, int]]:
     return [(m, n, k) for m in d for n in d for k in d]
 
 
+def _agree_min(x: float, concurrent: bool) -> float:
+    """The smallest `x` over all ranks when they measure concurrently (so that they take the same
+    branches and meet at the same barriers), else `x`."""
+    if not concurrent:
+        return x
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t)
+
+
+def _timer(opts: ProfileOptions) -> dict[str, Any]:
+    """`time_call` settings. Alone: the fastest of >= 1 ms loops (module docstring). Concurrent:
+    every rank barriers before each measurement, loops last >= 30 ms (many scheduler slices, so
+    that time-sharing of cores shows in every loop) and the median loop is taken."""
+    if opts.concurrent_compute:
+        return {"min_s": 0.03, "reduce": statistics.median}
+    return {}
+
+
+def _meet(opts: ProfileOptions) -> None:
+    if opts.concurrent_compute:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
 def measure_matmul(opts: ProfileOptions) -> list[MatmulSample]:
     """Time (m x k) @ (k x n) for every shape and supported dtype on this process's device."""
     import torch
@@ -192,6 +231,9 @@ def measure_matmul(opts: ProfileOptions) -> list[MatmulSample]:
             a = torch.randn(256, 256, device=dev).to(dtype)
             probe = time_call(lambda a=a: a @ a, repeats=1, warmup=1)
         except RuntimeError:
+            probe = float("inf")
+        probe = -_agree_min(-probe, opts.concurrent_compute)  # the slowest rank's
+        if probe == float("inf"):
             _log(opts, f"matmul {dtype_name}: not supported on {dev}, skipped")
             continue
         probe_rate = 2 * 256**3 / probe
@@ -203,19 +245,23 @@ def measure_matmul(opts: ProfileOptions) -> list[MatmulSample]:
             _log(opts, f"matmul {dtype_name} {m}x{n}x{k} ({i}/{len(shapes)})")
             a = torch.randn(m, k, device=dev).to(dtype)
             b = torch.randn(k, n, device=dev).to(dtype)
-            sec = time_call(lambda a=a, b=b: a @ b, opts.matmul_repeats, warmup=1)
+            _meet(opts)
+            sec = time_call(
+                lambda a=a, b=b: a @ b, opts.matmul_repeats, warmup=1, **_timer(opts)
+            )
             samples.append(MatmulSample(m, n, k, dtype_name, sec))
     return samples
 
 
-def measure_bandwidth(nbytes: int, repeats: int = 5) -> float:
-    """Bytes per second of copying an `nbytes` tensor (read + write counted)."""
+def measure_bandwidth(nbytes: int, repeats: int = 5, **timer: Any) -> float:
+    """Bytes per second of copying an `nbytes` tensor (read + write counted); `timer` goes to
+    `time_call`."""
     import torch
 
     dev = _device()
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev).fill_(1)
     dst = torch.empty_like(src)
-    sec = time_call(lambda: dst.copy_(src), repeats, warmup=1)
+    sec = time_call(lambda: dst.copy_(src), repeats, warmup=1, **timer)
     return 2.0 * nbytes / sec
 
 
@@ -318,12 +364,18 @@ def _profile_worker(opts: ProfileOptions) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    out: dict[str, Any] = {}
-    if rank == 0:
+    out: dict[str, Any] = {"op_overhead": None}
+    if rank == 0 or opts.concurrent_compute:
         out["matmul"] = measure_matmul(opts)
         _log(opts, f"memory bandwidth ({opts.bandwidth_bytes // MB} MiB copy)")
-        out["bandwidth"] = measure_bandwidth(opts.bandwidth_bytes)
+        _meet(opts)
+        out["bandwidth"] = measure_bandwidth(opts.bandwidth_bytes, **_timer(opts))
     dist.barrier()
+    if opts.op_overhead and dist.get_backend() == "gloo":
+        from runtime.overhead import measure_op_overhead
+
+        _log(opts, "runtime per-op overhead (tiny GPT, every rank)")
+        out["op_overhead"] = measure_op_overhead()
     pairs = _plan_collectives(opts)
     groups = {w: dist.new_group(list(range(w))) for w in sorted({w for _, w in pairs})}
     fits: list[tuple[str, int, list[tuple[int, float]]]] = []
@@ -374,18 +426,28 @@ def _memory_bytes(backend: str, nproc: int) -> int:
     return int(total // nproc)  # a CPU "device" is one rank's share of the host memory
 
 
-def run_profile(opts: ProfileOptions) -> DeviceProfile:
-    """Measure this machine with `opts.nproc` ranks and return the fitted DeviceProfile."""
+def check_options(opts: ProfileOptions) -> str:
+    """Raise MeshplanError for options that cannot run here; the backend to measure with."""
     backend = opts.backend or default_backend(opts.nproc)
     check_nproc(opts.nproc, backend)
     bad = [w for w in (opts.world_sizes or []) if not 2 <= w <= opts.nproc]
     if bad:
         raise MeshplanError(f"world sizes {bad} are outside 2..{opts.nproc} (--nproc)")
+    return backend
+
+
+def profile_worker(opts: ProfileOptions) -> dict[str, Any] | None:
+    """The measurements, run on every rank of an initialised group of `opts.nproc` ranks (for
+    callers that measure inside their own launch); rank 0 returns the raw data for
+    `profile_from_raw`, the other ranks None."""
+    return _profile_worker(opts)
+
+
+def profile_from_raw(
+    raw: dict[str, Any], opts: ProfileOptions, backend: str
+) -> DeviceProfile:
+    """Fit rank 0's raw measurements into a DeviceProfile."""
     threads = len(rank_cpu_sets(opts.nproc)[0])
-    _log(opts, f"measuring with {opts.nproc} {backend} ranks")
-    (raw, *_) = launch(
-        _profile_worker, opts.nproc, (opts,), backend=backend, timeout_s=opts.timeout_s
-    )
     fits = []
     for op, w, samples in raw["collectives"]:
         alpha, beta = fit_alpha_beta(samples)
@@ -408,4 +470,30 @@ def run_profile(opts: ProfileOptions) -> DeviceProfile:
             timespec="seconds"
         ),
         host=socket.gethostname(),
+        op_overhead_s=_op_overhead(raw["op_overhead"], fits, opts.nproc),
     )
+
+
+def _op_overhead(
+    raw: dict[str, float] | None, fits: list[CollectiveFit], nproc: int
+) -> float:
+    """`runtime.overhead.overhead_from_step` with the all_reduce fit at `nproc` ranks (0 when
+    the overhead was not measured)."""
+    if raw is None:
+        return 0.0
+    from runtime.overhead import overhead_from_step
+
+    fit = next(
+        (f for f in fits if f.op == "all_reduce" and f.world_size == nproc), None
+    )
+    return overhead_from_step(raw, fit)
+
+
+def run_profile(opts: ProfileOptions) -> DeviceProfile:
+    """Measure this machine with `opts.nproc` ranks and return the fitted DeviceProfile."""
+    backend = check_options(opts)
+    _log(opts, f"measuring with {opts.nproc} {backend} ranks")
+    (raw, *_) = launch(
+        _profile_worker, opts.nproc, (opts,), backend=backend, timeout_s=opts.timeout_s
+    )
+    return profile_from_raw(raw, opts, backend)

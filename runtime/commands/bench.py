@@ -4,8 +4,12 @@ meshplan bench --suite gpt                          # 1..64 V100s; writes benchm
 meshplan bench --suite moe --gpus 1 2 4 --json moe.json
 meshplan bench --suite wresnet --device A100-80GB
 meshplan bench --report                             # regenerate benchmarks/results/REPORT.md only
+meshplan bench --suite local [--gpus 2 4] [--json FILE]   # measured on this machine's processes
 
-Everything is predicted by the cost models (no device is used); see `benchmarks.suites`.
+The GPT, MoE and Wide-ResNet suites are predicted by the cost models (no device is used); see
+`benchmarks.suites`. The local suite profiles this machine, plans small models for 2 to 8 local
+processes and executes the plans, predicted against measured; see `benchmarks.local_suite`
+(`--gpus` is then the process counts; `--device` does not apply).
 """
 
 from __future__ import annotations
@@ -29,9 +33,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
             "Progress goes to stderr."
         ),
     )
-    p.add_argument("--suite", choices=SUITES, help="which suite to run")
     p.add_argument(
-        "--gpus", type=int, nargs="+", help="GPU counts to run (default: all cases)"
+        "--suite",
+        choices=(*SUITES, "local"),
+        help="which suite to run (local: measured on this machine's processes)",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        nargs="+",
+        help="GPU counts to run, or process counts for the local suite (default: all cases)",
     )
     p.add_argument(
         "--device",
@@ -61,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.suite and not args.report:
         raise MeshplanError("give --suite SUITE, or --report")
+    if args.suite == "local":
+        return _run_local(args)
     if args.suite:
         print(HEADER, flush=True)
         try:
@@ -81,5 +94,34 @@ def run(args: argparse.Namespace) -> int:
         if args.json is None:
             args.report = True
     if args.report:
+        print(f"wrote {write_report()}")
+    return 0
+
+
+def _run_local(args: argparse.Namespace) -> int:
+    """The local measured suite (`benchmarks.local_suite`)."""
+    from benchmarks import local_suite as ls
+    from benchmarks.report import RESULTS, write_report, write_results
+    from cost_models.errors import MeshplanError
+
+    try:
+        cases = ls.local_cases(args.gpus)
+    except ValueError as exc:
+        raise MeshplanError(str(exc)) from None
+    print(ls.HEADER, flush=True)
+    results = ls.run_local_suite(
+        cases=cases,
+        say=lambda msg: print(msg, file=sys.stderr, flush=True),
+        on_case=lambda case: print(ls.format_row(case), flush=True),
+    )
+    path = Path(args.json or RESULTS / f"local-{ls.DEVICE}.json")
+    write_results(results, path)
+    s = results["summary"]
+    print(
+        f"{s['cases']} cases in {results['total_time_s']:.0f} s; median |error| "
+        f"{s['median_abs_error']:.0%}, faster plan agrees in {s['agree']} of {s['cases']}; "
+        f"wrote {path}"
+    )
+    if args.json is None or args.report:
         print(f"wrote {write_report()}")
     return 0

@@ -2,6 +2,7 @@
 
 meshplan profile --nproc 4 --out profile.json            # full run (64 KiB .. 64 MiB, ~1-2 min)
 meshplan profile --nproc 2 --out p.json --quick          # a few seconds' worth
+meshplan profile --nproc 8 --out p.json --concurrent --op-overhead   # as the local suite measures
 meshplan profile --show profile.json                     # summarise an existing file
 """
 
@@ -59,6 +60,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--backend", choices=("gloo", "nccl"), help="default: nccl if GPUs, else gloo"
     )
     p.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="measure matmul and bandwidth on every rank at once (a device is then one rank's "
+        "share while all compute; for more ranks than cores)",
+    )
+    p.add_argument(
+        "--op-overhead",
+        action="store_true",
+        help="also measure the runtime's per-op overhead (CPU ranks), priced per op by the planner",
+    )
+    p.add_argument(
         "--show", metavar="FILE", help="summarise an existing profile instead"
     )
     p.set_defaults(func=run)
@@ -87,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats is not None:
         opts.repeats = opts.matmul_repeats = args.repeats
     opts.backend = args.backend
+    opts.concurrent_compute = args.concurrent
+    opts.op_overhead = args.op_overhead
     try:
         with open(args.out, "a", encoding="utf-8"):
             pass  # fail now, not after minutes of measuring
@@ -113,6 +127,8 @@ def summary(profile: DeviceProfile) -> str:
             f"{d} {v / 1e9:.1f} GFLOP/s" for d, v in profile.peak_flops.items()
         ),
         f"memory bw  {profile.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s",
+        f"op overhead {profile.op_overhead_s * 1e6:.0f} us per op per micro-batch"
+        + (" (not measured)" if profile.op_overhead_s == 0 else ""),
         f"matmul     {len(profile.matmul)} samples",
     ]
     if profile.collectives:

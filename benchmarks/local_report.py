@@ -1,0 +1,171 @@
+"""The local measured suite's part of the report: a table and a figure of predicted against
+measured step time, and the issue's targets (`benchmarks.report` calls these for a document whose
+suite is "local"; see `benchmarks.local_suite` for how the numbers are made).
+
+Targets (issue #7): the median |predicted / measured - 1| over both plans of every case is at most
+20%, and the plan predicted faster (automatic or best manual) is the one measured faster in at
+least 4 of 5 cases (the same fraction for another number of cases).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+MAX_MEDIAN_ERROR = 0.20
+AGREE_FRACTION = 4 / 5
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def _stages(case: dict[str, Any]) -> str:
+    return f"B={case['auto']['num_microbatches']}; " + " ".join(
+        f"{s['layers'][0]}-{s['layers'][1]}@{s['logical_mesh'][0]}x{s['logical_mesh'][1]}"
+        + ("rc" if s["recompute"] else "")
+        for s in case["auto"]["stages"]
+    )
+
+
+def _load(case: dict[str, Any]) -> str:
+    """The 1-minute load average before -> after the case ("-" when not recorded)."""
+    load = case.get("load_average")
+    return "-" if not load else f"{load[0]:.1f} -> {load[1]:.1f}"
+
+
+def _faster(t_auto: float, t_manual: float) -> str:
+    return "auto" if t_auto <= t_manual else "manual"
+
+
+def local_table(doc: dict[str, Any]) -> list[str]:
+    """Markdown rows: per case, both plans' predicted and measured step times and errors."""
+    out = [
+        (
+            "| procs | model | auto plan | predicted ms | measured ms | error | best manual "
+            "| predicted ms | measured ms | error | faster predicted / measured "
+            "| per-op overhead us | load average |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in doc["cases"]:
+        a, m = c["auto"], c["manual_best"]
+        fp = _faster(a["iteration_time_s"], m["iteration_time_s"])
+        fm = _faster(a["measured_iteration_time_s"], m["measured_iteration_time_s"])
+        out.append(
+            f"| {c['num_devices']} | {c['suite']} | {_stages(c)} | {_ms(a['iteration_time_s'])} | "
+            f"{_ms(a['measured_iteration_time_s'])} | {a['error']:+.0%} | {m['label']} | "
+            f"{_ms(m['iteration_time_s'])} | {_ms(m['measured_iteration_time_s'])} | "
+            f"{m['error']:+.0%} | {fp} / {fm} | {c['profile']['op_overhead_s'] * 1e6:.0f} | "
+            f"{_load(c)} |"
+        )
+    return out
+
+
+def local_checks(doc: dict[str, Any]) -> list[str]:
+    """The two targets, evaluated on the document's cases."""
+    cases = doc["cases"]
+    if not cases:
+        return ["- local suite: no case run"]
+    errors = [abs(c[k]["error"]) for c in cases for k in ("auto", "manual_best")]
+    med = statistics.median(errors)
+    agree = sum(bool(c["agree"]) for c in cases)
+    need = AGREE_FRACTION * len(cases)
+    return [
+        (
+            f"- (d) local suite: median |predicted / measured - 1| <= {MAX_MEDIAN_ERROR:.0%}: "
+            f"{'yes' if med <= MAX_MEDIAN_ERROR else 'no'} ({med:.0%}; largest {max(errors):.0%})"
+        ),
+        (
+            f"- (e) local suite: the plan predicted faster is measured faster in >= 4 of 5 cases: "
+            f"{'yes' if agree >= need else 'no'} ({agree} of {len(cases)})"
+        ),
+    ]
+
+
+def local_figure(doc: dict[str, Any], path: Path) -> bool:
+    """Measured against predicted step time (log-log), the y = x line and a +-20% band; False
+    (nothing written) without matplotlib."""
+    try:
+        import matplotlib
+        import matplotlib.ticker
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    cases = doc["cases"]
+    fig, ax = plt.subplots(figsize=(5.2, 4.4))
+    values = []
+    for key, marker, label in (
+        ("auto", "o", "auto plan"),
+        ("manual_best", "s", "best manual"),
+    ):
+        xs = [c[key]["iteration_time_s"] * 1e3 for c in cases]
+        ys = [c[key]["measured_iteration_time_s"] * 1e3 for c in cases]
+        values += xs + ys
+        ax.scatter(xs, ys, marker=marker, label=label, alpha=0.8)
+        if key == "auto":
+            for c, x, y in zip(cases, xs, ys):
+                ax.annotate(
+                    f"{c['suite']}/{c['num_devices']}",
+                    (x, y),
+                    fontsize=7,
+                    xytext=(4, 2),
+                    textcoords="offset points",
+                )
+    lo, hi = min(values) / 1.5, max(values) * 1.5
+    line = [lo, hi]
+    ax.plot(line, line, "k-", lw=0.8, label="measured = predicted")
+    ax.fill_between(
+        line,
+        [v / (1 + MAX_MEDIAN_ERROR) for v in line],
+        [v / (1 - MAX_MEDIAN_ERROR) for v in line],
+        color="grey",
+        alpha=0.15,
+        label="error within 20%",
+    )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("predicted step time (ms)")
+    ax.set_ylabel("measured step time (ms, median)")
+    ax.set_title(f"local suite on {doc.get('machine', '?').split(' (')[0]}", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def local_section(doc: dict[str, Any], directory: Path) -> list[str]:
+    """The report's section for a local results document (figure written into `directory`)."""
+    out = [
+        "## local suite: measured on this machine",
+        "",
+        (
+            f"File `{doc['file']}`; measured on {doc.get('machine', '?')}, {doc.get('date', '?')}, "
+            f"torch {doc.get('torch', '?')}; median of {doc.get('steps', '?')} steps after "
+            f"{doc.get('warmup', '?')} warm-up, steps of the two plans alternating in one launch; "
+            f"the suite took {doc.get('total_time_s', 0):.0f} s. Predicted = the cost models on "
+            "the profile measured in the same launch; error = predicted / measured - 1. Load "
+            f"average: the 1-minute load of this machine ({os.cpu_count()} cores) before -> "
+            "after the case, other users' work included."
+        ),
+        "",
+        *local_checks(doc),
+        "",
+        *local_table(doc),
+        "",
+    ]
+    name = f"{Path(doc['file']).stem}.png"
+    if local_figure(doc, directory / name):
+        out += [f"![local suite: predicted vs measured step time]({name})", ""]
+    return out

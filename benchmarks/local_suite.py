@@ -1,0 +1,379 @@
+"""The local measured suite: plans for this machine's processes, executed, predicted against measured.
+
+    meshplan bench --suite local [--gpus 2 4] [--json FILE]
+    python -m benchmarks.local_suite [--procs 2 4] [--json FILE]
+
+For every case (a small GPT or MoE model on N local processes, `LOCAL_CASES`):
+
+1. profile this machine with N ranks (`runtime.profiler`, `profile_options`): matrix products and
+   memory bandwidth measured on every rank at once, the collectives on 2, 4, ... N ranks, and the
+   runtime's per-op overhead (`runtime.overhead`);
+2. plan automatically (`planner.plan`) and search the Megatron grid (`benchmarks.manual_grid`) on
+   the cluster of that profile (`Cluster.from_profile`), float32 and SGD as the ranks train;
+3. launch N ranks once and train both plans on the same seeded model and batches, steps
+   alternating (auto, manual, auto, ...) so that both see the same machine noise, each step timed
+   between two barriers of the whole group; the measured step time of a plan is the median over
+   its timed steps after `warmup` untimed ones.
+
+Recorded per case: predicted and measured step time of both plans, the cost model's error
+(predicted / measured - 1), which plan is faster in prediction and in measurement, and the first
+step's losses of both (the same model and data: they must agree).
+
+Processes and cores. The launcher binds each rank to its share of the cores, one core per rank
+round-robin when there are more ranks than cores (8 ranks on 2 cores: 4 per core). The profile is
+measured under the same process count the plan runs with and with every rank computing at once
+(``concurrent_compute``), so a "device" of the cluster is what one rank gets while all ranks
+compute; the cost model needs no separate sharing factor. (Pipeline bubbles leave cores to the
+busy ranks, which this does not model.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from benchmarks.suites import machine
+
+DEVICE = "CPU"
+OPTIMIZER = "sgd"
+LR = 0.01
+STEPS = 5
+WARMUP = 2
+
+
+@dataclass(frozen=True)
+class LocalCase:
+    """A model trained by `num_devices` local processes on a global batch."""
+
+    suite: str
+    model: str
+    num_devices: int
+    global_batch: int
+
+
+GPT_SPEC = "gpt:hidden=128,layers=4,heads=4,seq=64,vocab=512"
+MOE_SPEC = "moe:hidden=64,layers=2,experts=4,heads=4,seq=32,vocab=256,group_size=32"
+LOCAL_CASES = (
+    LocalCase("gpt", GPT_SPEC, 2, 16),
+    LocalCase("gpt", GPT_SPEC, 4, 16),
+    LocalCase("gpt", GPT_SPEC, 8, 16),
+    LocalCase("moe", MOE_SPEC, 2, 16),
+    LocalCase("moe", MOE_SPEC, 4, 16),
+)
+
+
+def local_cases(procs: Sequence[int] | None = None) -> list[LocalCase]:
+    """`LOCAL_CASES`, only those with a process count in `procs` when given."""
+    if procs:
+        known = sorted({c.num_devices for c in LOCAL_CASES})
+        unknown = sorted(set(procs) - set(known))
+        if unknown:
+            raise ValueError(f"local: no case for {unknown} processes; cases: {known}")
+        return [c for c in LOCAL_CASES if c.num_devices in procs]
+    return list(LOCAL_CASES)
+
+
+def profile_options(nproc: int) -> Any:
+    """What the suite measures: float32 products (m x d) @ (d x d) for m in 64, 256, 1024 and d in
+    64, 128, 512 (the small models' shapes), every rank at once; memory bandwidth as the copy of
+    a 2 MiB tensor, the size of these models' activations (a 64 MiB copy measures DRAM streaming,
+    while these tensors stay in the caches; the roofline prices their elementwise ops with it);
+    collectives
+    of 4 KiB .. 4 MiB on the power-of-two world sizes up to `nproc` (the submesh sizes planned)
+    and `nproc`; the runtime's per-op overhead."""
+    from runtime.profiler import KB, MB, ProfileOptions, size_range
+
+    worlds = sorted({w for w in (2, 4, 8) if w < nproc} | {nproc})
+    return ProfileOptions(
+        nproc=nproc,
+        world_sizes=[w for w in worlds if w >= 2],
+        sizes=size_range(4 * KB, 4 * MB, 4),
+        repeats=3,
+        matmul_shapes=[(m, d, d) for m in (64, 256, 1024) for d in (64, 128, 512)],
+        dtypes=("float32",),
+        matmul_repeats=3,
+        bandwidth_bytes=2 * MB,
+        progress=False,
+        concurrent_compute=True,
+        op_overhead=True,
+    )
+
+
+def _timed(fn: Callable[..., float], *args: Any) -> tuple[float, float]:
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    value = fn(*args)
+    dist.barrier()
+    return value, time.perf_counter() - t0
+
+
+def measure_rank(
+    plans: Sequence[Any], model: str, steps: int, warmup: int
+) -> dict[str, list[float]]:
+    """Inside a launched group: train every plan on the same seeded model and batches, steps
+    interleaved across plans; per plan its losses and its timed step times."""
+    from runtime.train import Trainer, seeded_model_and_batches
+
+    n = warmup + steps
+    trainers, batches = [], []
+    for p in plans:
+        m, batches = seeded_model_and_batches(model, p.global_batch, n, seed=0)
+        trainers.append(Trainer(p, m, batches[0], optimizer=OPTIMIZER, lr=LR))
+    out: dict[str, list] = {"losses": [[] for _ in plans], "times": [[] for _ in plans]}
+    for i, batch in enumerate(batches):
+        for k, tr in enumerate(trainers):
+            loss, dt = _timed(tr.step, batch)
+            out["losses"][k].append(loss)
+            if i >= warmup:
+                out["times"][k].append(dt)
+    return out
+
+
+def _shape(p: Any) -> dict[str, Any]:
+    from benchmarks.suites import _stage_json
+
+    return {
+        "num_microbatches": p.num_microbatches,
+        "stages": [_stage_json(s) for s in p.stages],
+    }
+
+
+def _error(predicted: float, measured: float) -> float:
+    return predicted / measured - 1.0
+
+
+def _plan_case(case: LocalCase, profile: Any) -> dict[str, Any]:
+    """Plan the case on the cluster of `profile`: the automatic plan, the grid's best manual
+    configuration (its record and its plan) and the planning time."""
+    from benchmarks.manual_grid import ManualConfig, best_manual, price
+    from cost_models.cluster import Cluster
+    from planner import plan
+
+    cluster = Cluster.from_profile(profile, hosts=1, devices_per_host=case.num_devices)
+    t0 = time.perf_counter()
+    auto = plan(
+        case.model,
+        cluster,
+        global_batch=case.global_batch,
+        dtype="float32",
+        optimizer=OPTIMIZER,
+    )
+    planner_s = time.perf_counter() - t0
+    manual = best_manual(
+        case.model,
+        cluster,
+        case.global_batch,
+        suite=case.suite,
+        dtype="float32",
+        optimizer=OPTIMIZER,
+    )
+    if manual["config"] is None:
+        raise RuntimeError(
+            f"{case.model} on {case.num_devices} processes: no manual configuration fits"
+        )
+    config = ManualConfig(**manual["config"])
+    mplan = price(case.model, cluster, config, case.global_batch, "float32", OPTIMIZER)
+    return {
+        "cluster": cluster.spec,
+        "auto": auto,
+        "planner_time_s": planner_s,
+        "manual": manual,
+        "manual_plan": mplan,
+    }
+
+
+def case_rank(
+    case: LocalCase, options: Any, steps: int, warmup: int
+) -> dict[str, Any] | None:
+    """One rank of a case's launch: profile (every rank), plan (rank 0, the others wait), then
+    train both plans (`measure_rank`). Rank 0 returns the profile, the plans and the runs."""
+    import torch.distributed as dist
+
+    from runtime.profiler import profile_from_raw, profile_worker
+
+    t0 = time.perf_counter()
+    raw = profile_worker(options)
+    profile_s = time.perf_counter() - t0
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        profile = profile_from_raw(raw, options, dist.get_backend())
+        box[0] = _plan_case(case, profile) | {"profile": profile}
+    dist.broadcast_object_list(box, src=0)
+    planned = box[0]
+    t1 = time.perf_counter()
+    runs = measure_rank(
+        [planned["auto"], planned["manual_plan"]], case.model, steps, warmup
+    )
+    times = {"profile": profile_s, "run": time.perf_counter() - t1}
+    return planned | {"runs": runs, "times_s": times} if dist.get_rank() == 0 else None
+
+
+def run_local_case(
+    case: LocalCase,
+    steps: int = STEPS,
+    warmup: int = WARMUP,
+    options: Any = None,
+    say: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Profile, plan, search the grid and execute both plans in one launch of the case's
+    processes; the case's JSON record."""
+    from runtime.launch import launch
+    from runtime.profiler import check_options
+
+    options = options or profile_options(case.num_devices)
+    check_options(options)
+    load_before = os.getloadavg()[0]
+    if say:
+        say(
+            f"  one launch of {case.num_devices} processes: profile, plan, {warmup}+{steps} steps"
+        )
+    r = launch(
+        case_rank,
+        case.num_devices,
+        args=(case, options, steps, warmup),
+        timeout_s=1800.0,
+    )[0]
+    profile, auto, manual, runs = r["profile"], r["auto"], r["manual"], r["runs"]
+    measured = [statistics.median(t) for t in runs["times"]]
+    t_auto, t_man = auto.estimate.iteration_time_s, manual["iteration_time_s"]
+    return asdict(case) | {
+        "cluster": r["cluster"],
+        "profile": {
+            "device": profile.device_name,
+            "peak_float32_flops": profile.peak_flops.get("float32"),
+            "memory_bandwidth_bytes_per_s": profile.memory_bandwidth_bytes_per_s,
+            "op_overhead_s": profile.op_overhead_s,
+        },
+        "auto": {
+            "iteration_time_s": t_auto,
+            "tflops_per_device": auto.estimate.tflops_per_device,
+            "planner_time_s": r["planner_time_s"],
+            "measured_iteration_time_s": measured[0],
+            "measured_step_times_s": runs["times"][0],
+            "error": _error(t_auto, measured[0]),
+            **_shape(auto),
+        },
+        "manual_best": manual
+        | {
+            "measured_iteration_time_s": measured[1],
+            "measured_step_times_s": runs["times"][1],
+            "error": _error(t_man, measured[1]),
+        },
+        "ratio": t_man / t_auto,
+        "measured_ratio": measured[1] / measured[0],
+        "agree": (t_man >= t_auto) == (measured[1] >= measured[0]),
+        "first_losses": [runs["losses"][0][0], runs["losses"][1][0]],
+        "times_s": r["times_s"],
+        # 1-minute load average before and after the case: other work sharing the cores
+        # inflates and scatters the measured times (the cost model prices an idle machine's
+        # share as measured by the profile)
+        "load_average": [load_before, os.getloadavg()[0]],
+    }
+
+
+def summary(cases: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Median absolute cost-model error over both plans of every case, and in how many cases the
+    plan predicted faster is the one measured faster."""
+    errors = [abs(c[k]["error"]) for c in cases for k in ("auto", "manual_best")]
+    return {
+        "median_abs_error": statistics.median(errors) if errors else None,
+        "max_abs_error": max(errors) if errors else None,
+        "agree": sum(bool(c["agree"]) for c in cases),
+        "cases": len(cases),
+    }
+
+
+def run_local_suite(
+    procs: Sequence[int] | None = None,
+    steps: int = STEPS,
+    warmup: int = WARMUP,
+    say: Callable[[str], None] | None = None,
+    on_case: Callable[[dict[str, Any]], None] | None = None,
+    cases: Sequence[LocalCase] | None = None,
+    options: Callable[[int], Any] | None = None,
+) -> dict[str, Any]:
+    """Run the cases (all, or those with `procs` processes, or `cases`); the results document.
+    `options(n)` overrides the profile options (tests make them smaller)."""
+    import torch
+
+    t0 = time.perf_counter()
+    out = []
+    for case in cases if cases is not None else local_cases(procs):
+        if say:
+            say(f"local {case.model} on {case.num_devices} processes")
+        opts = options(case.num_devices) if options else None
+        out.append(run_local_case(case, steps, warmup, opts, say))
+        if on_case:
+            on_case(out[-1])
+    return {
+        "suite": "local",
+        "device": DEVICE,
+        "machine": machine(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+        "steps": steps,
+        "warmup": warmup,
+        "total_time_s": time.perf_counter() - t0,
+        "summary": summary(out),
+        "cases": out,
+    }
+
+
+HEADER = (
+    f"{'procs':>5} {'model':<6} {'auto pred':>9} {'measured':>9} {'err':>6}  "
+    f"{'manual best':<18} {'pred':>7} {'measured':>9} {'err':>6} {'agree':>5}"
+)
+
+
+def format_row(c: dict[str, Any]) -> str:
+    """One console line (milliseconds)."""
+    a, m = c["auto"], c["manual_best"]
+    return (
+        f"{c['num_devices']:>5} {c['suite']:<6} {a['iteration_time_s'] * 1e3:>9.1f} "
+        f"{a['measured_iteration_time_s'] * 1e3:>9.1f} {a['error']:>+6.0%}  "
+        f"{m['label']:<18} {m['iteration_time_s'] * 1e3:>7.1f} "
+        f"{m['measured_iteration_time_s'] * 1e3:>9.1f} {m['error']:>+6.0%} "
+        f"{'yes' if c['agree'] else 'no':>5}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command line (module docstring)."""
+    import sys
+
+    from benchmarks.report import RESULTS, write_report, write_results
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--procs", type=int, nargs="+", help="process counts to run")
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--warmup", type=int, default=WARMUP)
+    ap.add_argument("--json", help=f"results file (default {RESULTS}/local-CPU.json)")
+    args = ap.parse_args(argv)
+    print(HEADER, flush=True)
+    results = run_local_suite(
+        args.procs,
+        args.steps,
+        args.warmup,
+        say=lambda msg: print(msg, file=sys.stderr, flush=True),
+        on_case=lambda c: print(format_row(c), flush=True),
+    )
+    path = write_results(results, args.json or RESULTS / "local-CPU.json")
+    print(
+        f"{len(results['cases'])} cases in {results['total_time_s']:.0f} s; wrote {path}"
+    )
+    if args.json is None:
+        print(f"wrote {write_report()}")
+
+
+if __name__ == "__main__":
+    main()

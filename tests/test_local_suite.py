@@ -1,0 +1,250 @@
+"""The local measured suite (benchmarks/local_suite.py), its report, and the per-op overhead term.
+
+One launch of 2 gloo ranks runs a tiny case end to end (profile with a shrunk option set, plan,
+grid, both plans trained); the report and the overhead's pricing are checked without processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import local_report
+from benchmarks.local_suite import (
+    LocalCase,
+    format_row,
+    local_cases,
+    profile_options,
+    run_local_suite,
+)
+from benchmarks.report import load_results, report, write_results
+from cost_models.cluster import Cluster
+from cost_models.compute import op_overhead
+from cost_models.profile import (
+    PROFILE_VERSION,
+    DeviceProfile,
+    MatmulSample,
+    load_profile,
+    save_profile,
+)
+from planner.manual import manual_plan
+from planner.models import build_model
+from planner.tracer import trace
+from runtime.profiler import KB
+
+SPEC = "gpt:hidden=16,layers=2,heads=2,seq=8,vocab=32"
+BATCH = 4
+STEPS = 2
+
+
+def _tiny_options(n: int):
+    opts = profile_options(n)
+    opts.sizes = [4 * KB, 64 * KB]
+    opts.repeats = 1
+    opts.matmul_shapes = [(64, 64, 64), (256, 128, 128)]
+    opts.matmul_repeats = 1
+    opts.bandwidth_bytes = 4 << 20
+    return opts
+
+
+@pytest.fixture(scope="module")
+def doc() -> dict:
+    return run_local_suite(
+        cases=[LocalCase("gpt", SPEC, 2, BATCH)],
+        steps=STEPS,
+        warmup=1,
+        options=_tiny_options,
+    )
+
+
+def _single_device_loss() -> float:
+    """Ground truth: the first step's loss on one device (same seed and data as the ranks)."""
+    from runtime.train import seeded_model_and_batches
+
+    model, batches = seeded_model_and_batches(SPEC, BATCH, 1, seed=0)
+    with torch.no_grad():
+        return float(model(*batches[0]))
+
+
+def test_end_to_end_record(doc, tmp_path):
+    assert doc["suite"] == "local" and doc["device"] == "CPU"
+    assert doc["steps"] == STEPS and doc["date"] and doc["machine"]
+    (c,) = doc["cases"]
+    assert (c["suite"], c["model"], c["num_devices"]) == ("gpt", SPEC, 2)
+    assert c["cluster"] == "1x2xCPU" and len(c["load_average"]) == 2
+    assert c["profile"]["op_overhead_s"] > 0
+    for key in ("auto", "manual_best"):
+        part = c[key]
+        assert part["iteration_time_s"] > 0
+        assert len(part["measured_step_times_s"]) == STEPS
+        med = sorted(part["measured_step_times_s"])[STEPS // 2 - 1 : STEPS // 2 + 1]
+        assert min(med) <= part["measured_iteration_time_s"] <= max(med)
+        assert math.isclose(
+            part["error"],
+            part["iteration_time_s"] / part["measured_iteration_time_s"] - 1,
+        )
+    a, m = c["auto"], c["manual_best"]
+    assert a["planner_time_s"] > 0 and a["stages"] and a["num_microbatches"] >= 1
+    assert m["config"]["dp"] * m["config"]["tp"] * m["config"]["pp"] == 2
+    assert math.isclose(c["ratio"], m["iteration_time_s"] / a["iteration_time_s"])
+    assert c["agree"] == (
+        (m["iteration_time_s"] >= a["iteration_time_s"])
+        == (m["measured_iteration_time_s"] >= a["measured_iteration_time_s"])
+    )
+    # Both plans trained the same model on the same data: one device's loss.
+    truth = _single_device_loss()
+    assert c["first_losses"] == pytest.approx([truth, truth], rel=1e-5)
+    assert doc["summary"]["cases"] == 1
+    assert doc["summary"]["median_abs_error"] == pytest.approx(
+        (abs(a["error"]) + abs(m["error"])) / 2
+    )
+    assert SPEC.split(":")[0] in format_row(c)
+    # The document is plain JSON and the report renders it.
+    write_results(doc, tmp_path / "local-CPU.json")
+    (back,) = load_results(tmp_path)
+    assert back["cases"] == json.loads(json.dumps(doc["cases"]))
+    text = report(tmp_path)
+    assert "## local suite" in text and "(d) local suite" in text
+
+
+def test_local_cases_select_by_process_count():
+    assert {c.num_devices for c in local_cases([2])} == {2}
+    assert len(local_cases()) >= 5
+    with pytest.raises(ValueError, match="no case for \\[3\\]"):
+        local_cases([3])
+
+
+# ---------------------------------------------------------------------------------------------
+# The report of local results (no processes)
+
+
+def _case(n: int, pred: tuple[float, float], meas: tuple[float, float]) -> dict:
+    def part(p: float, m: float) -> dict:
+        return {
+            "iteration_time_s": p,
+            "measured_iteration_time_s": m,
+            "error": p / m - 1,
+        }
+
+    auto = part(pred[0], meas[0]) | {
+        "num_microbatches": 2,
+        "stages": [
+            {"layers": [0, 3], "logical_mesh": [1, n], "recompute": False},
+        ],
+    }
+    return {
+        "suite": "gpt",
+        "num_devices": n,
+        "auto": auto,
+        "manual_best": part(pred[1], meas[1]) | {"label": f"dp{n} tp1 pp1 B1"},
+        "agree": (pred[1] >= pred[0]) == (meas[1] >= meas[0]),
+        "profile": {"op_overhead_s": 1e-4},
+    }
+
+
+def _doc(cases: list[dict]) -> dict:
+    return {
+        "suite": "local",
+        "device": "CPU",
+        "machine": "box (x86_64, 2 CPUs)",
+        "date": "2026-01-01T00:00:00+00:00",
+        "file": "local-CPU.json",
+        "cases": cases,
+    }
+
+
+def test_report_checks_pass_and_fail():
+    good = _doc([_case(2, (0.10, 0.12), (0.11, 0.13))] * 5)
+    d, e = local_report.local_checks(good)
+    assert d.endswith("yes (8%; largest 9%)") and e.endswith("yes (5 of 5)")
+    # 50% errors, and the predicted-faster plan measured slower in 2 of 5 cases.
+    bad = _doc(
+        [_case(2, (0.10, 0.12), (0.20, 0.24))] * 3
+        + [_case(4, (0.10, 0.12), (0.24, 0.20))] * 2
+    )
+    d, e = local_report.local_checks(bad)
+    assert ": no (" in d and e.endswith("no (3 of 5)")
+
+
+def test_report_table_and_figure(tmp_path):
+    doc = _doc(
+        [_case(2, (0.10, 0.12), (0.11, 0.13)), _case(4, (0.2, 0.1), (0.25, 0.1))]
+    )
+    rows = local_report.local_table(doc)
+    assert len(rows) == 2 + 2
+    assert (
+        "| 2 | gpt | B=2; 0-3@1x2 | 100.0 | 110.0 | -9% | dp2 tp1 pp1 B1 |" in rows[2]
+    )
+    assert rows[3].endswith("| manual / manual | 100 | - |")
+    pytest.importorskip("matplotlib")
+    lines = local_report.local_section(doc, tmp_path)
+    assert (tmp_path / "local-CPU.png").stat().st_size > 0
+    assert any("local-CPU.png" in line for line in lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-op overhead in the profile file and in the cost model
+
+
+def _profile(overhead: float, devices: int = 1) -> DeviceProfile:
+    return DeviceProfile(
+        version=PROFILE_VERSION,
+        device_name="test cpu",
+        backend="gloo",
+        hosts=1,
+        devices_per_host=devices,
+        memory_bytes=1 << 30,
+        memory_bandwidth_bytes_per_s=1e10,
+        peak_flops={"float32": 1e11},
+        matmul=[MatmulSample(64, 64, 64, "float32", 1e-5)],
+        collectives=[],
+        created="2025-01-01T00:00:00+00:00",
+        host="testhost",
+        op_overhead_s=overhead,
+    )
+
+
+def test_profile_file_keeps_the_overhead_and_defaults_to_zero(tmp_path):
+    path = tmp_path / "p.json"
+    save_profile(_profile(3e-4), path)
+    assert load_profile(path).op_overhead_s == 3e-4
+    data = json.loads(path.read_text())
+    del data["op_overhead_s"]  # a profile written before the field existed
+    path.write_text(json.dumps(data))
+    assert load_profile(path).op_overhead_s == 0.0
+    assert op_overhead(Cluster.from_spec("1x1xA100-80GB")) == 0.0
+
+
+def test_overhead_priced_once_per_op_per_microbatch():
+    """One device, one stage: the iteration is B micro-batches in a row, so the overhead adds
+    B * (call nodes of one micro-batch's graph) * overhead to the prediction."""
+    overhead, B = 1e-3, 2
+    times = {}
+    for o in (0.0, overhead):
+        cluster = Cluster.from_profile(_profile(o))
+        assert op_overhead(cluster) == o
+        p = manual_plan(
+            SPEC,
+            cluster,
+            dp=1,
+            tp=1,
+            pp=1,
+            num_microbatches=B,
+            global_batch=BATCH,
+            dtype="float32",
+            optimizer="sgd",
+        )
+        times[o] = p.estimate.iteration_time_s
+    model, batch = build_model(SPEC, batch=BATCH // B, device="meta")
+    calls = sum(1 for n in trace(model, batch, model_name=SPEC).nodes if n.op == "call")
+    assert times[overhead] - times[0.0] == pytest.approx(B * calls * overhead, rel=1e-6)
+
+
+def test_profile_options_cover_the_planned_world_sizes():
+    assert profile_options(2).world_sizes == [2]
+    assert profile_options(8).world_sizes == [2, 4, 8]
+    assert dataclasses.asdict(profile_options(4))["concurrent_compute"] is True
