@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import Placement
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.tensor.placement_types import Placement
 
 from runtime import comm_count
 
@@ -40,11 +40,17 @@ def _repartial(x: DTensor, dst: tuple[Placement, ...]) -> DTensor:
     for i, (c, d) in enumerate(zip(places, dst)):
         if not (c.is_partial() and d.is_partial()) or c == d:
             continue
-        mask = getattr(getattr(c, "mask_buffer", None), "data", None)
+        buffer = getattr(c, "mask_buffer", None)
+        mask = getattr(buffer, "data", None)
         if mask is not None and c.reduce_op == "sum":
             m = mask if local.ndim == mask.ndim else mask.unsqueeze(-1)
             local = local.masked_fill(m, 0.0)
             c = places[i] = Partial("sum")
+            # the mask is used up, as DTensor's own reduction (`_MaskPartial._reduce_value`)
+            # releases it: the buffer lives in DTensor's cached sharding strategy, and a mask
+            # left materialised is compared with the next batch's (and would hold a traced
+            # tensor after `runtime.compiled` traces the stage)
+            buffer.release_mask()
         ops = (c.reduce_op, d.reduce_op)
         if type(c) is Partial and type(d) is Partial and ops in _REPARTIAL:
             local = local * _REPARTIAL[ops](x.device_mesh.size(i))

@@ -41,7 +41,8 @@ def split_batch(batch: Sequence[torch.Tensor], n: int) -> list[Batch]:
 
 
 class Trainer:
-    """One rank's share of training `model` under `plan` (module docstring)."""
+    """One rank's share of training `model` under `plan` (module docstring). ``compile``: run
+    the stages through AOTAutograd-compiled graphs (`runtime.pipeline.PipelineRunner`)."""
 
     def __init__(
         self,
@@ -53,6 +54,7 @@ class Trainer:
         lr: float = 0.1,
         schedule: str | None = None,
         device_type: str = "cpu",
+        compile: bool = True,
     ) -> None:
         if optimizer not in OPTIMIZERS:
             raise MeshplanError(f"optimizer {optimizer!r}: use one of {OPTIMIZERS}")
@@ -61,7 +63,7 @@ class Trainer:
         graph = trace(model, micro, model_name=plan.model.get("name", ""))
         plan.check_model(graph.fingerprint(), graph.model_name)
         self.runner = PipelineRunner(
-            plan, graph, device_type=device_type, schedule=schedule
+            plan, graph, device_type=device_type, schedule=schedule, compile=compile
         )
         full = {k: p.detach().clone() for k, p in model.named_parameters()}
         self.buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
