@@ -46,6 +46,13 @@ per-node placements and a 1D mesh only. So we interpret the graph ourselves.
 Sites: the executor labels the current node / edge (`runtime.comm_count.site`) so that
 `runtime.comm_count.CommCounter` can attribute every collective to a forward node, an edge's
 forward or backward, or a node's backward (autograd pre-hooks on each node's ``grad_fn``).
+
+Compiled mode (``compile=True``; `runtime.pipeline.PipelineRunner` and `runtime.train.Trainer` use
+it): the interpretation above runs once per input signature, on fake tensors under AOTAutograd
+(`runtime.compiled`), which records it as a forward and a backward graph of local aten ops and
+functional collectives; later calls replay those graphs without DTensor dispatch or Python per
+node. Same ops, same collectives at the same sites, same gradients (``tests/test_compiled.py``).
+Layers under recomputation, and stages whose tracing fails, run eagerly as described above.
 """
 
 from __future__ import annotations
@@ -111,6 +118,10 @@ class PlanExecutor(torch.fx.Interpreter):
     ``.grad`` of a replicated weight accumulates as a partial sum over the micro-batches; call
     `sync_grads` once after the last backward (the planner prices this synchronisation once per
     iteration).
+
+    Compilation: with ``compile=True`` `run_outputs` runs the stage through AOTAutograd-traced
+    graphs (module docstring) unless ``recompute_layers`` is given; ``last_run_compiled`` tells
+    whether the last call did.
     """
 
     def __init__(
