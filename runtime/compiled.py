@@ -24,16 +24,14 @@ work this overhead, not the arithmetic, sets the step time. `CompiledStage` remo
   (`runtime.comm_count.label_graph_sites`), so `runtime.comm_count.CommCounter` attributes the
   compiled graphs' collectives exactly as it does the eager executor's.
 
-What PyTorch offers and why this is not ``torch.compile``: ``torch.compile`` (Dynamo) would trace
-the same program but guards on Python state of the interpreter (our executor's dicts and
-closures), graph-breaks on the autograd hooks and global site stack, and compiles with Inductor
-(minutes on a 2-core machine). ``aot_function`` is the piece under it that does what we need
-(trace through the subclass and autograd once, hand back the graphs) without Dynamo.
+Why ``aot_function`` rather than ``torch.compile``: ``torch.compile`` puts Dynamo (Python
+bytecode capture of the interpreter, its dicts and hooks) in front of AOTAutograd and Inductor
+behind it; we need neither, only the piece in the middle that traces through the DTensor subclass
+and autograd once and hands back the graphs. (``torch.compile`` was not tried here.)
 
-Not compiled (the caller falls back to the eager interpreter): layers under activation
-recomputation (``torch.utils.checkpoint`` saves tensors through hooks that AOTAutograd does not
-trace here), and any stage whose tracing fails (`CompiledStage.error` keeps the reason; for
-example data-dependent shapes).
+Not compiled (the caller falls back to the eager interpreter): stages with layers under activation
+recomputation (``torch.utils.checkpoint``; tracing it is not attempted), and any stage whose
+tracing fails (`CompiledStage.error` keeps the reason, e.g. an op that needs real data).
 """
 
 from __future__ import annotations
