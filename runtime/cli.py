@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("meshplan: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # output piped into e.g. `head`, which closed early: not an error
+    except (
+        BrokenPipeError
+    ):  # output piped into e.g. `head`, which closed early: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     return int(code or 0)

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx.traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cost_models.communication import LogicalMesh, reshard_steps
@@ -90,24 +91,89 @@ _P2P = {"send": "send", "recv_": "recv"}
 _SITES: list[str] = [""]
 
 
+# node.meta["custom"] keys that carry a traced collective's site (see `_mirror`), one per phase:
+# AOTAutograd copies every forward node's "custom" metadata onto the backward nodes of the same
+# autograd node, forward keys winning (``copy_fwd_metadata_to_bw_nodes``).
+SITE_META = {False: "meshplan_site_fwd", True: "meshplan_site_bwd"}
+
+
 def current_site() -> str:
     """The label collectives are attributed to right now."""
     return _SITES[-1]
 
 
+def _mirror() -> None:
+    """While a graph is being traced (AOTAutograd traces with ``preserve_node_meta``), copy the
+    current label into ``torch.fx.traceback.current_meta["custom"]``: every fx node created from
+    now on carries it in ``node.meta["custom"]``, under ``SITE_META[True]`` while autograd runs a
+    backward node, else ``SITE_META[False]``, so that `label_graph_sites` can attribute the
+    collectives of a compiled graph (`runtime.compiled`) to the same sites as eager runs."""
+    if fx_traceback.has_preserved_node_meta():
+        meta = fx_traceback.current_meta
+        backward = torch._C._current_autograd_node() is not None
+        custom = dict(meta.get("custom") or {})
+        custom.pop(SITE_META[not backward], None)
+        custom[SITE_META[backward]] = _SITES[-1]
+        meta["custom"] = custom
+
+
 def set_site(label: str) -> None:
     """Replace the current label (used by autograd pre-hooks, which have no scope to pop)."""
     _SITES[-1] = label
+    _mirror()
+
+
+def push_site(label: str) -> None:
+    """Make `label` current until the matching `pop_site`."""
+    _SITES.append(label)
+    _mirror()
+
+
+def pop_site() -> None:
+    """Back to the label current before the last `push_site`."""
+    _SITES.pop()
+    _mirror()
 
 
 @contextlib.contextmanager
 def site(label: str) -> Iterator[None]:
     """Attribute the collectives issued inside the block to `label`."""
-    _SITES.append(label)
+    push_site(label)
     try:
         yield
     finally:
-        _SITES.pop()
+        pop_site()
+
+
+def is_collective(target: Any) -> bool:
+    """Whether `target` (an fx node's target) is one of the collectives `CommCounter` counts."""
+    return (
+        isinstance(target, torch._ops.OpOverload)
+        and target.namespace in _NAMESPACES
+        and target._opname in _KINDS
+    )
+
+
+def label_graph_sites(gm: torch.fx.GraphModule, backward: bool) -> int:
+    """Wrap every collective of a traced forward (or `backward`) graph whose node carries a site
+    (``_mirror``) in ``push_site(label)`` / ``pop_site()`` calls, so that a `CommCounter`
+    attributes the collectives the compiled graph issues to the sites the eager executor would.
+    Returns how many were labelled."""
+    graph, count = gm.graph, 0
+    for n in list(graph.nodes):
+        if n.op != "call_function" or not is_collective(n.target):
+            continue
+        label = (n.meta.get("custom") or {}).get(SITE_META[backward])
+        if label is None:
+            continue
+        with graph.inserting_before(n):
+            graph.call_function(push_site, (label,))
+        with graph.inserting_after(n):
+            graph.call_function(pop_site, ())
+        count += 1
+    if count:
+        gm.recompile()
+    return count
 
 
 @dataclass(frozen=True)

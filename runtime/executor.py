@@ -46,6 +46,13 @@ per-node placements and a 1D mesh only. So we interpret the graph ourselves.
 Sites: the executor labels the current node / edge (`runtime.comm_count.site`) so that
 `runtime.comm_count.CommCounter` can attribute every collective to a forward node, an edge's
 forward or backward, or a node's backward (autograd pre-hooks on each node's ``grad_fn``).
+
+Compiled mode (``compile=True``; `runtime.pipeline.PipelineRunner` and `runtime.train.Trainer` use
+it): the interpretation above runs once per input signature, on fake tensors under AOTAutograd
+(`runtime.compiled`), which records it as a forward and a backward graph of local aten ops and
+functional collectives; later calls replay those graphs without DTensor dispatch or Python per
+node. Same ops, same collectives at the same sites, same gradients (``tests/test_compiled.py``).
+Layers under recomputation, and stages whose tracing fails, run eagerly as described above.
 """
 
 from __future__ import annotations
@@ -77,11 +84,13 @@ from planner.opgraph import OpGraph
 from planner.stage_costs import expected_grad, grad_from_consumer
 from planner.strategies import consumed_output, register_fallback
 from runtime import comm_count
+from runtime.compiled import CompiledStage
 from runtime.redistribute import Edge, allreduce_axes, redistribute, unmask
 
 __all__ = ["PlanExecutor", "make_mesh", "param_derived", "place_params", "run_graph"]
 
 Strs = tuple[str, ...]
+_NOT_COMPILED = object()  # `_run_compiled`: this stage runs eagerly
 
 
 def make_mesh(solution: StageSolution, device_type: str = "cpu") -> DeviceMesh:
@@ -109,6 +118,10 @@ class PlanExecutor(torch.fx.Interpreter):
     ``.grad`` of a replicated weight accumulates as a partial sum over the micro-batches; call
     `sync_grads` once after the last backward (the planner prices this synchronisation once per
     iteration).
+
+    Compilation: with ``compile=True`` `run_outputs` runs the stage through AOTAutograd-traced
+    graphs (module docstring) unless ``recompute_layers`` is given; ``last_run_compiled`` tells
+    whether the last call did.
     """
 
     def __init__(
@@ -120,6 +133,7 @@ class PlanExecutor(torch.fx.Interpreter):
         strict: bool = False,
         sync_param_grads: bool = True,
         recompute_layers: dict[str, int] | None = None,
+        compile: bool = False,
     ) -> None:
         if graph.gm is None:
             raise MeshplanError("the op graph has no fx GraphModule to execute")
@@ -155,6 +169,9 @@ class PlanExecutor(torch.fx.Interpreter):
             ):
                 register_fallback(n.target)
         self._parsed: dict[Strs, tuple[Placement, ...]] = {}
+        self.compile = compile and recompute_layers is None
+        self._compiled: CompiledStage | None = None
+        self.last_run_compiled = False
         self._plans = {
             n: self._node_plan(n)
             for n in graph.gm.graph.nodes
@@ -305,7 +322,32 @@ class PlanExecutor(torch.fx.Interpreter):
                 raise MeshplanError(f"missing input {path}")
         if self.recompute_layers is not None:
             return self._run_checkpointed(env)
+        self.last_run_compiled = False
+        if self.compile:
+            out = self._run_compiled(env)
+            if out is not _NOT_COMPILED:
+                self.last_run_compiled = True
+                return out
         return self.run(initial_env=env, enable_io_processing=False)
+
+    def _run_compiled(self, env: dict[torch.fx.Node, Any]) -> Any:
+        """The graph's outputs from the stage traced once by AOTAutograd (`runtime.compiled`), or
+        `_NOT_COMPILED` when the stage cannot be traced (the caller runs it eagerly)."""
+        if self._compiled is None:
+            placeholders = [
+                n for n in self.opgraph.gm.graph.nodes if n.op == "placeholder"
+            ]
+
+            def interpret(*values: Any) -> Any:
+                return self.run(
+                    initial_env=dict(zip(placeholders, values)),
+                    enable_io_processing=False,
+                )
+
+            self._placeholders = placeholders
+            self._compiled = CompiledStage(interpret)
+        out = self._compiled([env[n] for n in self._placeholders])
+        return _NOT_COMPILED if out is None and self._compiled.error else out
 
     def _run_checkpointed(self, env: dict[torch.fx.Node, Any]) -> Any:
         """Run the graph with every layer's nodes under a non-reentrant activation checkpoint."""
@@ -359,8 +401,7 @@ class PlanExecutor(torch.fx.Interpreter):
         if n.op != "call_function":
             return super().run_node(n)
         label, getitem, edges, outputs, bwd_label = self._plans[n]
-        sites = comm_count._SITES
-        sites.append(label)
+        comm_count.push_site(label)
         try:
             env = self.env
             if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node):
@@ -387,7 +428,7 @@ class PlanExecutor(torch.fx.Interpreter):
             out = n.target(*args, **kwargs)
             return self._check_outputs(n, out, outputs, bwd_label)
         finally:
-            sites.pop()
+            comm_count.pop_site()
 
     def _edge(self, x: DTensor, plan: tuple) -> DTensor:
         dst, grad_dst, label, skip = plan

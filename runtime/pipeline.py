@@ -149,7 +149,9 @@ class PipelineRunner:
     """Runs training steps of `plan` on this rank (module docstring).
 
     `graph` is the model traced on one micro-batch (``plan.global_batch // plan.num_microbatches``
-    rows) with the dtype it trains in; node names must be the plan's. ``chunks`` are the stages
+    rows) with the dtype it trains in; node names must be the plan's. With ``compile`` (default)
+    each executor runs its stage through AOTAutograd-compiled graphs (`runtime.compiled`) where it
+    can, eagerly where it cannot (recomputed layers). ``chunks`` are the stages
     this rank runs (one, or the ``v`` chunks of its device group when interleaved), each with its
     own `PlanExecutor` in ``executors``; ``index`` and ``executor`` are the first of them.
     """
@@ -161,6 +163,7 @@ class PipelineRunner:
         *,
         device_type: str = "cpu",
         schedule: str | None = None,
+        compile: bool = True,
     ) -> None:
         self.plan, self.graph = plan, graph
         interleaved = plan.virtual_stages > 1
@@ -195,6 +198,7 @@ class PipelineRunner:
                 self.meshes[c],
                 sync_param_grads=False,
                 recompute_layers=recompute if stage_plan.recompute else None,
+                compile=compile,
             )
             self._zero[c] = self._zero_placements(self.executors[c], stage_plan)
         self.executor: PlanExecutor | None = (

@@ -51,6 +51,10 @@ def _repartial(x: DTensor, dst: tuple[Placement, ...]) -> DTensor:
                 )
             m = mask if local.ndim == mask.ndim else mask.unsqueeze(-1)
             local = local.masked_fill(m, 0.0)
+            # the mask is used up, as DTensor's own reduction (`_MaskPartial._reduce_value`)
+            # releases it: the buffer lives in DTensor's cached sharding strategy, and a mask
+            # left materialised is compared with the next batch's (and would hold a traced
+            # tensor after `runtime.compiled` traces the stage)
             c.mask_buffer.release_mask()
             c = places[i] = Partial("sum")
         ops = (c.reduce_op, d.reduce_op)

@@ -147,9 +147,10 @@ def make_runner(
     device_type: str = "cpu",
     schedule: str | None = None,
     impl: str | None = None,
+    compile: bool = True,
 ) -> PipelineRunner:
     """The runner of `plan` (module docstring): `impl` is ``"auto"``, ``"torch"`` or ``"ours"``
-    (default: ``$MESHPLAN_PIPELINE`` or ``"auto"``)."""
+    (default: ``$MESHPLAN_PIPELINE`` or ``"auto"``); `compile` as in `PipelineRunner`."""
     impl = impl or os.environ.get(PIPELINE_ENV) or "auto"
     if impl not in IMPLS:
         raise MeshplanError(f"pipeline implementation {impl!r}: use one of {IMPLS}")
@@ -158,9 +159,10 @@ def make_runner(
         raise MeshplanError(
             f"torch.distributed.pipelining cannot run this plan: {reason}"
         )
+    kw = {"device_type": device_type, "schedule": schedule, "compile": compile}
     if impl == "ours" or reason is not None:
-        return PipelineRunner(plan, graph, device_type=device_type, schedule=schedule)
-    return TorchPipelineRunner(plan, graph, device_type=device_type, schedule=schedule)
+        return PipelineRunner(plan, graph, **kw)
+    return TorchPipelineRunner(plan, graph, **kw)
 
 
 def crossing_values(stages: Sequence[StageGraph]) -> list[list[str]]:
@@ -259,6 +261,7 @@ class TorchPipelineRunner(PipelineRunner):
         *,
         device_type: str = "cpu",
         schedule: str | None = None,
+        compile: bool = True,
     ) -> None:
         reason = torch_pipelining_unsupported(plan)
         if reason is not None:
@@ -267,7 +270,9 @@ class TorchPipelineRunner(PipelineRunner):
             )
         self.pp_group: dist.ProcessGroup | None = None
         self._boundary: dict[str, Strs] | None = None
-        super().__init__(plan, graph, device_type=device_type, schedule=schedule)
+        super().__init__(
+            plan, graph, device_type=device_type, schedule=schedule, compile=compile
+        )
         self.crossing = crossing_values(self.stages)
         self._micro: Sequence[Sequence[torch.Tensor]] = ()
         self._used: dict[str, DTensor] = {}

@@ -1,0 +1,135 @@
+"""A stage's DTensor program traced once by AOTAutograd and replayed as plain aten ops.
+
+`runtime.executor.PlanExecutor` interprets a stage's aten graph op by op on DTensors: every op pays
+DTensor's Python dispatch (sharding propagation, cache lookups, wrapping and unwrapping) and every
+planned redistribution an autograd function (`runtime.redistribute.Edge`). On small per-device
+work this overhead, not the arithmetic, sets the step time. `CompiledStage` removes it:
+
+* **Trace once.** ``torch._functorch.aot_autograd.aot_function`` runs the executor's interpreter
+  once on fake tensors with DTensor (a tensor subclass) inputs: AOTAutograd desugars the subclass,
+  so DTensor's dispatch runs at trace time only, and records one forward and one backward fx
+  graph of local aten ops plus functional collectives (``torch.ops._c10d_functional.*``, which is
+  what DTensor's redistributions call). The backward graph is the traced autograd of the same
+  program, `Edge`'s backward included, so the gradients and their collectives are the planned
+  ones. The compilers are no-ops (``nop``, boxed): the graphs run as fx GraphModules, no Inductor.
+* **Replay every step.** The result is an autograd-aware callable (AOTAutograd's
+  ``CompiledFunction``) taking and returning DTensors: leaves receive DTensor gradients with the
+  placements the trace produced, so gradient accumulation over micro-batches, `sync_grads` and
+  the pipeline runner's per micro-batch forward / backward work unchanged.
+* **Cache** one callable per input signature (`signature`: type, shape, stride, dtype,
+  requires_grad and placements of every input, and the grad mode): ``aot_function`` itself
+  compiles on its first call and never checks its inputs again.
+* **Sites.** While tracing, `runtime.comm_count` copies the current site label into every new fx
+  node's ``meta["custom"]``; the compilers wrap each collective in push / pop of its label
+  (`runtime.comm_count.label_graph_sites`), so `runtime.comm_count.CommCounter` attributes the
+  compiled graphs' collectives exactly as it does the eager executor's.
+
+Why ``aot_function`` rather than ``torch.compile``: ``torch.compile`` puts Dynamo (Python
+bytecode capture of the interpreter, its dicts and hooks) in front of AOTAutograd and Inductor
+behind it; we need neither, only the piece in the middle that traces through the DTensor subclass
+and autograd once and hands back the graphs. (``torch.compile`` was not tried here.)
+
+Not compiled (the caller falls back to the eager interpreter): stages with layers under activation
+recomputation (``torch.utils.checkpoint``; tracing it is not attempted), and any stage whose
+tracing fails (`CompiledStage.error` keeps the reason, e.g. an op that needs real data).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._functorch.aot_autograd import aot_function, make_boxed_compiler
+from torch._functorch.partitioners import default_partition
+from torch.distributed.tensor import DTensor
+
+from runtime import comm_count
+
+__all__ = ["CompiledStage", "signature"]
+
+
+def signature(values: Sequence[Any]) -> tuple:
+    """What a traced graph assumes about its inputs: per input its type, shape, strides (of the
+    local tensor for a DTensor), dtype, requires_grad and placements; and the grad mode."""
+    out: list[Any] = []
+    for v in values:
+        if isinstance(v, DTensor):
+            local = v._local_tensor
+            out.append(
+                (
+                    DTensor,
+                    tuple(v.shape),
+                    tuple(local.stride()),
+                    v.dtype,
+                    v.requires_grad,
+                    tuple(v.placements),
+                    id(v.device_mesh),
+                )
+            )
+        elif isinstance(v, torch.Tensor):
+            out.append(
+                (type(v), tuple(v.shape), tuple(v.stride()), v.dtype, v.requires_grad)
+            )
+        else:
+            out.append((type(v), v))
+    out.append(torch.is_grad_enabled())
+    return tuple(out)
+
+
+def _forward_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    """The no-op compiler, after labelling the forward graph's collectives with their sites."""
+    comm_count.label_graph_sites(gm, backward=False)
+    return gm
+
+
+def _backward_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    """The no-op compiler, after labelling the backward graph's collectives with their sites."""
+    comm_count.label_graph_sites(gm, backward=True)
+    return gm
+
+
+_FORWARD = make_boxed_compiler(_forward_compiler)
+_BACKWARD = make_boxed_compiler(_backward_compiler)
+
+
+class CompiledStage:
+    """``run(*values)`` (the executor's interpreter over the stage graph's placeholders, in
+    order) traced by AOTAutograd once per input signature (module docstring).
+
+    ``compiled_calls`` counts the calls served by a compiled graph, ``compiles`` the traces. After
+    a failed trace ``error`` holds the reason and `__call__` returns None from then on (the caller
+    runs eagerly)."""
+
+    def __init__(self, run: Callable[..., Any]) -> None:
+        self.run = run
+        self._fns: dict[tuple, Callable[..., Any]] = {}
+        self.compiles = 0
+        self.compiled_calls = 0
+        self.error: str | None = None
+
+    def __call__(self, values: Sequence[Any]) -> Any:
+        """The outputs of ``run(*values)`` computed by the compiled graphs, or None when this
+        stage cannot be compiled (``error``)."""
+        if self.error is not None:
+            return None
+        key = signature(values)
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = aot_function(
+                self.run,
+                fw_compiler=_FORWARD,
+                bw_compiler=_BACKWARD,
+                partition_fn=default_partition,
+            )
+            try:
+                out = fn(*values)  # traces, compiles, then runs
+            except Exception as exc:  # noqa: BLE001 - any tracing failure means: run eagerly
+                self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                return None
+            self._fns[key] = fn
+            self.compiles += 1
+        else:
+            out = fn(*values)
+        self.compiled_calls += 1
+        return out
