@@ -254,6 +254,7 @@ def _plan(cfg: Config, spec: str, batch: int) -> Any:
         global_batch=batch,
         dtype="float32",
         allow_oom=True,
+        split="blocks",  # the reference splits the blocks evenly, as Megatron-LM does
     )
 
 
