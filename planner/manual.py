@@ -35,44 +35,11 @@ from cost_models.memory import microbatches_in_flight
 from planner import stage_table as st
 from planner.api import _assemble, _layers, _resolve_model
 from planner.inter_op import DPResult
+from planner.megatron import megatron_filter, megatron_placement
 from planner.plan_format import ParallelPlan
-from planner.stage_costs import Option
 from planner.tracer import trace
 
-_COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc.weight", "mlp.fc.bias")
-_ROW = ("attn.proj.weight", "mlp.proj.weight")
-_VOCAB = ("wte.weight", "lm_head.weight")
-
-
-def megatron_placement(path: str) -> str:
-    """Megatron's placement of a parameter on the tensor-parallel axis (see module docstring)."""
-    if path.endswith(_COLUMN) or path.endswith(_VOCAB):
-        return "S(0)"
-    if path.endswith(_ROW) or path.endswith("mlp.wo"):
-        return "S(1)"
-    if path.endswith("mlp.wi"):
-        return "S(2)"
-    return "R"
-
-
-def _expert_weight(path: str) -> bool:
-    return path.endswith(("mlp.wi", "mlp.wo"))
-
-
-def megatron_filter(tp: int, dp: int = 1, expert_parallel: bool = False):
-    """Parameter-option filter for `intra_op`: Megatron's placements (module docstring); with
-    `expert_parallel` and dp > 1, expert weights are split by experts on the dp axis."""
-
-    def allowed(path: str, option: Option) -> bool:
-        dp_p, tp_p = option.strategy.output[0]
-        want_dp = "S(0)" if expert_parallel and dp > 1 and _expert_weight(path) else "R"
-        return (
-            not option.zero
-            and dp_p == want_dp
-            and tp_p == (megatron_placement(path) if tp > 1 else "R")
-        )
-
-    return allowed
+__all__ = ["manual_plan", "megatron_filter", "megatron_placement"]
 
 
 def manual_plan(
