@@ -1,10 +1,14 @@
 """`plan(model, cluster)`: the planner's front door.
 
 1. Trace the model on fake tensors for each candidate micro-batch size.
-2. Cluster its ops into layers (`planner.layers`).
+2. Cluster its ops into layers (`planner.layers`): the automatic count L, and also p layers for
+   every divisor p < L of the device count (a p-stage manual pipeline's balanced split).
 3. For every submesh shape (1,1), (1,2), ..., (1,M), (2,M), ..., (N,M) and its logical meshes, solve
-   the intra-op program and attribute time and memory to layers (`planner.stage_table`).
-4. Run the stage DP (`planner.inter_op`) for each micro-batch count; keep the fastest.
+   the intra-op program (time-optimal, a memory ladder, Megatron's placements as seeds) and
+   attribute time and memory to the layers of each clustering (`planner.stage_table`).
+4. Run the stage DP (`planner.inter_op`) for each micro-batch count and clustering; keep the plan
+   whose predicted iteration time (`cost_models.pipeline.pipeline_time`, activations sent between
+   stages included) is least.
 5. Return a `ParallelPlan` with the stages, shardings, schedule and predicted time and memory.
 
 Modes (Alpa's ablations): "auto"; "intra-only" (one stage on the whole cluster); "inter-only"

@@ -1,9 +1,11 @@
 """The stage DP's cost table: latency of every (layer range, submesh, stages remaining).
 
 For one micro-batch size and one (submesh, logical mesh), the intra-op program is solved over the
-whole model (the repeated-block quotient keeps it small) at a ladder of memory budgets; each solution
-is a `LayerProfile`: its time and memory attributed to layers (an edge to its consumer's layer, a
-parameter to its first consumer's). A stage's cost for layers k..j is then a difference of prefix sums
+whole model (the repeated-block quotient keeps it small) at a ladder of memory budgets, and with the
+parameters restricted to Megatron's placements (seeds, `planner.megatron`), all sharing one pricing
+of the options (`planner.intra_op.price_stage`); each solution is a `LayerProfile`: its time and
+memory attributed to layers (an edge to its consumer's layer, a parameter to its first consumer's;
+one solution serves several layer clusterings). A stage's cost for layers k..j is then a difference of prefix sums
 (principle 4: solved once, reused for every range). Memory of a stage holding layers k..j with s
 stages from it to the end (1F1B keeps min(B, s) micro-batches in flight):
 
