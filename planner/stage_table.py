@@ -26,7 +26,7 @@ import numpy as np
 
 from cost_models.communication import LogicalMesh, p2p_time
 from cost_models.errors import MeshplanError
-from planner.intra_op import StageSolution, price_stage, solve_stage
+from planner.intra_op import StagePricing, StageSolution, price_stage, solve_stage
 from planner.opgraph import OpGraph
 from planner.stage_costs import Option, shards
 
@@ -126,7 +126,9 @@ def profiles_for(
     (`ladder`, fractions of the time-optimal solution's memory, until the layers are lean), then
     the time-optimal solution with the parameters restricted to each of `seeds` (e.g. Megatron's
     placements, `planner.megatron.seed_filters`: their memory often lies between the ladder's
-    rungs). A seed whose solution repeats the time-optimal one is dropped."""
+    rungs). A seed is not solved when the time-optimal solution already obeys it (its optimum
+    then repeats that solution) or when its placements put more parameter state in every layer
+    than `budget` (no stage could use it)."""
     pricing = price_stage(
         graph, mesh, num_microbatches=num_microbatches, optimizer=optimizer
     )
@@ -152,6 +154,11 @@ def profiles_for(
     for seed in seeds:
         if all(seed(paths[n], first.choice[n]) for n in params):
             continue  # the time-optimal solution already obeys the seed: its optimum too
+        if (
+            _seed_params_per_layer(pricing, graph, seed, params, layer_of, num_layers)
+            > budget
+        ):
+            continue  # no stage holds even the lightest layer's parameters
         both = seed if param_filter is None else _both(param_filter, seed)
         try:
             sol = solve_stage(graph, mesh, **(kw | {"param_filter": both}))
@@ -160,6 +167,31 @@ def profiles_for(
         if sol.param_placements != first.param_placements:
             out.append(profile(sol, graph, layer_of, bounds, num_layers))
     return out
+
+
+def _seed_params_per_layer(
+    pricing: StagePricing,
+    graph: OpGraph,
+    seed: ParamFilter,
+    params: list[str],
+    layer_of: dict[str, int],
+    num_layers: int,
+) -> float:
+    """The least parameter-state bytes of any layer under a seed's placements (inf when a
+    parameter has no allowed placement): a lower bound on every stage's memory."""
+    rep = pricing.ctx.rep
+    per_layer = np.zeros(num_layers)
+    for n in params:
+        r = rep.get(n, n)
+        memory = pricing.node_arrays(r)[1]
+        path = graph.placeholder_paths[n]
+        allowed = [
+            memory[i] for i, o in enumerate(pricing.ctx.options[r]) if seed(path, o)
+        ]
+        if not allowed:
+            return np.inf
+        per_layer[layer_of.get(n, 0)] += min(allowed)
+    return float(per_layer.min())
 
 
 def _both(f: ParamFilter, g: ParamFilter) -> ParamFilter:
