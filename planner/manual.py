@@ -3,7 +3,8 @@
 A configuration (dp, tp, pp, micro-batches, recompute, interleaving) becomes a `ParallelPlan`:
 the model's layers are split into pp balanced stages (pp * v chunks when interleaved), each stage
 runs on dp * tp devices as a (dp, tp) logical mesh with tensor parallelism inside a host (Megatron's
-recommendation), and the intra-op program is restricted to Megatron's parameter placements:
+recommendation), and the intra-op program is restricted to Megatron's parameter placements
+(`planner.megatron`, which the automatic planner also solves as seeds):
 
     attention qkv and MLP fc weights (and biases): split by output features   S(0) on the tp axis
     attention and MLP output projections:         split by input features     S(1) on the tp axis
