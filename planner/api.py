@@ -1,10 +1,14 @@
 """`plan(model, cluster)`: the planner's front door.
 
 1. Trace the model on fake tensors for each candidate micro-batch size.
-2. Cluster its ops into layers (`planner.layers`).
+2. Cluster its ops into layers (`planner.layers`): the automatic count L, and also p layers for
+   every divisor p < L of the device count (a p-stage manual pipeline's balanced split).
 3. For every submesh shape (1,1), (1,2), ..., (1,M), (2,M), ..., (N,M) and its logical meshes, solve
-   the intra-op program and attribute time and memory to layers (`planner.stage_table`).
-4. Run the stage DP (`planner.inter_op`) for each micro-batch count; keep the fastest.
+   the intra-op program (time-optimal, a memory ladder, Megatron's placements as seeds) and
+   attribute time and memory to the layers of each clustering (`planner.stage_table`).
+4. Run the stage DP (`planner.inter_op`) for each micro-batch count and clustering; keep the plan
+   whose predicted iteration time (`cost_models.pipeline.pipeline_time`, activations sent between
+   stages included) is least.
 5. Return a `ParallelPlan` with the stages, shardings, schedule and predicted time and memory.
 
 Modes (Alpa's ablations): "auto"; "intra-only" (one stage on the whole cluster); "inter-only"
@@ -22,7 +26,7 @@ import torch
 from torch import nn
 
 from cost_models.cluster import Cluster
-from cost_models.communication import LogicalMesh
+from cost_models.communication import LogicalMesh, p2p_time
 from cost_models.errors import MeshplanError
 from cost_models.memory import microbatches_in_flight
 from cost_models.pipeline import pipeline_time
@@ -30,6 +34,7 @@ from planner import stage_table as st
 from planner.inter_op import stage_dp
 from planner.intra_op import block_of
 from planner.layers import auto_num_layers, cluster_layers
+from planner.megatron import is_expert_weight, seed_filters
 from planner.opgraph import OpGraph
 from planner.plan_format import Estimate, ParallelPlan, StagePlan
 from planner.stage_costs import Option
@@ -95,12 +100,14 @@ def _resolve_model(
     return name or type(model).__name__, make, default
 
 
-def microbatch_sizes(global_batch: int) -> list[int]:
+def microbatch_sizes(global_batch: int, num_devices: int | None = None) -> list[int]:
     """Candidate micro-batch sizes: 4, 8, 16 and 32 where they divide the global batch (else the
-    largest power of two that does). Each costs one trace and one intra-op pass per mesh; all are
+    largest power of two that does), and also 1 and 2 on a cluster of at most 2 devices. Each
+    costs one trace and one intra-op pass per mesh, which is cheap on a small cluster; all are
     evaluated, because the latency is not unimodal in the micro-batch size (memory decides when
-    recomputation is needed)."""
-    sizes = [b for b in (4, 8, 16, 32) if global_batch % b == 0]
+    recomputation is needed; an MoE layer's dispatch grows faster than linearly in its tokens)."""
+    small = (1, 2) if num_devices is not None and num_devices <= 2 else ()
+    sizes = [b for b in (*small, 4, 8, 16, 32) if global_batch % b == 0]
     return sizes or [max(b for b in (1, 2) if global_batch % b == 0)]
 
 
@@ -141,7 +148,7 @@ def plan(
     sizes_b = (
         [microbatch_size]
         if isinstance(microbatch_size, int)
-        else microbatch_size or microbatch_sizes(G)
+        else microbatch_size or microbatch_sizes(G, cluster.num_devices)
     )
     if any(G % b for b in sizes_b):
         raise MeshplanError(
@@ -153,42 +160,37 @@ def plan(
         else submesh_shapes(cluster)
     )
     D = cluster.num_devices
-    layers = None
     least = [
         np.inf
     ]  # per-device memory of the whole model as one stage on all devices, at best
-    found: dict[int, tuple] = {}
+    found: list[tuple] = []  # (iteration time, dp, choices, layers, graph, B)
 
-    def evaluate(b: int) -> float:
-        nonlocal layers
+    for b in sorted(sizes_b, reverse=True):
         say(f"tracing {name} with micro-batch {b}")
         module, batch = make(b)
         graph = trace(module, batch, model_name=name)
-        if layers is None:
-            layers = _layers(graph, num_layers)
-            say(f"{len(graph.ops)} ops in {len(layers)} layers")
-        result = _search(
-            graph, layers, cluster, subs, G // b, budget, optimizer, mode, say, least
-        )
-        if result is None:
-            return np.inf
-        found[b] = (*result, graph, G // b, b)
-        return result[0].latency
-
-    for b in sorted(sizes_b, reverse=True):
-        evaluate(b)
-    best = min(found.values(), key=lambda r: r[0].latency) if found else None
+        # per trace: the op count may depend on the micro-batch size (e.g. size-1 dims)
+        layers = _layerings(graph, num_layers, D if mode == "auto" else 1)
+        counts = ", ".join(str(len(x)) for x in layers)
+        say(f"{len(graph.ops)} ops in {counts} layers")
+        B = G // b
+        for dp, choices, lay in _search(
+            graph, layers, cluster, subs, B, budget, optimizer, mode, say, least
+        ):
+            t = _iteration_time(graph, lay, cluster, dp, choices, subs, B, schedule)
+            found.append((t, dp, choices, lay, graph, B))
+    best = min(found, key=lambda r: r[0]) if found else None
     if best is None:
         raise MeshplanError(
             f"{name} does not fit on {cluster.spec}: even as one stage on all {D} devices it needs "
             f"{least[0] / 2**30:.1f} GiB per device, {budget / 2**30:.1f} GiB available "
             "(use more devices, a larger memory budget or a smaller batch)"
         )
-    dp, choices, graph, B, b = best
+    _, dp, choices, best_layers, graph, B = best
     return _assemble(
         name,
         graph,
-        layers,
+        best_layers,
         cluster,
         dp,
         choices,
@@ -204,6 +206,18 @@ def plan(
 
 
 def _layers(graph: OpGraph, num_layers: int | None) -> list[tuple[int, int]]:
+    return _layerings(graph, num_layers, 1)[0]
+
+
+def _layerings(
+    graph: OpGraph, num_layers: int | None, num_devices: int
+) -> list[list[tuple[int, int]]]:
+    """Layer clusterings to search: `num_layers` when given; else the automatic count L
+    (`auto_num_layers`) first, then every divisor p of the device count with 2 <= p < L, clustered
+    into exactly p layers. A manual configuration with p pipeline stages splits the model into p
+    balanced layers; with that clustering among the candidates, its stage split is in the search
+    space (an L-layer clustering's boundaries need not fall where the p-layer one's do: with an LM
+    head, say, the last of 12 equal layers is heavier than an even split of the model in two)."""
     ops = graph.ops
     index = {n.name: i for i, n in enumerate(ops)}
     edges = [
@@ -213,9 +227,12 @@ def _layers(graph: OpGraph, num_layers: int | None) -> list[tuple[int, int]]:
         if u in index
     ]
     flops = [n.fwd_flops + n.bwd_flops for n in ops]
+    if num_layers:
+        return [cluster_layers(flops, edges, num_layers)]
     blocks = len({block_of(n.module_path) for n in ops if block_of(n.module_path)})
-    L = num_layers or auto_num_layers(flops, blocks=blocks or None)
-    return cluster_layers(flops, edges, L)
+    L = auto_num_layers(flops, blocks=blocks or None)
+    extra = [p for p in range(2, min(L, num_devices + 1)) if num_devices % p == 0]
+    return [cluster_layers(flops, edges, n) for n in (L, *extra)]
 
 
 def _param_filter(mode: str) -> Callable[[str, Option], bool] | None:
@@ -226,18 +243,54 @@ def _param_filter(mode: str) -> Callable[[str, Option], bool] | None:
     return None
 
 
-def _search(graph, layers, cluster, subs, B, budget, optimizer, mode, say, least):
-    L = len(layers)
-    layer_of = st.layer_of_nodes(graph, layers)
-    bounds = st.boundary_values(graph, layer_of, L)
-    boundary_bytes = st.boundary_bytes(graph, bounds)
-    S = min(L, cluster.num_devices) if mode != "intra-only" else 1
-    inflight = np.array(
-        [0] + [microbatches_in_flight("1f1b", B, s, 0) for s in range(1, S + 1)],
-        dtype=float,
-    )
-    cost = np.full((L, L, len(subs), S + 1), np.inf)
-    choices: dict[tuple[int, int, int, int], tuple] = {}
+def _seeds(graph: OpGraph, cluster: Cluster, shape: tuple[int, int], mode: str):
+    """Megatron-style parameter placements solved as extra candidates (`planner.megatron`)."""
+    if mode == "inter-only":
+        return []
+    experts = any(is_expert_weight(p) for p in graph.placeholder_paths.values())
+    M = cluster.devices_per_host
+    return seed_filters(shape, experts, {t for t in range(2, M + 1) if M % t == 0})
+
+
+class _Table:
+    """The stage DP's cost table for one layer clustering (see `planner.stage_table`)."""
+
+    def __init__(self, graph, layers, cluster, subs, B, mode) -> None:
+        self.layers = layers
+        self.L = L = len(layers)
+        self.layer_of = st.layer_of_nodes(graph, layers)
+        self.bounds = st.boundary_values(graph, self.layer_of, L)
+        self.boundary_bytes = st.boundary_bytes(graph, self.bounds)
+        S = min(L, cluster.num_devices) if mode != "intra-only" else 1
+        self.inflight = np.array(
+            [0] + [microbatches_in_flight("1f1b", B, s, 0) for s in range(1, S + 1)],
+            dtype=float,
+        )
+        self.cost = np.full((L, L, len(subs), S + 1), np.inf)
+        self.choices: dict[tuple[int, int, int, int], tuple] = {}
+
+    def add(self, m, mesh, prof, budget, crosses_hosts, whole) -> float:
+        """Enter one profile for submesh index m; returns the least memory of all layers as one
+        stage (for the error message when nothing fits) when `whole`, else inf."""
+        send = st.send_times(mesh, self.boundary_bytes, crosses_hosts=crosses_hosts)
+        least = np.inf
+        for rc in (False, True):
+            c, mem = st.range_costs(prof, self.inflight, budget, send, rc)
+            if whole:
+                least = min(least, float(mem[0, self.L - 1, 1]))
+            better = c < self.cost[:, :, m, :]
+            self.cost[:, :, m, :] = np.where(better, c, self.cost[:, :, m, :])
+            for k, j, s in zip(*np.nonzero(better)):
+                self.choices[int(k), int(j), m, int(s)] = (mesh, prof, rc)
+        return least
+
+
+def _search(graph, layerings, cluster, subs, B, budget, optimizer, mode, say, least):
+    """Solve the intra-op pass once per logical mesh (time-optimal, memory ladder, Megatron seeds),
+    attribute every solution to each layer clustering, run the stage DP on each clustering's
+    table; return (DP result, choices, layers) of every clustering where something fits."""
+    tables = [_Table(graph, layers, cluster, subs, B, mode) for layers in layerings]
+    first = tables[0]
     for m, sub in enumerate(subs):
         for shape in (
             [(1, sub[0] * sub[1])] if mode == "inter-only" else logical_shapes(sub)
@@ -249,39 +302,38 @@ def _search(graph, layers, cluster, subs, B, budget, optimizer, mode, say, least
             profiles = st.profiles_for(
                 graph,
                 mesh,
-                layer_of,
-                bounds,
-                L,
+                first.layer_of,
+                first.bounds,
+                first.L,
                 num_microbatches=B,
                 budget=budget,
                 optimizer=optimizer,
                 param_filter=_param_filter(mode),
+                seeds=_seeds(graph, cluster, shape, mode),
             )
-            send = st.send_times(
-                mesh,
-                boundary_bytes,
-                crosses_hosts=cluster.hosts > 1 and sub[1] == cluster.devices_per_host,
+            crosses = cluster.hosts > 1 and sub[1] == cluster.devices_per_host
+            for t in tables:
+                for prof in profiles:
+                    if t is not first:
+                        prof = st.profile(
+                            prof.solution, graph, t.layer_of, t.bounds, t.L
+                        )
+                    low = t.add(m, mesh, prof, budget, crosses, sub == cluster.shape)
+                    least[0] = min(least[0], low)
+    out = []
+    for t in tables:
+        if mode == "intra-only":  # one stage: only the range of all layers
+            whole = t.cost[0, t.L - 1].copy()
+            t.cost[:] = np.inf
+            t.cost[0, t.L - 1] = whole
+        try:
+            dp = stage_dp(
+                t.cost, [a * b for a, b in subs], cluster.num_devices, B, epsilon=1e-3
             )
-            for prof in profiles:
-                for rc in (False, True):
-                    c, mem = st.range_costs(prof, inflight, budget, send, rc)
-                    if sub == cluster.shape:
-                        least[0] = min(least[0], float(mem[0, L - 1, 1]))
-                    better = c < cost[:, :, m, :]
-                    cost[:, :, m, :] = np.where(better, c, cost[:, :, m, :])
-                    for k, j, s in zip(*np.nonzero(better)):
-                        choices[int(k), int(j), m, int(s)] = (mesh, prof, rc)
-    if mode == "intra-only":  # one stage: only the range of all layers
-        whole = cost[0, L - 1].copy()
-        cost[:] = np.inf
-        cost[0, L - 1] = whole
-    try:
-        dp = stage_dp(
-            cost, [a * b for a, b in subs], cluster.num_devices, B, epsilon=1e-3
-        )
-    except MeshplanError:
-        return None
-    return dp, choices
+        except MeshplanError:
+            continue
+        out.append((dp, t.choices, t.layers))
+    return out
 
 
 def _data_parallel_axes(
@@ -314,6 +366,49 @@ def _allocate(sizes: list[int], cluster: Cluster) -> list[list[int]]:
         free[start : start + n] = False
         out[i] = list(range(start, start + n))
     return out
+
+
+def _send_times(graph, layer_of, layers, stages, devices, cluster) -> list[float]:
+    """Round trip of one micro-batch's boundary activations (forward) and their gradient (back)
+    from stage i to stage i + 1, each device of stage i sending its 1/n share (as the stage DP
+    prices it, `planner.stage_table.send_times`), over the inter-host link when the two stages'
+    devices lie in different hosts."""
+    L, M = len(layers), cluster.devices_per_host
+    bounds = st.boundary_values(graph, layer_of, L)
+    out = []
+    for i in range(len(stages) - 1):
+        j = stages[i][1]
+        nbytes = sum(graph.node(v).output_bytes for v in bounds[j + 1])
+        hosts = [{d // M for d in devices[x]} for x in (i, i + 1)]
+        out.append(
+            2
+            * p2p_time(
+                cluster, nbytes / len(devices[i]), crosses_hosts=hosts[0] != hosts[1]
+            )
+            if nbytes > 0
+            else 0.0
+        )
+    return out
+
+
+def _stage_time(prof, k: int, j: int, rc: bool) -> float:
+    """Per-micro-batch time of layers k..j under a profile (recomputation adds their forward)."""
+    return float(
+        prof.time[k : j + 1].sum() + (prof.fwd[k : j + 1].sum() if rc else 0.0)
+    )
+
+
+def _iteration_time(graph, layers, cluster, dp, choices, subs, B, schedule) -> float:
+    """The iteration time `_assemble` predicts for a stage DP result (1 virtual stage)."""
+    S = len(dp.stages)
+    devices = _allocate([subs[m][0] * subs[m][1] for _, _, m in dp.stages], cluster)
+    times = []
+    for i, (k, j, m) in enumerate(dp.stages):
+        _, prof, rc = choices[k, j, m, S - i]
+        times.append(_stage_time(prof, k, j, rc))
+    layer_of = st.layer_of_nodes(graph, layers)
+    sends = _send_times(graph, layer_of, layers, dp.stages, devices, cluster)
+    return pipeline_time(times, B, schedule, send_times=sends)
 
 
 def _assemble(
@@ -363,9 +458,7 @@ def _assemble(
         }
         fallbacks += [f for f in sol.fallback_ops if f.split(":")[0] in in_stage]
         dp_axes = _data_parallel_axes(graph, sol, in_stage, mesh.shape)
-        t = float(
-            prof.time[k : j + 1].sum() + (prof.fwd[k : j + 1].sum() if rc else 0.0)
-        )
+        t = _stage_time(prof, k, j, rc)
         times.append(t)
         stages.append(
             StagePlan(
@@ -384,7 +477,10 @@ def _assemble(
                 data_parallel_axes=dp_axes,
             )
         )
-    iteration = pipeline_time(times, B, schedule, virtual_stages=virtual_stages)
+    sends = _send_times(graph, layer_of, layers, dp.stages, devices, cluster)
+    iteration = pipeline_time(
+        times, B, schedule, virtual_stages=virtual_stages, send_times=sends
+    )
     flops = graph.flops_per_iteration * B
     D = cluster.num_devices
     ops = graph.ops

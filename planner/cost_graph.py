@@ -98,7 +98,9 @@ def merge_followers(red: Reduction, leader_of: dict[str, str]) -> Reduction:
             continue
         # j(i): among v's strategies with the least resharding from the root's strategy i, the cheapest.
         best = r_root.min(axis=1, keepdims=True)
-        score = np.where(r_root == best, costs[v][None, :], np.inf)  # exact: tiny costs are not ties
+        score = np.where(
+            r_root == best, costs[v][None, :], np.inf
+        )  # exact: tiny costs are not ties
         j = np.argmin(score, axis=1)
         rows = np.arange(r_root.shape[0])
         costs[u_root] = costs[u_root] + r_root[rows, j] + costs[v][j]

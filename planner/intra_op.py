@@ -57,6 +57,9 @@ class StageSolution:
     ilp_nodes: int
     solve_time_s: float
     _ctx: _Context | None = field(default=None, repr=False, compare=False)
+    _cost_table: tuple[list[str], np.ndarray] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def time_s(self) -> float:
@@ -93,6 +96,14 @@ class StageSolution:
             t, fwd, pm, am = out[v]
             out[v] = (t + act[i, j] + grad[i, j], fwd, pm, am)
         return out
+
+    def node_cost_table(self) -> tuple[list[str], np.ndarray]:
+        """`node_costs` as (node names, array of shape (nodes, 4)), computed once and cached."""
+        if self._cost_table is None:
+            costs = self.node_costs()
+            table = np.array(list(costs.values()), dtype=float).reshape(-1, 4)
+            self._cost_table = (list(costs), table)
+        return self._cost_table
 
     def forward_reshards(
         self, consumers: set[str] | None = None
@@ -157,7 +168,36 @@ class _Context:
     rep: dict[str, str] = field(default_factory=dict)
     _edges: dict[tuple[str, str, int], tuple[np.ndarray, np.ndarray]] = field(
         default_factory=dict
+    )  # priced over `full_options`; shared by the restrictions of one pricing
+    full_options: dict[str, list[Option]] | None = None  # None: same as `options`
+    keep: dict[str, np.ndarray] = field(
+        default_factory=dict
+    )  # node -> indices of its options in full_options, for nodes a filter restricted
+    _sliced: dict[tuple[str, str, int], tuple[np.ndarray, np.ndarray]] = field(
+        default_factory=dict
     )
+
+    def restricted(self, options: dict[str, list[Option]]) -> _Context:
+        """The same stage with fewer options for some nodes; prices already computed are shared."""
+        full = self.full_options or self.options
+        keep = {}
+        for n, opts in options.items():
+            if opts is not full[n]:
+                where = {id(o): i for i, o in enumerate(full[n])}
+                keep[n] = np.array([where[id(o)] for o in opts], dtype=int)
+        return _Context(
+            self.graph,
+            self.settings,
+            self.fx,
+            options,
+            self.edges,
+            self.param_derived,
+            self.saved,
+            self.rep,
+            self._edges,
+            full,
+            keep,
+        )
 
     def edge_key(self, u: str, v: str) -> tuple[str, str, int]:
         return (
@@ -170,16 +210,23 @@ class _Context:
         """Prices of edge u -> v; identical for every copy of a repeated block, so cached per copy class."""
         key = self.edge_key(u, v)
         if key not in self._edges:
+            full = self.full_options or self.options
             self._edges[key] = sc.edge_matrices(
                 self.graph.node(u),
                 self.fx[v],
                 self.fx[u],
-                self.options[u],
-                self.options[v],
+                full[u],
+                full[v],
                 self.settings,
                 u in self.param_derived,
             )
-        return self._edges[key]
+        if u not in self.keep and v not in self.keep:
+            return self._edges[key]
+        if key not in self._sliced:
+            rows = self.keep.get(u, slice(None))
+            cols = self.keep.get(v, slice(None))
+            self._sliced[key] = tuple(m[rows][:, cols] for m in self._edges[key])
+        return self._sliced[key]
 
     def explain(self, name: str, choice: dict[str, Option]) -> str:
         lines = [
@@ -235,32 +282,46 @@ def representatives(graph: OpGraph, names: list[str]) -> dict[str, str]:
     return rep
 
 
-def solve_stage(
+@dataclass
+class StagePricing:
+    """The options and prices of one stage on one mesh (`price_stage`), reusable by several solves
+    of it: other memory budgets, other parameter filters (prices are computed lazily and kept)."""
+
+    ctx: _Context
+    ops: list[str]
+    names: list[str]
+    nodes: list[str] | None
+    _node_arrays: dict[str, tuple[np.ndarray, np.ndarray]] = field(
+        default_factory=dict, repr=False
+    )
+
+    def node_arrays(self, n: str) -> tuple[np.ndarray, np.ndarray]:
+        """(compute time, memory) of every option of representative n, over all its options."""
+        if n not in self._node_arrays:
+            ctx = self.ctx
+            self._node_arrays[n] = (
+                np.array([ctx.node_cost(n, o) for o in ctx.options[n]]),
+                np.array([ctx.node_memory(n, o) for o in ctx.options[n]]),
+            )
+        return self._node_arrays[n]
+
+
+def price_stage(
     graph: OpGraph,
     mesh: LogicalMesh,
     *,
     nodes: list[str] | None = None,
-    param_filter: Callable[[str, Option], bool] | None = None,
     num_microbatches: int = 1,
     in_flight: int = 1,
     optimizer: str = "adam_mixed",
-    memory_budget: float | None = None,
-    time_limit: float | None = None,
-) -> StageSolution:
-    """Solve the intra-op program for `nodes` (default: the whole graph) on `mesh`.
-
-    `param_filter(path, option)` restricts the options of parameters (e.g. to price a manual
-    Megatron configuration, or pure data parallelism); every parameter must keep at least one.
-    """
-    t0 = time.perf_counter()
+) -> StagePricing:
+    """Options of every node of `nodes` (default: the whole graph) on `mesh`; prices on demand."""
     settings = StageSettings(mesh, num_microbatches, in_flight, optimizer)
     fx = {n.name: n for n in graph.gm.graph.nodes}
     ops = [n.name for n in graph.ops] if nodes is None else list(nodes)
     in_scope = set(ops)
-    boundary = [u for n in ops for u in graph.node(n).inputs if u not in in_scope]
-    names = [
-        n.name for n in graph.nodes if n.name in in_scope or n.name in set(boundary)
-    ]
+    boundary = {u for n in ops for u in graph.node(n).inputs if u not in in_scope}
+    names = [n.name for n in graph.nodes if n.name in in_scope or n.name in boundary]
     rep = representatives(graph, names)
     options: dict[str, list[Option]] = {}
     for n in names:
@@ -271,13 +332,6 @@ def solve_stage(
             options[n] = options[rep[n]]
         elif n in in_scope or node.op in ("param", "buffer", "input"):
             options[n] = sc.node_options(fx[n], node, mesh.shape)
-            if param_filter is not None and node.op == "param":
-                path = graph.placeholder_paths[n]
-                options[n] = [o for o in options[n] if param_filter(path, o)]
-                if not options[n]:
-                    raise MeshplanError(
-                        f"no allowed placement for parameter {path} {node.outputs[0].shape} on mesh {mesh.shape}"
-                    )
         else:  # produced by an earlier stage: arrives in whatever placement we choose
             options[n] = [
                 Option(s) for s in leaf_strategies(node.outputs[0].shape, mesh.shape)
@@ -301,20 +355,77 @@ def solve_stage(
         sc.saved_values(graph, ops),
         rep,
     )
+    return StagePricing(ctx, ops, names, None if nodes is None else list(nodes))
+
+
+def solve_stage(
+    graph: OpGraph,
+    mesh: LogicalMesh,
+    *,
+    nodes: list[str] | None = None,
+    param_filter: Callable[[str, Option], bool] | None = None,
+    num_microbatches: int = 1,
+    in_flight: int = 1,
+    optimizer: str = "adam_mixed",
+    memory_budget: float | None = None,
+    time_limit: float | None = None,
+    pricing: StagePricing | None = None,
+) -> StageSolution:
+    """Solve the intra-op program for `nodes` (default: the whole graph) on `mesh`.
+
+    `param_filter(path, option)` restricts the options of parameters (e.g. to price a manual
+    Megatron configuration, or pure data parallelism); every parameter must keep at least one.
+    `pricing` (from `price_stage` with the same graph, mesh, nodes and settings) reuses prices
+    computed by earlier solves of this stage.
+    """
+    t0 = time.perf_counter()
+    settings = StageSettings(mesh, num_microbatches, in_flight, optimizer)
+    if pricing is None:
+        pricing = price_stage(
+            graph,
+            mesh,
+            nodes=nodes,
+            num_microbatches=num_microbatches,
+            in_flight=in_flight,
+            optimizer=optimizer,
+        )
+    elif (
+        pricing.ctx.graph is not graph
+        or pricing.ctx.settings != settings
+        or pricing.nodes != (None if nodes is None else list(nodes))
+    ):
+        raise MeshplanError("the pricing given was made for another stage or mesh")
+    base, names, rep = pricing.ctx, pricing.names, pricing.ctx.rep
+    options = dict(base.options)
+    if param_filter is not None:
+        for n in names:
+            if rep.get(n, n) == n and graph.node(n).op == "param":
+                path = graph.placeholder_paths[n]
+                options[n] = [o for o in options[n] if param_filter(path, o)]
+                if not options[n]:
+                    raise MeshplanError(
+                        f"no allowed placement for parameter {path} {graph.node(n).outputs[0].shape} on mesh {mesh.shape}"
+                    )
+        for n in names:
+            if rep.get(n, n) != n:
+                options[n] = options[rep[n]]
+        ctx = base.restricted(options)
+    else:
+        ctx = base
 
     reps = [n for n in names if rep.get(n, n) == n]
     count = Counter(rep.get(n, n) for n in names)
     index = {n: i for i, n in enumerate(reps)}
-    cg = CostGraph(
-        reps,
-        [np.array([ctx.node_cost(n, o) for o in options[n]]) * count[n] for n in reps],
-        [
-            np.array([ctx.node_memory(n, o) for o in options[n]]) * count[n]
-            for n in reps
-        ],
-    )
-    grouped = Counter(ctx.edge_key(u, v) for u, v in edges)
-    sample = {ctx.edge_key(u, v): (u, v) for u, v in reversed(edges)}
+    costs, memories = [], []
+    for n in reps:
+        c, m = pricing.node_arrays(n)
+        if n in ctx.keep:
+            c, m = c[ctx.keep[n]], m[ctx.keep[n]]
+        costs.append(c * count[n])
+        memories.append(m * count[n])
+    cg = CostGraph(reps, costs, memories)
+    grouped = Counter(ctx.edge_key(u, v) for u, v in ctx.edges)
+    sample = {ctx.edge_key(u, v): (u, v) for u, v in reversed(ctx.edges)}
     for key, c in grouped.items():
         act, grad = ctx.edge(*sample[key])
         cg.add_edge(index[key[0]], index[key[1]], (act + grad) * c)
@@ -325,7 +436,12 @@ def solve_stage(
     picked = red.expand(sol.choice)
     choice = {n: options[n][picked[rep.get(n, n)]] for n in names}
     return _summarise(
-        ctx, choice, ops, len(red.graph.names), sol.optimal, time.perf_counter() - t0
+        ctx,
+        choice,
+        pricing.ops,
+        len(red.graph.names),
+        sol.optimal,
+        time.perf_counter() - t0,
     )
 
 

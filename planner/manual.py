@@ -3,7 +3,8 @@
 A configuration (dp, tp, pp, micro-batches, recompute, interleaving) becomes a `ParallelPlan`:
 the model's layers are split into pp balanced stages (pp * v chunks when interleaved), each stage
 runs on dp * tp devices as a (dp, tp) logical mesh with tensor parallelism inside a host (Megatron's
-recommendation), and the intra-op program is restricted to Megatron's parameter placements:
+recommendation), and the intra-op program is restricted to Megatron's parameter placements
+(`planner.megatron`, which the automatic planner also solves as seeds):
 
     attention qkv and MLP fc weights (and biases): split by output features   S(0) on the tp axis
     attention and MLP output projections:         split by input features     S(1) on the tp axis
@@ -34,47 +35,14 @@ from cost_models.errors import MeshplanError
 from cost_models.memory import microbatches_in_flight
 from cost_models.pipeline import pipeline_time
 from planner import stage_table as st
-from planner.api import _assemble, _layers, _resolve_model
+from planner.api import _assemble, _layers, _resolve_model, _send_times
 from planner.inter_op import DPResult
 from planner.manual_costs import block_chunks, recompute_costs
+from planner.megatron import megatron_filter, megatron_placement
 from planner.plan_format import ParallelPlan
-from planner.stage_costs import Option
 from planner.tracer import trace
 
-_COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc.weight", "mlp.fc.bias")
-_ROW = ("attn.proj.weight", "mlp.proj.weight")
-_VOCAB = ("wte.weight", "lm_head.weight")
-
-
-def megatron_placement(path: str) -> str:
-    """Megatron's placement of a parameter on the tensor-parallel axis (see module docstring)."""
-    if path.endswith(_COLUMN) or path.endswith(_VOCAB):
-        return "S(0)"
-    if path.endswith(_ROW) or path.endswith("mlp.wo"):
-        return "S(1)"
-    if path.endswith("mlp.wi"):
-        return "S(2)"
-    return "R"
-
-
-def _expert_weight(path: str) -> bool:
-    return path.endswith(("mlp.wi", "mlp.wo"))
-
-
-def megatron_filter(tp: int, dp: int = 1, expert_parallel: bool = False):
-    """Parameter-option filter for `intra_op`: Megatron's placements (module docstring); with
-    `expert_parallel` and dp > 1, expert weights are split by experts on the dp axis."""
-
-    def allowed(path: str, option: Option) -> bool:
-        dp_p, tp_p = option.strategy.output[0]
-        want_dp = "S(0)" if expert_parallel and dp > 1 and _expert_weight(path) else "R"
-        return (
-            not option.zero
-            and dp_p == want_dp
-            and tp_p == (megatron_placement(path) if tp > 1 else "R")
-        )
-
-    return allowed
+__all__ = ["manual_plan", "megatron_filter", "megatron_placement"]
 
 
 def manual_plan(
@@ -209,8 +177,12 @@ def manual_plan(
             per_chunk[c] = float(prof.params[c] + inflight * kept + transient)
             stage.time_s = float(prof.time[c] + rc_time)
             times.append(stage.time_s)
+        # the boundary sends as `_assemble` prices them
+        sends = _send_times(
+            graph, layer_of, layers, stages, [s.devices for s in plan.stages], cluster
+        )
         plan.estimate.iteration_time_s = pipeline_time(
-            times, B, schedule, virtual_stages=virtual_stages
+            times, B, schedule, virtual_stages=virtual_stages, send_times=sends
         )
         plan.estimate.tflops_per_device = (
             plan.model["flops_per_iteration"]

@@ -127,13 +127,16 @@ def compute_time(node: OpNode, option: Option, s: StageSettings) -> float:
     )  # backward reads and writes about twice what forward does
     nbytes = (node.bytes_read + node.bytes_written) * passes / f
     dtype = node.outputs[0].dtype if node.outputs else "float32"
-    return op_overhead(s.mesh.cluster) + op_time(
-        s.mesh.cluster,
-        flops,
-        nbytes,
-        dtype,
-        shape_hint=_matmul_hint(node, option.strategy, s.mesh.shape),
-        kernels=passes,  # forward, and the input- and weight-gradient kernels of backward
+    return (
+        op_overhead(s.mesh.cluster)
+        + op_time(
+            s.mesh.cluster,
+            flops,
+            nbytes,
+            dtype,
+            shape_hint=_matmul_hint(node, option.strategy, s.mesh.shape),
+            kernels=passes,  # forward, and the input- and weight-gradient kernels of backward
+        )
     )
 
 

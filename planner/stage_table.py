@@ -1,9 +1,11 @@
 """The stage DP's cost table: latency of every (layer range, submesh, stages remaining).
 
 For one micro-batch size and one (submesh, logical mesh), the intra-op program is solved over the
-whole model (the repeated-block quotient keeps it small) at a ladder of memory budgets; each solution
-is a `LayerProfile`: its time and memory attributed to layers (an edge to its consumer's layer, a
-parameter to its first consumer's). A stage's cost for layers k..j is then a difference of prefix sums
+whole model (the repeated-block quotient keeps it small) at a ladder of memory budgets, and with the
+parameters restricted to Megatron's placements (seeds, `planner.megatron`), all sharing one pricing
+of the options (`planner.intra_op.price_stage`); each solution is a `LayerProfile`: its time and
+memory attributed to layers (an edge to its consumer's layer, a parameter to its first consumer's;
+one solution serves several layer clusterings). A stage's cost for layers k..j is then a difference of prefix sums
 (principle 4: solved once, reused for every range). Memory of a stage holding layers k..j with s
 stages from it to the end (1F1B keeps min(B, s) micro-batches in flight):
 
@@ -17,16 +19,18 @@ activations to the next stage and their gradient back; +inf if none fits.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from cost_models.communication import LogicalMesh, p2p_time
 from cost_models.errors import MeshplanError
-from planner.intra_op import StageSolution, solve_stage
+from planner.intra_op import StagePricing, StageSolution, price_stage, solve_stage
 from planner.opgraph import OpGraph
 from planner.stage_costs import Option, shards
+
+ParamFilter = Callable[[str, Option], bool]
 
 
 @dataclass
@@ -109,10 +113,14 @@ def profile(
     bounds: list[list[str]],
     L: int,
 ) -> LayerProfile:
-    arr = np.zeros((4, L))
-    for n, (t, fwd, pm, am) in sol.node_costs().items():
-        k = layer_of.get(n, 0)
-        arr[:, k] += (t, fwd, pm, am)
+    """Attribute a whole-model solution's time and memory to the L layers of one clustering (cheap:
+    the per-node costs are computed once per solution, so one solution serves several clusterings)."""
+    names, table = sol.node_cost_table()
+    index = np.fromiter(
+        (layer_of.get(n, 0) for n in names), dtype=int, count=len(names)
+    )
+    arr = np.zeros((L, 4))
+    np.add.at(arr, index, table)
     inputs = np.zeros(L)
     for k, values in enumerate(bounds):
         for v in values:
@@ -124,7 +132,7 @@ def profile(
                 else node.output_bytes / shards(opt.strategy.output[0], sol.mesh_shape)
             )
             inputs[k] += local
-    return LayerProfile(sol, *arr, inputs)
+    return LayerProfile(sol, *arr.T.copy(), inputs)
 
 
 def profiles_for(
@@ -137,14 +145,25 @@ def profiles_for(
     num_microbatches: int,
     budget: float,
     optimizer: str,
-    param_filter: Callable[[str, Option], bool] | None = None,
+    param_filter: ParamFilter | None = None,
     ladder: tuple[float, ...] = (0.35, 0.12, 0.04),
+    seeds: Sequence[ParamFilter] = (),
 ) -> list[LayerProfile]:
-    """Time-optimal solution, then solutions under shrinking whole-model memory budgets."""
+    """The time-optimal solution, then solutions under shrinking whole-model memory budgets
+    (`ladder`, fractions of the time-optimal solution's memory, until the layers are lean), then
+    the time-optimal solution with the parameters restricted to each of `seeds` (e.g. Megatron's
+    placements, `planner.megatron.seed_filters`: their memory often lies between the ladder's
+    rungs). A seed is not solved when the time-optimal solution already obeys it (its optimum
+    then repeats that solution) or when its placements put more parameter state in every layer
+    than `budget` (no stage could use it)."""
+    pricing = price_stage(
+        graph, mesh, num_microbatches=num_microbatches, optimizer=optimizer
+    )
     kw = {
         "num_microbatches": num_microbatches,
         "optimizer": optimizer,
         "param_filter": param_filter,
+        "pricing": pricing,
     }
     first = solve_stage(graph, mesh, **kw)
     out = [profile(first, graph, layer_of, bounds, num_layers)]
@@ -157,7 +176,53 @@ def profiles_for(
         except MeshplanError:
             break
         out.append(profile(sol, graph, layer_of, bounds, num_layers))
+    paths = graph.placeholder_paths
+    params = [n for n in first.choice if graph.node(n).op == "param"]
+    for seed in seeds:
+        if all(seed(paths[n], first.choice[n]) for n in params):
+            continue  # the time-optimal solution already obeys the seed: its optimum too
+        if (
+            _seed_params_per_layer(pricing, graph, seed, params, layer_of, num_layers)
+            > budget
+        ):
+            continue  # no stage holds even the lightest layer's parameters
+        both = seed if param_filter is None else _both(param_filter, seed)
+        try:
+            sol = solve_stage(graph, mesh, **(kw | {"param_filter": both}))
+        except MeshplanError:  # the seed leaves a parameter no placement on this mesh
+            continue
+        if sol.param_placements != first.param_placements:
+            out.append(profile(sol, graph, layer_of, bounds, num_layers))
     return out
+
+
+def _seed_params_per_layer(
+    pricing: StagePricing,
+    graph: OpGraph,
+    seed: ParamFilter,
+    params: list[str],
+    layer_of: dict[str, int],
+    num_layers: int,
+) -> float:
+    """The least parameter-state bytes of any layer under a seed's placements (inf when a
+    parameter has no allowed placement): a lower bound on every stage's memory."""
+    rep = pricing.ctx.rep
+    per_layer = np.zeros(num_layers)
+    for n in params:
+        r = rep.get(n, n)
+        memory = pricing.node_arrays(r)[1]
+        path = graph.placeholder_paths[n]
+        allowed = [
+            memory[i] for i, o in enumerate(pricing.ctx.options[r]) if seed(path, o)
+        ]
+        if not allowed:
+            return np.inf
+        per_layer[layer_of.get(n, 0)] += min(allowed)
+    return float(per_layer.min())
+
+
+def _both(f: ParamFilter, g: ParamFilter) -> ParamFilter:
+    return lambda path, option: f(path, option) and g(path, option)
 
 
 def _range_sums(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,101 @@
+"""Megatron-LM's parameter placements, as `intra_op` parameter filters.
+
+Used twice: `planner.manual` prices Megatron configurations with them, and the automatic planner
+adds the same placements as seed solutions of its intra-op pass (`planner.stage_table`), so that
+every manual configuration of the benchmark grid is also in the automatic search space.
+
+On the tensor-parallel axis (Megatron's rules, for the built-in GPT and MoE models):
+
+    attention qkv and MLP fc weights (and biases): split by output features   S(0)
+    attention and MLP output projections:         split by input features     S(1)
+    token embedding and LM head:                  split by vocabulary          S(0)
+    MoE expert weights wi [E, h, f] / wo [E, f, h]: split by f                  S(2) / S(1)
+    everything else:                              replicated
+
+On an expert-parallel axis (GShard / DeepSpeed-MoE) the expert weights are also split by experts,
+S(0); every other parameter is replicated on every other axis (data parallelism, no ZeRO).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from planner.stage_costs import Option
+
+_COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc.weight", "mlp.fc.bias")
+_ROW = ("attn.proj.weight", "mlp.proj.weight")
+_VOCAB = ("wte.weight", "lm_head.weight")
+_EXPERT = ("mlp.wi", "mlp.wo")
+
+ParamFilter = Callable[[str, Option], bool]
+
+
+def megatron_placement(path: str) -> str:
+    """Megatron's placement of a parameter on the tensor-parallel axis (module docstring)."""
+    if path.endswith(_COLUMN) or path.endswith(_VOCAB):
+        return "S(0)"
+    if path.endswith(_ROW) or path.endswith("mlp.wo"):
+        return "S(1)"
+    if path.endswith("mlp.wi"):
+        return "S(2)"
+    return "R"
+
+
+def is_expert_weight(path: str) -> bool:
+    return path.endswith(_EXPERT)
+
+
+def axes_filter(tp_axis: int | None, ep_axis: int | None) -> ParamFilter:
+    """Parameters placed by Megatron's rules on mesh axis `tp_axis` (None: no tensor parallelism),
+    expert weights split by experts on `ep_axis` (None: no expert parallelism), replicated on the
+    other axes, never ZeRO-sharded."""
+    if tp_axis is not None and tp_axis == ep_axis:
+        raise ValueError(f"tensor and expert parallelism on the same axis {tp_axis}")
+
+    def allowed(path: str, option: Option) -> bool:
+        if option.zero:
+            return False
+        for axis, placement in enumerate(option.strategy.output[0]):
+            if axis == tp_axis:
+                want = megatron_placement(path)
+            elif axis == ep_axis and is_expert_weight(path):
+                want = "S(0)"
+            else:
+                want = "R"
+            if placement != want:
+                return False
+        return True
+
+    return allowed
+
+
+def megatron_filter(tp: int, dp: int = 1, expert_parallel: bool = False) -> ParamFilter:
+    """The filter of a Megatron configuration on a (dp, tp) logical mesh: tensor parallelism on
+    axis 1 when tp > 1, expert parallelism on axis 0 when asked and dp > 1."""
+    return axes_filter(1 if tp > 1 else None, 0 if expert_parallel and dp > 1 else None)
+
+
+def seed_filters(
+    mesh_shape: tuple[int, int], has_experts: bool, tp_sizes: set[int]
+) -> list[ParamFilter]:
+    """Megatron-style placements worth solving on a logical mesh (a, b), one filter each:
+
+    * tensor parallelism on axis 1 (b devices, when b > 1 and b is in `tp_sizes`, the sizes that
+      fit in a host) with data parallelism on axis 0 - Megatron's (dp, tp) = (a, b);
+    * pure data parallelism (every parameter replicated) - Megatron's tp = 1 on all a * b devices;
+    * for models with experts, each of those with the expert weights also split on the other axis
+      of size > 1 (expert parallelism).
+
+    None on a single device (replication is then the only placement)."""
+    a, b = mesh_shape
+    if a * b == 1:
+        return []
+    out: list[ParamFilter] = []
+    tps = ([1] if b > 1 and b in tp_sizes else []) + [None]
+    for tp in tps:
+        out.append(axes_filter(tp, None))
+        if has_experts:
+            free = [ax for ax, n in enumerate(mesh_shape) if n > 1 and ax != tp]
+            if free:
+                out.append(axes_filter(tp, free[-1]))
+    return out
