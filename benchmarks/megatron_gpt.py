@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.reference import measured_tflops
 from cost_models.cluster import Cluster
-from cost_models.communication import LogicalMesh
+from cost_models.communication import LogicalMesh, p2p_time
 from cost_models.compute import (
     fp32_cross_entropy_time,
     fused_dropout_time,
@@ -58,6 +58,7 @@ from planner.stage_costs import (
     compute_time,
     forward_time,
 )
+from planner.stage_table import stage_boundary_bytes
 from planner.strategies import Strategy
 from planner.tracer import trace
 
@@ -193,13 +194,35 @@ def megatron_iteration_time(
             plan.num_microbatches,
             plan.schedule,
             virtual_stages=plan.virtual_stages,
+            send_times=boundary_send_times(plan, graph, cluster),
         )
         + step
     )
 
 
+def boundary_send_times(
+    plan: ParallelPlan, graph: OpGraph, cluster: Cluster
+) -> list[float]:
+    """Per stage boundary, one micro-batch's activations forward and their gradient back, each
+    device of the sending stage sending its 1/n share, over the inter-host link when the two
+    stages' devices lie in different hosts: the price `planner.api` puts on every plan's sends."""
+    sent = stage_boundary_bytes(
+        graph, plan.layer_nodes, [s.layers[0] for s in plan.stages]
+    )
+    M = cluster.devices_per_host
+    out = []
+    for nbytes, a, b in zip(sent, plan.stages, plan.stages[1:]):
+        crosses = {d // M for d in a.devices} != {d // M for d in b.devices}
+        share = nbytes / len(a.devices)
+        out.append(
+            2 * p2p_time(cluster, share, crosses_hosts=crosses) if nbytes else 0.0
+        )
+    return out
+
+
 __all__ = [
     "alpa_gpt_flops",
+    "boundary_send_times",
     "megatron_iteration_time",
     "megatron_prediction",
     "stage_corrections",

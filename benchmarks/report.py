@@ -155,6 +155,11 @@ def figure(doc: dict[str, Any], path: Path) -> bool:
     return True
 
 
+#: Relative difference below which two predicted times are a tie: the same plan priced along two
+#: code paths differs by float summation order (~1e-15), e.g. on 1 GPU, where auto and manual agree.
+TIE = 1e-9
+
+
 def checks(docs: list[dict[str, Any]]) -> list[str]:
     """The issue's targets, evaluated on the V100 results present (nothing is tuned to them)."""
     v100 = [d for d in docs if d["device"] == "V100-16GB" and d["suite"] != "local"]
@@ -165,7 +170,7 @@ def checks(docs: list[dict[str, Any]]) -> list[str]:
             c
             for c in cases
             if (c["ratio"] is None and not c["auto"].get("fits", True))
-            or (c["ratio"] is not None and c["ratio"] < low)
+            or (c["ratio"] is not None and c["ratio"] < low * (1 - TIE))
         ]
         if not cases:
             return "no case run"
