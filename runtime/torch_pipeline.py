@@ -116,10 +116,12 @@ IMPLS = ("auto", "torch", "ours")
 Strs = tuple[str, ...]
 
 
-def torch_pipelining_unsupported(plan: ParallelPlan) -> str | None:
+def torch_pipelining_unsupported(
+    plan: ParallelPlan, schedule: str | None = None
+) -> str | None:
     """Why `plan` cannot run on ``torch.distributed.pipelining`` (None when it can): it needs at
-    least two stages, the same logical mesh for every stage, and at every mesh position the
-    device groups' ranks increasing in stage order (the ``pp`` group's rank order is the ranks'
+    least two stages, the same logical mesh for every stage, as many micro-batches as its
+    schedules accept, and at every mesh position the device groups' ranks increasing in stage order (the ``pp`` group's rank order is the ranks'
     order, and torch's schedules place stage ``s`` on group rank ``s % p``)."""
     if len(plan.stages) < 2:
         return "a plan of one stage has no pipeline"
@@ -127,6 +129,18 @@ def torch_pipelining_unsupported(plan: ParallelPlan) -> str | None:
     if len(shapes) > 1:
         return f"the stages' logical meshes differ ({sorted(shapes)})"
     p = len(plan.stages) // max(plan.virtual_stages, 1)
+    B = plan.num_microbatches
+    if plan.virtual_stages > 1:
+        rounds = max(1, B // p)
+        if B % rounds:
+            return (
+                f"interleaved 1F1B in torch needs the {B} micro-batches to be a multiple "
+                f"of the rounds ({rounds})"
+            )
+    elif (schedule or plan.schedule) != "gpipe" and B < p:
+        return (
+            f"1F1B in torch needs at least as many micro-batches ({B}) as stages ({p})"
+        )
     groups = [list(s.devices) for s in plan.stages[:p]]
     if len({len(g) for g in groups}) > 1:
         return "the device groups differ in size"
@@ -154,7 +168,7 @@ def make_runner(
     impl = impl or os.environ.get(PIPELINE_ENV) or "auto"
     if impl not in IMPLS:
         raise MeshplanError(f"pipeline implementation {impl!r}: use one of {IMPLS}")
-    reason = torch_pipelining_unsupported(plan)
+    reason = torch_pipelining_unsupported(plan, schedule)
     if impl == "torch" and reason is not None:
         raise MeshplanError(
             f"torch.distributed.pipelining cannot run this plan: {reason}"
@@ -263,7 +277,7 @@ class TorchPipelineRunner(PipelineRunner):
         schedule: str | None = None,
         compile: bool = True,
     ) -> None:
-        reason = torch_pipelining_unsupported(plan)
+        reason = torch_pipelining_unsupported(plan, schedule)
         if reason is not None:
             raise MeshplanError(
                 f"torch.distributed.pipelining cannot run this plan: {reason}"

@@ -264,6 +264,11 @@ def test_unsupported_reasons() -> None:
         GPT, "1x2xA100-80GB", dp=1, tp=2, pp=1, num_microbatches=1, **KW
     )
     assert "one stage" in torch_pipelining_unsupported(single)
+    # torch's Schedule1F1B refuses fewer micro-batches than stages; GPipe takes them
+    one = copy.deepcopy(plans["pp2_tp2"][0])
+    one.num_microbatches = 1
+    assert "micro-batches" in torch_pipelining_unsupported(one)
+    assert torch_pipelining_unsupported(one, "gpipe") is None
 
 
 def test_environment_forces_our_runner(runs: list[dict[str, Any]]) -> None:
