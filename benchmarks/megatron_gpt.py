@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.reference import measured_tflops
 from cost_models.cluster import Cluster
-from cost_models.communication import LogicalMesh, p2p_time
+from cost_models.communication import LogicalMesh
 from cost_models.compute import (
     fp32_cross_entropy_time,
     fused_dropout_time,
@@ -47,7 +47,7 @@ from cost_models.compute import (
     unfused_attention_time,
 )
 from cost_models.pipeline import pipeline_time
-from planner.api import _resolve_model
+from planner.api import _resolve_model, boundary_send_times
 from planner.manual import manual_plan
 from planner.models.gpt import GPT_CONFIGS
 from planner.opgraph import OpGraph
@@ -194,35 +194,20 @@ def megatron_iteration_time(
             plan.num_microbatches,
             plan.schedule,
             virtual_stages=plan.virtual_stages,
-            send_times=boundary_send_times(plan, graph, cluster),
+            send_times=boundary_send_times(
+                stage_boundary_bytes(
+                    graph, plan.layer_nodes, [s.layers[0] for s in plan.stages]
+                ),
+                [s.devices for s in plan.stages],
+                cluster,
+            ),
         )
         + step
     )
 
 
-def boundary_send_times(
-    plan: ParallelPlan, graph: OpGraph, cluster: Cluster
-) -> list[float]:
-    """Per stage boundary, one micro-batch's activations forward and their gradient back, each
-    device of the sending stage sending its 1/n share, over the inter-host link when the two
-    stages' devices lie in different hosts: the price `planner.api` puts on every plan's sends."""
-    sent = stage_boundary_bytes(
-        graph, plan.layer_nodes, [s.layers[0] for s in plan.stages]
-    )
-    M = cluster.devices_per_host
-    out = []
-    for nbytes, a, b in zip(sent, plan.stages, plan.stages[1:]):
-        crosses = {d // M for d in a.devices} != {d // M for d in b.devices}
-        share = nbytes / len(a.devices)
-        out.append(
-            2 * p2p_time(cluster, share, crosses_hosts=crosses) if nbytes else 0.0
-        )
-    return out
-
-
 __all__ = [
     "alpa_gpt_flops",
-    "boundary_send_times",
     "megatron_iteration_time",
     "megatron_prediction",
     "stage_corrections",

@@ -18,7 +18,7 @@ Modes (Alpa's ablations): "auto"; "intra-only" (one stage on the whole cluster);
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -369,23 +369,26 @@ def _allocate(sizes: list[int], cluster: Cluster) -> list[list[int]]:
 
 
 def _send_times(graph, layer_of, layers, stages, devices, cluster) -> list[float]:
+    """`boundary_send_times` of a stage DP result's boundaries (`stages`: (first, last, mesh))."""
+    sent = st.boundary_bytes(graph, st.boundary_values(graph, layer_of, len(layers)))
+    return boundary_send_times([sent[j] for _, j, _ in stages[:-1]], devices, cluster)
+
+
+def boundary_send_times(
+    nbytes: Sequence[float], devices: Sequence[Sequence[int]], cluster: Cluster
+) -> list[float]:
     """Round trip of one micro-batch's boundary activations (forward) and their gradient (back)
-    from stage i to stage i + 1, each device of stage i sending its 1/n share (as the stage DP
-    prices it, `planner.stage_table.send_times`), over the inter-host link when the two stages'
-    devices lie in different hosts."""
-    L, M = len(layers), cluster.devices_per_host
-    bounds = st.boundary_values(graph, layer_of, L)
+    from stage i to stage i + 1 (`nbytes[i]` full bytes), each device of stage i sending its 1/n
+    share (as the stage DP prices it, `planner.stage_table.send_times`), over the inter-host link
+    when the two stages' devices lie in different hosts."""
+    M = cluster.devices_per_host
     out = []
-    for i in range(len(stages) - 1):
-        j = stages[i][1]
-        nbytes = sum(graph.node(v).output_bytes for v in bounds[j + 1])
+    for i, b in enumerate(nbytes):
         hosts = [{d // M for d in devices[x]} for x in (i, i + 1)]
+        share = b / len(devices[i])
         out.append(
-            2
-            * p2p_time(
-                cluster, nbytes / len(devices[i]), crosses_hosts=hosts[0] != hosts[1]
-            )
-            if nbytes > 0
+            2 * p2p_time(cluster, share, crosses_hosts=hosts[0] != hosts[1])
+            if b > 0
             else 0.0
         )
     return out
