@@ -14,11 +14,11 @@ data-parallel plan over all the ranks with one micro-batch, ``steps`` steps afte
 first step costs ~10x the rest while DTensor's propagation caches fill, and the next few still
 fall). Rank 0 returns the median step time, the graph's ``call_function`` nodes (views included:
 they dispatch too) and the gradient bytes; `overhead_from_step` then takes off what the cost
-model already prices - the bucketed gradient all-reduce and the two scalar collectives of the
-loss (all-reduce of the data-parallel partial loss, broadcast from the last stage) - and divides
-by the ops. The ops' own compute is negligible at this size (it is not subtracted). Every rank
-trains at once, so on a machine with fewer cores than ranks the figure includes the ranks'
-time-sharing of the cores, as in training. The SGD step's per-parameter dispatch is folded in.
+model prices separately - the bucketed gradient all-reduce and the two scalar collectives of the
+loss (all-reduce of the data-parallel partial loss, broadcast from the last stage), timed right
+after the steps in the same way - and divides by the ops. The ops' own compute is negligible
+at this size (it is not subtracted). Every rank trains at once, so on a machine with fewer
+cores than ranks the figure includes the ranks' time-sharing of the cores, as in training. The SGD step's per-parameter dispatch is folded in.
 
 The figure belongs to the executor measured: when the runtime gets faster (e.g. compiled stages),
 re-profiling updates it.
@@ -34,9 +34,9 @@ CALIBRATION_MODEL = "gpt:hidden=8,layers=2,heads=2,seq=4,vocab=16"
 CALIBRATION_BATCH = 2
 
 
-def measure_op_overhead(steps: int = 10, warmup: int = 5) -> dict[str, float]:
+def measure_op_overhead(steps: int = 20, warmup: int = 5) -> dict[str, float]:
     """Train the calibration model data-parallel over every rank of an initialised CPU (gloo)
-    group; rank 0's ``{"step_s", "ops", "grad_bytes", "world"}`` (module docstring)."""
+    group; rank 0's ``{"step_s", "comm_s", "ops", "grad_bytes", "world"}`` (module docstring)."""
     import torch
     import torch.distributed as dist
 
@@ -65,18 +65,38 @@ def measure_op_overhead(steps: int = 10, warmup: int = 5) -> dict[str, float]:
     meta, micro = build_model(CALIBRATION_MODEL, batch=CALIBRATION_BATCH, device="meta")
     graph = trace(meta, micro, model_name=CALIBRATION_MODEL)
     ops = sum(1 for n in graph.gm.graph.nodes if n.op == "call_function")
-    times = []
+    grads = torch.zeros(max(1, grad_bytes // 4), dtype=torch.float32)
+    scalar = torch.zeros(1, dtype=torch.float32)
+
+    def collectives() -> (
+        None
+    ):  # the step's own: gradient all-reduce, loss all-reduce + broadcast
+        dist.all_reduce(grads)
+        dist.all_reduce(scalar)
+        dist.all_reduce(scalar)
+
+    step_times, comm_times = [], []
     for i in range(warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        trainer.step(batches[0])
-        dist.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    step = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(step, op=dist.ReduceOp.MAX)
+        # each step is followed by its collectives alone, timed the same way, so both see the
+        # same outside load; with compiled stages the step is only a few times its collectives
+        for fn, out in (
+            (lambda: trainer.step(batches[0]), step_times),
+            (collectives, comm_times),
+        ):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            dist.barrier()
+            if i >= warmup:
+                out.append(time.perf_counter() - t0)
+    figures = torch.tensor(
+        [statistics.median(step_times), statistics.median(comm_times)],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     return {
-        "step_s": float(step),
+        "step_s": float(figures[0]),
+        "comm_s": float(figures[1]),
         "ops": float(ops),
         "grad_bytes": float(grad_bytes),
         "world": float(world),
@@ -85,9 +105,16 @@ def measure_op_overhead(steps: int = 10, warmup: int = 5) -> dict[str, float]:
 
 def overhead_from_step(raw: dict[str, float], all_reduce: Any) -> float:
     """Seconds per op per micro-batch from `measure_op_overhead`'s figures: the step time less
-    the priced collectives (`all_reduce`: the profile's all_reduce fit at the calibration's world
-    size, a `CollectiveFit` or None for one rank), divided by the ops; at least 0."""
-    comm = 0.0
-    if raw["world"] > 1 and all_reduce is not None:
+    its collectives, divided by the ops; at least 0. The collectives are those timed in the same
+    run (``comm_s``, under the same load as the steps); a record without it (older callers) falls
+    back to pricing them with `all_reduce` (the profile's all_reduce fit at the calibration's world
+    size, a `CollectiveFit` or None for one rank). The fit is the weaker choice: a profile with
+    few, noisy small-message samples can price the collectives above the whole step, which
+    would leave no overhead at all."""
+    if "comm_s" in raw:
+        comm = raw["comm_s"]
+    elif raw["world"] > 1 and all_reduce is not None:
         comm = all_reduce.predict(raw["grad_bytes"]) + 2 * all_reduce.predict(4)
+    else:
+        comm = 0.0
     return max(0.0, (raw["step_s"] - comm) / raw["ops"])

@@ -76,7 +76,10 @@ def test_end_to_end_record(doc, tmp_path):
     (c,) = doc["cases"]
     assert (c["suite"], c["model"], c["num_devices"]) == ("gpt", SPEC, 2)
     assert c["cluster"] == "1x2xCPU" and len(c["load_average"]) == 2
-    assert c["profile"]["op_overhead_s"] > 0
+    # op_overhead_s is measured but not asserted > 0: with compiled stages the calibration step
+    # is only ~2x its own collectives on 2 cores, and outside load can erase the difference
+    # (CI saw 0); its arithmetic is checked without processes below
+    assert isinstance(c["profile"]["op_overhead_s"], float)
     for key in ("auto", "manual_best"):
         part = c[key]
         assert part["iteration_time_s"] > 0
@@ -248,3 +251,27 @@ def test_profile_options_cover_the_planned_world_sizes():
     assert profile_options(2).world_sizes == [2]
     assert profile_options(8).world_sizes == [2, 4, 8]
     assert dataclasses.asdict(profile_options(4))["concurrent_compute"] is True
+
+
+def test_overhead_takes_off_the_collectives_timed_in_the_same_run():
+    """`overhead_from_step` subtracts the step's collectives as timed beside the steps (comm_s);
+    only a record without them is priced with the all_reduce fit, and the result is never < 0."""
+    from cost_models.profile import CollectiveFit
+    from runtime.overhead import overhead_from_step
+
+    raw = {
+        "step_s": 0.05,
+        "comm_s": 0.01,
+        "ops": 200.0,
+        "grad_bytes": 4096.0,
+        "world": 2.0,
+    }
+    slow_fit = CollectiveFit(
+        "all_reduce", 2, 1.0, 0.0
+    )  # 1 s per call: more than the step
+    assert overhead_from_step(raw, slow_fit) == pytest.approx(0.04 / 200)
+    del raw["comm_s"]
+    assert overhead_from_step(raw, slow_fit) == 0.0
+    fit = CollectiveFit("all_reduce", 2, 1e-3, 0.0)
+    assert overhead_from_step(raw, fit) == pytest.approx((0.05 - 3e-3) / 200)
+    assert overhead_from_step({**raw, "world": 1.0}, fit) == pytest.approx(0.05 / 200)
