@@ -31,7 +31,7 @@ from cost_models.errors import MeshplanError
 from planner import stage_costs as sc
 from planner.cost_graph import CostGraph, identity, merge_followers
 from planner.ilp import solve
-from planner.opgraph import OpGraph
+from planner.opgraph import OpGraph, OpNode
 from planner.stage_costs import Option, StageSettings
 from planner.strategies import consumed_output, leaf_strategies
 
@@ -364,6 +364,7 @@ def solve_stage(
     *,
     nodes: list[str] | None = None,
     param_filter: Callable[[str, Option], bool] | None = None,
+    batch_axes: tuple[int, ...] = (),
     num_microbatches: int = 1,
     in_flight: int = 1,
     optimizer: str = "adam_mixed",
@@ -375,6 +376,11 @@ def solve_stage(
 
     `param_filter(path, option)` restricts the options of parameters (e.g. to price a manual
     Megatron configuration, or pure data parallelism); every parameter must keep at least one.
+    `batch_axes` are mesh axes on which every value computed from the data (`data_nodes`) is
+    split by its first (batch) dimension, as data parallelism in Megatron-LM and DDP runs: each
+    tensor output S(0) on those axes, dim 0 divisible by their devices (`shards_batch`; scalars,
+    e.g. the loss, stay free; a node with no such option, e.g. a batch too small to split, keeps
+    all of its options).
     `pricing` (from `price_stage` with the same graph, mesh, nodes and settings) reuses prices
     computed by earlier solves of this stage.
     """
@@ -406,6 +412,17 @@ def solve_stage(
                     raise MeshplanError(
                         f"no allowed placement for parameter {path} {graph.node(n).outputs[0].shape} on mesh {mesh.shape}"
                     )
+    if batch_axes:
+        data = data_nodes(graph)
+        for n in names:
+            if rep.get(n, n) == n and n in data:
+                kept = [
+                    o
+                    for o in options[n]
+                    if shards_batch(graph.node(n), o, batch_axes, mesh.shape)
+                ]
+                options[n] = kept or options[n]  # no batch dim to split: left free
+    if param_filter is not None or batch_axes:
         for n in names:
             if rep.get(n, n) != n:
                 options[n] = options[rep[n]]
@@ -443,6 +460,29 @@ def solve_stage(
         sol.optimal,
         time.perf_counter() - t0,
     )
+
+
+def data_nodes(graph: OpGraph) -> set[str]:
+    """Names of the graph's data inputs and of every node computed from them."""
+    out: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "input" or any(i in out for i in node.inputs):
+            out.add(node.name)
+    return out
+
+
+def shards_batch(
+    node: OpNode, option: Option, axes: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> bool:
+    """Whether `option` splits each non-scalar output of `node` evenly by dim 0 on every axis of
+    `axes` (of a mesh of `mesh_shape`)."""
+    ways = int(np.prod([mesh_shape[a] for a in axes]))
+    for meta, placements in zip(node.outputs, option.strategy.output):
+        if not meta.shape or not placements:
+            continue
+        if meta.shape[0] % ways or any(placements[a] != "S(0)" for a in axes):
+            return False
+    return True
 
 
 def _param_views(graph: OpGraph, names: list[str]) -> set[str]:

@@ -17,8 +17,10 @@ With `expert_parallel=True` (GShard/DeepSpeed-MoE expert parallelism) the MoE ex
 `mlp.wi` [E, h, f] and `mlp.wo` [E, f, h] are also split by experts, S(0), on the dp axis (each
 data-parallel rank holds E / dp experts; tokens reach them by all-to-all); E must divide by dp.
 
-Activation placements then follow from DTensor's strategies at the least cost, which reproduces
-Megatron's dataflow (one all-reduce per sub-block forward, batch split over dp).
+For models without experts every activation is split by the batch, S(0), on the dp axis, as
+Megatron and DDP run (`planner.megatron.batch_axes`); the other activation placements follow
+from DTensor's strategies at the least cost, which reproduces Megatron's dataflow (one
+all-reduce per sub-block forward). MoE activations are left to the least cost on every axis.
 """
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ from planner import stage_table as st
 from planner.api import _assemble, _layers, _resolve_model, _send_times
 from planner.inter_op import DPResult
 from planner.manual_costs import block_chunks, recompute_costs
-from planner.megatron import megatron_filter, megatron_placement
+from planner.megatron import (
+    batch_axes,
+    is_expert_weight,
+    megatron_filter,
+    megatron_placement,
+)
 from planner.plan_format import ParallelPlan
 from planner.tracer import trace
 
@@ -128,6 +135,11 @@ def manual_plan(
         budget=np.inf,
         optimizer=optimizer,
         param_filter=megatron_filter(tp, dp, expert_parallel),
+        batch_axes=batch_axes(
+            mesh.shape,
+            1 if tp > 1 else None,
+            any(is_expert_weight(p) for p in graph.placeholder_paths.values()),
+        ),
     )[0]
     schedule = "interleaved" if virtual_stages > 1 else "1f1b"
     stages, choices = [], {}

@@ -14,11 +14,18 @@ On the tensor-parallel axis (Megatron's rules, for the built-in GPT and MoE mode
 
 On an expert-parallel axis (GShard / DeepSpeed-MoE) the expert weights are also split by experts,
 S(0); every other parameter is replicated on every other axis (data parallelism, no ZeRO).
+
+On a data-parallel axis Megatron (like DDP) also splits every activation by the batch: each rank
+runs the whole layer on its own samples (`batch_axes`; `planner.intra_op.solve_stage` then keeps
+each value computed from the data S(0) on those axes). Left to itself the intra-op program may
+instead split a replicated-weight layer by sequence or hidden features on such an axis, which the
+cost model prices the same but which runs as extra redistributions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from planner.stage_costs import Option
 
@@ -28,6 +35,14 @@ _VOCAB = ("wte.weight", "lm_head.weight")
 _EXPERT = ("mlp.wi", "mlp.wo")
 
 ParamFilter = Callable[[str, Option], bool]
+
+
+class Seed(NamedTuple):
+    """A Megatron layout as an intra-op restriction: the parameters' placements and the mesh axes
+    on which activations split the batch (`planner.intra_op.solve_stage`'s arguments)."""
+
+    params: ParamFilter
+    batch_axes: tuple[int, ...]
 
 
 def megatron_placement(path: str) -> str:
@@ -69,6 +84,17 @@ def axes_filter(tp_axis: int | None, ep_axis: int | None) -> ParamFilter:
     return allowed
 
 
+def batch_axes(
+    mesh_shape: tuple[int, ...], tp_axis: int | None, has_experts: bool
+) -> tuple[int, ...]:
+    """Megatron's data-parallel axes: every axis of more than one device but the tensor-parallel
+    one. None for models with experts: their expert tensors ([E, G, C, h]) carry the batch in
+    dim 1, which a dim-0 rule cannot express, so their activations stay free."""
+    if has_experts:
+        return ()
+    return tuple(a for a, n in enumerate(mesh_shape) if n > 1 and a != tp_axis)
+
+
 def megatron_filter(tp: int, dp: int = 1, expert_parallel: bool = False) -> ParamFilter:
     """The filter of a Megatron configuration on a (dp, tp) logical mesh: tensor parallelism on
     axis 1 when tp > 1, expert parallelism on axis 0 when asked and dp > 1."""
@@ -77,8 +103,8 @@ def megatron_filter(tp: int, dp: int = 1, expert_parallel: bool = False) -> Para
 
 def seed_filters(
     mesh_shape: tuple[int, int], has_experts: bool, tp_sizes: set[int]
-) -> list[ParamFilter]:
-    """Megatron-style placements worth solving on a logical mesh (a, b), one filter each:
+) -> list[Seed]:
+    """Megatron-style layouts worth solving on a logical mesh (a, b), one `Seed` each:
 
     * tensor parallelism on axis 1 (b devices, when b > 1 and b is in `tp_sizes`, the sizes that
       fit in a host) with data parallelism on axis 0 - Megatron's (dp, tp) = (a, b);
@@ -86,16 +112,18 @@ def seed_filters(
     * for models with experts, each of those with the expert weights also split on the other axis
       of size > 1 (expert parallelism).
 
-    None on a single device (replication is then the only placement)."""
+    Activations split the batch on the data-parallel axes (`batch_axes`). None on a single
+    device (replication is then the only placement)."""
     a, b = mesh_shape
     if a * b == 1:
         return []
-    out: list[ParamFilter] = []
+    out: list[Seed] = []
     tps = ([1] if b > 1 and b in tp_sizes else []) + [None]
     for tp in tps:
-        out.append(axes_filter(tp, None))
+        axes = batch_axes(mesh_shape, tp, has_experts)
+        out.append(Seed(axes_filter(tp, None), axes))
         if has_experts:
             free = [ax for ax, n in enumerate(mesh_shape) if n > 1 and ax != tp]
             if free:
-                out.append(axes_filter(tp, free[-1]))
+                out.append(Seed(axes_filter(tp, free[-1]), axes))
     return out

@@ -19,18 +19,24 @@ activations to the next stage and their gradient back; +inf if none fits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from cost_models.communication import LogicalMesh, p2p_time
 from cost_models.errors import MeshplanError
-from planner.intra_op import StagePricing, StageSolution, price_stage, solve_stage
+from planner.intra_op import (
+    StagePricing,
+    StageSolution,
+    data_nodes,
+    price_stage,
+    shards_batch,
+    solve_stage,
+)
+from planner.megatron import ParamFilter, Seed
 from planner.opgraph import OpGraph
 from planner.stage_costs import Option, shards
-
-ParamFilter = Callable[[str, Option], bool]
 
 
 @dataclass
@@ -146,8 +152,9 @@ def profiles_for(
     budget: float,
     optimizer: str,
     param_filter: ParamFilter | None = None,
+    batch_axes: tuple[int, ...] = (),
     ladder: tuple[float, ...] = (0.35, 0.12, 0.04),
-    seeds: Sequence[ParamFilter] = (),
+    seeds: Sequence[Seed] = (),
 ) -> list[LayerProfile]:
     """The time-optimal solution, then solutions under shrinking whole-model memory budgets
     (`ladder`, fractions of the time-optimal solution's memory, until the layers are lean), then
@@ -155,7 +162,8 @@ def profiles_for(
     placements, `planner.megatron.seed_filters`: their memory often lies between the ladder's
     rungs). A seed is not solved when the time-optimal solution already obeys it (its optimum
     then repeats that solution) or when its placements put more parameter state in every layer
-    than `budget` (no stage could use it)."""
+    than `budget` (no stage could use it). `param_filter` and `batch_axes` restrict every solve
+    (`planner.intra_op.solve_stage`)."""
     pricing = price_stage(
         graph, mesh, num_microbatches=num_microbatches, optimizer=optimizer
     )
@@ -163,6 +171,7 @@ def profiles_for(
         "num_microbatches": num_microbatches,
         "optimizer": optimizer,
         "param_filter": param_filter,
+        "batch_axes": batch_axes,
         "pricing": pricing,
     }
     first = solve_stage(graph, mesh, **kw)
@@ -178,8 +187,18 @@ def profiles_for(
         out.append(profile(sol, graph, layer_of, bounds, num_layers))
     paths = graph.placeholder_paths
     params = [n for n in first.choice if graph.node(n).op == "param"]
-    for seed in seeds:
-        if all(seed(paths[n], first.choice[n]) for n in params):
+    data = data_nodes(graph)
+
+    def obeys_batch(n: str, axes: tuple[int, ...]) -> bool:  # as solve_stage restricts
+        def ok(o: Option) -> bool:
+            return shards_batch(graph.node(n), o, axes, mesh.shape)
+
+        return ok(first.choice[n]) or not any(map(ok, pricing.ctx.options[n]))
+
+    for seed, seed_axes in seeds:
+        if all(seed(paths[n], first.choice[n]) for n in params) and all(
+            obeys_batch(n, seed_axes) for n in first.choice if n in data
+        ):
             continue  # the time-optimal solution already obeys the seed: its optimum too
         if (
             _seed_params_per_layer(pricing, graph, seed, params, layer_of, num_layers)
@@ -187,8 +206,11 @@ def profiles_for(
         ):
             continue  # no stage holds even the lightest layer's parameters
         both = seed if param_filter is None else _both(param_filter, seed)
+        axes = tuple(sorted(set(batch_axes) | set(seed_axes)))
         try:
-            sol = solve_stage(graph, mesh, **(kw | {"param_filter": both}))
+            sol = solve_stage(
+                graph, mesh, **(kw | {"param_filter": both, "batch_axes": axes})
+            )
         except MeshplanError:  # the seed leaves a parameter no placement on this mesh
             continue
         if sol.param_placements != first.param_placements:

@@ -9,9 +9,9 @@ import pytest
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from planner import plan
-from planner.intra_op import price_stage, solve_stage
+from planner.intra_op import data_nodes, price_stage, shards_batch, solve_stage
 from planner.manual import manual_plan
-from planner.megatron import axes_filter, megatron_filter, seed_filters
+from planner.megatron import axes_filter, batch_axes, megatron_filter, seed_filters
 from planner.models import build_model
 from planner.tracer import trace
 
@@ -43,6 +43,36 @@ def test_seed_filters_cover_megatron_layouts() -> None:
     assert len(seed_filters((2, 8), True, {2, 4})) == 2  # tp 8 spans hosts: not a seed
     with pytest.raises(ValueError):
         axes_filter(1, 1)
+    # activations split the batch on every data-parallel axis, never for models with experts
+    assert [s.batch_axes for s in seed_filters((2, 4), False, {2, 4})] == [(0,), (0, 1)]
+    assert [s.batch_axes for s in seed_filters((1, 4), True, {2, 4})] == [(), (), ()]
+    assert batch_axes((4, 1), None, False) == (0,)
+
+
+def test_batch_axes_split_every_activation_by_the_batch() -> None:
+    """Megatron's data parallelism: with batch_axes=(0,) every value computed from the data is
+    S(0) on axis 0 (the loss, a scalar, is free), the parameters' own views are not forced, and
+    the restricted optimum is never cheaper than the free one."""
+    module, batch = build_model(
+        "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=128", batch=4, device="meta"
+    )
+    graph = trace(module, batch)
+    mesh = LogicalMesh(Cluster.from_spec("1x2xV100-16GB"), (1, 2), (2, 1))
+    free = solve_stage(graph, mesh, param_filter=megatron_filter(1, 2))
+    dp = solve_stage(graph, mesh, param_filter=megatron_filter(1, 2), batch_axes=(0,))
+    data = data_nodes(graph)
+    inputs = {n.name for n in graph.nodes if n.op == "input"}
+    assert inputs and inputs < data and len(data) > len(graph.ops) // 2
+    for n, o in dp.choice.items():
+        node = graph.node(n)
+        if n in data and any(m.shape for m in node.outputs):
+            assert shards_batch(node, o, (0,), mesh.shape), (n, str(o))
+    assert not all(
+        shards_batch(graph.node(n), o, (0,), mesh.shape)
+        for n, o in free.choice.items()
+        if n in data
+    ), "the free optimum already splits the batch everywhere: the test shows nothing"
+    assert dp.time_s >= free.time_s * (1 - 1e-9)
 
 
 def test_shared_pricing_gives_the_same_solutions() -> None:
