@@ -1,7 +1,7 @@
 """Step time of meshplan's runtime against a hand-written PyTorch reference, same Megatron config.
 
     python -m benchmarks.bench_runtime                       # tp2, dp2, pp2 (and tp2xdp2 on 4 ranks)
-    python -m benchmarks.bench_runtime --configs tp2 --steps 5 --warmup 2
+    python -m benchmarks.bench_runtime --configs tp2 --steps 5 --warmup 2 --repeats 3
     python -m benchmarks.bench_runtime --profile tp2         # also cProfile one runtime step on rank 0
 
 Each configuration is one `runtime.launch.launch` of dp * tp * pp gloo ranks. Every rank builds the
@@ -19,10 +19,11 @@ same seeded GPT and seeded global batches, then trains two copies of it side by 
   broadcasts the step's loss from the last stage to every rank.
 
 Steps alternate (runtime step, reference step, ...) so that both see the same machine noise; each
-step is timed between two barriers of the whole group. The table gives the median step time of each
-over the timed steps, their ratio (runtime / reference) and whether the issue's target
-(ratio <= 1.10) holds; the first step's losses of both are printed too (they must agree: same model,
-same data, same maths).
+step is timed between two barriers of the whole group. Each configuration is launched `--repeats`
+times; per launch the median step time of each over the timed steps gives a ratio (runtime /
+reference), and the issue's target (ratio <= 1.10) is checked on the median ratio of the
+launches; the first step's losses of both are printed too (they must agree: same model, same
+data, same maths).
 """
 
 from __future__ import annotations
@@ -335,14 +336,19 @@ def run_config(
     )[0]
 
 
-def _row(cfg: Config, r: dict[str, Any]) -> str:
-    run = statistics.median(r["runtime"])
-    ref = statistics.median(r["reference"])
-    ratio = run / ref
+def _row(cfg: Config, runs: list[dict[str, Any]]) -> str:
+    """One table row: per launch the median step times and their ratio; the row's verdict is
+    the median ratio over the launches."""
+    run = [statistics.median(r["runtime"]) for r in runs]
+    ref = [statistics.median(r["reference"]) for r in runs]
+    ratios = [a / b for a, b in zip(run, ref)]
+    ratio = statistics.median(ratios)
     ok = "yes" if ratio <= TARGET else "no"
+    r = runs[0]
     return (
-        f"| {cfg.name:8} | {cfg.world} | {run * 1e3:9.1f} | {ref * 1e3:9.1f} | {ratio:5.2f} "
-        f"| {ok:3} | {r['loss'][0]:.6f} / {r['ref_loss'][0]:.6f} |"
+        f"| {cfg.name:8} | {cfg.world} | {statistics.median(run) * 1e3:9.1f} "
+        f"| {statistics.median(ref) * 1e3:9.1f} | {' '.join(f'{x:.2f}' for x in ratios)} "
+        f"| {ratio:5.2f} | {ok:3} | {r['loss'][0]:.6f} / {r['ref_loss'][0]:.6f} |"
     )
 
 
@@ -354,27 +360,42 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=DEFAULT_BATCH)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="launches per config (median ratio)"
+    )
     ap.add_argument("--profile", default="", help="configs to cProfile (rank 0)")
     args = ap.parse_args(argv)
     names = [c for c in args.configs.split(",") if c]
     profiled = set(args.profile.split(","))
+    if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
+        ap.error("--repeats and --steps must be >= 1 and --warmup >= 0")
     print(
-        f"model {args.spec}, global batch {args.batch}, SGD; median of {args.steps} steps "
-        f"after {args.warmup} warm-up; target runtime/reference <= {TARGET}"
+        f"model {args.spec}, global batch {args.batch}, SGD; per launch the median of "
+        f"{args.steps} steps after {args.warmup} warm-up, {args.repeats} launches per config; "
+        f"target: median ratio runtime/reference <= {TARGET}"
     )
     print(
-        "| config   | ranks | runtime ms | reference ms | ratio | ok | loss step 1 (run / ref) |"
+        "| config | ranks | runtime ms | reference ms | ratio per launch | median ratio | ok "
+        "| loss step 1 (run / ref) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     profiles = {}
     for name in names:
         cfg = CONFIGS[name]
-        r = run_config(
-            cfg, args.spec, args.batch, args.steps, args.warmup, name in profiled
-        )
-        print(_row(cfg, r), flush=True)
-        if "profile" in r:
-            profiles[name] = r["profile"]
+        runs = [
+            run_config(
+                cfg,
+                args.spec,
+                args.batch,
+                args.steps,
+                args.warmup,
+                i == 0 and name in profiled,
+            )
+            for i in range(args.repeats)
+        ]
+        print(_row(cfg, runs), flush=True)
+        if "profile" in runs[0]:
+            profiles[name] = runs[0]["profile"]
     for name, text in profiles.items():
         print(f"\n######## profile {name} (rank 0) ########\n{text}")
 
