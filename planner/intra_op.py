@@ -376,11 +376,9 @@ def solve_stage(
 
     `param_filter(path, option)` restricts the options of parameters (e.g. to price a manual
     Megatron configuration, or pure data parallelism); every parameter must keep at least one.
-    `batch_axes` are mesh axes on which every value computed from the data (`data_nodes`) is
-    split by its first (batch) dimension, as data parallelism in Megatron-LM and DDP runs: each
-    tensor output S(0) on those axes, dim 0 divisible by their devices (`shards_batch`; scalars,
-    e.g. the loss, stay free; a node with no such option, e.g. a batch too small to split, keeps
-    all of its options).
+    `batch_axes` are mesh axes on which every value computed from the data is split by its
+    first (batch) dimension, as data parallelism in Megatron-LM and DDP runs
+    (`batch_split_options`).
     `pricing` (from `price_stage` with the same graph, mesh, nodes and settings) reuses prices
     computed by earlier solves of this stage.
     """
@@ -412,17 +410,9 @@ def solve_stage(
                     raise MeshplanError(
                         f"no allowed placement for parameter {path} {graph.node(n).outputs[0].shape} on mesh {mesh.shape}"
                     )
-    if batch_axes:
-        data = data_nodes(graph)
-        for n in names:
-            if rep.get(n, n) == n and n in data:
-                kept = [
-                    o
-                    for o in options[n]
-                    if shards_batch(graph.node(n), o, batch_axes, mesh.shape)
-                ]
-                options[n] = kept or options[n]  # no batch dim to split: left free
-    if param_filter is not None or batch_axes:
+    split = batch_split_options(graph, names, options, rep, batch_axes, mesh.shape)
+    options.update(split)
+    if param_filter is not None or split:
         for n in names:
             if rep.get(n, n) != n:
                 options[n] = options[rep[n]]
@@ -468,6 +458,33 @@ def data_nodes(graph: OpGraph) -> set[str]:
     for node in graph.nodes:
         if node.op == "input" or any(i in out for i in node.inputs):
             out.add(node.name)
+    return out
+
+
+def batch_split_options(
+    graph: OpGraph,
+    names: list[str],
+    options: dict[str, list[Option]],
+    rep: dict[str, str],
+    axes: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+) -> dict[str, list[Option]]:
+    """The options of the representatives among `names` computed from the data (`data_nodes`)
+    restricted to those splitting the batch on `axes` (`shards_batch`; scalars such as the loss
+    are free), or {} - no restriction - when `axes` is empty or some such value has no
+    batch-split option: a micro-batch too small to split, or an op whose DTensor strategy needs
+    the whole batch (batch norm in training). Forcing its neighbours would only add
+    redistributions around it that data parallelism does not have, so the stage is left free."""
+    if not axes:
+        return {}
+    data = data_nodes(graph)
+    out = {}
+    for n in names:
+        if rep.get(n, n) == n and n in data:
+            node = graph.node(n)
+            out[n] = [o for o in options[n] if shards_batch(node, o, axes, mesh_shape)]
+            if not out[n]:
+                return {}
     return out
 
 

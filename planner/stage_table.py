@@ -29,9 +29,8 @@ from cost_models.errors import MeshplanError
 from planner.intra_op import (
     StagePricing,
     StageSolution,
-    data_nodes,
+    batch_split_options,
     price_stage,
-    shards_batch,
     solve_stage,
 )
 from planner.megatron import ParamFilter, Seed
@@ -187,17 +186,14 @@ def profiles_for(
         out.append(profile(sol, graph, layer_of, bounds, num_layers))
     paths = graph.placeholder_paths
     params = [n for n in first.choice if graph.node(n).op == "param"]
-    data = data_nodes(graph)
-
-    def obeys_batch(n: str, axes: tuple[int, ...]) -> bool:  # as solve_stage restricts
-        def ok(o: Option) -> bool:
-            return shards_batch(graph.node(n), o, axes, mesh.shape)
-
-        return ok(first.choice[n]) or not any(map(ok, pricing.ctx.options[n]))
-
+    names, rep = pricing.names, pricing.ctx.rep
     for seed, seed_axes in seeds:
+        axes = tuple(sorted(set(batch_axes) | set(seed_axes)))
+        split = batch_split_options(
+            graph, names, pricing.ctx.options, rep, axes, mesh.shape
+        )
         if all(seed(paths[n], first.choice[n]) for n in params) and all(
-            obeys_batch(n, seed_axes) for n in first.choice if n in data
+            first.choice[n] in allowed for n, allowed in split.items()
         ):
             continue  # the time-optimal solution already obeys the seed: its optimum too
         if (
@@ -206,7 +202,6 @@ def profiles_for(
         ):
             continue  # no stage holds even the lightest layer's parameters
         both = seed if param_filter is None else _both(param_filter, seed)
-        axes = tuple(sorted(set(batch_axes) | set(seed_axes)))
         try:
             sol = solve_stage(
                 graph, mesh, **(kw | {"param_filter": both, "batch_axes": axes})

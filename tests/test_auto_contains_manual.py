@@ -9,7 +9,13 @@ import pytest
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from planner import plan
-from planner.intra_op import data_nodes, price_stage, shards_batch, solve_stage
+from planner.intra_op import (
+    batch_split_options,
+    data_nodes,
+    price_stage,
+    shards_batch,
+    solve_stage,
+)
 from planner.manual import manual_plan
 from planner.megatron import axes_filter, batch_axes, megatron_filter, seed_filters
 from planner.models import build_model
@@ -99,3 +105,22 @@ def test_shared_pricing_gives_the_same_solutions() -> None:
         assert shared.memory_bytes == pytest.approx(fresh.memory_bytes, rel=1e-12)
     with pytest.raises(Exception, match="another stage"):
         solve_stage(graph, mesh, num_microbatches=8, pricing=pricing)
+
+
+def test_batch_split_left_free_where_an_op_needs_the_whole_batch() -> None:
+    """Batch norm's DTensor strategy has no batch-split option: forcing its neighbours would only
+    add redistributions, so a Wide-ResNet stage is left free; a GPT stage is restricted."""
+    mesh = LogicalMesh(Cluster.from_spec("1x2xV100-16GB"), (1, 2), (2, 1))
+    for spec, restricted in (
+        ("wresnet:layers=50,width=2,channels=16,image=32,classes=10", False),
+        ("gpt:hidden=64,layers=2,heads=4,seq=32,vocab=128", True),
+    ):
+        module, batch = build_model(spec, batch=4, device="meta")
+        graph = trace(module, batch)
+        pricing = price_stage(graph, mesh)
+        split = batch_split_options(
+            graph, pricing.names, pricing.ctx.options, pricing.ctx.rep, (0,), mesh.shape
+        )
+        assert bool(split) == restricted, spec
+        kinds = {graph.node(n).target for n in data_nodes(graph)}
+        assert ("aten.native_batch_norm.default" in kinds) != restricted
