@@ -88,7 +88,7 @@ def batch_axes(
     mesh_shape: tuple[int, ...], tp_axis: int | None, has_experts: bool
 ) -> tuple[int, ...]:
     """Megatron's data-parallel axes: every axis of more than one device but the tensor-parallel
-    one. None for models with experts: their expert tensors ([E, G, C, h]) carry the batch in
+    one; () for models with experts: their expert tensors ([E, G, C, h]) carry the batch in
     dim 1, which a dim-0 rule cannot express, so their activations stay free."""
     if has_experts:
         return ()
