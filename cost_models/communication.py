@@ -182,9 +182,31 @@ def all_to_all_time(cluster: Cluster, nbytes: float, axis: MeshAxis) -> float:
     return collective_time(cluster, "all_to_all", nbytes, axis)
 
 
-def p2p_time(cluster: Cluster, nbytes: float, *, crosses_hosts: bool) -> float:
-    """One point-to-point message (e.g. activations between pipeline stages): ``alpha + B * beta``."""
-    return send_recv(nbytes, cluster.link(crosses_hosts))
+def p2p_time(
+    cluster: Cluster,
+    nbytes: float,
+    *,
+    crosses_hosts: bool,
+    senders_per_host: int | None = None,
+) -> float:
+    """One point-to-point message (e.g. activations between pipeline stages): ``alpha + B * beta``.
+
+    Between hosts the link is a device's share of its host's network (module `cost_models.cluster`:
+    NIC bandwidth / devices per host, every device sending at once). When only
+    `senders_per_host` of a host's devices send at once (a pipeline stage on part of a host),
+    each gets NIC bandwidth / senders_per_host: the share scaled by devices per host /
+    senders_per_host. Default: every device of the host sends."""
+    link = cluster.link(crosses_hosts)
+    if crosses_hosts and senders_per_host is not None:
+        M = cluster.devices_per_host
+        if not 1 <= senders_per_host <= M:
+            raise ValueError(
+                f"senders_per_host must be in 1..{M}, got {senders_per_host}"
+            )
+        link = LinkSpec(
+            link.bandwidth_bytes_per_s * M / senders_per_host, link.latency_s
+        )
+    return send_recv(nbytes, link)
 
 
 def _axis_layout(

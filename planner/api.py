@@ -18,6 +18,7 @@ Modes (Alpa's ablations): "auto"; "intra-only" (one stage on the whole cluster);
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -380,14 +381,23 @@ def boundary_send_times(
     """Round trip of one micro-batch's boundary activations (forward) and their gradient (back)
     from stage i to stage i + 1 (`nbytes[i]` full bytes), each device of stage i sending its 1/n
     share (as the stage DP prices it, `planner.stage_table.send_times`), over the inter-host link
-    when the two stages' devices lie in different hosts."""
+    when the two stages' devices lie in different hosts, where the host's network is shared by
+    the stage's devices in that host (all of them for stages of whole hosts, as the stage DP
+    assumes; a 1-device stage has the whole network card)."""
     M = cluster.devices_per_host
     out = []
     for i, b in enumerate(nbytes):
         hosts = [{d // M for d in devices[x]} for x in (i, i + 1)]
         share = b / len(devices[i])
+        senders = max(Counter(d // M for d in devices[i]).values())
         out.append(
-            2 * p2p_time(cluster, share, crosses_hosts=hosts[0] != hosts[1])
+            2
+            * p2p_time(
+                cluster,
+                share,
+                crosses_hosts=hosts[0] != hosts[1],
+                senders_per_host=senders,
+            )
             if b > 0
             else 0.0
         )

@@ -238,3 +238,27 @@ def test_cli_output_into_a_closed_pipe_is_not_an_error(tmp_path) -> None:
     proc.stdout.close()
     err = proc.stderr.read()
     assert proc.wait() == 0 and "Traceback" not in err, err
+
+
+def test_boundary_sends_share_the_network_card_only_among_senders() -> None:
+    """Across hosts a device gets NIC / (devices of the host sending at once): a 1-device stage
+    has the whole card (V100 host: 25 Gbps), a whole-host stage an eighth per device - the same
+    time for the whole boundary either way; inside a host the NVLink price is unchanged."""
+    from cost_models.cluster import Cluster
+    from planner.api import boundary_send_times
+
+    cluster = Cluster.from_spec("2x8xV100-16GB")
+    nic = 25e9 / 8
+    alpha = cluster.inter_host_link.latency_s
+    b = 16e6
+    one, host = (
+        boundary_send_times([b, b], [[7], [8], list(range(8, 16))], cluster)[0],
+        boundary_send_times([b], [list(range(8)), list(range(8, 16))], cluster)[0],
+    )
+    assert one == pytest.approx(2 * (alpha + b / nic))
+    assert host == pytest.approx(2 * (alpha + (b / 8) / (nic / 8)))
+    inside = boundary_send_times([b], [[0], [1]], cluster)[0]
+    link = cluster.intra_host_link
+    assert inside == pytest.approx(
+        2 * (link.latency_s + b / link.bandwidth_bytes_per_s)
+    )
