@@ -29,8 +29,8 @@ import torch
 from cost_models.communication import LogicalMesh, ReshardStep, reshard_steps
 from cost_models.errors import MeshplanError
 from planner import stage_costs as sc
-from planner.cost_graph import CostGraph, identity, merge_followers
-from planner.ilp import solve
+from planner.cost_graph import CostGraph, Reduction, identity, merge_followers
+from planner.ilp import ILPModel
 from planner.opgraph import OpGraph
 from planner.stage_costs import Option, StageSettings
 from planner.strategies import consumed_output, leaf_strategies
@@ -294,6 +294,9 @@ class StagePricing:
     _node_arrays: dict[str, tuple[np.ndarray, np.ndarray]] = field(
         default_factory=dict, repr=False
     )
+    _programs: dict[tuple, tuple[Reduction, ILPModel]] = field(
+        default_factory=dict, repr=False
+    )  # per set of options kept (`solve_stage`)
 
     def node_arrays(self, n: str) -> tuple[np.ndarray, np.ndarray]:
         """(compute time, memory) of every option of representative n, over all its options."""
@@ -413,6 +416,35 @@ def solve_stage(
     else:
         ctx = base
 
+    # The program depends on the options kept (ctx.keep), not on the budget: a memory ladder
+    # builds it once (`planner.ilp.ILPModel`) and only changes its memory row.
+    key = tuple(sorted((n, k.tobytes()) for n, k in ctx.keep.items()))
+    if key not in pricing._programs:
+        red = _reduce(graph, pricing, ctx, options)
+        pricing._programs[key] = (red, ILPModel(red.graph.problem(None)))
+    red, program = pricing._programs[key]
+    sol = program.solve(memory_budget, time_limit=time_limit)
+    picked = red.expand(sol.choice)
+    choice = {n: options[n][picked[rep.get(n, n)]] for n in names}
+    return _summarise(
+        ctx,
+        choice,
+        pricing.ops,
+        len(red.graph.names),
+        sol.optimal,
+        time.perf_counter() - t0,
+    )
+
+
+def _reduce(
+    graph: OpGraph,
+    pricing: StagePricing,
+    ctx: _Context,
+    options: dict[str, list[Option]],
+) -> Reduction:
+    """The cost graph of the stage's representatives under ctx's options (repeated blocks
+    counted, `representatives`), with followers merged into their leaders."""
+    names, rep = pricing.names, ctx.rep
     reps = [n for n in names if rep.get(n, n) == n]
     count = Counter(rep.get(n, n) for n in names)
     index = {n: i for i, n in enumerate(reps)}
@@ -429,20 +461,8 @@ def solve_stage(
     for key, c in grouped.items():
         act, grad = ctx.edge(*sample[key])
         cg.add_edge(index[key[0]], index[key[1]], (act + grad) * c)
-
     leaders = _leaders(graph, reps, options, rep)
-    red = merge_followers(identity(cg), leaders)
-    sol = solve(red.graph.problem(memory_budget), time_limit=time_limit)
-    picked = red.expand(sol.choice)
-    choice = {n: options[n][picked[rep.get(n, n)]] for n in names}
-    return _summarise(
-        ctx,
-        choice,
-        pricing.ops,
-        len(red.graph.names),
-        sol.optimal,
-        time.perf_counter() - t0,
-    )
+    return merge_followers(identity(cg), leaders)
 
 
 def _param_views(graph: OpGraph, names: list[str]) -> set[str]:
