@@ -60,6 +60,15 @@ class StageSolution:
     _cost_table: tuple[list[str], np.ndarray] | None = field(
         default=None, repr=False, compare=False
     )
+    _index: dict[str, int] | None = field(
+        default=None, repr=False, compare=False
+    )  # node -> index of its choice in _ctx.options (equal options price alike)
+
+    def _chosen(self) -> dict[str, int]:
+        if self._index is None:
+            options = self._ctx.options
+            self._index = {n: options[n].index(o) for n, o in self.choice.items()}
+        return self._index
 
     @property
     def time_s(self) -> float:
@@ -74,13 +83,11 @@ class StageSolution:
         """Per node: (time per micro-batch including resharding of its inputs, forward compute time,
         parameter-state bytes, activation bytes per in-flight micro-batch). Sums to the stage totals."""
         ctx = self._ctx
+        index = self._chosen()
         out = {}
-        for n, opt in self.choice.items():
-            node = ctx.graph.node(n)
-            t = ctx.node_cost(n, opt)
-            fwd = sc.forward_time(node, opt, ctx.settings)
-            mem = ctx.node_memory(n, opt)
-            is_param = node.op == "param"
+        for n in self.choice:
+            t, mem, fwd = ctx.values(n, index[n], forward=True)
+            is_param = ctx.graph.node(n).op == "param"
             out[n] = (
                 t,
                 fwd,
@@ -89,10 +96,7 @@ class StageSolution:
             )
         for u, v in ctx.edges:
             act, grad = ctx.edge(u, v)
-            i, j = (
-                ctx.options[u].index(self.choice[u]),
-                ctx.options[v].index(self.choice[v]),
-            )
+            i, j = index[u], index[v]
             t, fwd, pm, am = out[v]
             out[v] = (t + act[i, j] + grad[i, j], fwd, pm, am)
         return out
@@ -176,6 +180,33 @@ class _Context:
     _sliced: dict[tuple[str, str, int], tuple[np.ndarray, np.ndarray]] = field(
         default_factory=dict
     )
+    _values: dict[tuple[str, int], list[float]] = field(
+        default_factory=dict
+    )  # (node, index in full_options) -> [cost, memory, forward time]; shared like _edges
+    _keys: dict[tuple[str, str], tuple[str, str, int]] = field(
+        default_factory=dict
+    )  # edge -> edge_key; shared like _edges
+
+    def values(
+        self, name: str, i: int, forward: bool = False
+    ) -> tuple[float, float] | tuple[float, float, float]:
+        """(node_cost, node_memory) of option i of node `name`, and its forward compute time
+        when `forward`; computed once per pricing."""
+        keep = self.keep.get(name)
+        key = (name, i if keep is None else int(keep[i]))
+        hit = self._values.get(key)
+        if hit is None:
+            opt = self.options[name][i]
+            hit = self._values[key] = [
+                self.node_cost(name, opt),
+                self.node_memory(name, opt),
+            ]
+        if not forward:
+            return hit[0], hit[1]
+        if len(hit) == 2:
+            opt = self.options[name][i]
+            hit.append(sc.forward_time(self.graph.node(name), opt, self.settings))
+        return hit[0], hit[1], hit[2]
 
     def restricted(self, options: dict[str, list[Option]]) -> _Context:
         """The same stage with fewer options for some nodes; prices already computed are shared."""
@@ -197,14 +228,19 @@ class _Context:
             self._edges,
             full,
             keep,
+            _values=self._values,
+            _keys=self._keys,
         )
 
     def edge_key(self, u: str, v: str) -> tuple[str, str, int]:
-        return (
-            self.rep.get(u, u),
-            self.rep.get(v, v),
-            self.fx[v].all_input_nodes.index(self.fx[u]),
-        )
+        key = self._keys.get((u, v))
+        if key is None:
+            key = self._keys[u, v] = (
+                self.rep.get(u, u),
+                self.rep.get(v, v),
+                self.fx[v].all_input_nodes.index(self.fx[u]),
+            )
+        return key
 
     def edge(self, u: str, v: str) -> tuple[np.ndarray, np.ndarray]:
         """Prices of edge u -> v; identical for every copy of a repeated block, so cached per copy class."""
@@ -425,10 +461,12 @@ def solve_stage(
     red, program = pricing._programs[key]
     sol = program.solve(memory_budget, time_limit=time_limit)
     picked = red.expand(sol.choice)
-    choice = {n: options[n][picked[rep.get(n, n)]] for n in names}
+    index = {n: picked[rep.get(n, n)] for n in names}
+    choice = {n: options[n][index[n]] for n in names}
     return _summarise(
         ctx,
         choice,
+        index,
         pricing.ops,
         len(red.graph.names),
         sol.optimal,
@@ -506,31 +544,27 @@ def _leaders(
 def _summarise(
     ctx: _Context,
     choice: dict[str, Option],
+    index: dict[str, int],
     ops: list[str],
     ilp_nodes: int,
     optimal: bool,
     seconds: float,
 ) -> StageSolution:
+    """The StageSolution of `choice` (option `index[n]` of every node n in ctx.options)."""
     g, s = ctx.graph, ctx.settings
-    compute = sum(
-        ctx.node_cost(n, choice[n]) for n in choice if g.node(n).op != "param"
-    )
-    zero = sum(ctx.node_cost(n, choice[n]) for n in choice if g.node(n).op == "param")
+    is_param = {n: g.node(n).op == "param" for n in choice}
+    values = {n: ctx.values(n, index[n]) for n in choice}  # (cost, memory)
+    compute = sum(values[n][0] for n in choice if not is_param[n])
+    zero = sum(values[n][0] for n in choice if is_param[n])
     comm, grad_sync = 0.0, zero * s.num_microbatches
     for u, v in ctx.edges:
         act, grad = ctx.edge(u, v)
-        i, j = ctx.options[u].index(choice[u]), ctx.options[v].index(choice[v])
+        i, j = index[u], index[v]
         comm += act[i, j]
         grad_sync += grad[i, j] * s.num_microbatches
-    params = {
-        g.placeholder_paths[n]: choice[n] for n in choice if g.node(n).op == "param"
-    }
-    param_mem = sum(
-        ctx.node_memory(n, choice[n]) for n in choice if g.node(n).op == "param"
-    )
-    act_mem = sum(
-        ctx.node_memory(n, choice[n]) for n in choice if g.node(n).op != "param"
-    )
+    params = {g.placeholder_paths[n]: choice[n] for n in choice if is_param[n]}
+    param_mem = sum(values[n][1] for n in choice if is_param[n])
+    act_mem = sum(values[n][1] for n in choice if not is_param[n])
     fallbacks = [
         f"{n}: {g.node(n).target}"
         for n in ops
@@ -552,4 +586,5 @@ def _summarise(
         ilp_nodes=ilp_nodes,
         solve_time_s=seconds,
         _ctx=ctx,
+        _index=index,
     )
