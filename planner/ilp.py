@@ -214,6 +214,18 @@ class ILPModel:
             else:
                 self.memory_row.update((x, a) for x, a in zip(s[v], mib) if a)
 
+    def pulp_problem(self, budget: float | None) -> pulp.LpProblem:
+        """The model with the memory row for `budget` bytes per device last (a copy sharing the
+        expressions), or without one when `budget` is None or there is no memory."""
+        if budget is None or self.problem.node_memory is None:
+            return self.prob
+        prob = self.prob.copy()
+        row = pulp.LpAffineExpression(self.memory_row, self.memory_constant)
+        prob.addConstraint(
+            pulp.LpConstraint(row, pulp.LpConstraintLE, rhs=budget / 2**20), "memory"
+        )
+        return prob
+
     def solve(
         self,
         budget: float | None,
@@ -224,16 +236,9 @@ class ILPModel:
     ) -> ILPSolution:
         """The best choice within `budget` bytes per device (None: no memory row). Raises
         MeshplanError if no choice fits."""
-        problem, prob, s = self.problem, self.prob, self.s
+        problem, s = self.problem, self.s
         _check_fits(problem, budget)
-        bounded = budget is not None and problem.node_memory is not None
-        if bounded:  # a copy of the model (expressions shared) with the memory row last
-            prob = prob.copy()
-            row = pulp.LpAffineExpression(self.memory_row, self.memory_constant)
-            prob.addConstraint(
-                pulp.LpConstraint(row, pulp.LpConstraintLE, rhs=budget / 2**20),
-                "memory",
-            )
+        prob = self.pulp_problem(budget)
         status = prob.solve(_solver(time_limit, msg, solver))
         state = pulp.LpStatus[status]
         if state == "Infeasible":
