@@ -25,6 +25,10 @@ Edges whose cost matrix is all zero add no variables. Nodes with one strategy ar
 Solved with HiGHS when `highspy` is installed, CBC otherwise; a time limit returns the best
 solution found with a warning. Ties are broken deterministically by a tiny preference for lower
 strategy indices, so the same input always gives the same answer.
+
+`ILPModel` builds the pulp model once (one dict per expression rather than term by term) and
+solves it under any budget: only the memory row changes, so the solves of a memory ladder share
+the build; `_BulkHiGHS` passes the model to highspy as arrays.
 """
 
 from __future__ import annotations

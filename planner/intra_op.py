@@ -10,7 +10,9 @@ Steps (DESIGN, "The two searches"; Alpa section 4.2):
 3. Followers (views, getitem, single-input elementwise ops) merge into their producer
    (`planner.cost_graph.merge_followers`).
 4. The ILP (`planner.ilp`): minimise per-micro-batch time = compute + activation resharding forward
-   and backward + gradient synchronisation / micro-batches, subject to per-device memory.
+   and backward + gradient synchronisation / micro-batches, subject to per-device memory. Solves
+   of one pricing (`price_stage`) with the same options kept share the program; only the memory
+   budget differs between them.
 
 Prices: `planner.stage_costs`. The result, `StageSolution`, holds the strategy of every node, the
 placement of every parameter, the cost broken down, and `explain(node)` for debugging.
