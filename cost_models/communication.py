@@ -350,6 +350,18 @@ def parse_placement(text: str | Placement | object) -> Placement:
     """``"R"``, ``"S(0)"``, ``"S0"``, ``"P"``, or DTensor's ``Replicate()``, ``Shard(dim=0)``, ``Partial(sum)``, ``P(sum)``."""
     if isinstance(text, Placement):
         return text
+    if isinstance(text, str):
+        hit = _PARSED.get(text)
+        if hit is None:
+            hit = _PARSED[text] = _parse_placement(text)
+        return hit
+    return _parse_placement(text)
+
+
+_PARSED: dict[str, Placement] = {}  # text -> placement (placements are immutable)
+
+
+def _parse_placement(text: object) -> Placement:
     s = str(text).strip()
     low = s.lower()
     if low in ("r", "replicate", "replicate()"):

@@ -25,10 +25,15 @@ Edges whose cost matrix is all zero add no variables. Nodes with one strategy ar
 Solved with HiGHS when `highspy` is installed, CBC otherwise; a time limit returns the best
 solution found with a warning. Ties are broken deterministically by a tiny preference for lower
 strategy indices, so the same input always gives the same answer.
+
+`ILPModel` builds the pulp model once (one dict per expression rather than term by term) and
+solves it under any budget: only the memory row changes, so the solves of a memory ladder share
+the build; `_BulkHiGHS` passes the model to highspy as arrays.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 from dataclasses import dataclass, field
@@ -98,7 +103,14 @@ def solve(
 
     `solver`: "highs" or "cbc" (default: HiGHS when `highspy` is installed, CBC otherwise).
     """
-    budget = problem.memory_budget
+    _check_fits(problem, problem.memory_budget)
+    return ILPModel(problem).solve(
+        problem.memory_budget, time_limit=time_limit, msg=msg, solver=solver
+    )
+
+
+def _check_fits(problem: ILPProblem, budget: float | None) -> None:
+    """Raise MeshplanError when even the least-memory choice exceeds `budget` (None: no limit)."""
     if (
         budget is not None
         and problem.node_memory is not None
@@ -108,92 +120,148 @@ def solve(
             f"no sharding fits in memory: needs at least {min_memory(problem) / 2**30:.2f} GiB per device, "
             f"{budget / 2**30:.2f} GiB available"
         )
-    prob = pulp.LpProblem("intra_op", pulp.LpMinimize)
-    scale = max(
-        [float(np.abs(c).max()) for c in problem.node_costs]
-        + [float(np.abs(r).max()) for *_, r in problem.edges]
-        + [1e-30]
-    )
-    tie = 1e-9  # relative tie-break towards lower strategy indices
-    new_var = _variable_factory(prob)
-    s = [
-        [new_var(f"s_{v}_{i}", cat="Binary") for i in range(c.size)]
-        if c.size > 1
-        else None
-        for v, c in enumerate(problem.node_costs)
-    ]
 
-    def sv(v: int, i: int) -> pulp.LpAffineExpression | int:
-        return 1 if s[v] is None else s[v][i]
 
-    terms = []
-    for v, c in enumerate(problem.node_costs):
-        if s[v] is not None:
-            prob += pulp.lpSum(s[v]) == 1, f"one_{v}"
-            terms += [(c[i] / scale + tie * i) * s[v][i] for i in range(c.size)]
-    for n, (u, v, r) in enumerate(problem.edges):
-        r = r / scale
-        if not r.any():
-            continue
-        if (
-            s[u] is None or s[v] is None
-        ):  # one side fixed: the edge is linear in the other side
-            if s[u] is None and s[v] is None:
+class ILPModel:
+    """The program of one `ILPProblem` as a pulp model, built once and solved under any memory
+    budget (the problem's own `memory_budget` is ignored: `solve` takes the budget). The memory
+    row is the model's last row, replaced for each budget, so a memory ladder builds the model
+    once.
+
+    The model is exactly the one a term-by-term build (``prob += lpSum(terms)``) gives: the same
+    variables and names (pulp orders the columns by name), the same rows in the same order, and
+    every coefficient summed from the same terms in the same order. Only the Python objects made
+    along the way are fewer: each expression is one `LpAffineExpression` built from a dict.
+    """
+
+    def __init__(self, problem: ILPProblem) -> None:
+        self.problem = problem
+        prob = pulp.LpProblem("intra_op", pulp.LpMinimize)
+        self.scale = max(
+            [float(np.abs(c).max()) for c in problem.node_costs]
+            + [float(np.abs(r).max()) for *_, r in problem.edges]
+            + [1e-30]
+        )
+        tie = 1e-9  # relative tie-break towards lower strategy indices
+        new_var = _variable_factory(prob)
+        s = [
+            [new_var(f"s_{v}_{i}", cat="Binary") for i in range(c.size)]
+            if c.size > 1
+            else None
+            for v, c in enumerate(problem.node_costs)
+        ]
+        self.s = s
+        objective: dict[pulp.LpVariable, float] = {}
+
+        def add(variables: list[pulp.LpVariable], coefs: np.ndarray) -> None:
+            # lpSum skips a zero term (its variable stays out of the objective), and accumulates
+            # the rest in order.
+            for x, a in zip(variables, coefs.tolist()):
+                if a:
+                    objective[x] = objective[x] + a if x in objective else a
+
+        eq = pulp.LpConstraintEQ
+        for v, c in enumerate(problem.node_costs):
+            if s[v] is not None:
+                prob.addConstraint(
+                    pulp.LpConstraint(
+                        pulp.LpAffineExpression(dict.fromkeys(s[v], 1)), eq, rhs=1
+                    ),
+                    f"one_{v}",
+                )
+                add(s[v], c / self.scale + tie * np.arange(c.size))
+        for n, (u, v, r) in enumerate(problem.edges):
+            r = r / self.scale
+            if not r.any():
                 continue
-            row = r[0, :] if s[u] is None else r[:, 0]
-            side = s[v] if s[u] is None else s[u]
-            terms += [row[i] * side[i] for i in range(len(side))]
-            continue
-        # Rows (columns) that are equal give the same cost whichever of them is chosen, so the edge
-        # variables range over groups of equal rows g and columns h; their marginals are the sums
-        # of the node variables in the group. Exact, and far smaller: a cost usually depends only on
-        # the producer's output placement and the consumer's input placement.
-        rows, row_of = np.unique(r, axis=0, return_inverse=True)
-        grouped, col_of = np.unique(rows, axis=1, return_inverse=True)
-        row_of, col_of = row_of.ravel(), col_of.ravel()
-        n_g, n_h = grouped.shape
-        e = {
-            (g, h): new_var(f"e_{n}_{g}_{h}", lowBound=0)
-            for g in range(n_g)
-            for h in range(n_h)
-        }
-        for g in range(n_g):
-            members = pulp.lpSum(s[u][i] for i in np.flatnonzero(row_of == g))
-            prob += pulp.lpSum(e[g, h] for h in range(n_h)) == members, f"eu_{n}_{g}"
-        for h in range(n_h):
-            members = pulp.lpSum(s[v][j] for j in np.flatnonzero(col_of == h))
-            prob += pulp.lpSum(e[g, h] for g in range(n_g)) == members, f"ev_{n}_{h}"
-        terms += [grouped[g, h] * x for (g, h), x in e.items() if grouped[g, h]]
-    prob += pulp.lpSum(terms)
-    if budget is not None and problem.node_memory is not None:
-        prob += (
-            pulp.lpSum(
-                m[i] / 2**20 * sv(v, i)
-                for v, m in enumerate(problem.node_memory)
-                for i in range(m.size)
+            if s[u] is None or s[v] is None:
+                # one side fixed: the edge is linear in the other side
+                if s[u] is None and s[v] is not None:
+                    add(s[v], r[0, :])
+                elif s[u] is not None:
+                    add(s[u], r[:, 0])
+                continue
+            # Rows (columns) that are equal give the same cost whichever of them is chosen, so the
+            # edge variables range over groups of equal rows g and columns h; their marginals are
+            # the sums of the node variables in the group. Exact, and far smaller: a cost usually
+            # depends only on the producer's output placement and the consumer's input placement.
+            rows, row_of = np.unique(r, axis=0, return_inverse=True)
+            grouped, col_of = np.unique(rows, axis=1, return_inverse=True)
+            row_of, col_of = row_of.ravel(), col_of.ravel()
+            n_g, n_h = grouped.shape
+            e = [
+                [new_var(f"e_{n}_{g}_{h}", lowBound=0) for h in range(n_h)]
+                for g in range(n_g)
+            ]
+            for g in range(n_g):
+                row = dict.fromkeys(e[g], 1)
+                row.update((s[u][i], -1) for i in np.flatnonzero(row_of == g))
+                prob.addConstraint(
+                    pulp.LpConstraint(pulp.LpAffineExpression(row), eq), f"eu_{n}_{g}"
+                )
+            for h in range(n_h):
+                col = dict.fromkeys((e[g][h] for g in range(n_g)), 1)
+                col.update((s[v][j], -1) for j in np.flatnonzero(col_of == h))
+                prob.addConstraint(
+                    pulp.LpConstraint(pulp.LpAffineExpression(col), eq), f"ev_{n}_{h}"
+                )
+            add([x for row in e for x in row], grouped.ravel())
+        prob.setObjective(pulp.LpAffineExpression(objective))
+        self.prob = prob
+        # The memory row in MiB: fixed nodes add constants, the others their variables.
+        self.memory_row: dict[pulp.LpVariable, float] = {}
+        self.memory_constant = 0.0
+        for v, m in enumerate(problem.node_memory or []):
+            mib = (m / 2**20).tolist()
+            if s[v] is None:
+                self.memory_constant += mib[0]
+            else:
+                self.memory_row.update((x, a) for x, a in zip(s[v], mib) if a)
+
+    def pulp_problem(self, budget: float | None) -> pulp.LpProblem:
+        """The model with the memory row for `budget` bytes per device last (a copy sharing the
+        expressions), or without one when `budget` is None or there is no memory."""
+        if budget is None or self.problem.node_memory is None:
+            return self.prob
+        prob = self.prob.copy()
+        row = pulp.LpAffineExpression(self.memory_row, self.memory_constant)
+        prob.addConstraint(
+            pulp.LpConstraint(row, pulp.LpConstraintLE, rhs=budget / 2**20), "memory"
+        )
+        return prob
+
+    def solve(
+        self,
+        budget: float | None,
+        *,
+        time_limit: float | None = None,
+        msg: bool = False,
+        solver: str | None = None,
+    ) -> ILPSolution:
+        """The best choice within `budget` bytes per device (None: no memory row). Raises
+        MeshplanError if no choice fits."""
+        problem, s = self.problem, self.s
+        _check_fits(problem, budget)
+        prob = self.pulp_problem(budget)
+        status = prob.solve(_solver(time_limit, msg, solver))
+        state = pulp.LpStatus[status]
+        if state == "Infeasible":
+            raise MeshplanError(
+                f"no sharding fits in memory: budget {budget / 2**30:.2f} GiB per device is below what any "
+                f"consistent choice needs (at least {min_memory(problem) / 2**30:.2f} GiB)"
             )
-            <= budget / 2**20,
-            "memory",
+        choice = [
+            0 if s[v] is None else int(np.argmax([x.value() or 0 for x in s[v]]))
+            for v in range(len(s))
+        ]
+        optimal = state == "Optimal" and prob.sol_status == pulp.LpSolutionOptimal
+        if not optimal:
+            warnings.warn(
+                f"intra-op ILP stopped at its time limit ({time_limit} s): returning the best solution found"
+            )
+        return ILPSolution(
+            choice, problem.objective(choice), problem.memory(choice), optimal
         )
-    status = prob.solve(_solver(time_limit, msg, solver))
-    state = pulp.LpStatus[status]
-    if state == "Infeasible":
-        raise MeshplanError(
-            f"no sharding fits in memory: budget {budget / 2**30:.2f} GiB per device is below what any "
-            f"consistent choice needs (at least {min_memory(problem) / 2**30:.2f} GiB)"
-        )
-    choice = [
-        0 if s[v] is None else int(np.argmax([x.value() or 0 for x in s[v]]))
-        for v in range(len(s))
-    ]
-    optimal = state == "Optimal" and prob.sol_status == pulp.LpSolutionOptimal
-    if not optimal:
-        warnings.warn(
-            f"intra-op ILP stopped at its time limit ({time_limit} s): returning the best solution found"
-        )
-    return ILPSolution(
-        choice, problem.objective(choice), problem.memory(choice), optimal
-    )
 
 
 def _variable_factory(prob: pulp.LpProblem):
@@ -208,7 +276,7 @@ SOLVERS = ("highs", "cbc")
 
 def _solver(time_limit: float | None, msg: bool, name: str | None) -> pulp.LpSolver:
     kwargs = {"msg": msg, "timeLimit": time_limit, "gapRel": 1e-7}
-    has_highs = "HiGHS" in pulp.listSolvers(onlyAvailable=True)
+    has_highs = "HiGHS" in _available_solvers()
     if name not in (None, *SOLVERS):
         raise MeshplanError(
             f"unknown ILP solver {name!r}; expected one of {', '.join(SOLVERS)}"
@@ -218,8 +286,75 @@ def _solver(time_limit: float | None, msg: bool, name: str | None) -> pulp.LpSol
             "the HiGHS solver needs the highspy package (pip install highspy)"
         )
     if name == "highs" or (name is None and has_highs):
-        return pulp.HiGHS(threads=1, random_seed=0, **kwargs)
+        return _BulkHiGHS(threads=1, random_seed=0, **kwargs)
     return pulp.PULP_CBC_CMD(threads=1, options=["randomSeed 0"], **kwargs)
+
+
+@functools.cache
+def _available_solvers() -> tuple[str, ...]:
+    return tuple(pulp.listSolvers(onlyAvailable=True))
+
+
+class _BulkHiGHS(pulp.HiGHS):
+    """pulp's HiGHS interface, passing the model to highspy in three calls (all columns, their
+    integrality, all rows as CSR arrays) instead of one to three calls per column and one per
+    row. The model is the same as pulp's own `buildSolverModel` makes: columns in
+    `lp.variables()` order with the objective's coefficients and the variables' bounds, rows in
+    `lp.constraints` order with their zero coefficients left out."""
+
+    def buildSolverModel(self, lp: pulp.LpProblem) -> None:
+        import highspy
+
+        inf = highspy.kHighsInf
+        sign = -1 if lp.sense == pulp.LpMaximize else 1
+        variables = lp.variables()
+        objective = lp.objective
+        cost, lower, upper, integer = [], [], [], []
+        for i, var in enumerate(variables):
+            var.index = i
+            cost.append(sign * objective.get(var, 0.0))
+            lower.append(-inf if var.lowBound is None else var.lowBound)
+            upper.append(inf if var.upBound is None else var.upBound)
+            if var.cat == pulp.LpInteger and self.mip:
+                integer.append(i)
+        model = lp.solverModel
+        model.addCols(
+            len(variables),
+            np.array(cost, dtype=float),
+            np.array(lower, dtype=float),
+            np.array(upper, dtype=float),
+            0,
+            np.zeros(0, dtype=np.int32),
+            np.zeros(0, dtype=np.int32),
+            np.zeros(0, dtype=float),
+        )
+        if integer:
+            model.changeColsIntegrality(
+                len(integer),
+                np.array(integer, dtype=np.int32),
+                np.full(len(integer), highspy.HighsVarType.kInteger.value, np.uint8),
+            )
+        starts, index, value, row_lower, row_upper = [], [], [], [], []
+        for i, constraint in enumerate(lp._constraints.values()):
+            constraint.index = i
+            starts.append(len(index))
+            for var, coefficient in constraint.items():
+                if coefficient != 0:
+                    index.append(var.index)
+                    value.append(coefficient)
+            lb, ub = constraint.getLb(), constraint.getUb()
+            row_lower.append(-inf if lb is None else lb)
+            row_upper.append(inf if ub is None else ub)
+        if starts:
+            model.addRows(
+                len(starts),
+                np.array(row_lower, dtype=float),
+                np.array(row_upper, dtype=float),
+                len(index),
+                np.array(starts, dtype=np.int32),
+                np.array(index, dtype=np.int32),
+                np.array(value, dtype=float),
+            )
 
 
 def brute_force(problem: ILPProblem) -> ILPSolution:

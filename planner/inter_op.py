@@ -79,40 +79,57 @@ def stage_dp(
 def _dp_for(
     cost: np.ndarray, sizes: list[int], D: int, s_max: int, t_max: float
 ) -> tuple[float, list] | None:
+    """F(s, k, d) of the module docstring for one t_max, vectorised: for each s, every allowed
+    choice (k, j, m) at once and every d. For each (s, k, d) the choices are compared in (j, m)
+    order and the first least one wins (what updating on strictly smaller candidates in that
+    order gives)."""
     L = cost.shape[0]
-    allowed = np.where(cost <= t_max, cost, np.inf)
-    inf = np.full(D + 1, np.inf)
-    # F[s][k]: array over d; arg[s][k]: (j, m) per d.
-    F = [[inf.copy() for _ in range(L + 1)] for _ in range(s_max + 1)]
-    arg_j = [[np.full(D + 1, -1) for _ in range(L + 1)] for _ in range(s_max + 1)]
-    arg_m = [[np.full(D + 1, -1) for _ in range(L + 1)] for _ in range(s_max + 1)]
-    F[0][L][0] = 0.0
+    size = np.asarray(sizes, dtype=int)
+    src = (
+        np.arange(D + 1)[None, :] - size[:, None]
+    )  # [m, d]: devices left to later stages
+    F = np.full((s_max + 1, L + 1, D + 1), np.inf)
+    arg_j = np.full((s_max + 1, L + 1, D + 1), -1)
+    arg_m = np.full((s_max + 1, L + 1, D + 1), -1)
+    F[0, L, 0] = 0.0
+    later = np.arange(L)[None, :] >= np.arange(L)[:, None]  # [k, j]: j >= k
+    fits = (cost <= t_max) & later[:, :, None, None] & (size <= D)[None, None, :, None]
+    chunk = max(1, 2**22 // (L * len(sizes) * (D + 1)))  # values of k at once (memory)
     for s in range(1, s_max + 1):
-        for k in range(L - 1, -1, -1):
-            cur, cj, cm = F[s][k], arg_j[s][k], arg_m[s][k]
-            for j in range(k, L):
-                nxt = F[s - 1][j + 1]
-                if not np.isfinite(nxt).any():
-                    continue
-                for m, size in enumerate(sizes):
-                    c = allowed[k, j, m, s]
-                    if not np.isfinite(c) or size > D:
-                        continue
-                    cand = np.full(D + 1, np.inf)
-                    cand[size:] = nxt[: D + 1 - size] + c
-                    better = cand < cur
-                    if better.any():
-                        cur[better] = cand[better]
-                        cj[better] = j
-                        cm[better] = m
-    totals = [F[s][0][D] for s in range(1, s_max + 1)]
+        reachable = np.isfinite(F[s - 1, 1:]).any(
+            axis=1
+        )  # [j]: F(s - 1, j + 1, .) < inf
+        for a in range(0, L, chunk):
+            allowed = fits[a : a + chunk, :, :, s] & reachable[None, :, None]
+            k, j, m = np.nonzero(allowed)
+            if not k.size:
+                continue
+            k = k + a
+            # Candidates in (k, j, m) order: F(s - 1, j + 1, d - |m|) + cost (inf if d < |m|).
+            cand = np.where(
+                src[m] >= 0, F[s - 1][(j + 1)[:, None], np.maximum(src[m], 0)], np.inf
+            )
+            cand = cand + cost[k, j, m, s][:, None]
+            new_k = np.r_[True, k[1:] != k[:-1]]
+            starts = np.flatnonzero(new_k)  # one segment of candidates per k
+            least = np.minimum.reduceat(cand, starts, axis=0)
+            seg = np.cumsum(new_k) - 1  # segment of each candidate
+            rows = np.where(cand == least[seg], np.arange(k.size)[:, None], k.size)
+            first = np.minimum.reduceat(rows, starts, axis=0)  # first least per segment
+            first = np.minimum(first, k.size - 1)
+            found = least < np.inf
+            ks = k[starts]
+            F[s, ks] = least
+            arg_j[s, ks] = np.where(found, j[first], -1)
+            arg_m[s, ks] = np.where(found, m[first], -1)
+    totals = [F[s, 0, D] for s in range(1, s_max + 1)]
     if not np.isfinite(totals).any():
         return None
     s = int(np.argmin(totals)) + 1
     total = float(totals[s - 1])
     stages, k, d = [], 0, D
     while s > 0:
-        j, m = int(arg_j[s][k][d]), int(arg_m[s][k][d])
+        j, m = int(arg_j[s, k, d]), int(arg_m[s, k, d])
         stages.append((k, j, m))
         k, d, s = j + 1, d - sizes[m], s - 1
     return total, stages

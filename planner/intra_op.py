@@ -10,7 +10,9 @@ Steps (DESIGN, "The two searches"; Alpa section 4.2):
 3. Followers (views, getitem, single-input elementwise ops) merge into their producer
    (`planner.cost_graph.merge_followers`).
 4. The ILP (`planner.ilp`): minimise per-micro-batch time = compute + activation resharding forward
-   and backward + gradient synchronisation / micro-batches, subject to per-device memory.
+   and backward + gradient synchronisation / micro-batches, subject to per-device memory. Solves
+   of one pricing (`price_stage`) with the same options kept share the program; only the memory
+   budget differs between them.
 
 Prices: `planner.stage_costs`. The result, `StageSolution`, holds the strategy of every node, the
 placement of every parameter, the cost broken down, and `explain(node)` for debugging.
@@ -29,8 +31,8 @@ import torch
 from cost_models.communication import LogicalMesh, ReshardStep, reshard_steps
 from cost_models.errors import MeshplanError
 from planner import stage_costs as sc
-from planner.cost_graph import CostGraph, identity, merge_followers
-from planner.ilp import solve
+from planner.cost_graph import CostGraph, Reduction, identity, merge_followers
+from planner.ilp import ILPModel
 from planner.opgraph import OpGraph, OpNode
 from planner.stage_costs import Option, StageSettings
 from planner.strategies import consumed_output, leaf_strategies
@@ -60,6 +62,15 @@ class StageSolution:
     _cost_table: tuple[list[str], np.ndarray] | None = field(
         default=None, repr=False, compare=False
     )
+    _index: dict[str, int] | None = field(
+        default=None, repr=False, compare=False
+    )  # node -> index of its choice in _ctx.options (equal options price alike)
+
+    def _chosen(self) -> dict[str, int]:
+        if self._index is None:
+            options = self._ctx.options
+            self._index = {n: options[n].index(o) for n, o in self.choice.items()}
+        return self._index
 
     @property
     def time_s(self) -> float:
@@ -74,13 +85,11 @@ class StageSolution:
         """Per node: (time per micro-batch including resharding of its inputs, forward compute time,
         parameter-state bytes, activation bytes per in-flight micro-batch). Sums to the stage totals."""
         ctx = self._ctx
+        index = self._chosen()
         out = {}
-        for n, opt in self.choice.items():
-            node = ctx.graph.node(n)
-            t = ctx.node_cost(n, opt)
-            fwd = sc.forward_time(node, opt, ctx.settings)
-            mem = ctx.node_memory(n, opt)
-            is_param = node.op == "param"
+        for n in self.choice:
+            t, mem, fwd = ctx.values(n, index[n], forward=True)
+            is_param = ctx.graph.node(n).op == "param"
             out[n] = (
                 t,
                 fwd,
@@ -89,10 +98,7 @@ class StageSolution:
             )
         for u, v in ctx.edges:
             act, grad = ctx.edge(u, v)
-            i, j = (
-                ctx.options[u].index(self.choice[u]),
-                ctx.options[v].index(self.choice[v]),
-            )
+            i, j = index[u], index[v]
             t, fwd, pm, am = out[v]
             out[v] = (t + act[i, j] + grad[i, j], fwd, pm, am)
         return out
@@ -176,6 +182,33 @@ class _Context:
     _sliced: dict[tuple[str, str, int], tuple[np.ndarray, np.ndarray]] = field(
         default_factory=dict
     )
+    _values: dict[tuple[str, int], list[float]] = field(
+        default_factory=dict
+    )  # (node, index in full_options) -> [cost, memory, forward time]; shared like _edges
+    _keys: dict[tuple[str, str], tuple[str, str, int]] = field(
+        default_factory=dict
+    )  # edge -> edge_key; shared like _edges
+
+    def values(
+        self, name: str, i: int, forward: bool = False
+    ) -> tuple[float, float] | tuple[float, float, float]:
+        """(node_cost, node_memory) of option i of node `name`, and its forward compute time
+        when `forward`; computed once per pricing."""
+        keep = self.keep.get(name)
+        key = (name, i if keep is None else int(keep[i]))
+        hit = self._values.get(key)
+        if hit is None:
+            opt = self.options[name][i]
+            hit = self._values[key] = [
+                self.node_cost(name, opt),
+                self.node_memory(name, opt),
+            ]
+        if not forward:
+            return hit[0], hit[1]
+        if len(hit) == 2:
+            opt = self.options[name][i]
+            hit.append(sc.forward_time(self.graph.node(name), opt, self.settings))
+        return hit[0], hit[1], hit[2]
 
     def restricted(self, options: dict[str, list[Option]]) -> _Context:
         """The same stage with fewer options for some nodes; prices already computed are shared."""
@@ -197,14 +230,19 @@ class _Context:
             self._edges,
             full,
             keep,
+            _values=self._values,
+            _keys=self._keys,
         )
 
     def edge_key(self, u: str, v: str) -> tuple[str, str, int]:
-        return (
-            self.rep.get(u, u),
-            self.rep.get(v, v),
-            self.fx[v].all_input_nodes.index(self.fx[u]),
-        )
+        key = self._keys.get((u, v))
+        if key is None:
+            key = self._keys[u, v] = (
+                self.rep.get(u, u),
+                self.rep.get(v, v),
+                self.fx[v].all_input_nodes.index(self.fx[u]),
+            )
+        return key
 
     def edge(self, u: str, v: str) -> tuple[np.ndarray, np.ndarray]:
         """Prices of edge u -> v; identical for every copy of a repeated block, so cached per copy class."""
@@ -294,6 +332,9 @@ class StagePricing:
     _node_arrays: dict[str, tuple[np.ndarray, np.ndarray]] = field(
         default_factory=dict, repr=False
     )
+    _programs: dict[tuple, tuple[Reduction, ILPModel]] = field(
+        default_factory=dict, repr=False
+    )  # per set of options kept (`solve_stage`)
 
     def node_arrays(self, n: str) -> tuple[np.ndarray, np.ndarray]:
         """(compute time, memory) of every option of representative n, over all its options."""
@@ -420,6 +461,37 @@ def solve_stage(
     else:
         ctx = base
 
+    # The program depends on the options kept (ctx.keep), not on the budget: a memory ladder
+    # builds it once (`planner.ilp.ILPModel`) and only changes its memory row.
+    key = tuple(sorted((n, k.tobytes()) for n, k in ctx.keep.items()))
+    if key not in pricing._programs:
+        red = _reduce(graph, pricing, ctx, options)
+        pricing._programs[key] = (red, ILPModel(red.graph.problem(None)))
+    red, program = pricing._programs[key]
+    sol = program.solve(memory_budget, time_limit=time_limit)
+    picked = red.expand(sol.choice)
+    index = {n: picked[rep.get(n, n)] for n in names}
+    choice = {n: options[n][index[n]] for n in names}
+    return _summarise(
+        ctx,
+        choice,
+        index,
+        pricing.ops,
+        len(red.graph.names),
+        sol.optimal,
+        time.perf_counter() - t0,
+    )
+
+
+def _reduce(
+    graph: OpGraph,
+    pricing: StagePricing,
+    ctx: _Context,
+    options: dict[str, list[Option]],
+) -> Reduction:
+    """The cost graph of the stage's representatives under ctx's options (repeated blocks
+    counted, `representatives`), with followers merged into their leaders."""
+    names, rep = pricing.names, ctx.rep
     reps = [n for n in names if rep.get(n, n) == n]
     count = Counter(rep.get(n, n) for n in names)
     index = {n: i for i, n in enumerate(reps)}
@@ -436,20 +508,8 @@ def solve_stage(
     for key, c in grouped.items():
         act, grad = ctx.edge(*sample[key])
         cg.add_edge(index[key[0]], index[key[1]], (act + grad) * c)
-
     leaders = _leaders(graph, reps, options, rep)
-    red = merge_followers(identity(cg), leaders)
-    sol = solve(red.graph.problem(memory_budget), time_limit=time_limit)
-    picked = red.expand(sol.choice)
-    choice = {n: options[n][picked[rep.get(n, n)]] for n in names}
-    return _summarise(
-        ctx,
-        choice,
-        pricing.ops,
-        len(red.graph.names),
-        sol.optimal,
-        time.perf_counter() - t0,
-    )
+    return merge_followers(identity(cg), leaders)
 
 
 def data_nodes(graph: OpGraph) -> set[str]:
@@ -543,31 +603,27 @@ def _leaders(
 def _summarise(
     ctx: _Context,
     choice: dict[str, Option],
+    index: dict[str, int],
     ops: list[str],
     ilp_nodes: int,
     optimal: bool,
     seconds: float,
 ) -> StageSolution:
+    """The StageSolution of `choice` (option `index[n]` of every node n in ctx.options)."""
     g, s = ctx.graph, ctx.settings
-    compute = sum(
-        ctx.node_cost(n, choice[n]) for n in choice if g.node(n).op != "param"
-    )
-    zero = sum(ctx.node_cost(n, choice[n]) for n in choice if g.node(n).op == "param")
+    is_param = {n: g.node(n).op == "param" for n in choice}
+    values = {n: ctx.values(n, index[n]) for n in choice}  # (cost, memory)
+    compute = sum(values[n][0] for n in choice if not is_param[n])
+    zero = sum(values[n][0] for n in choice if is_param[n])
     comm, grad_sync = 0.0, zero * s.num_microbatches
     for u, v in ctx.edges:
         act, grad = ctx.edge(u, v)
-        i, j = ctx.options[u].index(choice[u]), ctx.options[v].index(choice[v])
+        i, j = index[u], index[v]
         comm += act[i, j]
         grad_sync += grad[i, j] * s.num_microbatches
-    params = {
-        g.placeholder_paths[n]: choice[n] for n in choice if g.node(n).op == "param"
-    }
-    param_mem = sum(
-        ctx.node_memory(n, choice[n]) for n in choice if g.node(n).op == "param"
-    )
-    act_mem = sum(
-        ctx.node_memory(n, choice[n]) for n in choice if g.node(n).op != "param"
-    )
+    params = {g.placeholder_paths[n]: choice[n] for n in choice if is_param[n]}
+    param_mem = sum(values[n][1] for n in choice if is_param[n])
+    act_mem = sum(values[n][1] for n in choice if not is_param[n])
     fallbacks = [
         f"{n}: {g.node(n).target}"
         for n in ops
@@ -589,4 +645,5 @@ def _summarise(
         ilp_nodes=ilp_nodes,
         solve_time_s=seconds,
         _ctx=ctx,
+        _index=index,
     )

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cost_models.errors import MeshplanError
-from planner.ilp import ILPProblem, brute_force, solve
+from planner.ilp import ILPModel, ILPProblem, _BulkHiGHS, brute_force, solve
 
 
 def _random_problem(rng: np.random.Generator, with_memory: bool) -> ILPProblem:
@@ -79,3 +79,55 @@ def test_unknown_solver() -> None:
 def test_bad_edge_shape() -> None:
     with pytest.raises(MeshplanError, match="expected"):
         ILPProblem([np.zeros(2), np.zeros(3)], [(0, 1, np.zeros((3, 2)))])
+
+
+def test_one_model_solved_under_a_ladder_of_budgets_matches_brute_force() -> None:
+    """`ILPModel` swaps only its memory row between solves: every budget, in any order
+    (tighter, looser, none, tighter again), gives the brute-force optimum of that budget."""
+    rng = np.random.default_rng(99)
+    for _ in range(15):
+        p = _random_problem(rng, with_memory=True)
+        model = ILPModel(p)
+        lo = sum(float(m.min()) for m in p.node_memory)
+        hi = sum(float(m.max()) for m in p.node_memory)
+        for budget in (None, lo + 0.8 * (hi - lo), lo + 0.2 * (hi - lo), None, lo):
+            got = model.solve(budget)
+            want = brute_force(ILPProblem(p.node_costs, p.edges, p.node_memory, budget))
+            assert got.objective == pytest.approx(want.objective, rel=1e-6, abs=1e-9)
+            if budget is not None:
+                assert got.memory <= budget + 1e-6
+        with pytest.raises(MeshplanError, match="no sharding fits"):
+            model.solve(0.5 * lo)
+
+
+def test_bulk_highs_passes_the_model_pulp_would() -> None:
+    """`_BulkHiGHS` hands highspy the same columns, bounds, integrality, rows and matrix as
+    pulp's own HiGHS interface (one call per column and row)."""
+    pytest.importorskip("highspy")
+    import pulp
+
+    rng = np.random.default_rng(7)
+    for _ in range(10):
+        p = _random_problem(rng, with_memory=True)
+        prob = ILPModel(p).pulp_problem(p.memory_budget)
+        assert "memory" in prob.constraints()[-1].name
+        lps = []
+        for solver in (pulp.HiGHS(msg=False), _BulkHiGHS(msg=False)):
+            solver.createAndConfigureSolver(prob)
+            solver.buildSolverModel(prob)
+            lps.append(prob.solverModel.getLp())
+        a, b = lps
+        for name in (
+            "col_cost_",
+            "col_lower_",
+            "col_upper_",
+            "row_lower_",
+            "row_upper_",
+        ):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+        assert list(a.integrality_) == list(b.integrality_)
+        for name in ("start_", "index_", "value_"):
+            assert np.array_equal(
+                getattr(a.a_matrix_, name), getattr(b.a_matrix_, name)
+            ), name
+        assert a.a_matrix_.format_ == b.a_matrix_.format_

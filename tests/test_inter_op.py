@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cost_models.errors import MeshplanError
-from planner.inter_op import stage_dp
+from planner.inter_op import _dp_for, stage_dp
 
 
 def _brute(cost: np.ndarray, sizes: list[int], D: int, B: int) -> float:
@@ -77,3 +77,56 @@ def test_more_microbatches_favour_more_stages() -> None:
     assert one.latency == pytest.approx(1.9) and len(one.stages) == 1
     many = stage_dp(cost, [1, 2], 2, 16)
     assert len(many.stages) == 2 and many.latency == pytest.approx(2.0 + 15 * 1.0)
+
+
+def _dp_for_sequential(
+    cost: np.ndarray, sizes: list[int], D: int, s_max: int, t_max: float
+) -> tuple[float, list] | None:
+    """F(s, k, d) choice by choice, in (j, m) order, keeping a candidate only when strictly
+    smaller: the reference for which of several equally good choices `_dp_for` keeps."""
+    L = cost.shape[0]
+    F = np.full((s_max + 1, L + 1, D + 1), np.inf)
+    arg: dict[tuple[int, int, int], tuple[int, int]] = {}
+    F[0, L, 0] = 0.0
+    for s in range(1, s_max + 1):
+        for k in range(L):
+            for d in range(D + 1):
+                for j in range(k, L):
+                    for m, size in enumerate(sizes):
+                        c = cost[k, j, m, s]
+                        if c > t_max or size > d or not np.isfinite(c):
+                            continue
+                        cand = F[s - 1, j + 1, d - size] + c
+                        if cand < F[s, k, d]:
+                            F[s, k, d] = cand
+                            arg[s, k, d] = (j, m)
+    totals = F[1:, 0, D]
+    if not np.isfinite(totals).any():
+        return None
+    s = int(np.argmin(totals)) + 1
+    total, stages, k, d = float(totals[s - 1]), [], 0, D
+    while s > 0:
+        j, m = arg[s, k, d]
+        stages.append((k, j, m))
+        k, d, s = j + 1, d - sizes[m], s - 1
+    return total, stages
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_vectorised_dp_keeps_the_first_of_equal_choices(seed: int) -> None:
+    """Costs drawn from a few values make many ties: the vectorised DP must pick exactly what
+    the choice-by-choice DP picks (same total and same stages) for every t_max."""
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(20):
+        L = int(rng.integers(1, 7))
+        sizes = [1, 2, 4, 8][: int(rng.integers(1, 5))]
+        D = int(rng.choice([2, 4, 8]))
+        S = int(rng.integers(1, L + 1)) + 1
+        cost = rng.choice([0.5, 1.0, 1.5, 2.0], size=(L, L, len(sizes), S))
+        cost[rng.random(cost.shape) < 0.3] = np.inf
+        for k in range(L):
+            cost[k, :k] = np.inf
+        s_max = min(L, D, S - 1)
+        for t_max in np.unique(cost[np.isfinite(cost)]):
+            want = _dp_for_sequential(cost, sizes, D, s_max, float(t_max))
+            assert _dp_for(cost, sizes, D, s_max, float(t_max)) == want
