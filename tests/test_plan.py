@@ -214,12 +214,10 @@ def test_unknown_mode() -> None:
 def test_microbatch_candidates() -> None:
     from planner.api import microbatch_sizes
 
-    assert microbatch_sizes(1024) == [4, 8, 16, 32]
-    assert microbatch_sizes(24) == [4, 8]
-    assert microbatch_sizes(6) == [2]
+    assert microbatch_sizes(1024) == [1, 2, 4, 8, 16, 32]
+    assert microbatch_sizes(24) == [1, 2, 4, 8]
+    assert microbatch_sizes(6) == [1, 2]
     assert microbatch_sizes(3) == [1]
-    assert microbatch_sizes(1024, 2) == [1, 2, 4, 8, 16, 32]
-    assert microbatch_sizes(1024, 4) == [4, 8, 16, 32]
 
 
 def test_cli_output_into_a_closed_pipe_is_not_an_error(tmp_path) -> None:
