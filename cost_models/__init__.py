@@ -14,16 +14,8 @@ from cost_models.communication import (
     COLLECTIVES,
     LogicalMesh,
     MeshAxis,
-    Placement,
-    ReshardStep,
     collective_time,
-    format_placements,
-    local_bytes,
     p2p_time,
-    parse_placement,
-    parse_placements,
-    reshard_cost,
-    reshard_steps,
 )
 from cost_models.compute import matmul_efficiency, matmul_time, op_time
 from cost_models.errors import MeshplanError
@@ -38,6 +30,16 @@ from cost_models.memory import (
     stage_activation_bytes,
     state_bytes_per_param,
     zero_shard_factors,
+)
+from cost_models.resharding import (
+    Placement,
+    ReshardStep,
+    format_placements,
+    local_bytes,
+    parse_placement,
+    parse_placements,
+    reshard_cost,
+    reshard_steps,
 )
 
 __all__ = [

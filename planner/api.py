@@ -32,8 +32,8 @@ from cost_models.errors import MeshplanError
 from cost_models.memory import microbatches_in_flight
 from cost_models.pipeline import pipeline_time
 from planner import stage_table as st
+from planner.blocks import block_of
 from planner.inter_op import stage_dp
-from planner.intra_op import block_of
 from planner.layers import auto_num_layers, cluster_layers
 from planner.megatron import is_expert_weight, seed_filters
 from planner.opgraph import OpGraph

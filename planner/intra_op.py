@@ -21,19 +21,22 @@ placement of every parameter, the cost broken down, and `explain(node)` for debu
 from __future__ import annotations
 
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from cost_models.communication import LogicalMesh, ReshardStep, reshard_steps
+from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
+from cost_models.resharding import ReshardStep, reshard_steps
 from planner import stage_costs as sc
+from planner.batch_split import batch_split_options
+from planner.blocks import block_of, representatives
 from planner.cost_graph import CostGraph, Reduction, identity, merge_followers
 from planner.ilp import ILPModel
-from planner.opgraph import OpGraph, OpNode
+from planner.opgraph import OpGraph
 from planner.stage_costs import Option, StageSettings
 from planner.strategies import consumed_output, leaf_strategies
 
@@ -285,41 +288,6 @@ class _Context:
         return "\n".join(lines)
 
 
-def block_of(path: str) -> str | None:
-    """``blocks.7.attn.qkv`` -> ``blocks.7``; None for a path without an index."""
-    parts = path.split(".")
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[: i + 1])
-    return None
-
-
-def representatives(graph: OpGraph, names: list[str]) -> dict[str, str]:
-    """Map each node of a repeated block to the same position in the first identical block."""
-    blocks: dict[str, list[str]] = defaultdict(list)
-    for n in names:
-        key = block_of(graph.node(n).module_path)
-        if key is not None:
-            blocks[key].append(n)
-    first: dict[tuple, list[str]] = {}
-    rep: dict[str, str] = {}
-    for key, members in blocks.items():
-        local = {n: i for i, n in enumerate(members)}
-        sig = tuple(
-            (
-                graph.node(n).op,
-                graph.node(n).target,
-                graph.node(n).module_path.removeprefix(key),
-                tuple(graph.node(n).outputs),
-                tuple(local.get(i, -1) for i in graph.node(n).inputs),
-            )
-            for n in members
-        )
-        base = first.setdefault(sig, members)
-        rep.update(zip(members, base))
-    return rep
-
-
 @dataclass
 class StagePricing:
     """The options and prices of one stage on one mesh (`price_stage`), reusable by several solves
@@ -419,7 +387,7 @@ def solve_stage(
     Megatron configuration, or pure data parallelism); every parameter must keep at least one.
     `batch_axes` are mesh axes on which every value computed from the data is split by its
     first (batch) dimension, as data parallelism in Megatron-LM and DDP runs
-    (`batch_split_options`).
+    (`planner.batch_split.batch_split_options`).
     `pricing` (from `price_stage` with the same graph, mesh, nodes and settings) reuses prices
     computed by earlier solves of this stage.
     """
@@ -510,56 +478,6 @@ def _reduce(
         cg.add_edge(index[key[0]], index[key[1]], (act + grad) * c)
     leaders = _leaders(graph, reps, options, rep)
     return merge_followers(identity(cg), leaders)
-
-
-def data_nodes(graph: OpGraph) -> set[str]:
-    """Names of the graph's data inputs and of every node computed from them."""
-    out: set[str] = set()
-    for node in graph.nodes:
-        if node.op == "input" or any(i in out for i in node.inputs):
-            out.add(node.name)
-    return out
-
-
-def batch_split_options(
-    graph: OpGraph,
-    names: list[str],
-    options: dict[str, list[Option]],
-    rep: dict[str, str],
-    axes: tuple[int, ...],
-    mesh_shape: tuple[int, ...],
-) -> dict[str, list[Option]]:
-    """The options of the representatives among `names` computed from the data (`data_nodes`)
-    restricted to those splitting the batch on `axes` (`shards_batch`; scalars such as the loss
-    are free), or {} - no restriction - when `axes` is empty or some such value has no
-    batch-split option: a micro-batch too small to split, or an op whose DTensor strategy needs
-    the whole batch (batch norm in training). Forcing its neighbours would only add
-    redistributions around it that data parallelism does not have, so the stage is left free."""
-    if not axes:
-        return {}
-    data = data_nodes(graph)
-    out = {}
-    for n in names:
-        if rep.get(n, n) == n and n in data:
-            node = graph.node(n)
-            out[n] = [o for o in options[n] if shards_batch(node, o, axes, mesh_shape)]
-            if not out[n]:
-                return {}
-    return out
-
-
-def shards_batch(
-    node: OpNode, option: Option, axes: tuple[int, ...], mesh_shape: tuple[int, ...]
-) -> bool:
-    """Whether `option` splits each non-scalar output of `node` evenly by dim 0 on every axis of
-    `axes` (of a mesh of `mesh_shape`)."""
-    ways = int(np.prod([mesh_shape[a] for a in axes]))
-    for meta, placements in zip(node.outputs, option.strategy.output):
-        if not meta.shape or not placements:
-            continue
-        if meta.shape[0] % ways or any(placements[a] != "S(0)" for a in axes):
-            return False
-    return True
 
 
 def _param_views(graph: OpGraph, names: list[str]) -> set[str]:

@@ -19,7 +19,7 @@ data-parallel rank holds E / dp experts; tokens reach them by all-to-all); E mus
 
 For models without experts every activation is split by the batch, S(0), on the dp axis, as
 Megatron and DDP run (`planner.megatron.batch_axes`), unless some op cannot run on a batch split
-(batch norm; `planner.intra_op.batch_split_options`); the other activation placements follow
+(batch norm; `planner.batch_split.batch_split_options`); the other activation placements follow
 from DTensor's strategies at the least cost, which reproduces Megatron's dataflow (one
 all-reduce per sub-block forward). MoE activations are left to the least cost on every axis.
 """

@@ -29,7 +29,8 @@ from collections import defaultdict
 
 from cost_models.errors import MeshplanError
 from planner import stage_costs as sc
-from planner.intra_op import StageSolution, block_of
+from planner.blocks import block_of
+from planner.intra_op import StageSolution
 from planner.opgraph import OpGraph
 
 

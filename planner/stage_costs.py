@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cost_models.communication import LogicalMesh, reshard_cost
+from cost_models.communication import LogicalMesh
 from cost_models.compute import op_overhead, op_time
 from cost_models.memory import state_bytes_per_param
+from cost_models.resharding import reshard_cost
 from planner.opgraph import OpGraph, OpNode, TensorMeta
 from planner.strategies import Strategy, consumed_output, node_strategies
 

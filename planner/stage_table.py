@@ -26,13 +26,8 @@ import numpy as np
 
 from cost_models.communication import LogicalMesh, p2p_time
 from cost_models.errors import MeshplanError
-from planner.intra_op import (
-    StagePricing,
-    StageSolution,
-    batch_split_options,
-    price_stage,
-    solve_stage,
-)
+from planner.batch_split import batch_split_options
+from planner.intra_op import StagePricing, StageSolution, price_stage, solve_stage
 from planner.megatron import ParamFilter, Seed
 from planner.opgraph import OpGraph
 from planner.stage_costs import Option, shards

@@ -9,7 +9,7 @@ functional collectives (``torch.ops._c10d_functional.*``, the legacy ``c10d_func
 autograd ``all_to_all_single``) that DTensor's redistributions and op implementations call.
 
 Bytes follow `cost_models.communication`'s convention: the FULL tensor of the collective's group,
-so the numbers compare directly with `cost_models.communication.reshard_steps`::
+so the numbers compare directly with `cost_models.resharding.reshard_steps`::
 
     all_reduce(x)                  -> bytes(x)                 (the all-reduced tensor)
     all_gather_into_tensor(x, n)   -> n * bytes(x)             (the gathered output)
@@ -48,7 +48,8 @@ import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cost_models.communication import LogicalMesh, reshard_steps
+from cost_models.communication import LogicalMesh
+from cost_models.resharding import reshard_steps
 from planner.intra_op import StageSolution
 from planner.opgraph import OpGraph
 from planner.plan_format import ParallelPlan
@@ -267,7 +268,7 @@ def predicted_collectives(
     """What the planner prices, per site of the executor: ``"fwd:u->v"`` -> [(kind, bytes)] for the
     forward redistribution of every edge u -> v of the chosen strategies, and ``"bwd:u->v"`` for its
     gradient (`planner.stage_costs`: from ``grad_from_consumer(dst, v's strategy)`` to
-    ``expected_grad(src)``), both from `cost_models.communication.reshard_steps`. One micro-batch,
+    ``expected_grad(src)``), both from `cost_models.resharding.reshard_steps`. One micro-batch,
     forward + backward (the parameter-gradient part is not divided by the micro-batches)."""
     out: dict[str, list[tuple[str, float]]] = {}
     nodes = {n.name: n for n in graph.gm.graph.nodes}

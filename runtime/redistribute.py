@@ -79,7 +79,7 @@ def redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
     tensors that need no gradient). Like ``DTensor.redistribute`` (DTensor's greedy plan,
     ``redistribute_local_tensor``) but also to Partial, which the public method reserves for
     DTensor's internal use: R -> P is local; S -> P, which DTensor refuses, goes S -> R -> P (as
-    `cost_models.communication.reshard_steps` prices it); partials of another kind are converted
+    `cost_models.resharding.reshard_steps` prices it); partials of another kind are converted
     locally where possible (`_repartial`), else through R."""
     dst = tuple(dst)
     if tuple(x.placements) == dst:

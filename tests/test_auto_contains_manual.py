@@ -9,13 +9,8 @@ import pytest
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from planner import plan
-from planner.intra_op import (
-    batch_split_options,
-    data_nodes,
-    price_stage,
-    shards_batch,
-    solve_stage,
-)
+from planner.batch_split import batch_split_options, data_nodes, shards_batch
+from planner.intra_op import price_stage, solve_stage
 from planner.manual import manual_plan
 from planner.megatron import axes_filter, batch_axes, megatron_filter, seed_filters
 from planner.models import build_model

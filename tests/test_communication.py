@@ -21,7 +21,7 @@ from cost_models import (
     reshard_cost,
     reshard_steps,
 )
-from cost_models.communication import backward_placements
+from cost_models.resharding import backward_placements
 
 A100x2 = Cluster.from_spec(
     "2x4xA100-80GB"

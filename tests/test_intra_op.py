@@ -11,7 +11,8 @@ from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from planner import trace
-from planner.intra_op import representatives, solve_stage
+from planner.blocks import representatives
+from planner.intra_op import solve_stage
 from planner.models import build_model
 
 

@@ -11,7 +11,7 @@ from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from cost_models.memory import gpt_layer_activation_bytes, state_bytes_per_param
 from planner.api import _resolve_model
-from planner.intra_op import block_of
+from planner.blocks import block_of
 from planner.manual import manual_plan
 from planner.manual_costs import block_chunks
 from planner.models.gpt import GPTConfig, gpt_param_count
