@@ -213,3 +213,25 @@ def test_trainer_compiled_eager_and_recomputed_match_one_device(runs: list) -> N
                 for k, v in runs[rank]["trainer"][name]["params"].items()
             }
             single_device.assert_same_parameters(got, {k: ref_params[k] for k in got})
+
+
+def test_prune_drops_dead_ops_and_keeps_collectives() -> None:
+    """The backward graph AOTAutograd's default partitioner hands us re-runs every attention
+    forward and drops the result; `_prune` removes such dead nodes, keeps unread collectives."""
+    from runtime.compiled import _prune
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    g = torch.fx.Graph()
+    q = g.placeholder("q")
+    g.call_function(
+        aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q, 0.0, True)
+    )
+    g.call_function(c10d.all_reduce.default, (q, "sum", "0"))
+    g.output(g.call_function(aten.sin.default, (q,)))
+    pruned = _prune(torch.fx.GraphModule(torch.nn.Module(), g))
+    assert [str(n.target) for n in pruned.graph.nodes] == [
+        "q",
+        "_c10d_functional.all_reduce.default",
+        "aten.sin.default",
+        "output",
+    ]
