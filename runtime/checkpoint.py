@@ -53,6 +53,7 @@ from torch.distributed.tensor.placement_types import Placement
 from cost_models.errors import MeshplanError
 from planner.dtensor_rules import str_to_placement
 from planner.plan_format import ParallelPlan, StagePlan
+from runtime.meshes import device_mesh
 
 __all__ = [
     "load_checkpoint",
@@ -107,7 +108,7 @@ def own_stage_mesh(
                 f"{tuple(stage.logical_mesh)}"
             )
         ranks = torch.tensor(stage.devices, dtype=torch.int64).reshape(shape)
-        mesh = DeviceMesh(device_type, ranks)
+        mesh = device_mesh(device_type, ranks)
         if i == own:
             mine = mesh
     assert mine is not None

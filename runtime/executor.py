@@ -57,13 +57,14 @@ Layers under recomputation, and stages whose tracing fails, run eagerly as descr
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.distributed import _functional_collectives as funcol
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
     Replicate,
@@ -85,6 +86,7 @@ from planner.stage_costs import expected_grad, grad_from_consumer
 from planner.strategies import consumed_output, register_fallback
 from runtime import comm_count
 from runtime.compiled import CompiledStage
+from runtime.meshes import device_mesh
 from runtime.redistribute import Edge, allreduce_axes, redistribute, unmask
 
 __all__ = ["PlanExecutor", "make_mesh", "param_derived", "place_params", "run_graph"]
@@ -98,7 +100,7 @@ def make_mesh(solution: StageSolution, device_type: str = "cpu") -> DeviceMesh:
     derives strategies on that squeezed mesh, see `planner.strategies`). Needs an initialised
     default process group of ``prod(solution.mesh_shape)`` ranks."""
     shape = tuple(s for s in solution.mesh_shape if s > 1) or (1,)
-    return init_device_mesh(device_type, shape)
+    return device_mesh(device_type, torch.arange(math.prod(shape)).view(shape))
 
 
 class PlanExecutor(torch.fx.Interpreter):

@@ -86,6 +86,7 @@ from planner.opgraph import OpGraph
 from planner.plan_format import ParallelPlan, StagePlan
 from runtime import boundary, comm_count
 from runtime.executor import PlanExecutor
+from runtime.meshes import device_mesh
 from runtime.redistribute import redistribute
 from runtime.schedules import (
     SCHEDULES,
@@ -109,7 +110,7 @@ def stage_mesh(stage: StagePlan, device_type: str = "cpu") -> DeviceMesh:
             f"stage with layers {stage.layers}: {len(stage.devices)} devices cannot form a "
             f"logical mesh {tuple(stage.logical_mesh)}"
         )
-    return DeviceMesh(device_type, ranks.view(shape))
+    return device_mesh(device_type, ranks.view(shape))
 
 
 def layer_of_nodes(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:

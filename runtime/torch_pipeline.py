@@ -98,6 +98,7 @@ from planner.plan_format import ParallelPlan
 from planner.stage_costs import Option
 from planner.strategies import Strategy
 from runtime import comm_count
+from runtime.meshes import device_mesh
 from runtime.pipeline import PipelineRunner
 from runtime.stages import StageGraph
 
@@ -337,11 +338,13 @@ class TorchPipelineRunner(PipelineRunner):
             [list(s.devices) for s in self.plan.stages[:p]], dtype=torch.int64
         ).view(p, *shape)
         names = ("pp", *(f"stage{i}" for i in range(len(shape))))
-        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
+        mesh = device_mesh(device_type, ranks, names)
         mine = [self.rank in s.devices for s in self.plan.stages]
         if not any(mine):
             return [None] * len(self.plan.stages)
-        stage = mesh[names[1]] if len(names) == 2 else mesh[names[1:]]
+        stage = device_mesh(
+            device_type, ranks, names, names[1] if len(names) == 2 else names[1:]
+        )
         self.pp_group = mesh.get_group("pp")
         pos = next(s.devices for s in self.plan.stages if self.rank in s.devices)
         i = list(pos).index(self.rank)

@@ -13,7 +13,8 @@ One gloo launch of 4 ranks runs:
   `sync_grads`: the accumulated gradients of single-device training;
 * `runtime.train.Trainer` on a pipeline x tensor plan (2 stages of 2 devices, 2 micro-batches):
   3 SGD steps compiled and eager give single-device training's losses and parameters; with
-  activation recomputation the executors fall back to the eager interpreter (and still match).
+  activation recomputation the executors fall back to the eager interpreter (and still match); a
+  second compiled trainer of the same plan in the same process compiles too (`runtime.meshes`).
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ def _trainer_runs(batches: list) -> dict[str, Any]:
         ("compiled", False, True),
         ("eager", False, False),
         ("recompute", True, True),
+        # a second trainer on the same devices: before `runtime.meshes` it got an equal but new
+        # DeviceMesh, and AOTAutograd's trace of its stage failed (it then ran eagerly)
+        ("compiled_again", False, True),
     ):
         plan = manual_plan(
             PIPE_SPEC,
@@ -200,11 +204,12 @@ def test_trainer_compiled_eager_and_recomputed_match_one_device(runs: list) -> N
     for r in runs:
         t = r["trainer"]
         assert t["compiled"]["ran_compiled"] == [True]
+        assert t["compiled_again"]["ran_compiled"] == [True]
         assert t["eager"]["ran_compiled"] == [False]
         assert t["recompute"]["ran_compiled"] == [
             False
         ]  # checkpointed layers run eagerly
-        for name in ("compiled", "eager", "recompute"):
+        for name in ("compiled", "eager", "recompute", "compiled_again"):
             assert t[name]["losses"] == pytest.approx(ref_losses, rel=1e-5), name
     for rank in (0, 2):  # the first device of each stage holds the stage's parameters
         for name in ("compiled", "eager", "recompute"):

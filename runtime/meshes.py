@@ -1,0 +1,61 @@
+"""One DeviceMesh object per (ranks, shape, names) in a process: `device_mesh`.
+
+Why not ``DeviceMesh(...)`` each time a runner is built: two meshes over the same ranks are equal
+(``DeviceMesh.__eq__``) but not the same object, and torch 2.13's DTensor keeps equal-but-distinct
+meshes apart only part of the time. A second `runtime.train.Trainer` in one process (the local
+suite trains the automatic and the manual plan side by side; the profiler's overhead calibration
+trains one before them) traced its stage with AOTAutograd and got forward outputs whose mesh was
+the first trainer's: the trace then failed (``Node tangents_2 was invalid, but is output``) and
+the stage silently ran on the eager interpreter, 5-10x slower per op. Handing every runner the
+same mesh object for the same devices removes the mix, and builds each mesh's process groups
+once instead of once per runner. PyTorch has no such registry (``init_device_mesh`` builds a new
+mesh, and new groups, on every call).
+
+Every rank must ask for the same meshes in the same order (a new mesh creates process groups,
+collectively over the default group); equal requests then hit or miss the cache on every rank
+alike. The cache belongs to the default process group: a new one (after
+``destroy_process_group``) starts a new cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["device_mesh"]
+
+_Key = tuple
+_cache: dict[_Key, DeviceMesh] = {}
+_world: list[object] = [None]
+
+
+def device_mesh(
+    device_type: str,
+    ranks: torch.Tensor,
+    names: Sequence[str] | None = None,
+    sub: str | Sequence[str] | None = None,
+) -> DeviceMesh:
+    """The DeviceMesh over `ranks` (its shape is the mesh's) with dimension `names`; with `sub`,
+    that mesh's sub-mesh of those dimension names. The same call returns the same object for the
+    life of the default process group (module docstring)."""
+    world = dist.group.WORLD
+    if _world[0] is not world:
+        _cache.clear()
+        _world[0] = world
+    names_key = tuple(names) if names is not None else None
+    key = (device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()), names_key)
+    mesh = _cache.get(key)
+    if mesh is None:
+        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names_key)
+        _cache[key] = mesh
+    if sub is None:
+        return mesh
+    sub_key = (*key, sub if isinstance(sub, str) else tuple(sub))
+    child = _cache.get(sub_key)
+    if child is None:
+        child = mesh[sub if isinstance(sub, str) else tuple(sub)]
+        _cache[sub_key] = child
+    return child
