@@ -86,7 +86,8 @@ def profile_options(nproc: int) -> Any:
     while these tensors stay in the caches; the roofline prices their elementwise ops with it);
     collectives
     of 4 KiB .. 4 MiB on the power-of-two world sizes up to `nproc` (the submesh sizes planned)
-    and `nproc`; the runtime's per-op overhead."""
+    and `nproc`, every group of consecutive ranks at once (as a mesh axis's groups run); the
+    runtime's per-op overhead."""
     from runtime.profiler import KB, MB, ProfileOptions, size_range
 
     worlds = sorted({w for w in (2, 4, 8) if w < nproc} | {nproc})
@@ -102,6 +103,7 @@ def profile_options(nproc: int) -> Any:
         progress=False,
         concurrent_compute=True,
         op_overhead=True,
+        concurrent_collectives=True,
     )
 
 

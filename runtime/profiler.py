@@ -14,10 +14,11 @@ One launch (`runtime.launch.launch`) of N ranks measures, in order:
    vector units at ~1-2 GFLOP/s and would take minutes.
 2. memory bandwidth on rank 0: fastest copy of a large tensor, counting read + write bytes.
 3. every collective for every world size w in `world_sizes` (sub-group of ranks 0..w-1; ranks outside
-   it wait) and message size: all_reduce, all_gather (all_gather_single / all_gather_into_tensor),
+   it wait; with ``concurrent_collectives`` every group of w consecutive ranks at once) and message
+   size: all_reduce, all_gather (all_gather_single / all_gather_into_tensor),
    reduce_scatter (reduce_scatter_single / reduce_scatter_tensor; gloo in torch 2.13 runs it, so no
-   emulation is needed), all_to_all (all_to_all_single) and send_recv (world size 2 only: ranks 0 and
-   1 ping-pong, one-way time = round trip / 2). One timed repeat is a sub-group barrier followed by
+   emulation is needed), all_to_all (all_to_all_single) and send_recv (world size 2 only: the
+   group's two ranks ping-pong, one-way time = round trip / 2). One timed repeat is a sub-group barrier followed by
    `inner` back-to-back calls (inner chosen from a warm-up so a repeat lasts ~`target_repeat_s`, the
    same on every rank); a repeat's time is the slowest rank's, and the sample is the median repeat
    (collectives vary between repeats by themselves, from the ranks' mutual scheduling, so the
@@ -92,6 +93,11 @@ class ProfileOptions:
     concurrent_compute: bool = False
     #: Measure the runtime's per-op overhead (`runtime.overhead`; CPU ranks only).
     op_overhead: bool = False
+    #: Time a collective of w ranks on every group of w consecutive ranks at once (rank 0's
+    #: group's figures are kept), as a mesh axis's groups all communicate at once in training.
+    #: False: ranks 0..w-1 alone, the others idle (an upper bound on speed where the groups share
+    #: cores or links).
+    concurrent_collectives: bool = False
 
     @staticmethod
     def full(nproc: int, max_bytes: int = 64 * MB) -> ProfileOptions:
@@ -294,12 +300,12 @@ def _collective_call(
         def ping_pong() -> (
             None
         ):  # one round trip between ranks 0 and 1; halved by the caller
-            if rank == 0:
-                dist.send(x, 1, group=group)
-                dist.recv(x, 1, group=group)
+            if rank == 0:  # ranks within `group`
+                dist.send(x, group=group, group_dst=1)
+                dist.recv(x, group=group, group_src=1)
             else:
-                dist.recv(x, 0, group=group)
-                dist.send(x, 0, group=group)
+                dist.recv(x, group=group, group_src=0)
+                dist.send(x, group=group, group_dst=0)
 
         return ping_pong
     raise MeshplanError(f"unknown collective {op!r}")
@@ -377,14 +383,15 @@ def _profile_worker(opts: ProfileOptions) -> dict[str, Any] | None:
         _log(opts, "runtime per-op overhead (tiny GPT, every rank)")
         out["op_overhead"] = measure_op_overhead()
     pairs = _plan_collectives(opts)
-    groups = {w: dist.new_group(list(range(w))) for w in sorted({w for _, w in pairs})}
+    groups = _collective_groups(opts, sorted({w for _, w in pairs}), rank)
     fits: list[tuple[str, int, list[tuple[int, float]]]] = []
     for i, (op, w) in enumerate(pairs, 1):
         if rank == 0:
             sizes = f"{_fmt_bytes(opts.sizes[0])}..{_fmt_bytes(opts.sizes[-1])}"
             _log(opts, f"{op} on {w} ranks, {sizes} ({i}/{len(pairs)})")
-        if rank < w:
-            fns = [_collective_call(op, n, groups[w], w, rank) for n in opts.sizes]
+        if w in groups:
+            grank = dist.get_group_rank(groups[w], rank)
+            fns = [_collective_call(op, n, groups[w], w, grank) for n in opts.sizes]
             secs = _time_sizes(fns, groups[w], opts)
             del fns
             if op == "send_recv":
@@ -394,6 +401,25 @@ def _profile_worker(opts: ProfileOptions) -> dict[str, Any] | None:
         dist.barrier()
     out["collectives"] = fits
     return out if rank == 0 else None
+
+
+def _collective_groups(
+    opts: ProfileOptions, worlds: list[int], rank: int
+) -> dict[int, Any]:
+    """World size -> this rank's process group to time collectives of that size on: ranks
+    0..w-1, or with ``concurrent_collectives`` the w consecutive ranks holding this rank (then
+    only whole groups: the last ``nproc % w`` ranks get none). Every rank creates every group
+    (``new_group`` is collective), in the same order."""
+    import torch.distributed as dist
+
+    out: dict[int, Any] = {}
+    for w in worlds:
+        starts = range(0, opts.nproc - w + 1, w) if opts.concurrent_collectives else [0]
+        for start in starts:
+            g = dist.new_group(list(range(start, start + w)))
+            if start <= rank < start + w:
+                out[w] = g
+    return out
 
 
 def _fmt_bytes(n: int) -> str:
