@@ -40,13 +40,21 @@ def _faster(t_auto: float, t_manual: float) -> str:
     return "auto" if t_auto <= t_manual else "manual"
 
 
+def _overheads(profile: dict[str, Any]) -> str:
+    """Per-op (us) / per-step (ms) overheads; records before the per-step figure show '-'."""
+    step = profile.get("step_overhead_s")
+    return f"{profile['op_overhead_s'] * 1e6:.0f} / " + (
+        "-" if step is None else f"{step * 1e3:.1f}"
+    )
+
+
 def local_table(doc: dict[str, Any]) -> list[str]:
     """Markdown rows: per case, both plans' predicted and measured step times and errors."""
     out = [
         (
             "| procs | model | auto plan | predicted ms | measured ms | error | best manual "
             "| predicted ms | measured ms | error | faster predicted / measured "
-            "| per-op overhead us | load average |"
+            "| overhead per op us / per step ms | load average |"
         ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -58,8 +66,7 @@ def local_table(doc: dict[str, Any]) -> list[str]:
             f"| {c['num_devices']} | {c['suite']} | {_stages(c)} | {_ms(a['iteration_time_s'])} | "
             f"{_ms(a['measured_iteration_time_s'])} | {a['error']:+.0%} | {m['label']} | "
             f"{_ms(m['iteration_time_s'])} | {_ms(m['measured_iteration_time_s'])} | "
-            f"{m['error']:+.0%} | {fp} / {fm} | {c['profile']['op_overhead_s'] * 1e6:.0f} | "
-            f"{_load(c)} |"
+            f"{m['error']:+.0%} | {fp} / {fm} | {_overheads(c['profile'])} | {_load(c)} |"
         )
     return out
 

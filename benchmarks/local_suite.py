@@ -253,6 +253,7 @@ def run_local_case(
             "peak_float32_flops": profile.peak_flops.get("float32"),
             "memory_bandwidth_bytes_per_s": profile.memory_bandwidth_bytes_per_s,
             "op_overhead_s": profile.op_overhead_s,
+            "step_overhead_s": profile.step_overhead_s,
         },
         "auto": {
             "iteration_time_s": t_auto,

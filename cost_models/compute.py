@@ -34,7 +34,9 @@ measured time per traced op per micro-batch beyond the op's compute (interpretin
 DTensor's dispatch, forward and backward; see `runtime.overhead`). It is a fixed cost per op,
 independent of the op's sharding, charged once per op (views included) by the planner's node
 prices. Without a profile it is 0: the roofline models a device whose kernels are launched ahead of
-their execution, where host overhead hides behind compute.
+their execution, where host overhead hides behind compute. Likewise ``step_overhead`` (the
+profile's ``step_overhead_s``): the runtime's fixed time per training step, added once to a plan's
+iteration time.
 """
 
 from __future__ import annotations
@@ -170,6 +172,15 @@ def op_overhead(cluster: Cluster) -> float:
     """Seconds of runtime overhead per op per micro-batch: the profile's ``op_overhead_s``, else 0."""
     profile = cluster.profile
     return float(getattr(profile, "op_overhead_s", 0.0)) if profile is not None else 0.0
+
+
+def step_overhead(cluster: Cluster) -> float:
+    """Seconds of runtime overhead once per training step: the profile's ``step_overhead_s``,
+    else 0."""
+    profile = cluster.profile
+    return (
+        float(getattr(profile, "step_overhead_s", 0.0)) if profile is not None else 0.0
+    )
 
 
 def matmul_flops(m: int, n: int, k: int, batch: int = 1) -> float:

@@ -29,7 +29,8 @@ JSON layout (version 1)::
                       "samples": [[bytes, seconds], ...],
                       "segments": [[max_bytes, alpha_s, beta_s_per_byte], ...]}, ...],
      "created": "2025-01-01T00:00:00+00:00", "host": "hostname",
-     "op_overhead_s": 6e-05}                            # optional (0 when absent)
+     "op_overhead_s": 6e-05,                            # optional (0 when absent)
+     "step_overhead_s": 0.004}                          # optional (0 when absent)
 
 This module is a leaf: it imports nothing from `planner` or `runtime`.
 """
@@ -147,6 +148,10 @@ class DeviceProfile:
     #: interpreter's and DTensor's dispatch in forward and backward), measured by the profiler
     #: (`runtime.overhead`); 0.0 when not measured. Optional in the file.
     op_overhead_s: float = 0.0
+    #: Seconds the runtime spends once per training step beyond its ops and their collectives
+    #: (optimizer step, gradient buckets, loss broadcast, schedule set-up), measured with
+    #: ``op_overhead_s`` (`runtime.overhead`); 0.0 when not measured. Optional in the file.
+    step_overhead_s: float = 0.0
 
     def collective(self, op: str, world_size: int) -> CollectiveFit | None:
         """The fit for `op` at `world_size`, or None when that pair was not measured."""
@@ -472,4 +477,7 @@ def load_profile(path: str | os.PathLike[str]) -> DeviceProfile:
         created=r.str_(data, "created"),
         host=r.str_(data, "host"),
         op_overhead_s=r.num(data, "op_overhead_s") if "op_overhead_s" in data else 0.0,
+        step_overhead_s=(
+            r.num(data, "step_overhead_s") if "step_overhead_s" in data else 0.0
+        ),
     )

@@ -28,6 +28,7 @@ from torch import nn
 
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh, p2p_time
+from cost_models.compute import step_overhead
 from cost_models.errors import MeshplanError
 from cost_models.memory import microbatches_in_flight
 from cost_models.pipeline import pipeline_time
@@ -420,7 +421,7 @@ def _iteration_time(graph, layers, cluster, dp, choices, subs, B, schedule) -> f
         times.append(_stage_time(prof, k, j, rc))
     layer_of = st.layer_of_nodes(graph, layers)
     sends = _send_times(graph, layer_of, layers, dp.stages, devices, cluster)
-    return pipeline_time(times, B, schedule, send_times=sends)
+    return pipeline_time(times, B, schedule, send_times=sends) + step_overhead(cluster)
 
 
 def _assemble(
@@ -492,7 +493,7 @@ def _assemble(
     sends = _send_times(graph, layer_of, layers, dp.stages, devices, cluster)
     iteration = pipeline_time(
         times, B, schedule, virtual_stages=virtual_stages, send_times=sends
-    )
+    ) + step_overhead(cluster)
     flops = graph.flops_per_iteration * B
     D = cluster.num_devices
     ops = graph.ops

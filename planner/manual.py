@@ -34,6 +34,7 @@ from torch import nn
 
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
+from cost_models.compute import step_overhead
 from cost_models.errors import MeshplanError
 from cost_models.memory import microbatches_in_flight
 from cost_models.pipeline import pipeline_time
@@ -196,7 +197,7 @@ def manual_plan(
         )
         plan.estimate.iteration_time_s = pipeline_time(
             times, B, schedule, virtual_stages=virtual_stages, send_times=sends
-        )
+        ) + step_overhead(cluster)
         plan.estimate.tflops_per_device = (
             plan.model["flops_per_iteration"]
             / plan.estimate.iteration_time_s

@@ -1,27 +1,28 @@
-"""The runtime's per-op overhead: seconds per traced op per micro-batch that are not the op's compute.
+"""The runtime's fixed overheads: seconds per traced op per micro-batch, and per training step.
 
-The executor (`runtime.executor.PlanExecutor`) interprets the traced aten graph node by node on
-DTensors, and autograd runs every op's backward through DTensor again. Each node therefore costs a
-roughly fixed amount of Python and dispatch time besides its FLOPs and bytes; for the small models
-that train on a CPU this is most of a step. The roofline in `cost_models.compute` knows nothing of
-it, so the profiler measures it here and the cost model adds it per op
-(`cost_models.compute.op_overhead`).
+The executor (`runtime.executor.PlanExecutor`) replays each stage's compiled graphs op by op from
+Python (`runtime.compiled`; eagerly it interprets the traced graph on DTensors), and every step also
+runs the optimizer, the gradient buckets' bookkeeping, the loss broadcast and the pipeline
+schedule's set-up. For the small models that train on a CPU these costs, not the FLOPs, are most
+of a step. The roofline in `cost_models.compute` knows nothing of them, so the profiler measures
+them here and the cost model charges ``op_overhead_s`` per op per micro-batch and
+``step_overhead_s`` once per step (`cost_models.compute.op_overhead`, ``step_overhead``).
 
-Measurement (`measure_op_overhead`, inside a launched group, on every rank at once as in training):
-a tiny GPT (``CALIBRATION_MODEL``, hidden 8: a few thousand FLOPs per op) is trained by the
-runtime's own `runtime.train.Trainer` (pipeline runner, executor, gradient sync, SGD step) under a
-data-parallel plan over all the ranks with one micro-batch, ``steps`` steps after ``warmup`` (the
-first step costs ~10x the rest while DTensor's propagation caches fill, and the next few still
-fall). Rank 0 returns the median step time, the graph's ``call_function`` nodes (views included:
-they dispatch too) and the gradient bytes; `overhead_from_step` then takes off what the cost
-model prices separately - the bucketed gradient all-reduce and the two scalar collectives of the
-loss (all-reduce of the data-parallel partial loss, broadcast from the last stage), timed right
-after the steps in the same way - and divides by the ops. The ops' own compute is negligible
-at this size (it is not subtracted). Every rank trains at once, so on a machine with fewer
-cores than ranks the figure includes the ranks' time-sharing of the cores, as in training. The SGD step's per-parameter dispatch is folded in.
+Measurement (`measure_op_overhead`, inside a launched group, on every rank at once as in
+training): two tiny GPTs (``CALIBRATION_MODELS``, hidden 8: a few thousand FLOPs per op, 2 and 8
+layers) are trained by the runtime's own `runtime.train.Trainer` (pipeline runner, executor,
+gradient sync, SGD step) under a data-parallel plan over all the ranks with one micro-batch,
+``steps`` steps after ``warmup`` (the first step costs far more while the stage compiles and
+caches fill). Rank 0 returns, per model, the median step time, the graph's ``call_function``
+nodes (views included) and the gradient bytes; the step's own collectives (the bucketed
+gradient all-reduce and the loss's two scalar collectives), which the cost model prices
+separately, are timed right after each step in the same way. `overheads_from_steps` then fits
+``step - collectives = step_overhead + ops * op_overhead`` through the two models: the slope is
+the per-op figure, the intercept the per-step one. The ops' own compute is negligible at this
+size (it is not subtracted). Every rank trains at once, so on a machine with fewer cores than
+ranks the figures include the ranks' time-sharing of the cores, as in training.
 
-The figure belongs to the executor measured: when the runtime gets faster (e.g. compiled stages),
-re-profiling updates it.
+The figures belong to the runtime measured: when it gets faster, re-profiling updates them.
 """
 
 from __future__ import annotations
@@ -30,13 +31,22 @@ import statistics
 import time
 from typing import Any
 
-CALIBRATION_MODEL = "gpt:hidden=8,layers=2,heads=2,seq=4,vocab=16"
+CALIBRATION_MODELS = (
+    "gpt:hidden=8,layers=2,heads=2,seq=4,vocab=16",
+    "gpt:hidden=8,layers=8,heads=2,seq=4,vocab=16",
+)
 CALIBRATION_BATCH = 2
 
 
-def measure_op_overhead(steps: int = 20, warmup: int = 5) -> dict[str, float]:
-    """Train the calibration model data-parallel over every rank of an initialised CPU (gloo)
-    group; rank 0's ``{"step_s", "comm_s", "ops", "grad_bytes", "world"}`` (module docstring)."""
+def measure_op_overhead(steps: int = 20, warmup: int = 5) -> dict[str, Any]:
+    """Train each calibration model data-parallel over every rank of an initialised CPU (gloo)
+    group; rank 0's ``{"runs": [{"step_s", "comm_s", "ops", "grad_bytes", "world"}, ...]}``,
+    one run per model of ``CALIBRATION_MODELS`` (module docstring)."""
+    return {"runs": [_measure(m, steps, warmup) for m in CALIBRATION_MODELS]}
+
+
+def _measure(model_spec: str, steps: int, warmup: int) -> dict[str, float]:
+    """One calibration model's figures (`measure_op_overhead`)."""
     import torch
     import torch.distributed as dist
 
@@ -48,7 +58,7 @@ def measure_op_overhead(steps: int = 20, warmup: int = 5) -> dict[str, float]:
     world = dist.get_world_size()
     batch = CALIBRATION_BATCH * world
     plan = manual_plan(
-        CALIBRATION_MODEL,
+        model_spec,
         f"1x{world}xA100-80GB",  # pure data parallelism: the shardings need no prices
         dp=world,
         tp=1,
@@ -59,11 +69,11 @@ def measure_op_overhead(steps: int = 20, warmup: int = 5) -> dict[str, float]:
         optimizer="sgd",
         allow_oom=True,
     )
-    model, batches = seeded_model_and_batches(CALIBRATION_MODEL, batch, 1)
+    model, batches = seeded_model_and_batches(model_spec, batch, 1)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     trainer = Trainer(plan, model, batches[0], optimizer="sgd", lr=1e-3)
-    meta, micro = build_model(CALIBRATION_MODEL, batch=CALIBRATION_BATCH, device="meta")
-    graph = trace(meta, micro, model_name=CALIBRATION_MODEL)
+    meta, micro = build_model(model_spec, batch=CALIBRATION_BATCH, device="meta")
+    graph = trace(meta, micro, model_name=model_spec)
     ops = sum(1 for n in graph.gm.graph.nodes if n.op == "call_function")
     grads = torch.zeros(max(1, grad_bytes // 4), dtype=torch.float32)
     scalar = torch.zeros(1, dtype=torch.float32)
@@ -103,18 +113,30 @@ def measure_op_overhead(steps: int = 20, warmup: int = 5) -> dict[str, float]:
     }
 
 
-def overhead_from_step(raw: dict[str, float], all_reduce: Any) -> float:
-    """Seconds per op per micro-batch from `measure_op_overhead`'s figures: the step time less
-    its collectives, divided by the ops; at least 0. The collectives are those timed in the same
-    run (``comm_s``, under the same load as the steps); a record without it (older callers) falls
-    back to pricing them with `all_reduce` (the profile's all_reduce fit at the calibration's world
-    size, a `CollectiveFit` or None for one rank). The fit is the weaker choice: a profile with
-    few, noisy small-message samples can price the collectives above the whole step, which
-    would leave no overhead at all."""
-    if "comm_s" in raw:
-        comm = raw["comm_s"]
-    elif raw["world"] > 1 and all_reduce is not None:
-        comm = all_reduce.predict(raw["grad_bytes"]) + 2 * all_reduce.predict(4)
+def _net(run: dict[str, float], all_reduce: Any) -> float:
+    """A run's step time less its collectives: those timed in the same run (``comm_s``), or for
+    records without it (older callers) priced with `all_reduce` (a `CollectiveFit` at the run's
+    world size, or None). The fit is the weaker choice: a profile with few, noisy small-message
+    samples can price the collectives above the whole step."""
+    if "comm_s" in run:
+        comm = run["comm_s"]
+    elif run["world"] > 1 and all_reduce is not None:
+        comm = all_reduce.predict(run["grad_bytes"]) + 2 * all_reduce.predict(4)
     else:
         comm = 0.0
-    return max(0.0, (raw["step_s"] - comm) / raw["ops"])
+    return max(0.0, run["step_s"] - comm)
+
+
+def overheads_from_steps(raw: dict[str, Any], all_reduce: Any) -> tuple[float, float]:
+    """(seconds per op per micro-batch, seconds per step) from `measure_op_overhead`'s figures,
+    both at least 0: the line ``net = step_overhead + ops * op_overhead`` through the runs' net
+    step times (`_net`) against their op counts. A single run (a record of one calibration
+    model: ``raw`` is the run itself) gives no intercept: all of its time is per op."""
+    runs = raw.get("runs", [raw])
+    nets = [(r["ops"], _net(r, all_reduce)) for r in runs]
+    if len(nets) < 2:
+        ops, net = nets[0]
+        return net / ops, 0.0
+    (o1, n1), (o2, n2) = min(nets), max(nets)
+    per_op = max(0.0, (n2 - n1) / (o2 - o1)) if o2 > o1 else n1 / o1
+    return per_op, max(0.0, n1 - o1 * per_op)

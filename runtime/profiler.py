@@ -478,6 +478,7 @@ def profile_from_raw(
     for op, w, samples in raw["collectives"]:
         alpha, beta = fit_alpha_beta(samples)
         fits.append(CollectiveFit(op, w, alpha, beta, samples, fit_segments(samples)))
+    per_op, per_step = _overheads(raw["op_overhead"], fits, opts.nproc)
     peak: dict[str, float] = {}
     for s in raw["matmul"]:
         peak[s.dtype] = max(peak.get(s.dtype, 0.0), s.flops_per_s)
@@ -496,23 +497,24 @@ def profile_from_raw(
             timespec="seconds"
         ),
         host=socket.gethostname(),
-        op_overhead_s=_op_overhead(raw["op_overhead"], fits, opts.nproc),
+        op_overhead_s=per_op,
+        step_overhead_s=per_step,
     )
 
 
-def _op_overhead(
-    raw: dict[str, float] | None, fits: list[CollectiveFit], nproc: int
-) -> float:
-    """`runtime.overhead.overhead_from_step` with the all_reduce fit at `nproc` ranks (0 when
-    the overhead was not measured)."""
+def _overheads(
+    raw: dict[str, Any] | None, fits: list[CollectiveFit], nproc: int
+) -> tuple[float, float]:
+    """`runtime.overhead.overheads_from_steps` (per op, per step) with the all_reduce fit at
+    `nproc` ranks; (0, 0) when the overheads were not measured."""
     if raw is None:
-        return 0.0
-    from runtime.overhead import overhead_from_step
+        return 0.0, 0.0
+    from runtime.overhead import overheads_from_steps
 
     fit = next(
         (f for f in fits if f.op == "all_reduce" and f.world_size == nproc), None
     )
-    return overhead_from_step(raw, fit)
+    return overheads_from_steps(raw, fit)
 
 
 def run_profile(opts: ProfileOptions) -> DeviceProfile:

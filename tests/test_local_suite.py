@@ -182,7 +182,7 @@ def test_report_table_and_figure(tmp_path):
     assert (
         "| 2 | gpt | B=2; 0-3@1x2 | 100.0 | 110.0 | -9% | dp2 tp1 pp1 B1 |" in rows[2]
     )
-    assert rows[3].endswith("| manual / manual | 100 | - |")
+    assert rows[3].endswith("| manual / manual | 100 / - | - |")
     pytest.importorskip("matplotlib")
     lines = local_report.local_section(doc, tmp_path)
     assert (tmp_path / "local-CPU.png").stat().st_size > 0
@@ -193,7 +193,7 @@ def test_report_table_and_figure(tmp_path):
 # The per-op overhead in the profile file and in the cost model
 
 
-def _profile(overhead: float, devices: int = 1) -> DeviceProfile:
+def _profile(overhead: float, devices: int = 1, step: float = 5e-3) -> DeviceProfile:
     return DeviceProfile(
         version=PROFILE_VERSION,
         device_name="test cpu",
@@ -208,6 +208,7 @@ def _profile(overhead: float, devices: int = 1) -> DeviceProfile:
         created="2025-01-01T00:00:00+00:00",
         host="testhost",
         op_overhead_s=overhead,
+        step_overhead_s=step,
     )
 
 
@@ -215,10 +216,13 @@ def test_profile_file_keeps_the_overhead_and_defaults_to_zero(tmp_path):
     path = tmp_path / "p.json"
     save_profile(_profile(3e-4), path)
     assert load_profile(path).op_overhead_s == 3e-4
+    assert load_profile(path).step_overhead_s == 5e-3
     data = json.loads(path.read_text())
-    del data["op_overhead_s"]  # a profile written before the field existed
+    del data["op_overhead_s"]  # a profile written before the fields existed
+    del data["step_overhead_s"]
     path.write_text(json.dumps(data))
     assert load_profile(path).op_overhead_s == 0.0
+    assert load_profile(path).step_overhead_s == 0.0
     assert op_overhead(Cluster.from_spec("1x1xA100-80GB")) == 0.0
 
 
@@ -247,6 +251,39 @@ def test_overhead_priced_once_per_op_per_microbatch():
     assert times[overhead] - times[0.0] == pytest.approx(B * calls * overhead, rel=1e-6)
 
 
+def test_step_overhead_added_once_per_iteration():
+    """The profile's per-step overhead adds itself once to every plan's predicted iteration,
+    pipelined or not, manual or automatic (it does not scale with micro-batches or stages)."""
+    from cost_models.profile import COLLECTIVE_OPS, CollectiveFit
+    from planner import plan
+
+    def times(step: float) -> list[float]:
+        profile = _profile(1e-5, devices=2, step=step)
+        profile.collectives = [
+            CollectiveFit(op, 2, 1e-4, 1e-9) for op in COLLECTIVE_OPS
+        ]
+        cluster = Cluster.from_profile(profile)
+        manual = [
+            manual_plan(
+                SPEC,
+                cluster,
+                dp=2 // pp,
+                tp=1,
+                pp=pp,
+                num_microbatches=2,
+                global_batch=BATCH,
+                dtype="float32",
+                optimizer="sgd",
+            ).estimate.iteration_time_s
+            for pp in (1, 2)
+        ]
+        auto = plan(SPEC, cluster, global_batch=BATCH, dtype="float32", optimizer="sgd")
+        return [*manual, auto.estimate.iteration_time_s]
+
+    base, more = times(0.0), times(0.25)
+    assert [b - a for a, b in zip(base, more)] == pytest.approx([0.25] * 3, rel=1e-9)
+
+
 def test_profile_options_cover_the_planned_world_sizes():
     assert profile_options(2).world_sizes == [2]
     assert profile_options(8).world_sizes == [2, 4, 8]
@@ -254,10 +291,11 @@ def test_profile_options_cover_the_planned_world_sizes():
 
 
 def test_overhead_takes_off_the_collectives_timed_in_the_same_run():
-    """`overhead_from_step` subtracts the step's collectives as timed beside the steps (comm_s);
-    only a record without them is priced with the all_reduce fit, and the result is never < 0."""
+    """`overheads_from_steps` subtracts the step's collectives as timed beside the steps (comm_s);
+    only a record without them is priced with the all_reduce fit, and the result is never < 0.
+    A single run's time is all per op."""
     from cost_models.profile import CollectiveFit
-    from runtime.overhead import overhead_from_step
+    from runtime.overhead import overheads_from_steps
 
     raw = {
         "step_s": 0.05,
@@ -269,9 +307,38 @@ def test_overhead_takes_off_the_collectives_timed_in_the_same_run():
     slow_fit = CollectiveFit(
         "all_reduce", 2, 1.0, 0.0
     )  # 1 s per call: more than the step
-    assert overhead_from_step(raw, slow_fit) == pytest.approx(0.04 / 200)
+    assert overheads_from_steps(raw, slow_fit) == pytest.approx((0.04 / 200, 0.0))
     del raw["comm_s"]
-    assert overhead_from_step(raw, slow_fit) == 0.0
+    assert overheads_from_steps(raw, slow_fit) == (0.0, 0.0)
     fit = CollectiveFit("all_reduce", 2, 1e-3, 0.0)
-    assert overhead_from_step(raw, fit) == pytest.approx((0.05 - 3e-3) / 200)
-    assert overhead_from_step({**raw, "world": 1.0}, fit) == pytest.approx(0.05 / 200)
+    assert overheads_from_steps(raw, fit)[0] == pytest.approx((0.05 - 3e-3) / 200)
+    one = {**raw, "world": 1.0}
+    assert overheads_from_steps(one, fit)[0] == pytest.approx(0.05 / 200)
+
+
+def test_overheads_are_the_line_through_two_calibration_models():
+    """Two runs: the slope of net step time against ops is the per-op overhead, the intercept the
+    per-step one; a larger model measured faster (noise) gives no per-op overhead, not a
+    negative one."""
+    from runtime.overhead import overheads_from_steps
+
+    def run(ops: float, step: float) -> dict[str, float]:
+        return {
+            "step_s": step,
+            "comm_s": 0.002,
+            "ops": ops,
+            "grad_bytes": 0,
+            "world": 2,
+        }
+
+    # net = 0.010 + ops * 30e-6
+    raw = {
+        "runs": [
+            run(100, 0.002 + 0.010 + 100 * 30e-6),
+            run(340, 0.002 + 0.010 + 340 * 30e-6),
+        ]
+    }
+    per_op, per_step = overheads_from_steps(raw, None)
+    assert per_op == pytest.approx(30e-6) and per_step == pytest.approx(0.010)
+    noisy = {"runs": [run(100, 0.020), run(340, 0.015)]}
+    assert overheads_from_steps(noisy, None) == pytest.approx((0.0, 0.018))

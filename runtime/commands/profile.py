@@ -127,8 +127,13 @@ def summary(profile: DeviceProfile) -> str:
             f"{d} {v / 1e9:.1f} GFLOP/s" for d, v in profile.peak_flops.items()
         ),
         f"memory bw  {profile.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s",
-        f"op overhead {profile.op_overhead_s * 1e6:.0f} us per op per micro-batch"
-        + (" (not measured)" if profile.op_overhead_s == 0 else ""),
+        f"op overhead {profile.op_overhead_s * 1e6:.0f} us per op per micro-batch, "
+        f"{profile.step_overhead_s * 1e3:.1f} ms per step"
+        + (
+            " (not measured)"
+            if profile.op_overhead_s == profile.step_overhead_s == 0
+            else ""
+        ),
         f"matmul     {len(profile.matmul)} samples",
     ]
     if profile.collectives:
