@@ -62,6 +62,8 @@ def local_table(doc: dict[str, Any]) -> list[str]:
         a, m = c["auto"], c["manual_best"]
         fp = _faster(a["iteration_time_s"], m["iteration_time_s"])
         fm = _faster(a["measured_iteration_time_s"], m["measured_iteration_time_s"])
+        if c.get("same_plan"):
+            fp = "same plan"
         out.append(
             f"| {c['num_devices']} | {c['suite']} | {_stages(c)} | {_ms(a['iteration_time_s'])} | "
             f"{_ms(a['measured_iteration_time_s'])} | {a['error']:+.0%} | {m['label']} | "
@@ -78,7 +80,8 @@ def local_checks(doc: dict[str, Any]) -> list[str]:
         return ["- local suite: no case run"]
     errors = [abs(c[k]["error"]) for c in cases for k in ("auto", "manual_best")]
     med = statistics.median(errors)
-    agree = sum(bool(c["agree"]) for c in cases)
+    agree = sum(c["agree"] is True for c in cases)
+    same = sum(bool(c.get("same_plan")) for c in cases)
     need = AGREE_FRACTION * len(cases)
     return [
         (
@@ -87,7 +90,13 @@ def local_checks(doc: dict[str, Any]) -> list[str]:
         ),
         (
             f"- (e) local suite: the plan predicted faster is measured faster in >= 4 of 5 cases: "
-            f"{'yes' if agree >= need else 'no'} ({agree} of {len(cases)})"
+            f"{'yes' if agree >= need else 'no'} ({agree} of {len(cases)}"
+            + (
+                f"; in {same} the automatic plan is the manual one, which has no faster plan"
+                if same
+                else ""
+            )
+            + ")"
         ),
     ]
 

@@ -16,8 +16,9 @@ For every case (a small GPT or MoE model on N local processes, `LOCAL_CASES`):
    its timed steps after `warmup` untimed ones.
 
 Recorded per case: predicted and measured step time of both plans, the cost model's error
-(predicted / measured - 1), which plan is faster in prediction and in measurement, and the first
-step's losses of both (the same model and data: they must agree).
+(predicted / measured - 1), which plan is faster in prediction and in measurement (``agree``;
+None when the automatic plan is the manual one, ``same_plan``: their measured order is noise),
+and the first step's losses of both (the same model and data: they must agree).
 
 Processes and cores. The launcher binds each rank to its share of the cores, one core per rank
 round-robin when there are more ranks than cores (8 ranks on 2 cores: 4 per core). The profile is
@@ -148,6 +149,32 @@ def _shape(p: Any) -> dict[str, Any]:
     }
 
 
+def same_plan(a: Any, b: Any) -> bool:
+    """Whether two ParallelPlans run alike: schedule, micro-batches and, per stage, layers,
+    devices, logical mesh, recomputation, parameter placements, ZeRO and every node's strategy."""
+
+    def key(p: Any) -> tuple:
+        return (
+            p.num_microbatches,
+            p.schedule,
+            p.virtual_stages,
+            [
+                (
+                    tuple(s.layers),
+                    tuple(s.devices),
+                    tuple(s.logical_mesh),
+                    s.recompute,
+                    {k: tuple(v) for k, v in s.param_placements.items()},
+                    sorted(s.zero_params),
+                    s.node_strategies,
+                )
+                for s in p.stages
+            ],
+        )
+
+    return key(a) == key(b)
+
+
 def _error(predicted: float, measured: float) -> float:
     return predicted / measured - 1.0
 
@@ -272,7 +299,9 @@ def run_local_case(
         },
         "ratio": t_man / t_auto,
         "measured_ratio": measured[1] / measured[0],
-        "agree": (t_man >= t_auto) == (measured[1] >= measured[0]),
+        # identical plans have no faster one: their measured order is noise, not a verdict
+        "same_plan": (same := same_plan(auto, r["manual_plan"])),
+        "agree": None if same else (t_man >= t_auto) == (measured[1] >= measured[0]),
         "first_losses": [runs["losses"][0][0], runs["losses"][1][0]],
         "times_s": r["times_s"],
         # 1-minute load average before and after the case: other work sharing the cores
@@ -283,13 +312,15 @@ def run_local_case(
 
 
 def summary(cases: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Median absolute cost-model error over both plans of every case, and in how many cases the
-    plan predicted faster is the one measured faster."""
+    """Median absolute cost-model error over both plans of every case, in how many cases the
+    plan predicted faster is the one measured faster, and in how many the two plans are the same
+    plan (no verdict: `same_plan`)."""
     errors = [abs(c[k]["error"]) for c in cases for k in ("auto", "manual_best")]
     return {
         "median_abs_error": statistics.median(errors) if errors else None,
         "max_abs_error": max(errors) if errors else None,
-        "agree": sum(bool(c["agree"]) for c in cases),
+        "agree": sum(c["agree"] is True for c in cases),
+        "same_plan": sum(bool(c.get("same_plan")) for c in cases),
         "cases": len(cases),
     }
 
@@ -338,6 +369,10 @@ HEADER = (
 )
 
 
+def _verdict(agree: bool | None) -> str:
+    return "same" if agree is None else "yes" if agree else "no"
+
+
 def format_row(c: dict[str, Any]) -> str:
     """One console line (milliseconds)."""
     a, m = c["auto"], c["manual_best"]
@@ -346,7 +381,7 @@ def format_row(c: dict[str, Any]) -> str:
         f"{a['measured_iteration_time_s'] * 1e3:>9.1f} {a['error']:>+6.0%}  "
         f"{m['label']:<18} {m['iteration_time_s'] * 1e3:>7.1f} "
         f"{m['measured_iteration_time_s'] * 1e3:>9.1f} {m['error']:>+6.0%} "
-        f"{'yes' if c['agree'] else 'no':>5}"
+        f"{_verdict(c['agree']):>5}"
     )
 
 

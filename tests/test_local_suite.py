@@ -94,10 +94,13 @@ def test_end_to_end_record(doc, tmp_path):
     assert a["planner_time_s"] > 0 and a["stages"] and a["num_microbatches"] >= 1
     assert m["config"]["dp"] * m["config"]["tp"] * m["config"]["pp"] == 2
     assert math.isclose(c["ratio"], m["iteration_time_s"] / a["iteration_time_s"])
-    assert c["agree"] == (
-        (m["iteration_time_s"] >= a["iteration_time_s"])
-        == (m["measured_iteration_time_s"] >= a["measured_iteration_time_s"])
-    )
+    if c["same_plan"]:
+        assert c["agree"] is None
+    else:
+        assert c["agree"] == (
+            (m["iteration_time_s"] >= a["iteration_time_s"])
+            == (m["measured_iteration_time_s"] >= a["measured_iteration_time_s"])
+        )
     # Both plans trained the same model on the same data: one device's loss.
     truth = _single_device_loss()
     assert c["first_losses"] == pytest.approx([truth, truth], rel=1e-5)
@@ -171,6 +174,15 @@ def test_report_checks_pass_and_fail():
     )
     d, e = local_report.local_checks(bad)
     assert ": no (" in d and e.endswith("no (3 of 5)")
+    # Where the automatic plan is the manual one there is no faster plan: no verdict either way.
+    same = _case(2, (0.10, 0.10), (0.11, 0.12)) | {"same_plan": True, "agree": None}
+    d, e = local_report.local_checks(
+        _doc([same] * 2 + [_case(2, (0.1, 0.12), (0.1, 0.13))] * 3)
+    )
+    assert e.endswith(
+        "no (3 of 5; in 2 the automatic plan is the manual one, which has no faster plan)"
+    )
+    assert local_report.local_table(_doc([same]))[2].count("| same plan / auto |") == 1
 
 
 def test_report_table_and_figure(tmp_path):
