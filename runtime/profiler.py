@@ -18,8 +18,8 @@ One launch (`runtime.launch.launch`) of N ranks measures, in order:
    size: all_reduce, all_gather (all_gather_single / all_gather_into_tensor),
    reduce_scatter (reduce_scatter_single / reduce_scatter_tensor; gloo in torch 2.13 runs it, so no
    emulation is needed), all_to_all (all_to_all_single) and send_recv (world size 2 only: the
-   group's two ranks ping-pong, one-way time = round trip / 2). One timed repeat is a sub-group barrier followed by
-   `inner` back-to-back calls (inner chosen from a warm-up so a repeat lasts ~`target_repeat_s`, the
+   group's two ranks ping-pong, one-way time = round trip / 2). One timed repeat is a sub-group
+   barrier followed by `inner` back-to-back calls (inner chosen from a warm-up so a repeat lasts ~`target_repeat_s`, the
    same on every rank); a repeat's time is the slowest rank's, and the sample is the median repeat
    (collectives vary between repeats by themselves, from the ranks' mutual scheduling, so the
    median is their typical time).
@@ -27,8 +27,8 @@ One launch (`runtime.launch.launch`) of N ranks measures, in order:
    reduce_scatter input / all_reduce / all_to_all buffer; the per-rank message for send_recv).
 
 With ``concurrent_compute`` steps 1 and 2 run on every rank at once (rank 0's figures are kept;
-see `ProfileOptions`); with ``op_overhead`` every rank then measures the runtime's per-op overhead
-(`runtime.overhead`, CPU ranks).
+see `ProfileOptions`); with ``op_overhead`` every rank then measures the runtime's overheads per
+op and per step (`runtime.overhead`, CPU ranks).
 
 Then alpha and beta are fitted per (op, world size) with `fit_alpha_beta`, plus a continuous
 piecewise-linear fit (`fit_segments`) where one line misses a sample by more than 20%: gloo's
@@ -91,7 +91,7 @@ class ProfileOptions:
     #: what one rank gets while all of them compute, as in data- or tensor-parallel training (on a
     #: CPU with fewer cores than ranks, the ranks time-share the cores). False: rank 0 alone.
     concurrent_compute: bool = False
-    #: Measure the runtime's per-op overhead (`runtime.overhead`; CPU ranks only).
+    #: Measure the runtime's overheads per op and per step (`runtime.overhead`; CPU ranks only).
     op_overhead: bool = False
     #: Time a collective of w ranks on every group of w consecutive ranks at once (rank 0's
     #: group's figures are kept), as a mesh axis's groups all communicate at once in training.
@@ -299,7 +299,7 @@ def _collective_call(
 
         def ping_pong() -> (
             None
-        ):  # one round trip between ranks 0 and 1; halved by the caller
+        ):  # one round trip between the group's ranks 0 and 1; halved by the caller
             if rank == 0:  # ranks within `group`
                 dist.send(x, group=group, group_dst=1)
                 dist.recv(x, group=group, group_src=1)
@@ -380,7 +380,7 @@ def _profile_worker(opts: ProfileOptions) -> dict[str, Any] | None:
     if opts.op_overhead and dist.get_backend() == "gloo":
         from runtime.overhead import measure_op_overhead
 
-        _log(opts, "runtime per-op overhead (tiny GPT, every rank)")
+        _log(opts, "runtime overheads per op and per step (two tiny GPTs, every rank)")
         out["op_overhead"] = measure_op_overhead()
     pairs = _plan_collectives(opts)
     groups = _collective_groups(opts, sorted({w for _, w in pairs}), rank)
