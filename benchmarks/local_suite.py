@@ -150,27 +150,37 @@ def _shape(p: Any) -> dict[str, Any]:
 
 
 def same_plan(a: Any, b: Any) -> bool:
-    """Whether two ParallelPlans run alike: schedule, micro-batches and, per stage, layers,
-    devices, logical mesh, recomputation, parameter placements, ZeRO and every node's strategy."""
+    """Whether two ParallelPlans run alike: schedule, micro-batches and, per stage, its ops,
+    devices, mesh, recomputation, ZeRO, and every parameter's and node's placements. Mesh axes of
+    size 1 are dropped first (a (1, 2) and a (2, 1) mesh of the same devices are one mesh), and a
+    stage is its ops, not its layer indices (clusterings of different granularity)."""
 
     def key(p: Any) -> tuple:
-        return (
-            p.num_microbatches,
-            p.schedule,
-            p.virtual_stages,
-            [
+        stages = []
+        for s in p.stages:
+            axes = [i for i, n in enumerate(s.logical_mesh) if n > 1]
+
+            def squeeze(pl: Any, axes: list[int] = axes) -> Any:
+                return tuple(pl[i] for i in axes) if pl else pl
+
+            nodes = {
+                n: {
+                    k: [squeeze(tuple(x) if x else x) for x in v]
+                    for k, v in strategy.items()
+                }
+                for n, strategy in s.node_strategies.items()
+            }
+            stages.append(
                 (
-                    tuple(s.layers),
                     tuple(s.devices),
-                    tuple(s.logical_mesh),
+                    tuple(s.logical_mesh[i] for i in axes),
                     s.recompute,
-                    {k: tuple(v) for k, v in s.param_placements.items()},
                     sorted(s.zero_params),
-                    s.node_strategies,
+                    {k: squeeze(tuple(v)) for k, v in s.param_placements.items()},
+                    nodes,
                 )
-                for s in p.stages
-            ],
-        )
+            )
+        return (p.num_microbatches, p.schedule, p.virtual_stages, stages)
 
     return key(a) == key(b)
 

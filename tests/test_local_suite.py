@@ -354,3 +354,40 @@ def test_overheads_are_the_line_through_two_calibration_models():
     assert per_op == pytest.approx(30e-6) and per_step == pytest.approx(0.010)
     noisy = {"runs": [run(100, 0.020), run(340, 0.015)]}
     assert overheads_from_steps(noisy, None) == pytest.approx((0.0, 0.018))
+
+
+def test_same_plan_ignores_size_one_axes_and_layer_numbering():
+    """One plan written two ways - logical mesh (1, 2) or (2, 1), layers numbered in another
+    clustering - is the same plan; a different placement of one parameter is not."""
+    import copy
+
+    from benchmarks.local_suite import same_plan
+
+    p = manual_plan(
+        SPEC,
+        "1x2xA100-80GB",
+        dp=2,
+        tp=1,
+        pp=1,
+        num_microbatches=1,
+        global_batch=BATCH,
+        dtype="float32",
+        optimizer="sgd",
+    )
+    s = p.stages[0]
+    assert [n for n in s.logical_mesh if n > 1] == [2]
+    q = copy.deepcopy(p)
+    t = q.stages[0]
+    t.logical_mesh = tuple(reversed(s.logical_mesh))
+    t.layers = (0, 7)
+    t.param_placements = {k: list(reversed(v)) for k, v in s.param_placements.items()}
+    t.node_strategies = {
+        n: {k: [list(reversed(x)) if x else x for x in v] for k, v in st.items()}
+        for n, st in s.node_strategies.items()
+    }
+    assert same_plan(p, q)
+    path = next(iter(t.param_placements))
+    t.param_placements[path] = (
+        ["R", "S(0)"] if t.param_placements[path] != ["R", "S(0)"] else ["R", "R"]
+    )
+    assert not same_plan(p, q)
