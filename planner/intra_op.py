@@ -10,11 +10,11 @@ Steps (DESIGN, "The two searches"; Alpa section 4.2):
 3. Followers (views, getitem, single-input elementwise ops) merge into their producer
    (`planner.cost_graph.merge_followers`).
 4. The ILP (`planner.ilp`): minimise per-micro-batch time = compute + activation resharding forward
-   and backward + gradient synchronisation / micro-batches, subject to per-device memory. A
-   parameter gradient's synchronisation is priced by its size only; the collectives' latency is
-   paid once per bucket of equally placed gradients, as the runtime syncs them, and is added to
-   the solution's ``grad_sync_s`` after the solve (not part of the objective: a few latencies per
-   stage, the same for most choices). Solves
+   and backward + gradient synchronisation / micro-batches, subject to per-device memory. In
+   the objective every parameter gradient's synchronisation pays its collective's latency; the
+   runtime all-reduces equally placed gradients in one bucket, so the solution's ``grad_sync_s``
+   charges that latency once per bucket instead (the objective is an upper bound there: a
+   latency per bucket is not linear in the ILP's variables). Solves
    of one pricing (`price_stage`) with the same options kept share the program; only the memory
    budget differs between them.
 
@@ -548,7 +548,8 @@ def _summarise(
             got = sc.grad_bucket(
                 g.node(u), ctx.fx[v], ctx.fx[u], choice[u], choice[v], s
             )
-            if got is not None:
+            if got is not None:  # its latency once per bucket, not once per gradient
+                grad_sync -= got[1]
                 buckets[got[0]] = max(buckets.get(got[0], 0.0), got[1])
     grad_sync += sum(buckets.values())
     params = {g.placeholder_paths[n]: choice[n] for n in choice if is_param[n]}

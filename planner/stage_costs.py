@@ -254,10 +254,10 @@ def edge_matrices(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(forward + activation-gradient seconds, parameter-gradient seconds) for every (i, j).
 
-    A parameter's gradient is synchronised in buckets (the runtime flattens the gradients of
-    equal placements into one collective, `runtime.executor`), so its price here is the
-    size-dependent part only (`reshard_cost` less `reshard_latency`); the latency is paid once
-    per bucket (`grad_bucket`, added by the stage's summary, not by the ILP's objective).
+    A parameter's gradient is priced here at its full price, latency included: an upper bound
+    where the runtime syncs it in a bucket with others (`bucketed`; ``PlanExecutor.sync_grads``
+    flattens equally placed gradients into one all-reduce), which the stage's summary corrects
+    (`grad_bucket`; a latency once per bucket is not linear in the ILP's variables).
     Priced once per distinct (u's output placement, v's input placement and gradient placement).
     """
     k, o, meta, dtype_bytes, with_grad = _edge_value(value, consumer_fx, producer_fx)
@@ -285,13 +285,18 @@ def edge_matrices(
             if with_grad:
                 back = _reshard(s, meta.shape, dtype_bytes, dst[1], expected_grad(src))
                 if param_derived:
-                    lat = _latency(
-                        s, meta.shape, dtype_bytes, dst[1], expected_grad(src)
-                    )
-                    grad[a, b] = max(0.0, back - lat) / s.num_microbatches
+                    grad[a, b] = back / s.num_microbatches
                 else:
                     act[a, b] += back
     return act[np.ix_(src_of, dst_of)], grad[np.ix_(src_of, dst_of)]
+
+
+def bucketed(got: tuple[str, ...], want: tuple[str, ...]) -> bool:
+    """Whether a gradient placed `got` reaches `want` by all-reduces alone (partial -> replicated on
+    some axes, the others unchanged): the syncs the runtime buckets."""
+    return got != want and all(
+        g == w or (g == "P" and w == "R") for g, w in zip(got, want)
+    )
 
 
 def _latency(
@@ -319,8 +324,8 @@ def grad_bucket(
 ) -> tuple[tuple, float] | None:
     """The bucket a parameter's gradient is synchronised in over the edge producer -> consumer
     with options `u_opt` and `v_opt` - its (placements arriving, placements wanted), as the
-    runtime groups them - and the bucket's collective latency; None when it needs no collective.
-    """
+    runtime groups them - and the bucket's collective latency; None when it needs no collective
+    or one that is not bucketed (`bucketed`)."""
     k, o, meta, dtype_bytes, with_grad = _edge_value(value, consumer_fx, producer_fx)
     out, inp = u_opt.strategy.output[o], v_opt.strategy.inputs[k]
     if not with_grad or not out or inp is None:
@@ -328,7 +333,7 @@ def grad_bucket(
     src = tuple(norm(p) for p in out)
     got = grad_from_consumer(tuple(norm(p) for p in inp), v_opt.strategy, s.mesh.shape)
     want = expected_grad(src)
-    if got == want:
+    if not bucketed(got, want):
         return None
     return (got, want), _latency(s, meta.shape, dtype_bytes, got, want)
 
