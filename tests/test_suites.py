@@ -147,7 +147,12 @@ def test_report_from_a_tiny_results_file(tmp_path) -> None:
     text = write_report(tmp_path).read_text()
     assert "## gpt on V100-16GB" in text and "2026-01-01" in text
     assert "| 1 | gpt-350m | 70.0 |" in text and "1.25" in text and "+19%" in text
-    assert "(a) every GPT case has ratio >= 1.00: yes" in text
+    assert "(a) every GPT case on V100-16GB has ratio >= 1.00: yes" in text
+    # every device's suite is checked, not only the V100 one
+    slow = {**case, "num_devices": 4, "ratio": 0.99}
+    write_results({**doc, "device": "A100-80GB", "cases": [slow]}, tmp_path / "a.json")
+    text = write_report(tmp_path).read_text()
+    assert "(a) every GPT case on A100-80GB has ratio >= 1.00: no: 4 GPUs 0.99" in text
     assert "within 15% of measured: no (largest error 19%)" in text
     if (tmp_path / "gpt-V100-16GB.png").exists():
         assert "(gpt-V100-16GB.png)" in text
