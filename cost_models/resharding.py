@@ -252,24 +252,6 @@ def reshard_steps(
     return out
 
 
-def reshard_latency(
-    mesh: Cluster | LogicalMesh,
-    shape: tuple[int, ...],
-    dtype_bytes: float,
-    src: object,
-    dst: object,
-) -> float:
-    """The size-independent part of `reshard_cost`: every step's collective priced for one byte
-    (its latency, ``alpha`` terms). A gradient synchronised in a bucket with others pays this once
-    per bucket, not once per tensor."""
-    lm = mesh if isinstance(mesh, LogicalMesh) else LogicalMesh.of(mesh)
-    return sum(
-        lm.collective(step.collective, 1.0, step.axis)
-        for step in reshard_steps(lm, shape, dtype_bytes, src, dst)
-        if step.collective
-    )
-
-
 def backward_placements(
     src: object, dst: object
 ) -> tuple[tuple[Placement, ...], tuple[Placement, ...]]:

@@ -10,11 +10,7 @@ Steps (DESIGN, "The two searches"; Alpa section 4.2):
 3. Followers (views, getitem, single-input elementwise ops) merge into their producer
    (`planner.cost_graph.merge_followers`).
 4. The ILP (`planner.ilp`): minimise per-micro-batch time = compute + activation resharding forward
-   and backward + gradient synchronisation / micro-batches, subject to per-device memory. In
-   the objective every parameter gradient's synchronisation pays its collective's latency; the
-   runtime all-reduces equally placed gradients in one bucket, so the solution's ``grad_sync_s``
-   charges that latency once per bucket instead (the objective is an upper bound there: a
-   latency per bucket is not linear in the ILP's variables). Solves
+   and backward + gradient synchronisation / micro-batches, subject to per-device memory. Solves
    of one pricing (`price_stage`) with the same options kept share the program; only the memory
    budget differs between them.
 
@@ -538,20 +534,11 @@ def _summarise(
     compute = sum(values[n][0] for n in choice if not is_param[n])
     zero = sum(values[n][0] for n in choice if is_param[n])
     comm, grad_sync = 0.0, zero * s.num_microbatches
-    buckets: dict[tuple, float] = {}  # the gradient buckets' latencies, paid once each
     for u, v in ctx.edges:
         act, grad = ctx.edge(u, v)
         i, j = index[u], index[v]
         comm += act[i, j]
         grad_sync += grad[i, j] * s.num_microbatches
-        if u in ctx.param_derived:
-            got = sc.grad_bucket(
-                g.node(u), ctx.fx[v], ctx.fx[u], choice[u], choice[v], s
-            )
-            if got is not None:  # its latency once per bucket, not once per gradient
-                grad_sync -= got[1]
-                buckets[got[0]] = max(buckets.get(got[0], 0.0), got[1])
-    grad_sync += sum(buckets.values())
     params = {g.placeholder_paths[n]: choice[n] for n in choice if is_param[n]}
     param_mem = sum(values[n][1] for n in choice if is_param[n])
     act_mem = sum(values[n][1] for n in choice if not is_param[n])

@@ -30,7 +30,7 @@ import torch
 from cost_models.communication import LogicalMesh
 from cost_models.compute import op_overhead, op_time
 from cost_models.memory import state_bytes_per_param
-from cost_models.resharding import reshard_cost, reshard_latency
+from cost_models.resharding import reshard_cost
 from planner.opgraph import OpGraph, OpNode, TensorMeta
 from planner.strategies import Strategy, consumed_output, node_strategies
 
@@ -230,19 +230,6 @@ def _unique(items: list) -> tuple[list, np.ndarray]:
     return list(first), index
 
 
-def _edge_value(
-    value: OpNode, consumer_fx: torch.fx.Node, producer_fx: torch.fx.Node
-) -> tuple[int, int, TensorMeta, float, bool]:
-    """(consumer's input index, producer's output index, the value's meta, bytes per element,
-    whether a gradient flows back) of the edge producer -> consumer."""
-    k = consumer_fx.all_input_nodes.index(producer_fx)
-    o = consumed_output(producer_fx, consumer_fx)
-    meta = value.outputs[o] if o < len(value.outputs) else value.outputs[0]
-    dtype_bytes = meta.nbytes / max(meta.numel(), 1)
-    with_grad = value.requires_grad and getattr(torch, meta.dtype).is_floating_point
-    return k, o, meta, dtype_bytes, with_grad
-
-
 def edge_matrices(
     value: OpNode,
     consumer_fx: torch.fx.Node,
@@ -254,13 +241,13 @@ def edge_matrices(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(forward + activation-gradient seconds, parameter-gradient seconds) for every (i, j).
 
-    A parameter's gradient is priced here at its full price, latency included: an upper bound
-    where the runtime syncs it in a bucket with others (`bucketed`; ``PlanExecutor.sync_grads``
-    flattens equally placed gradients into one all-reduce), which the stage's summary corrects
-    (`grad_bucket`; a latency once per bucket is not linear in the ILP's variables).
     Priced once per distinct (u's output placement, v's input placement and gradient placement).
     """
-    k, o, meta, dtype_bytes, with_grad = _edge_value(value, consumer_fx, producer_fx)
+    k = consumer_fx.all_input_nodes.index(producer_fx)
+    o = consumed_output(producer_fx, consumer_fx)
+    meta = value.outputs[o] if o < len(value.outputs) else value.outputs[0]
+    dtype_bytes = meta.nbytes / max(meta.numel(), 1)
+    with_grad = value.requires_grad and getattr(torch, meta.dtype).is_floating_point
     srcs, src_of = _unique(
         [tuple(norm(p) for p in uo.strategy.output[o]) or None for uo in u_opts]
     )
@@ -289,53 +276,6 @@ def edge_matrices(
                 else:
                     act[a, b] += back
     return act[np.ix_(src_of, dst_of)], grad[np.ix_(src_of, dst_of)]
-
-
-def bucketed(got: tuple[str, ...], want: tuple[str, ...]) -> bool:
-    """Whether a gradient placed `got` reaches `want` by all-reduces alone (partial -> replicated on
-    some axes, the others unchanged): the syncs the runtime buckets."""
-    return got != want and all(
-        g == w or (g == "P" and w == "R") for g, w in zip(got, want)
-    )
-
-
-def _latency(
-    s: StageSettings,
-    shape: tuple[int, ...],
-    dtype_bytes: float,
-    src: tuple[str, ...],
-    dst: tuple[str, ...],
-) -> float:
-    if src == dst:
-        return 0.0
-    key = ("latency", shape, dtype_bytes, src, dst)
-    if key not in s.cache:
-        s.cache[key] = reshard_latency(s.mesh, shape, dtype_bytes, src, dst)
-    return s.cache[key]
-
-
-def grad_bucket(
-    value: OpNode,
-    consumer_fx: torch.fx.Node,
-    producer_fx: torch.fx.Node,
-    u_opt: Option,
-    v_opt: Option,
-    s: StageSettings,
-) -> tuple[tuple, float] | None:
-    """The bucket a parameter's gradient is synchronised in over the edge producer -> consumer
-    with options `u_opt` and `v_opt` - its (placements arriving, placements wanted), as the
-    runtime groups them - and the bucket's collective latency; None when it needs no collective
-    or one that is not bucketed (`bucketed`)."""
-    k, o, meta, dtype_bytes, with_grad = _edge_value(value, consumer_fx, producer_fx)
-    out, inp = u_opt.strategy.output[o], v_opt.strategy.inputs[k]
-    if not with_grad or not out or inp is None:
-        return None
-    src = tuple(norm(p) for p in out)
-    got = grad_from_consumer(tuple(norm(p) for p in inp), v_opt.strategy, s.mesh.shape)
-    want = expected_grad(src)
-    if not bucketed(got, want):
-        return None
-    return (got, want), _latency(s, meta.shape, dtype_bytes, got, want)
 
 
 def saved_values(graph: OpGraph, names: list[str]) -> set[str]:
