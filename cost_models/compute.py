@@ -170,17 +170,13 @@ def op_time(
 
 def op_overhead(cluster: Cluster) -> float:
     """Seconds of runtime overhead per op per micro-batch: the profile's ``op_overhead_s``, else 0."""
-    profile = cluster.profile
-    return float(getattr(profile, "op_overhead_s", 0.0)) if profile is not None else 0.0
+    return float(getattr(cluster.profile, "op_overhead_s", 0.0))
 
 
 def step_overhead(cluster: Cluster) -> float:
     """Seconds of runtime overhead once per training step: the profile's ``step_overhead_s``,
     else 0."""
-    profile = cluster.profile
-    return (
-        float(getattr(profile, "step_overhead_s", 0.0)) if profile is not None else 0.0
-    )
+    return float(getattr(cluster.profile, "step_overhead_s", 0.0))
 
 
 def matmul_flops(m: int, n: int, k: int, batch: int = 1) -> float:

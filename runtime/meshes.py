@@ -27,8 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["device_mesh"]
 
-_Key = tuple
-_cache: dict[_Key, DeviceMesh] = {}
+_cache: dict[tuple, DeviceMesh] = {}
 _world: list[object] = [None]
 
 
@@ -53,9 +52,8 @@ def device_mesh(
         _cache[key] = mesh
     if sub is None:
         return mesh
-    sub_key = (*key, sub if isinstance(sub, str) else tuple(sub))
-    child = _cache.get(sub_key)
+    dims = sub if isinstance(sub, str) else tuple(sub)
+    child = _cache.get((*key, dims))
     if child is None:
-        child = mesh[sub if isinstance(sub, str) else tuple(sub)]
-        _cache[sub_key] = child
+        child = _cache[(*key, dims)] = mesh[dims]
     return child
