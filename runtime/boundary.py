@@ -64,9 +64,11 @@ def pieces(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     return list(flat.contiguous().view(n, size).unbind(0))
 
 
-def empty_piece(shape: Sequence[int], dtype: torch.dtype, n: int) -> torch.Tensor:
-    """A receive buffer for one of the `n` pieces of a tensor of `shape`."""
-    return torch.empty(_piece_numel(math.prod(shape), n), dtype=dtype)
+def empty_piece(
+    shape: Sequence[int], dtype: torch.dtype, n: int, device: torch.device
+) -> torch.Tensor:
+    """A receive buffer on `device` for one of the `n` pieces of a tensor of `shape`."""
+    return torch.empty(_piece_numel(math.prod(shape), n), dtype=dtype, device=device)
 
 
 def assemble(

@@ -20,7 +20,8 @@ of `planner.tracer.trace`) node by node on DTensors:
   picks), the executor records it in ``mismatches`` and redistributes to the planned placement (or
   raises with ``strict=True``). Ops that fell back to replication in the plan are registered with
   DTensor's ``replicate_op_strategy`` (`planner.strategies.register_fallback`), and the rules the
-  planner added (CPU flash attention) with `planner.dtensor_rules.register_missing_rules`.
+  planner added (CPU flash attention) with `planner.dtensor_rules.register_missing_rules`. On
+  GPUs, ops traced as CPU kernels run as their CUDA equivalents (`runtime.device_ops`).
 * Output. The loss is returned replicated; a partial loss (``P(avg)`` under data parallelism) is
   all-reduced first (one scalar, which the planner does not price: no edge leads to the output).
 
@@ -86,6 +87,7 @@ from planner.stage_costs import expected_grad, grad_from_consumer
 from planner.strategies import consumed_output, register_fallback
 from runtime import comm_count
 from runtime.compiled import CompiledStage
+from runtime.device_ops import device_targets
 from runtime.meshes import device_mesh
 from runtime.redistribute import Edge, allreduce_axes, redistribute, unmask
 
@@ -160,6 +162,7 @@ class PlanExecutor(torch.fx.Interpreter):
         self.recompute_layers = recompute_layers
         self.param_derived = param_derived(graph)
         register_missing_rules()
+        self._targets = device_targets(graph.gm, mesh.device_type)
         for n in graph.gm.graph.nodes:
             opt = solution.choice.get(n.name)
             if n.op not in ("placeholder", "output") and opt is None:
@@ -427,7 +430,7 @@ class PlanExecutor(torch.fx.Interpreter):
                 )
             else:
                 args, kwargs = map_arg((n.args, n.kwargs), lambda a: env[a])
-            out = n.target(*args, **kwargs)
+            out = self._targets.get(n, n.target)(*args, **kwargs)
             return self._check_outputs(n, out, outputs, bwd_label)
         finally:
             comm_count.pop_site()

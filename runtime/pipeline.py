@@ -85,6 +85,7 @@ from planner.intra_op import StageSolution
 from planner.opgraph import OpGraph
 from planner.plan_format import ParallelPlan, StagePlan
 from runtime import boundary, comm_count
+from runtime.device_ops import run_device
 from runtime.executor import PlanExecutor
 from runtime.meshes import device_mesh
 from runtime.redistribute import redistribute
@@ -182,6 +183,7 @@ class PipelineRunner:
         self.groups = _check_devices(plan, dist.get_world_size())
         self.rank = dist.get_rank()
         self.stages = split_stages(graph, plan)
+        self.device = run_device(device_type)
         self.meshes = self._build_meshes(device_type)
         # boundary values travel in pieces, gathered within each stage (`runtime.boundary`)
         self._groups = boundary.stage_groups([s.devices for s in plan.stages])
@@ -328,7 +330,7 @@ class PipelineRunner:
         """Forward and backward of every micro-batch, then the parameters' gradient sync; the
         mean micro-batch loss (the global batch's loss), the same on every rank of the world."""
         B = len(microbatches)
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=self.device)
         if self.index is not None:
             self._works: list[Any] = []
             self._state: dict[tuple[int, int], dict[str, Any]] = {}
@@ -407,7 +409,7 @@ class PipelineRunner:
         for v, src in st.inputs.items():
             meta = st.meta(v).outputs[0]
             piece = boundary.empty_piece(
-                meta.shape, getattr(torch, meta.dtype), len(devices)
+                meta.shape, getattr(torch, meta.dtype), len(devices), self.device
             )
             sender = self._peer(src, c, self.rank)
             with comm_count.site(f"fwd:{v}->p2p"):
@@ -473,7 +475,7 @@ class PipelineRunner:
                 ds = self.plan.stages[c].devices
                 for t in dsts:
                     buf = boundary.empty_piece(
-                        meta.shape, getattr(torch, meta.dtype), len(ds)
+                        meta.shape, getattr(torch, meta.dtype), len(ds), self.device
                     )
                     if not buf.is_floating_point():
                         continue
@@ -499,7 +501,7 @@ class PipelineRunner:
                 continue
             g = x.grad
             if g is None:
-                local = torch.zeros(x.shape, dtype=x.dtype)
+                local = torch.zeros(x.shape, dtype=x.dtype, device=self.device)
             else:
                 with comm_count.site(f"bwd:{v}->recv"):
                     g = redistribute(g, [Replicate()] * ex.mesh.ndim)

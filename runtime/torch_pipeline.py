@@ -297,10 +297,6 @@ class TorchPipelineRunner(PipelineRunner):
         self.pipeline_schedule: Any = None
         if not self.chunks:
             return
-        if device_type == "cpu":
-            device = torch.device("cpu")
-        else:
-            device = torch.device(device_type, torch.accelerator.current_device_index())
         S = len(self.stages)
         for c in self.chunks:
             module = _StageModule(self, c)
@@ -309,7 +305,7 @@ class TorchPipelineRunner(PipelineRunner):
                     module,
                     c,
                     S,
-                    device,
+                    self.device,
                     input_args=module.example_inputs(),
                     output_args=module.example_outputs(),
                     group=self.pp_group,
@@ -388,7 +384,7 @@ class TorchPipelineRunner(PipelineRunner):
             raise MeshplanError(
                 f"the plan runs {self.plan.num_microbatches} micro-batches, got {B}"
             )
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=self.device)
         if self.index is not None:
             self._micro, self._buffers, self._losses = microbatches, buffers or {}, []
             used = self._gather_zero(params) if self.zero_placements else params
@@ -435,7 +431,9 @@ class _StageModule(nn.Module):
         shape, _ = compute_local_shape_and_global_offset(
             tuple(meta.shape), self.ex.mesh, self.wire[v]
         )
-        t = torch.empty(shape, dtype=getattr(torch, meta.dtype))
+        t = torch.empty(
+            shape, dtype=getattr(torch, meta.dtype), device=self.runner.device
+        )
         return t.requires_grad_(t.is_floating_point())
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -450,7 +448,9 @@ class _StageModule(nn.Module):
         val = out.args[0]
         val = val[0] if isinstance(val, (tuple, list)) else val
         dtype = val.meta["val"].dtype
-        return (torch.empty((), dtype=dtype, requires_grad=True),)
+        return (
+            torch.empty((), dtype=dtype, device=self.runner.device, requires_grad=True),
+        )
 
     def forward(
         self, *received: torch.Tensor, mb: torch.Tensor

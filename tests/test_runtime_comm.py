@@ -177,7 +177,7 @@ def test_boundary_pieces_rebuild_the_value(shape: tuple[int, ...], n: int) -> No
     t = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
     parts = pieces(t, n)
     assert len(parts) == n
-    assert all(p.shape == empty_piece(shape, t.dtype, n).shape for p in parts)
+    assert all(p.shape == empty_piece(shape, t.dtype, n, t.device).shape for p in parts)
     flat = torch.cat(parts)
     assert torch.equal(flat[: t.numel()], t.reshape(-1))
     assert not flat[t.numel() :].any()
