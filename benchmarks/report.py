@@ -216,6 +216,36 @@ def checks(docs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def gpu_section(directory: Path) -> list[str]:
+    """Tables of `benchmarks/bench_gpu.py`'s files (``gpu-*.json``): measured on one GPU."""
+    out: list[str] = []
+    for f in sorted(directory.glob("gpu-*.json")):
+        doc = json.loads(f.read_text())
+        out += [
+            f"## Measured on one GPU: {doc['gpu']}",
+            "",
+            (
+                f"File `{f.name}` (`python -m benchmarks.bench_gpu`), {doc['date']}, torch "
+                f"{doc['torch']}. Planned for {doc['planned_for']} (datasheet cost models); "
+                "runtime = meshplan's compiled runtime on one NCCL rank, reference = the same "
+                "model in plain eager PyTorch; medians of the timed steps, Adam, bfloat16. "
+                "error = (predicted - runtime) / runtime."
+            ),
+            "",
+            "| model | batch | micro-batches | predicted ms | runtime ms | reference ms | error | runtime / reference |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for c in doc["cases"]:
+            out.append(
+                f"| {c['model']} | {c['global_batch']} | {c['num_microbatches']} | "
+                f"{c['predicted_s'] * 1e3:.1f} | {c['runtime_s'] * 1e3:.1f} | "
+                f"{c['reference_s'] * 1e3:.1f} | {c['prediction_error']:+.0%} | "
+                f"{c['runtime_over_reference']:.2f} |"
+            )
+        out.append("")
+    return out
+
+
 def report(directory: str | Path = RESULTS) -> str:
     """The markdown report of every results document in `directory` (figures written beside it)."""
     directory = Path(directory)
@@ -263,6 +293,7 @@ def report(directory: str | Path = RESULTS) -> str:
                 *listed,
                 "",
             ]
+    out += gpu_section(directory)
     return "\n".join(out)
 
 

@@ -102,14 +102,23 @@ def _resolve_model(
     return name or type(model).__name__, make, default
 
 
-def microbatch_sizes(global_batch: int) -> list[int]:
-    """Candidate micro-batch sizes: 1, 2, 4, 8, 16 and 32 where they divide the global batch.
+def microbatch_sizes(global_batch: int, cluster: Cluster | None = None) -> list[int]:
+    """Candidate micro-batch sizes (rows of the global batch per micro-batch), powers of two that
+    divide the global batch: 1 to 32, and on a cluster of one host up to 16 per device.
+
     Each costs one trace and one intra-op pass per mesh; all are evaluated, because the latency
     is not unimodal in the micro-batch size (memory decides when recomputation is needed; an MoE
     layer's dispatch grows faster than linearly in its tokens), and the sizes of the manual grid
-    (`benchmarks.manual_grid`: 1 to 16) must be in the search space: gpt-39b on 64 V100s is
-    fastest at micro-batch size 1 (tp4 x pp16)."""
-    return [b for b in (1, 2, 4, 8, 16, 32) if global_batch % b == 0]
+    (`benchmarks.manual_grid`: 1 to 16 rows per data-parallel replica) must be in the search
+    space: gpt-39b on 64 V100s is fastest at micro-batch size 1 (tp4 x pp16), gpt-1.3b on 4 A100s
+    at 64 (dp4, 16 rows each). Beyond one host the larger sizes are not tried: they would add
+    passes to the largest searches (`benchmarks/bench_planner.py`, plan-39b), and no best manual
+    configuration of the committed suites beyond 8 GPUs runs micro-batches of more than 32 rows."""
+    top = 32
+    if cluster is not None and cluster.hosts == 1:
+        top = max(top, 16 * cluster.num_devices)
+    sizes = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+    return [b for b in sizes if global_batch % b == 0]
 
 
 def plan(
@@ -149,7 +158,7 @@ def plan(
     sizes_b = (
         [microbatch_size]
         if isinstance(microbatch_size, int)
-        else microbatch_size or microbatch_sizes(G)
+        else microbatch_size or microbatch_sizes(G, cluster)
     )
     if any(G % b for b in sizes_b):
         raise MeshplanError(

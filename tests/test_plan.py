@@ -218,6 +218,21 @@ def test_microbatch_candidates() -> None:
     assert microbatch_sizes(24) == [1, 2, 4, 8]
     assert microbatch_sizes(6) == [1, 2]
     assert microbatch_sizes(3) == [1]
+    one_host, two_hosts = (
+        Cluster.from_spec("1x8xA100-80GB"),
+        Cluster.from_spec("2x4xA100-80GB"),
+    )
+    assert microbatch_sizes(1024, one_host) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert microbatch_sizes(96, one_host) == [1, 2, 4, 8, 16, 32]
+    assert microbatch_sizes(1024, Cluster.from_spec("1x1xA100-80GB")) == [
+        1,
+        2,
+        4,
+        8,
+        16,
+        32,
+    ]
+    assert microbatch_sizes(1024, two_hosts) == [1, 2, 4, 8, 16, 32]
 
 
 def test_cli_output_into_a_closed_pipe_is_not_an_error(tmp_path) -> None:

@@ -148,6 +148,7 @@ def test_report_from_a_tiny_results_file(tmp_path) -> None:
     assert "## gpt on V100-16GB" in text and "2026-01-01" in text
     assert "| 1 | gpt-350m | 70.0 |" in text and "1.25" in text and "+19%" in text
     assert "(a) every GPT case on V100-16GB has ratio >= 1.00: yes" in text
+    assert "Measured on one GPU" not in text
     # every device's suite is checked, not only the V100 one
     slow = {**case, "num_devices": 4, "ratio": 0.99}
     write_results({**doc, "device": "A100-80GB", "cases": [slow]}, tmp_path / "a.json")
@@ -156,3 +157,15 @@ def test_report_from_a_tiny_results_file(tmp_path) -> None:
     assert "within 15% of measured: no (largest error 19%)" in text
     if (tmp_path / "gpt-V100-16GB.png").exists():
         assert "(gpt-V100-16GB.png)" in text
+
+
+def test_report_shows_one_gpu_measurements(tmp_path) -> None:
+    c = {"model": "gpt:hidden=64", "global_batch": 8, "num_microbatches": 1}
+    c |= {"predicted_s": 0.03, "runtime_s": 0.04, "reference_s": 0.032}
+    c |= {"prediction_error": -0.25, "runtime_over_reference": 1.25}
+    doc = {"gpu": "NVIDIA H100", "torch": "2.11", "date": "2026-11-22", "cases": [c]}
+    doc["planned_for"] = "1x1xH100-80GB"
+    (tmp_path / "gpu-H100-80GB.json").write_text(json.dumps(doc))
+    text = write_report(tmp_path).read_text()
+    assert "## Measured on one GPU: NVIDIA H100" in text
+    assert "| gpt:hidden=64 | 8 | 1 | 30.0 | 40.0 | 32.0 | -25% | 1.25 |" in text
