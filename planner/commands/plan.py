@@ -59,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--microbatch-size",
         type=int,
         action="append",
-        help="micro-batch size(s) to try (default: powers of two up to 32)",
+        help="micro-batch size(s) to try (default: powers of two up to 32, on one host up to 16 per device)",
     )
     p.add_argument(
         "--layers",
