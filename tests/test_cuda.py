@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import single_device
 import torch
 
 from cost_models.errors import MeshplanError
@@ -66,16 +67,10 @@ def _train_both(dtype_name: str) -> dict[str, Any]:
             "ran_compiled": [e.last_run_compiled for e in tr.runner.executors.values()],
         }
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    ref = []
-    for x in batches:
-        loss = model(*x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref.append(loss.item())
+    losses, params = single_device.train(model, batches, opt)
     out["reference"] = {
-        "losses": ref,
-        "params": {k: _plain(p) for k, p in model.named_parameters()},
+        "losses": losses,
+        "params": {k: _plain(p) for k, p in params.items()},
     }
     return out
 
