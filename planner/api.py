@@ -117,8 +117,7 @@ def microbatch_sizes(global_batch: int, cluster: Cluster | None = None) -> list[
     top = 32
     if cluster is not None and cluster.hosts == 1:
         top = max(top, 16 * cluster.num_devices)
-    sizes = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
-    return [b for b in sizes if global_batch % b == 0]
+    return [1 << i for i in range(top.bit_length()) if global_batch % (1 << i) == 0]
 
 
 def plan(

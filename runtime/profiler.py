@@ -19,10 +19,10 @@ One launch (`runtime.launch.launch`) of N ranks measures, in order:
    reduce_scatter (reduce_scatter_single / reduce_scatter_tensor; gloo in torch 2.13 runs it, so no
    emulation is needed), all_to_all (all_to_all_single) and send_recv (world size 2 only: the
    group's two ranks ping-pong, one-way time = round trip / 2). One timed repeat is a sub-group
-   barrier followed by `inner` back-to-back calls (inner chosen from a warm-up so a repeat lasts ~`target_repeat_s`, the
-   same on every rank); a repeat's time is the slowest rank's, and the sample is the median repeat
-   (collectives vary between repeats by themselves, from the ranks' mutual scheduling, so the
-   median is their typical time).
+   barrier followed by `inner` back-to-back calls (inner chosen from a warm-up so a repeat lasts
+   ~`target_repeat_s`, the same on every rank); a repeat's time is the slowest rank's, and the
+   sample is the median repeat (collectives vary between repeats by themselves, from the ranks'
+   mutual scheduling, so the median is their typical time).
    Byte convention: see cost_models/profile.py (the full unsharded tensor for all_gather output /
    reduce_scatter input / all_reduce / all_to_all buffer; the per-rank message for send_recv).
 
@@ -297,9 +297,8 @@ def _collective_call(
     if op == "send_recv":
         x = torch.ones(max(1, nbytes // 4), device=dev)
 
-        def ping_pong() -> (
-            None
-        ):  # one round trip between the group's ranks 0 and 1; halved by the caller
+        def ping_pong() -> None:
+            # one round trip between the group's ranks 0 and 1; halved by the caller
             if rank == 0:  # ranks within `group`
                 dist.send(x, group=group, group_dst=1)
                 dist.recv(x, group=group, group_src=1)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import single_device
 import torch
+from test_executor import _plain
 
 from cost_models.errors import MeshplanError
 from planner.manual import manual_plan
@@ -30,11 +31,6 @@ STEPS = 3
 LR = 0.1
 # relative loss / parameter error against eager training on the same GPU
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
-
-
-def _plain(t: torch.Tensor) -> Any:
-    # numpy, not tensors: a tensor crosses the result pipe as shared memory, gone once the rank exits
-    return t.detach().float().cpu().numpy()
 
 
 def _train_both(dtype_name: str) -> dict[str, Any]:

@@ -111,8 +111,8 @@ def _quiet() -> None:
 def _plain(t: torch.Tensor) -> Any:
     """A copy that survives the pipe to the parent: torch pickles tensors through shared memory,
     which a rank that exits right after sending takes with it; numpy arrays go by value."""
-    t = t.wait() if hasattr(t, "wait") else t
-    return t.detach().numpy().copy()
+    t = (t.wait() if hasattr(t, "wait") else t).detach().cpu()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy()
 
 
 def _run_cases(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
