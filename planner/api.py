@@ -17,9 +17,11 @@ Modes (Alpa's ablations): "auto"; "intra-only" (one stage on the whole cluster);
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,7 @@ from cost_models.memory import microbatches_in_flight
 from cost_models.pipeline import pipeline_time
 from planner import stage_table as st
 from planner.blocks import block_of
+from planner.ilp import solves_overlap
 from planner.inter_op import stage_dp
 from planner.layers import auto_num_layers, cluster_layers
 from planner.megatron import is_expert_weight, seed_filters
@@ -58,13 +61,30 @@ def submesh_shapes(cluster: Cluster) -> list[tuple[int, int]]:
 
 
 def logical_shapes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
-    """The logical meshes tried on a submesh: inside one host, one flat axis and (if it has 4 devices
-    or more) 2 x m/2; across n hosts, n x m (a flat axis across hosts would run every collective
-    through the slow inter-host link, which the n x m mesh can always match)."""
+    """The logical meshes tried on a submesh.
+
+    * Inside one host: one flat axis and every a x m/a with 1 < a < m (both 2 x 4 and 4 x 2 on 8
+      devices).
+    * Across n hosts: n x m (a flat axis across hosts would run every collective through the slow
+      inter-host link, which the n x m mesh can always match); on two hosts also m x 2, tensor
+      parallelism in device pairs inside a host with data parallelism over the rest (the best
+      manual configuration of gpt-15b on 4x8 A100s: dp8 x tp2 per 16-device stage). Larger
+      multi-host submeshes do not get it: it is one of the costliest intra-op programs, and on
+      3 or more hosts it doubled plan-39b's planning time (50 to 100 s, `benchmarks.bench_planner`).
+
+    A mesh and its transpose are not interchangeable: a dimension sharded on both axes nests axis 0
+    outside axis 1 (DTensor's default shard order; `planner.strategies` has no strided shards). On
+    4 x 2 with tensor parallelism on axis 1, Megatron's dp-outer, tp-inner activation layout is
+    (S(0), S(0)), and moving between it and (S(0), R) is one collective over the 2 tp devices. With
+    tensor parallelism on axis 0 of 2 x 4 the same layout nests the other way round, and DTensor
+    first replicates a misaligned nested shard (`cost_models.resharding`). gpt-39b on 8x8 A100s
+    plans 19.14 s per iteration without 4 x 2, 19.04 s with it."""
     n, m = submesh
     if n > 1:
-        return [(n, m)]
-    return [(1, m), (2, m // 2)] if m >= 4 else [(1, m)]
+        return (
+            [(n, m), (n * m // 2, 2)] if n == 2 and m % 2 == 0 and m > 2 else [(n, m)]
+        )
+    return [(1, m)] + [(a, m // a) for a in range(2, m) if m % a == 0]
 
 
 def _resolve_model(
@@ -294,21 +314,60 @@ class _Table:
         return least
 
 
+def _solver_threads() -> int:
+    """Threads for the per-mesh intra-op solves: the cores this process may use, at most 4
+    (`MESHPLAN_PLANNER_THREADS` overrides)."""
+    env = os.environ.get("MESHPLAN_PLANNER_THREADS")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise MeshplanError(
+                f"MESHPLAN_PLANNER_THREADS must be a positive integer, got {env!r}"
+            )
+        return int(env)
+    cores = (
+        len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count() or 1
+    )
+    return max(1, min(4, cores))
+
+
+def _lean_layers(tables: list, sub: tuple[int, int], devices: int) -> tuple | None:
+    """The clustering whose layers the memory ladder (`planner.stage_table.profiles_for`) must
+    make lean on submesh `sub`: the p-layer one where p stages of this size fill the cluster, else
+    None (the first clustering's). A p-stage manual pipeline's stage is one of those p layers;
+    its time-optimal placements may not fit where the finer layers' do (gpt-15b on 4x8 A100s:
+    dp8 x tp2 on two 2-host stages needs a rung of the ladder the 16-layer clustering stops
+    before)."""
+    size = sub[0] * sub[1]
+    for t in tables[1:]:
+        if t.L * size == devices:
+            return t.layer_of, t.bounds, t.L
+    return None
+
+
 def _search(graph, layerings, cluster, subs, B, budget, optimizer, mode, say, least):
     """Solve the intra-op pass once per logical mesh (time-optimal, memory ladder, Megatron seeds),
     attribute every solution to each layer clustering, run the stage DP on each clustering's
     table; return (DP result, choices, layers) of every clustering where something fits."""
     tables = [_Table(graph, layers, cluster, subs, B, mode) for layers in layerings]
     first = tables[0]
-    for m, sub in enumerate(subs):
+    jobs = [
+        (m, sub, LogicalMesh(cluster, sub, shape))
+        for m, sub in enumerate(subs)
         for shape in (
             [(1, sub[0] * sub[1])] if mode == "inter-only" else logical_shapes(sub)
-        ):
-            mesh = LogicalMesh(cluster, sub, shape)
+        )
+    ]
+
+    def solve(job: tuple) -> list:
+        _, sub, mesh = job
+        shape = mesh.shape
+        with solves_overlap():
             say(
                 f"micro-batches {B}: submesh {sub[0]}x{sub[1]}, logical mesh {shape[0]}x{shape[1]}"
             )
-            profiles = st.profiles_for(
+            return st.profiles_for(
                 graph,
                 mesh,
                 first.layer_of,
@@ -319,7 +378,16 @@ def _search(graph, layerings, cluster, subs, B, budget, optimizer, mode, say, le
                 optimizer=optimizer,
                 param_filter=_param_filter(mode),
                 seeds=_seeds(graph, cluster, shape, mode),
+                lean_layers=_lean_layers(tables, sub, cluster.num_devices),
             )
+
+    # The meshes' intra-op programs are independent: threads overlap one mesh's HiGHS solve with
+    # another's pricing (`planner.ilp.solves_overlap`). Results are entered in job order, so the
+    # plan does not depend on the thread count. On an error or Ctrl-C the queued passes are
+    # cancelled (the running ones finish first).
+    pool = ThreadPoolExecutor(max_workers=_solver_threads())
+    try:
+        for (m, sub, mesh), profiles in zip(jobs, pool.map(solve, jobs)):
             crosses = cluster.hosts > 1 and sub[1] == cluster.devices_per_host
             for t in tables:
                 for prof in profiles:
@@ -329,6 +397,8 @@ def _search(graph, layerings, cluster, subs, B, budget, optimizer, mode, say, le
                         )
                     low = t.add(m, mesh, prof, budget, crosses, sub == cluster.shape)
                     least[0] = min(least[0], low)
+    finally:
+        pool.shutdown(cancel_futures=True)
     out = []
     for t in tables:
         if mode == "intra-only":  # one stage: only the range of all layers

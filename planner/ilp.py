@@ -35,7 +35,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -295,12 +298,43 @@ def _available_solvers() -> tuple[str, ...]:
     return tuple(pulp.listSolvers(onlyAvailable=True))
 
 
+_python_lock = threading.Lock()
+_holds = threading.local()
+
+
+@contextmanager
+def solves_overlap() -> Iterator[None]:
+    """Run the block holding the planner's lock except while HiGHS solves.
+
+    Threads that each run an intra-op pass inside this block overlap one thread's solve with
+    another's Python work (pricing, building the program), and their Python work never
+    interleaves: it runs as it would on one thread (the strategy enumeration traces DTensor's
+    decompositions with torch.fx, which patches module globals while it traces)."""
+    _python_lock.acquire()
+    _holds.on = True
+    try:
+        yield
+    finally:
+        _holds.on = False
+        _python_lock.release()
+
+
 class _BulkHiGHS(pulp.HiGHS):
     """pulp's HiGHS interface, passing the model to highspy in three calls (all columns, their
     integrality, all rows as CSR arrays) instead of one to three calls per column and one per
     row. The model is the same as pulp's own `buildSolverModel` makes: columns in
     `lp.variables()` order with the objective's coefficients and the variables' bounds, rows in
     `lp.constraints` order with their zero coefficients left out."""
+
+    def callSolver(self, lp: pulp.LpProblem) -> None:
+        # highspy releases the GIL while it solves; let the other planner threads run meanwhile
+        if not getattr(_holds, "on", False):
+            return super().callSolver(lp)
+        _python_lock.release()
+        try:
+            return super().callSolver(lp)
+        finally:
+            _python_lock.acquire()
 
     def buildSolverModel(self, lp: pulp.LpProblem) -> None:
         import highspy

@@ -149,9 +149,11 @@ def profiles_for(
     batch_axes: tuple[int, ...] = (),
     ladder: tuple[float, ...] = (0.35, 0.12, 0.04),
     seeds: Sequence[Seed] = (),
+    lean_layers: tuple[dict[str, int], list[list[str]], int] | None = None,
 ) -> list[LayerProfile]:
     """The time-optimal solution, then solutions under shrinking whole-model memory budgets
-    (`ladder`, fractions of the time-optimal solution's memory, until the layers are lean), then
+    (`ladder`, fractions of the time-optimal solution's memory, until the layers are lean: those
+    of `layer_of`, or of `lean_layers` (layer_of, bounds, count) when given), then
     the time-optimal solution with the parameters restricted to each of `seeds` (e.g. Megatron's
     placements, `planner.megatron.seed_filters`: their memory often lies between the ladder's
     rungs). A seed is not solved when the time-optimal solution already obeys it (its optimum
@@ -171,14 +173,16 @@ def profiles_for(
     first = solve_stage(graph, mesh, **kw)
     out = [profile(first, graph, layer_of, bounds, num_layers)]
     total = first.memory_bytes
+    last = first
     for f in ladder:
-        if out[-1].params.max() + out[-1].acts.max() <= budget / 4:
+        lean = out[-1] if lean_layers is None else profile(last, graph, *lean_layers)
+        if lean.params.max() + lean.acts.max() <= budget / 4:
             break  # already lean enough for several layers per stage
         try:
-            sol = solve_stage(graph, mesh, memory_budget=total * f, **kw)
+            last = solve_stage(graph, mesh, memory_budget=total * f, **kw)
         except MeshplanError:
             break
-        out.append(profile(sol, graph, layer_of, bounds, num_layers))
+        out.append(profile(last, graph, layer_of, bounds, num_layers))
     paths = graph.placeholder_paths
     params = [n for n in first.choice if graph.node(n).op == "param"]
     names, rep = pricing.names, pricing.ctx.rep

@@ -275,3 +275,43 @@ def test_boundary_sends_share_the_network_card_only_among_senders() -> None:
     assert inside == pytest.approx(
         2 * (link.latency_s + b / link.bandwidth_bytes_per_s)
     )
+
+
+def test_logical_shapes_offer_both_orientations_inside_a_host() -> None:
+    from cost_models.communication import LogicalMesh
+    from cost_models.resharding import reshard_cost
+    from planner.api import logical_shapes
+
+    assert logical_shapes((1, 8)) == [(1, 8), (2, 4), (4, 2)]
+    assert logical_shapes((1, 4)) == [(1, 4), (2, 2)]
+    assert logical_shapes((1, 2)) == [(1, 2)]
+    assert logical_shapes((2, 8)) == [(2, 8), (8, 2)]
+    assert logical_shapes((4, 8)) == [(4, 8)]
+    # Why a mesh and its transpose both count: Megatron's dp4 x tp2 activation layout (batch split
+    # over every device, dp outer) gathered over tp before a column-parallel matmul. On 4 x 2 (tp on
+    # axis 1) that is one all-gather among 2 devices; with tp on axis 0 of 2 x 4 the nested shard
+    # is misaligned and DTensor replicates it first (all 8 devices), then splits it again.
+    host = Cluster.from_spec("1x8xA100-80GB")
+    shape, fp16 = (8, 1024, 8192), 2
+    tp_inner = reshard_cost(
+        LogicalMesh(host, (1, 8), (4, 2)), shape, fp16, ("S(0)", "S(0)"), ("S(0)", "R")
+    )
+    tp_outer = reshard_cost(
+        LogicalMesh(host, (1, 8), (2, 4)), shape, fp16, ("S(0)", "S(0)"), ("R", "S(0)")
+    )
+    assert tp_outer > 2 * tp_inner > 0
+
+
+def test_planner_threads_do_not_change_the_plan(monkeypatch) -> None:
+    """The per-mesh intra-op passes run on threads; the plan is the one a single thread finds."""
+    plans = []
+    for threads in ("1", "3"):
+        monkeypatch.setenv("MESHPLAN_PLANNER_THREADS", threads)
+        p = plan(SMALL, "1x4xV100-16GB", global_batch=16, microbatch_size=[2, 4])
+        plans.append({k: v for k, v in p.to_json().items() if k != "planner_time_s"})
+    assert plans[0] == plans[1]
+    monkeypatch.setenv("MESHPLAN_PLANNER_THREADS", "two")
+    with pytest.raises(
+        MeshplanError, match="MESHPLAN_PLANNER_THREADS must be a positive"
+    ):
+        plan(SMALL, "1x4xV100-16GB", global_batch=16, microbatch_size=2)
