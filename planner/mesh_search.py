@@ -1,0 +1,212 @@
+"""The search for one micro-batch size: the submeshes and logical meshes tried, an intra-op pass
+per logical mesh (time-optimal, memory ladder, Megatron seeds; on threads), the stage DP's cost
+table per layer clustering (`planner.stage_table`), and the stage DP (`planner.inter_op`) on
+each. `planner.api.plan` runs it for every candidate micro-batch size and assembles the best."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from cost_models.cluster import Cluster
+from cost_models.communication import LogicalMesh
+from cost_models.errors import MeshplanError
+from cost_models.memory import microbatches_in_flight
+from planner import stage_table as st
+from planner.ilp import solves_overlap
+from planner.inter_op import stage_dp
+from planner.megatron import is_expert_weight, seed_filters
+from planner.opgraph import OpGraph
+from planner.stage_costs import Option
+
+
+def submesh_shapes(cluster: Cluster) -> list[tuple[int, int]]:
+    """(1, 1), (1, 2), (1, 4), ..., (1, M), then (n, M) for n = 2..N hosts, keeping the n that are
+    powers of two or divide N: fewer shapes for the intra-op pass to solve, and any N hosts are
+    still tiled (by powers of two)."""
+    N, M = cluster.shape
+    out = [
+        (1, m) for m in range(1, M + 1) if M % m == 0 and (m & (m - 1) == 0 or m == M)
+    ]
+    return out + [(n, M) for n in range(2, N + 1) if N % n == 0 or n & (n - 1) == 0]
+
+
+def logical_shapes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
+    """The logical meshes tried on a submesh.
+
+    * Inside one host: one flat axis and every a x m/a with 1 < a < m (both 2 x 4 and 4 x 2 on 8
+      devices).
+    * Across n hosts: n x m (a flat axis across hosts would run every collective through the slow
+      inter-host link, which the n x m mesh can always match); on two hosts also m x 2, tensor
+      parallelism in device pairs inside a host with data parallelism over the rest (the best
+      manual configuration of gpt-15b on 4x8 A100s: dp8 x tp2 per 16-device stage). Larger
+      multi-host submeshes do not get it: it is one of the costliest intra-op programs, and on
+      3 or more hosts it doubled plan-39b's planning time (50 to 100 s, `benchmarks.bench_planner`).
+
+    A mesh and its transpose are not interchangeable: a dimension sharded on both axes nests axis 0
+    outside axis 1 (DTensor's default shard order; `planner.strategies` has no strided shards). On
+    4 x 2 with tensor parallelism on axis 1, Megatron's dp-outer, tp-inner activation layout is
+    (S(0), S(0)), and moving between it and (S(0), R) is one collective over the 2 tp devices. With
+    tensor parallelism on axis 0 of 2 x 4 the same layout nests the other way round, and DTensor
+    first replicates a misaligned nested shard (`cost_models.resharding`). gpt-39b on 8x8 A100s
+    plans 19.14 s per iteration without 4 x 2, 19.04 s with it."""
+    n, m = submesh
+    if n > 1:
+        return (
+            [(n, m), (n * m // 2, 2)] if n == 2 and m % 2 == 0 and m > 2 else [(n, m)]
+        )
+    return [(1, m)] + [(a, m // a) for a in range(2, m) if m % a == 0]
+
+
+def _param_filter(mode: str) -> Callable[[str, Option], bool] | None:
+    if mode == "inter-only":
+        return lambda path, o: (
+            not o.zero and all(p == "R" for p in o.strategy.output[0])
+        )
+    return None
+
+
+def _seeds(graph: OpGraph, cluster: Cluster, shape: tuple[int, int], mode: str):
+    """Megatron-style parameter placements solved as extra candidates (`planner.megatron`)."""
+    if mode == "inter-only":
+        return []
+    experts = any(is_expert_weight(p) for p in graph.placeholder_paths.values())
+    M = cluster.devices_per_host
+    return seed_filters(shape, experts, {t for t in range(2, M + 1) if M % t == 0})
+
+
+class _Table:
+    """The stage DP's cost table for one layer clustering (see `planner.stage_table`)."""
+
+    def __init__(self, graph, layers, cluster, subs, B, mode) -> None:
+        self.layers = layers
+        self.L = L = len(layers)
+        self.layer_of = st.layer_of_nodes(graph, layers)
+        self.bounds = st.boundary_values(graph, self.layer_of, L)
+        self.boundary_bytes = st.boundary_bytes(graph, self.bounds)
+        S = min(L, cluster.num_devices) if mode != "intra-only" else 1
+        self.inflight = np.array(
+            [0] + [microbatches_in_flight("1f1b", B, s, 0) for s in range(1, S + 1)],
+            dtype=float,
+        )
+        self.cost = np.full((L, L, len(subs), S + 1), np.inf)
+        self.choices: dict[tuple[int, int, int, int], tuple] = {}
+
+    def add(self, m, mesh, prof, budget, crosses_hosts, whole) -> float:
+        """Enter one profile for submesh index m; returns the least memory of all layers as one
+        stage (for the error message when nothing fits) when `whole`, else inf."""
+        send = st.send_times(mesh, self.boundary_bytes, crosses_hosts=crosses_hosts)
+        least = np.inf
+        for rc in (False, True):
+            c, mem = st.range_costs(prof, self.inflight, budget, send, rc)
+            if whole:
+                least = min(least, float(mem[0, self.L - 1, 1]))
+            better = c < self.cost[:, :, m, :]
+            self.cost[:, :, m, :] = np.where(better, c, self.cost[:, :, m, :])
+            for k, j, s in zip(*np.nonzero(better)):
+                self.choices[int(k), int(j), m, int(s)] = (mesh, prof, rc)
+        return least
+
+
+def _solver_threads() -> int:
+    """Threads for the per-mesh intra-op solves: the cores this process may use, at most 4
+    (`MESHPLAN_PLANNER_THREADS` overrides)."""
+    env = os.environ.get("MESHPLAN_PLANNER_THREADS")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise MeshplanError(
+                f"MESHPLAN_PLANNER_THREADS must be a positive integer, got {env!r}"
+            )
+        return int(env)
+    cores = (
+        len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count() or 1
+    )
+    return max(1, min(4, cores))
+
+
+def _lean_layers(tables: list, sub: tuple[int, int], devices: int) -> tuple | None:
+    """The clustering whose layers the memory ladder (`planner.stage_table.profiles_for`) must
+    make lean on submesh `sub`: the p-layer one where p stages of this size fill the cluster, else
+    None (the first clustering's). A p-stage manual pipeline's stage is one of those p layers;
+    its time-optimal placements may not fit where the finer layers' do (gpt-15b on 4x8 A100s:
+    dp8 x tp2 on two 2-host stages needs a rung of the ladder the 16-layer clustering stops
+    before)."""
+    size = sub[0] * sub[1]
+    for t in tables[1:]:
+        if t.L * size == devices:
+            return t.layer_of, t.bounds, t.L
+    return None
+
+
+def search(graph, layerings, cluster, subs, B, budget, optimizer, mode, say, least):
+    """Solve the intra-op pass once per logical mesh (time-optimal, memory ladder, Megatron seeds),
+    attribute every solution to each layer clustering, run the stage DP on each clustering's
+    table; return (DP result, choices, layers) of every clustering where something fits."""
+    tables = [_Table(graph, layers, cluster, subs, B, mode) for layers in layerings]
+    first = tables[0]
+    jobs = [
+        (m, sub, LogicalMesh(cluster, sub, shape))
+        for m, sub in enumerate(subs)
+        for shape in (
+            [(1, sub[0] * sub[1])] if mode == "inter-only" else logical_shapes(sub)
+        )
+    ]
+
+    def solve(job: tuple) -> list:
+        _, sub, mesh = job
+        shape = mesh.shape
+        with solves_overlap():
+            say(
+                f"micro-batches {B}: submesh {sub[0]}x{sub[1]}, logical mesh {shape[0]}x{shape[1]}"
+            )
+            return st.profiles_for(
+                graph,
+                mesh,
+                first.layer_of,
+                first.bounds,
+                first.L,
+                num_microbatches=B,
+                budget=budget,
+                optimizer=optimizer,
+                param_filter=_param_filter(mode),
+                seeds=_seeds(graph, cluster, shape, mode),
+                lean_layers=_lean_layers(tables, sub, cluster.num_devices),
+            )
+
+    # The meshes' intra-op programs are independent: threads overlap one mesh's HiGHS solve with
+    # another's pricing (`planner.ilp.solves_overlap`). Results are entered in job order, so the
+    # plan does not depend on the thread count. On an error or Ctrl-C the queued passes are
+    # cancelled (the running ones finish first).
+    pool = ThreadPoolExecutor(max_workers=_solver_threads())
+    try:
+        for (m, sub, mesh), profiles in zip(jobs, pool.map(solve, jobs)):
+            crosses = cluster.hosts > 1 and sub[1] == cluster.devices_per_host
+            for t in tables:
+                for prof in profiles:
+                    if t is not first:
+                        prof = st.profile(
+                            prof.solution, graph, t.layer_of, t.bounds, t.L
+                        )
+                    low = t.add(m, mesh, prof, budget, crosses, sub == cluster.shape)
+                    least[0] = min(least[0], low)
+    finally:
+        pool.shutdown(cancel_futures=True)
+    out = []
+    for t in tables:
+        if mode == "intra-only":  # one stage: only the range of all layers
+            whole = t.cost[0, t.L - 1].copy()
+            t.cost[:] = np.inf
+            t.cost[0, t.L - 1] = whole
+        try:
+            dp = stage_dp(
+                t.cost, [a * b for a, b in subs], cluster.num_devices, B, epsilon=1e-3
+            )
+        except MeshplanError:
+            continue
+        out.append((dp, t.choices, t.layers))
+    return out
