@@ -43,8 +43,9 @@ def logical_shapes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
       inter-host link, which the n x m mesh can always match); on two hosts also m x 2, tensor
       parallelism in device pairs inside a host with data parallelism over the rest (the best
       manual configuration of gpt-15b on 4x8 A100s: dp8 x tp2 per 16-device stage). Larger
-      multi-host submeshes do not get it: it is one of the costliest intra-op programs, and on
-      3 or more hosts it doubled plan-39b's planning time (50 to 100 s, `benchmarks.bench_planner`).
+      multi-host submeshes do not get it: it is one of the costliest intra-op programs, and
+      planning gpt-39b on 8x8 V100s took 48 s with it on two hosts only, 100 s with it on every
+      multi-host submesh (one run each).
 
     A mesh and its transpose are not interchangeable: a dimension sharded on both axes nests axis 0
     outside axis 1 (DTensor's default shard order; `planner.strategies` has no strided shards). On
@@ -52,12 +53,10 @@ def logical_shapes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
     (S(0), S(0)), and moving between it and (S(0), R) is one collective over the 2 tp devices. With
     tensor parallelism on axis 0 of 2 x 4 the same layout nests the other way round, and DTensor
     first replicates a misaligned nested shard (`cost_models.resharding`). gpt-39b on 8x8 A100s
-    plans 19.14 s per iteration without 4 x 2, 19.04 s with it."""
+    with micro-batch 8 plans 19.14 s per iteration without 4 x 2, 19.04 s with it."""
     n, m = submesh
     if n > 1:
-        return (
-            [(n, m), (n * m // 2, 2)] if n == 2 and m % 2 == 0 and m > 2 else [(n, m)]
-        )
+        return [(n, m), (m, 2)] if n == 2 and m % 2 == 0 and m > 2 else [(n, m)]
     return [(1, m)] + [(a, m // a) for a in range(2, m) if m % a == 0]
 
 
