@@ -289,13 +289,6 @@ def boundary_send_times(
     return out
 
 
-def _stage_time(prof, k: int, j: int, rc: bool) -> float:
-    """Per-micro-batch time of layers k..j under a profile (recomputation adds their forward)."""
-    return float(
-        prof.time[k : j + 1].sum() + (prof.fwd[k : j + 1].sum() if rc else 0.0)
-    )
-
-
 def _iteration_time(graph, layers, cluster, dp, choices, subs, B, schedule) -> float:
     """The iteration time `_assemble` predicts for a stage DP result (1 virtual stage)."""
     S = len(dp.stages)
@@ -303,7 +296,7 @@ def _iteration_time(graph, layers, cluster, dp, choices, subs, B, schedule) -> f
     times = []
     for i, (k, j, m) in enumerate(dp.stages):
         _, prof, rc = choices[k, j, m, S - i]
-        times.append(_stage_time(prof, k, j, rc))
+        times.append(prof.range_time(k, j, rc))
     layer_of = st.layer_of_nodes(graph, layers)
     sends = _send_times(graph, layer_of, layers, dp.stages, devices, cluster)
     return pipeline_time(times, B, schedule, send_times=sends) + step_overhead(cluster)
@@ -356,7 +349,7 @@ def _assemble(
         }
         fallbacks += [f for f in sol.fallback_ops if f.split(":")[0] in in_stage]
         dp_axes = _data_parallel_axes(graph, sol, in_stage, mesh.shape)
-        t = _stage_time(prof, k, j, rc)
+        t = prof.range_time(k, j, rc)
         times.append(t)
         stages.append(
             StagePlan(

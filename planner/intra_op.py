@@ -10,9 +10,10 @@ Steps (DESIGN, "The two searches"; Alpa section 4.2):
 3. Followers (views, getitem, single-input elementwise ops) merge into their producer
    (`planner.cost_graph.merge_followers`).
 4. The ILP (`planner.ilp`): minimise per-micro-batch time = compute + activation resharding forward
-   and backward + gradient synchronisation / micro-batches, subject to per-device memory. Solves
-   of one pricing (`price_stage`) with the same options kept share the program; only the memory
-   budget differs between them.
+   and backward + gradient synchronisation / micro-batches (its bandwidth part: the latency of
+   the runtime's gradient buckets is charged per stage, `planner.stage_costs.grad_buckets`),
+   subject to per-device memory. Solves of one pricing (`price_stage`) with the same options
+   kept share the program; only the memory budget differs between them.
 
 Prices: `planner.stage_costs`. The result, `StageSolution`, holds the strategy of every node, the
 placement of every parameter, the cost broken down, and `explain(node)` for debugging.
@@ -53,7 +54,7 @@ class StageSolution:
     zero_params: list[str]
     compute_s: float
     comm_s: float
-    grad_sync_s: float  # per iteration
+    grad_sync_s: float  # per iteration, bucket latencies included
     param_state_bytes: float
     activation_bytes: float
     fallback_ops: list[str]
@@ -61,6 +62,11 @@ class StageSolution:
     optimal: bool
     ilp_nodes: int
     solve_time_s: float
+    # the gradient all-reduce buckets (`planner.stage_costs.grad_buckets`), whose latency the
+    # per-node costs leave out: a stage pays it once per bucket it holds
+    buckets: dict[tuple, sc.Bucket] = field(
+        default_factory=dict, repr=False, compare=False
+    )
     _ctx: _Context | None = field(default=None, repr=False, compare=False)
     _cost_table: tuple[list[str], np.ndarray] | None = field(
         default=None, repr=False, compare=False
@@ -539,6 +545,8 @@ def _summarise(
         i, j = index[u], index[v]
         comm += act[i, j]
         grad_sync += grad[i, j] * s.num_microbatches
+    buckets = sc.grad_buckets(g, choice, s.mesh, ctx.param_derived)
+    grad_sync += sum(b.latency_s for b in buckets.values())
     params = {g.placeholder_paths[n]: choice[n] for n in choice if is_param[n]}
     param_mem = sum(values[n][1] for n in choice if is_param[n])
     act_mem = sum(values[n][1] for n in choice if not is_param[n])
@@ -562,6 +570,7 @@ def _summarise(
         optimal=optimal,
         ilp_nodes=ilp_nodes,
         solve_time_s=seconds,
+        buckets=buckets,
         _ctx=ctx,
         _index=index,
     )

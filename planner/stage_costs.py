@@ -13,6 +13,12 @@ All prices come from `cost_models` (principle 2) and cover forward and backward:
   it as S(d) where u's output was S(d), else R. So Megatron's backward all-reduce and data
   parallelism's gradient all-reduce are both this edge term. For parameters the gradient is reduced
   once per iteration (gradient accumulation), so that part is divided by the number of micro-batches.
+* Gradient buckets: the runtime all-reduces a stage's parameter gradients together when that is all
+  their synchronisation needs (one collective per (placements, dtype) and axis), so such an edge
+  carries only the bandwidth part of its all-reduce, and `grad_buckets` charges the latency once per
+  bucket and stage. That latency is outside the ILP's objective (the stage table adds it per layer
+  range), so an intra-op solution can be slower than the optimum by at most its buckets' latency: a
+  few collectives per stage.
 * ZeRO: a parameter replicated on some mesh axes may also keep its gradient and optimizer state
   sharded over those axes ("zero" option). Reduce-scatter + all-gather cost what the all-reduce
   would, and we charge one more all-gather of the parameter per iteration (an upper bound), so the
@@ -30,7 +36,7 @@ import torch
 from cost_models.communication import LogicalMesh
 from cost_models.compute import op_overhead, op_time
 from cost_models.memory import state_bytes_per_param
-from cost_models.resharding import reshard_cost
+from cost_models.resharding import reshard_cost, reshard_steps
 from planner.opgraph import OpGraph, OpNode, TensorMeta
 from planner.strategies import Strategy, consumed_output, node_strategies
 
@@ -272,10 +278,117 @@ def edge_matrices(
             if with_grad:
                 back = _reshard(s, meta.shape, dtype_bytes, dst[1], expected_grad(src))
                 if param_derived:
+                    if bucketed_axes(dst[1], expected_grad(src)):
+                        # bandwidth only: the latency is charged per bucket (`grad_buckets`)
+                        back = _bucket_bandwidth(
+                            s, meta.shape, dtype_bytes, dst[1], expected_grad(src)
+                        )
                     grad[a, b] = back / s.num_microbatches
                 else:
                     act[a, b] += back
     return act[np.ix_(src_of, dst_of)], grad[np.ix_(src_of, dst_of)]
+
+
+def bucketed_axes(grad: tuple[str, ...], want: tuple[str, ...]) -> tuple[int, ...]:
+    """The mesh axes on which a parameter gradient placed `grad` reaches `want` by all-reduce alone
+    (P -> R there, every other axis unchanged); () when it needs anything else. The runtime
+    flattens all such gradients of a stage with the same (placements, dtype) into one tensor and
+    all-reduces it once per axis (`runtime.grad_sync`), so the latency of those collectives is
+    paid once per bucket, not once per parameter. (A parameter sharded on the axis but gathered
+    for a split computation, as FSDP does, gets P -> R on its gathered view here and R -> S for
+    free on its own edge; the runtime reduce-scatters such gradients in buckets as well, so
+    this prices about twice the time of its bytes and the same number of collectives.)"""
+    axes = []
+    for a, (g, w) in enumerate(zip(grad, want)):
+        if g == w:
+            continue
+        if g != "P" or w != "R":
+            return ()
+        axes.append(a)
+    return tuple(axes)
+
+
+# A bucket's all-reduce is priced on the line through its prices at 1 byte and at this size: the
+# alpha-beta formulas are linear in the bytes (the line is exact), a measured profile's fit is
+# piecewise linear (the line is its chord up to the largest message the local suite measures).
+CHORD_BYTES = 4 * 2**20
+
+
+def bucket_line(mesh: LogicalMesh, axis: int) -> tuple[float, float]:
+    """(latency seconds, seconds per byte) of an all-reduce on one axis, as buckets price it."""
+    latency = mesh.all_reduce(1.0, axis)
+    return latency, (mesh.all_reduce(CHORD_BYTES, axis) - latency) / (CHORD_BYTES - 1)
+
+
+def bucket_latency(mesh: LogicalMesh, axes: tuple[int, ...]) -> float:
+    """The part of a bucket's all-reduces that does not grow with its bytes, one per axis."""
+    return sum(bucket_line(mesh, a)[0] for a in axes)
+
+
+def _bucket_bandwidth(
+    s: StageSettings,
+    shape: tuple[int, ...],
+    dtype_bytes: float,
+    grad: tuple[str, ...],
+    want: tuple[str, ...],
+) -> float:
+    """A bucketed gradient's share of its bucket's all-reduces: their seconds per byte times the
+    bytes each axis's all-reduce moves for it (`cost_models.resharding.reshard_steps`)."""
+    key = ("bucket", shape, dtype_bytes, grad, want)
+    if key not in s.cache:
+        steps = reshard_steps(s.mesh, shape, dtype_bytes, grad, want)
+        s.cache[key] = sum(
+            bucket_line(s.mesh, st.axis)[1] * st.nbytes for st in steps if st.collective
+        )
+    return s.cache[key]
+
+
+@dataclass
+class Bucket:
+    """Parameter gradients all-reduced together: seconds of latency per iteration, and the
+    consumers whose edges carry them (a stage pays the latency once if it holds any of them)."""
+
+    latency_s: float
+    consumers: list[str]
+
+
+def grad_buckets(
+    graph: OpGraph,
+    choice: dict[str, Option],
+    mesh: LogicalMesh,
+    param_derived: set[str],
+) -> dict[tuple, Bucket]:
+    """The gradient buckets of a solution, keyed (axes, parameter placement, bytes per element) as
+    the runtime keys them: one per distinct key among the edges leaving parameters (and their
+    views) whose gradient `bucketed_axes` all-reduces. `edge_matrices` prices those edges'
+    bandwidth only; the latency here is added per stage (`planner.stage_table.LayerProfile.sync`)."""
+    out: dict[tuple, Bucket] = {}
+    fx = {n.name: n for n in graph.gm.graph.nodes}
+    for u in (n.name for n in graph.nodes if n.name in param_derived):
+        if u not in choice or not graph.node(u).requires_grad:
+            continue
+        for fx_v in fx[u].users:
+            if fx_v.name not in choice or fx_v.op != "call_function":
+                continue
+            o = consumed_output(fx[u], fx_v)
+            meta = graph.node(u).outputs[o]
+            if not getattr(torch, meta.dtype).is_floating_point:
+                continue
+            vs = choice[fx_v.name].strategy
+            src = choice[u].strategy.output[o]
+            dst = vs.inputs[fx_v.all_input_nodes.index(fx[u])]
+            if not src or dst is None:
+                continue
+            want = expected_grad(tuple(map(norm, src)))
+            grad = grad_from_consumer(tuple(map(norm, dst)), vs, mesh.shape)
+            axes = bucketed_axes(grad, want)
+            if not axes:
+                continue
+            key = (axes, want, meta.nbytes / max(meta.numel(), 1))
+            if key not in out:
+                out[key] = Bucket(bucket_latency(mesh, axes), [])
+            out[key].consumers.append(fx_v.name)
+    return out
 
 
 def saved_values(graph: OpGraph, names: list[str]) -> set[str]:

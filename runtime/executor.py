@@ -64,14 +64,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
     Replicate,
     distribute_tensor,
 )
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement
 from torch.fx.node import map_arg
 
@@ -88,8 +86,9 @@ from planner.strategies import consumed_output, register_fallback
 from runtime import comm_count
 from runtime.compiled import CompiledStage
 from runtime.device_ops import device_targets
+from runtime.grad_sync import sync_grads
 from runtime.meshes import device_mesh
-from runtime.redistribute import Edge, allreduce_axes, redistribute, unmask
+from runtime.redistribute import Edge, redistribute, unmask
 
 __all__ = ["PlanExecutor", "make_mesh", "param_derived", "place_params", "run_graph"]
 
@@ -447,48 +446,9 @@ class PlanExecutor(torch.fx.Interpreter):
             return redistribute(x, dst)
 
     def sync_grads(self, params: dict[str, DTensor]) -> None:
-        """Bring every parameter's accumulated ``.grad`` to the parameter's placement (all-reduce
-        or reduce-scatter of the partial sums); for ``sync_param_grads=False``.
-
-        Gradients that only need all-reduces (``Partial`` -> ``Replicate`` on some axes, the other
-        axes unchanged) are bucketed: those with the same placements and dtype are flattened into
-        one tensor, all-reduced once per axis, and split again - the same bytes per collective
-        kind, fewer collectives. The others are redistributed one by one."""
-        buckets: dict[tuple, list[str]] = {}
-        for path, p in params.items():
-            g = p.grad
-            if not isinstance(g, DTensor) or g.placements == p.placements:
-                continue
-            axes = allreduce_axes(g.placements, p.placements)
-            if axes is None or g.device_mesh != p.device_mesh:
-                with comm_count.site(f"bwd:sync:{path}"):
-                    p.grad = redistribute(g, p.placements)
-                continue
-            key = (tuple(g.placements), tuple(p.placements), g.dtype, axes)
-            buckets.setdefault(key, []).append(path)
-        for (g_pl, p_pl, _, axes), paths in buckets.items():
-            grads = [params[k].grad for k in paths]
-            locals_ = [g._local_tensor for g in grads]
-            mesh = grads[0].device_mesh
-            if len(paths) == 1:
-                flat = locals_[0]
-            else:
-                flat = torch.cat([t.reshape(-1) for t in locals_])
-            with comm_count.site(f"bwd:sync:{paths[0]}"):
-                for a in axes:
-                    flat = g_pl[a]._reduce_value(flat, mesh, a)
-                    if isinstance(flat, funcol.AsyncCollectiveTensor):
-                        flat = flat.wait()
-            if len(paths) == 1:
-                pieces = [flat]
-            else:
-                pieces = [
-                    t.view(ref.shape)
-                    for t, ref in zip(flat.split([t.numel() for t in locals_]), locals_)
-                ]
-            for k, g, local in zip(paths, grads, pieces):
-                spec = DTensorSpec(mesh, p_pl, tensor_meta=g._spec.tensor_meta)
-                params[k].grad = DTensor(local, spec, requires_grad=False)
+        """Bring every parameter's accumulated ``.grad`` to the parameter's placement, bucketed
+        (`runtime.grad_sync.sync_grads`); for ``sync_param_grads=False``."""
+        sync_grads(params)
 
     def _move(
         self, x: DTensor, dst: Strs, label: str, src: Strs, sync: bool = True

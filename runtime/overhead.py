@@ -18,9 +18,10 @@ nodes (views included) and the gradient bytes; the step's own collectives (the b
 gradient all-reduce and the loss's two scalar collectives), which the cost model prices
 separately, are timed right after each step in the same way. `overheads_from_steps` then fits
 ``step - collectives = step_overhead + ops * op_overhead`` through the two models: the slope is
-the per-op figure, the intercept the per-step one. The ops' own compute is negligible at this
-size (it is not subtracted). Every rank trains at once, so on a machine with fewer cores than
-ranks the figures include the ranks' time-sharing of the cores, as in training.
+the per-op figure, the intercept the per-step one. The profile keeps the median of ``REPEATS``
+such lines. The ops' own compute is negligible at this size (it is not subtracted). Every rank
+trains at once, so on a machine with fewer cores than ranks the figures include the ranks'
+time-sharing of the cores, as in training.
 
 The figures belong to the runtime measured: when it gets faster, re-profiling updates them.
 """
@@ -36,13 +37,24 @@ CALIBRATION_MODELS = (
     "gpt:hidden=8,layers=8,heads=2,seq=4,vocab=16",
 )
 CALIBRATION_BATCH = 2
+# One calibration's line is noisy on a shared machine: five back-to-back ones on 2 ranks here gave
+# 43..77 us per op and 0.6..8.7 ms per step; the profile takes the median of `REPEATS` of them.
+REPEATS = 3
 
 
-def measure_op_overhead(steps: int = 20, warmup: int = 5) -> dict[str, Any]:
+def measure_op_overhead(
+    steps: int = 20, warmup: int = 5, repeats: int = REPEATS
+) -> dict[str, Any]:
     """Train each calibration model data-parallel over every rank of an initialised CPU (gloo)
-    group; rank 0's ``{"runs": [{"step_s", "comm_s", "ops", "grad_bytes", "world"}, ...]}``,
-    one run per model of ``CALIBRATION_MODELS`` (module docstring)."""
-    return {"runs": [_measure(m, steps, warmup) for m in CALIBRATION_MODELS]}
+    group, `repeats` times; rank 0's ``{"repeats": [{"runs": [{"step_s", "comm_s", "ops",
+    "grad_bytes", "world"}, ...]}, ...]}``, one run per model of ``CALIBRATION_MODELS`` in each
+    repeat (module docstring)."""
+    return {
+        "repeats": [
+            {"runs": [_measure(m, steps, warmup) for m in CALIBRATION_MODELS]}
+            for _ in range(repeats)
+        ]
+    }
 
 
 def _measure(model_spec: str, steps: int, warmup: int) -> dict[str, float]:
@@ -131,7 +143,15 @@ def overheads_from_steps(raw: dict[str, Any], all_reduce: Any) -> tuple[float, f
     """(seconds per op per micro-batch, seconds per step) from `measure_op_overhead`'s figures,
     both at least 0: the line ``net = step_overhead + ops * op_overhead`` through the runs' net
     step times (`_net`) against their op counts. A single run (a record of one calibration
-    model: ``raw`` is the run itself) gives no intercept: all of its time is per op."""
+    model: ``raw`` is the run itself) gives no intercept: all of its time is per op. With
+    ``repeats`` (`measure_op_overhead`): the median of the repeats' per-op figures and of their
+    per-step figures."""
+    if "repeats" in raw:
+        lines = [overheads_from_steps(r, all_reduce) for r in raw["repeats"]]
+        return (
+            statistics.median(p for p, _ in lines),
+            statistics.median(s for _, s in lines),
+        )
     runs = raw.get("runs", [raw])
     nets = [(r["ops"], _net(r, all_reduce)) for r in runs]
     if len(nets) < 2:

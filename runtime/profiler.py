@@ -377,9 +377,12 @@ def _profile_worker(opts: ProfileOptions) -> dict[str, Any] | None:
         out["bandwidth"] = measure_bandwidth(opts.bandwidth_bytes, **_timer(opts))
     dist.barrier()
     if opts.op_overhead and dist.get_backend() == "gloo":
-        from runtime.overhead import measure_op_overhead
+        from runtime.overhead import REPEATS, measure_op_overhead
 
-        _log(opts, "runtime overheads per op and per step (two tiny GPTs, every rank)")
+        _log(
+            opts,
+            f"runtime overheads per op and per step (two tiny GPTs, every rank, {REPEATS} times)",
+        )
         out["op_overhead"] = measure_op_overhead()
     pairs = _plan_collectives(opts)
     groups = _collective_groups(opts, sorted({w for _, w in pairs}), rank)

@@ -71,6 +71,14 @@ def _slow_a100(n: int) -> Cluster:
     return dataclasses.replace(c, device=slow)
 
 
+def _megatron_blocks(path: str, option: Any) -> bool:
+    """Parameter filter: the blocks' Linear weights placed as Megatron places them on axis 1."""
+    for k, placement in MEGATRON.items():
+        if path.startswith("blocks.") and path.endswith(f"{k}.weight"):
+            return option.strategy.output[0][1] == placement
+    return True
+
+
 @functools.cache
 def _case(name: str) -> dict[str, Any]:
     """Model, batch, traced graph, plan and the single-device reference of one case."""
@@ -80,7 +88,11 @@ def _case(name: str) -> dict[str, Any]:
     graph = trace(model, b)
     cluster = _slow_a100(4)
     lmesh = LogicalMesh(cluster, cluster.shape, shape)
-    sol = solve_stage(graph, lmesh, num_microbatches=nmb)
+    # mixed_2x2: Megatron's block weights on axis 1 are within 0.1% of the free optimum (2.787
+    # against 2.785 ms per micro-batch, attn.proj replicated), a near tie that pricing details
+    # flip; this test is about executing that layout, so those weights are held to it
+    pinned = {"param_filter": _megatron_blocks} if name == "mixed_2x2" else {}
+    sol = solve_stage(graph, lmesh, num_microbatches=nmb, **pinned)
     loss = model(*b)
     loss.backward()
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}

@@ -153,3 +153,40 @@ def test_same_input_same_plan() -> None:
     mesh = _mesh("1x8xA100-80GB", (2, 4))
     a, b = solve_stage(g, mesh), solve_stage(g, mesh)
     assert a.param_placements == b.param_placements
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(64, 256)
+        self.fc2 = torch.nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x))).square().mean()
+
+
+def test_gradient_all_reduce_latency_is_paid_once_per_bucket() -> None:
+    """Data parallel on 2 devices: the runtime all-reduces the four float32 gradients as one
+    bucket, so the priced synchronisation is one all-reduce of all their bytes (up to the byte of
+    the latency probe, `planner.stage_costs.bucket_line`), not four all-reduces; a stage holding
+    either layer or both pays the latency once."""
+    from planner import stage_table as st
+
+    model = _MLP()
+    g = trace(model, (torch.randn(64, 64),))
+    mesh = _mesh("1x2xA100-80GB", (1, 2))
+    sol = solve_stage(g, mesh, batch_axes=(1,), num_microbatches=2)
+    assert set(sol.param_placements.values()) == {("R", "R")}
+    latency = mesh.all_reduce(1.0, 1)
+    sizes = [p.numel() * 4 for p in model.parameters()]
+    one = mesh.all_reduce(sum(sizes), 1)
+    assert sol.grad_sync_s == pytest.approx(one, rel=1e-6)
+    assert sol.grad_sync_s < sum(mesh.all_reduce(b, 1) for b in sizes) - 2 * latency
+    assert [len(b.consumers) for b in sol.buckets.values()] == [4]
+
+    half = len(g.ops) // 2
+    layers = [(0, half - 1), (half, len(g.ops) - 1)]
+    layer_of = st.layer_of_nodes(g, layers)
+    prof = st.profile(sol, g, layer_of, st.boundary_values(g, layer_of, 2), 2)
+    assert prof.sync[0, 0] == prof.sync[1, 1] == prof.sync[0, 1] == latency / 2
+    assert prof.range_time(0, 1, False) == pytest.approx(sol.time_s, rel=1e-9)

@@ -392,3 +392,21 @@ def test_same_plan_ignores_size_one_axes_and_layer_numbering():
         ["R", "S(0)"] if t.param_placements[path] != ["R", "S(0)"] else ["R", "R"]
     )
     assert not same_plan(p, q)
+
+
+def test_overheads_are_the_median_of_the_repeats():
+    """Repeated calibrations: the median of the repeats' per-op figures and of their per-step
+    figures (each from its own line), so one disturbed repeat does not move the profile."""
+    from runtime.overhead import overheads_from_steps
+
+    def repeat(per_op: float, per_step: float) -> dict:
+        return {
+            "runs": [
+                {"step_s": per_step + ops * per_op, "comm_s": 0.0, "ops": ops}
+                | {"grad_bytes": 0, "world": 2}
+                for ops in (100, 340)
+            ]
+        }
+
+    raw = {"repeats": [repeat(30e-6, 0.004), repeat(90e-6, 0.010), repeat(40e-6, 0.0)]}
+    assert overheads_from_steps(raw, None) == pytest.approx((40e-6, 0.004))

@@ -1,8 +1,9 @@
 """One training step of a pipeline plan communicates what the plan priced.
 
-GPT (hidden 64, 4 layers), global batch 8, 2 micro-batches, two plans in one gloo launch of 4 ranks:
-``pp2`` (2 stages of 1 device, ranks 0 and 1; ranks 2 and 3 idle) and ``pp2_tp2`` (2 stages of 2
-devices with Megatron tensor parallelism inside each). Every rank counts the collectives and
+GPT (hidden 64, 4 layers), global batch 8, 2 micro-batches, three plans in one gloo launch of 4
+ranks: ``pp2`` (2 stages of 1 device, ranks 0 and 1; ranks 2 and 3 idle), ``pp2_tp2`` (2 stages of
+2 devices with Megatron tensor parallelism inside each) and ``pp2_dp2`` (the same with data
+parallelism). Every rank counts the collectives and
 point-to-point transfers of one `Trainer.step` (`runtime.comm_count.CommCounter`).
 
 * Intra-stage (``pp2_tp2``): per stage, the prediction is the stage's edges (`predicted_collectives`
@@ -49,6 +50,9 @@ def _plans() -> dict[str, ParallelPlan]:
         ),
         "pp2_tp2": manual_plan(
             SPEC, CLUSTER, dp=1, tp=2, pp=2, num_microbatches=2, **kw
+        ),
+        "pp2_dp2": manual_plan(
+            SPEC, CLUSTER, dp=2, tp=1, pp=2, num_microbatches=2, **kw
         ),
     }
 
@@ -141,6 +145,40 @@ def test_intra_stage_bytes_match_the_plan(
     assert set(predicted) == set(measured)
     for kind, p in predicted.items():
         assert measured[kind] == pytest.approx(p, rel=0.1), kind
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_gradient_buckets_match_the_runtime(
+    all_runs: list[dict[str, Any]], stage: int
+) -> None:
+    """The planner charges gradient all-reduce latency once per bucket and mesh axis
+    (`planner.stage_costs.grad_buckets`): as many all-reduces as the runtime's synchronisation
+    issues in one step of the data-parallel plan (``pp2_dp2``)."""
+    from cost_models.cluster import Cluster
+    from cost_models.communication import LogicalMesh
+    from planner.stage_costs import grad_buckets
+    from planner.tracer import trace
+    from runtime.executor import param_derived
+    from runtime.stages import split_stages, stage_solution
+
+    plan = _plans()["pp2_dp2"]
+    sp = plan.stages[stage]
+    torch.manual_seed(0)
+    model, b = build_model(SPEC, batch=plan.global_batch // plan.num_microbatches)
+    st = split_stages(trace(model, b), plan)[stage]
+    lmesh = LogicalMesh(
+        Cluster.from_spec(CLUSTER), tuple(sp.submesh), tuple(sp.logical_mesh)
+    )
+    buckets = grad_buckets(
+        st.graph, stage_solution(st, sp).choice, lmesh, param_derived(st.graph)
+    )
+    issued = [
+        r
+        for r in all_runs[sp.devices[0]]["pp2_dp2", "ours"]["records"]
+        if r.site.startswith("bwd:sync:") and r.kind == "all_reduce"
+    ]
+    print(f"stage {stage}: buckets {list(buckets)}, all-reduces {len(issued)}")
+    assert buckets and len(issued) == sum(len(axes) for axes, _, _ in buckets)
 
 
 @pytest.mark.parametrize("name", ["pp2", "pp2_tp2"])

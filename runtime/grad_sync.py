@@ -1,0 +1,127 @@
+"""Synchronising the accumulated parameter gradients once per step, in buckets.
+
+With gradient accumulation (`runtime.executor.PlanExecutor` with ``sync_param_grads=False``) a
+parameter's ``.grad`` holds partial sums over the mesh axes its computation was split on;
+`sync_grads` brings each to its parameter's placement. PyTorch buckets gradients inside its own
+wrappers (DDP's Reducer, FSDP's flat parameters), not for DTensor gradients of arbitrary 2-D
+placements, so the buckets are made here:
+
+* all-reduce: gradients that need only ``Partial -> Replicate`` on some axes (the other axes
+  unchanged), with the same placements and dtype, are flattened into one tensor and all-reduced
+  once per axis;
+* reduce-scatter: gradients that need only ``Partial -> Shard(d)`` on one axis (the other axes
+  unchanged and none of them sharding d; d's local size divisible by the axis), with the same
+  placements and dtype: each is cut into the axis's chunks along d, chunk r of every gradient
+  goes into rank r's part of one flat tensor, and that is reduce-scattered once (FSDP's layout);
+* anything else is redistributed gradient by gradient.
+
+So a bucket pays one collective's latency however many gradients it holds, as the planner prices
+it (`planner.stage_costs.grad_buckets`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import Partial, Placement
+
+from runtime import comm_count
+from runtime.redistribute import allreduce_axes, redistribute
+
+__all__ = ["scatter_axis", "sync_grads"]
+
+
+def scatter_axis(
+    src: tuple[Placement, ...], dst: tuple[Placement, ...]
+) -> tuple[int, int] | None:
+    """(mesh axis, tensor dim) when `src` -> `dst` is one reduce-scatter: ``Partial`` of sum or
+    avg -> ``Shard(dim)`` on one axis, every other axis unchanged and not sharding ``dim``."""
+    found = None
+    for a, (c, d) in enumerate(zip(src, dst)):
+        if c == d:
+            continue
+        if (
+            found is None
+            and type(c) is Partial
+            and c.reduce_op in ("sum", "avg")
+            and type(d) is Shard
+        ):
+            found = (a, d.dim)
+            continue
+        return None
+    if found is None:
+        return None
+    a, dim = found
+    if any(type(p) is Shard and p.dim == dim for b, p in enumerate(dst) if b != a):
+        return None
+    return found
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _set_grads(
+    params: dict[str, DTensor],
+    paths: list[str],
+    locals_: list[torch.Tensor],
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+) -> None:
+    for k, local in zip(paths, locals_):
+        meta = params[k].grad._spec.tensor_meta
+        spec = DTensorSpec(mesh, placements, tensor_meta=meta)
+        params[k].grad = DTensor(local, spec, requires_grad=False)
+
+
+def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    sizes = [math.prod(s) for s in shapes]
+    return [t.view(s) for t, s in zip(flat.split(sizes), shapes)]
+
+
+def sync_grads(params: dict[str, DTensor]) -> None:
+    """Bring every parameter's ``.grad`` to the parameter's placements (module docstring)."""
+    reduce: dict[tuple, list[str]] = {}
+    scatter: dict[tuple, list[str]] = {}
+    for path, p in params.items():
+        g = p.grad
+        if not isinstance(g, DTensor) or g.placements == p.placements:
+            continue
+        key = (tuple(g.placements), tuple(p.placements), g.dtype)
+        if g.device_mesh == p.device_mesh:
+            axes = allreduce_axes(g.placements, p.placements)
+            if axes is not None:
+                reduce.setdefault(key + (axes,), []).append(path)
+                continue
+            found = scatter_axis(g.placements, p.placements)
+            if (
+                found
+                and g._local_tensor.size(found[1]) % g.device_mesh.size(found[0]) == 0
+            ):
+                scatter.setdefault(key + (found,), []).append(path)
+                continue
+        with comm_count.site(f"bwd:sync:{path}"):
+            p.grad = redistribute(g, p.placements)
+    for (g_pl, p_pl, _, axes), paths in reduce.items():
+        locals_ = [params[k].grad._local_tensor for k in paths]
+        mesh = params[paths[0]].grad.device_mesh
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        with comm_count.site(f"bwd:sync:{paths[0]}"):
+            for a in axes:
+                flat = _wait(g_pl[a]._reduce_value(flat, mesh, a))
+        pieces = _split(flat, [t.shape for t in locals_])
+        _set_grads(params, paths, pieces, mesh, p_pl)
+    for (g_pl, p_pl, _, (a, dim)), paths in scatter.items():
+        mesh = params[paths[0]].grad.device_mesh
+        n = mesh.size(a)
+        chunks = [params[k].grad._local_tensor.chunk(n, dim) for k in paths]
+        flat = torch.cat([c[r].reshape(-1) for r in range(n) for c in chunks])
+        with comm_count.site(f"bwd:sync:{paths[0]}"):
+            flat = _wait(g_pl[a]._reduce_shard_value(flat, mesh, a, Shard(0)))
+        pieces = _split(flat, [c[0].shape for c in chunks])
+        _set_grads(params, paths, pieces, mesh, p_pl)
