@@ -41,10 +41,11 @@ def _faster(t_auto: float, t_manual: float) -> str:
 
 
 def _overheads(profile: dict[str, Any]) -> str:
-    """Per-op (us) / per-step (ms) overheads; records before the per-step figure show '-'."""
-    step = profile.get("step_overhead_s")
-    return f"{profile['op_overhead_s'] * 1e6:.0f} / " + (
-        "-" if step is None else f"{step * 1e3:.1f}"
+    """Per-op (us) / per-micro-batch (ms) / per-step (ms) overheads; a figure older records lack
+    shows '-'."""
+    mb, step = profile.get("microbatch_overhead_s"), profile.get("step_overhead_s")
+    return f"{profile['op_overhead_s'] * 1e6:.0f} / " + " / ".join(
+        "-" if x is None else f"{x * 1e3:.1f}" for x in (mb, step)
     )
 
 
@@ -54,7 +55,7 @@ def local_table(doc: dict[str, Any]) -> list[str]:
         (
             "| procs | model | auto plan | predicted ms | measured ms | error | best manual "
             "| predicted ms | measured ms | error | faster predicted / measured "
-            "| overhead per op us / per step ms | load average |"
+            "| overhead per op us / per micro-batch ms / per step ms | load average |"
         ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]

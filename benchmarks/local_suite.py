@@ -293,6 +293,7 @@ def run_local_case(
             "memory_bandwidth_bytes_per_s": profile.memory_bandwidth_bytes_per_s,
             "op_overhead_s": profile.op_overhead_s,
             "step_overhead_s": profile.step_overhead_s,
+            "microbatch_overhead_s": profile.microbatch_overhead_s,
         },
         "auto": {
             "iteration_time_s": t_auto,

@@ -36,7 +36,8 @@ independent of the op's sharding, charged once per op (views included) by the pl
 prices. Without a profile it is 0: the roofline models a device whose kernels are launched ahead of
 their execution, where host overhead hides behind compute. Likewise ``step_overhead`` (the
 profile's ``step_overhead_s``): the runtime's fixed time per training step, added once to a plan's
-iteration time.
+iteration time; and ``microbatch_overhead`` (``microbatch_overhead_s``): its fixed time per stage
+and micro-batch, added to every stage's time per micro-batch.
 """
 
 from __future__ import annotations
@@ -171,6 +172,12 @@ def op_time(
 def op_overhead(cluster: Cluster) -> float:
     """Seconds of runtime overhead per op per micro-batch: the profile's ``op_overhead_s``, else 0."""
     return float(getattr(cluster.profile, "op_overhead_s", 0.0))
+
+
+def microbatch_overhead(cluster: Cluster) -> float:
+    """Seconds of runtime overhead per stage per micro-batch beyond its ops: the profile's
+    ``microbatch_overhead_s``, else 0."""
+    return float(getattr(cluster.profile, "microbatch_overhead_s", 0.0))
 
 
 def step_overhead(cluster: Cluster) -> float:

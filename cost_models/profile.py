@@ -30,6 +30,7 @@ JSON layout (version 1)::
                       "segments": [[max_bytes, alpha_s, beta_s_per_byte], ...]}, ...],
      "created": "2025-01-01T00:00:00+00:00", "host": "hostname",
      "op_overhead_s": 6e-05,                            # optional (0 when absent)
+     "microbatch_overhead_s": 0.001,                    # optional (0 when absent)
      "step_overhead_s": 0.004}                          # optional (0 when absent)
 
 This module is a leaf: it imports nothing from `planner` or `runtime`.
@@ -152,6 +153,9 @@ class DeviceProfile:
     #: (optimizer step, gradient buckets, loss broadcast, schedule set-up), measured with
     #: ``op_overhead_s`` (`runtime.overhead`); 0.0 when not measured. Optional in the file.
     step_overhead_s: float = 0.0
+    #: Seconds the runtime spends per stage and micro-batch beyond its ops (the pipeline runner's
+    #: work per micro-batch), measured with ``op_overhead_s``; 0.0 when not measured. Optional.
+    microbatch_overhead_s: float = 0.0
 
     def collective(self, op: str, world_size: int) -> CollectiveFit | None:
         """The fit for `op` at `world_size`, or None when that pair was not measured."""
@@ -479,5 +483,10 @@ def load_profile(path: str | os.PathLike[str]) -> DeviceProfile:
         op_overhead_s=r.num(data, "op_overhead_s") if "op_overhead_s" in data else 0.0,
         step_overhead_s=(
             r.num(data, "step_overhead_s") if "step_overhead_s" in data else 0.0
+        ),
+        microbatch_overhead_s=(
+            r.num(data, "microbatch_overhead_s")
+            if "microbatch_overhead_s" in data
+            else 0.0
         ),
     )

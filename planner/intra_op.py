@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from cost_models.communication import LogicalMesh
+from cost_models.compute import microbatch_overhead
 from cost_models.errors import MeshplanError
 from cost_models.resharding import ReshardStep, reshard_steps
 from planner import stage_costs as sc
@@ -67,6 +68,8 @@ class StageSolution:
     buckets: dict[tuple, sc.Bucket] = field(
         default_factory=dict, repr=False, compare=False
     )
+    # the runtime's fixed seconds per stage and micro-batch (`cost_models.compute`), once a stage
+    overhead_s: float = 0.0
     _ctx: _Context | None = field(default=None, repr=False, compare=False)
     _cost_table: tuple[list[str], np.ndarray] | None = field(
         default=None, repr=False, compare=False
@@ -84,7 +87,12 @@ class StageSolution:
     @property
     def time_s(self) -> float:
         """Per-micro-batch time with the gradient synchronisation spread over the micro-batches."""
-        return self.compute_s + self.comm_s + self.grad_sync_s / self.num_microbatches
+        return (
+            self.compute_s
+            + self.comm_s
+            + self.grad_sync_s / self.num_microbatches
+            + self.overhead_s
+        )
 
     @property
     def memory_bytes(self) -> float:
@@ -571,6 +579,7 @@ def _summarise(
         ilp_nodes=ilp_nodes,
         solve_time_s=seconds,
         buckets=buckets,
+        overhead_s=microbatch_overhead(s.mesh.cluster),
         _ctx=ctx,
         _index=index,
     )

@@ -189,7 +189,7 @@ def manual_plan(
                 prof.acts[c],
             )
             per_chunk[c] = float(prof.params[c] + inflight * kept + transient)
-            stage.time_s = float(prof.time[c] + prof.sync[c, c] + rc_time)
+            stage.time_s = float(prof.time[c] + prof.fixed[c, c] + rc_time)
             times.append(stage.time_s)
         # the boundary sends as `_assemble` prices them
         sends = _send_times(

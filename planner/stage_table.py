@@ -13,7 +13,8 @@ stages from it to the end (1F1B keeps min(B, s) micro-batches in flight):
     with recomputation:    params[k..j] + inflight * layer_inputs[k..j] + max activations of one layer
 
 and recomputation adds the layers' forward compute to the time. The latency of the gradient
-all-reduce buckets a range holds is added once per bucket (`planner.stage_costs.grad_buckets`).
+all-reduce buckets a range holds is added once per bucket (`planner.stage_costs.grad_buckets`),
+and the runtime's overhead per stage and micro-batch once.
 A range's cost is the fastest option (logical mesh, memory level, recomputation) that fits the
 budget, plus sending the boundary activations to the next stage and their gradient back; +inf if
 none fits.
@@ -43,13 +44,14 @@ class LayerProfile:
     params: np.ndarray  # parameter-state bytes per layer
     acts: np.ndarray  # activation bytes per layer and micro-batch
     inputs: np.ndarray  # bytes of each layer's input boundary (kept when recomputing)
-    # [k, j]: latency of the gradient all-reduce buckets a stage of layers k..j holds, per
-    # micro-batch (`planner.stage_costs.grad_buckets`; `time` has their bandwidth only)
-    sync: np.ndarray
+    # [k, j]: seconds per micro-batch a stage of layers k..j pays once, however many layers it
+    # holds: the latency of its gradient buckets (`planner.stage_costs.grad_buckets`; `time` has
+    # their bandwidth only) and the runtime's per-micro-batch overhead (`StageSolution.overhead_s`)
+    fixed: np.ndarray
 
     def range_time(self, k: int, j: int, recompute: bool) -> float:
         """Per-micro-batch time of a stage holding layers k..j (recomputation adds their forward)."""
-        t = self.time[k : j + 1].sum() + self.sync[k, j]
+        t = self.time[k : j + 1].sum() + self.fixed[k, j]
         return float(t + (self.fwd[k : j + 1].sum() if recompute else 0.0))
 
 
@@ -142,12 +144,12 @@ def profile(
                 else node.output_bytes / shards(opt.strategy.output[0], sol.mesh_shape)
             )
             inputs[k] += local
-    sync = np.zeros((L, L))
+    fixed = np.full((L, L), sol.overhead_s)
     for bucket in sol.buckets.values():
         held = np.zeros(L)
         held[[layer_of.get(n, 0) for n in bucket.consumers]] = 1.0
-        sync += (_range_sums(held) > 0) * (bucket.latency_s / sol.num_microbatches)
-    return LayerProfile(sol, *arr.T.copy(), inputs, sync)
+        fixed += (_range_sums(held) > 0) * (bucket.latency_s / sol.num_microbatches)
+    return LayerProfile(sol, *arr.T.copy(), inputs, fixed)
 
 
 def profiles_for(
@@ -278,7 +280,7 @@ def range_costs(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(cost[k, j, s], memory[k, j, s]) of one option; cost is inf where memory exceeds the budget."""
     L = len(prof.time)
-    time = _range_sums(prof.time + (prof.fwd if recompute else 0.0)) + prof.sync
+    time = _range_sums(prof.time + (prof.fwd if recompute else 0.0)) + prof.fixed
     params = _range_sums(prof.params)
     if recompute:
         kept, transient = _range_sums(prof.inputs), _range_max(prof.acts)

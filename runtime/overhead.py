@@ -1,27 +1,31 @@
-"""The runtime's fixed overheads: seconds per traced op per micro-batch, and per training step.
+"""The runtime's fixed overheads: seconds per traced op per micro-batch, per micro-batch, and per
+training step.
 
 The executor (`runtime.executor.PlanExecutor`) replays each stage's compiled graphs op by op from
-Python (`runtime.compiled`; eagerly it interprets the traced graph on DTensors), and every step also
-runs the optimizer, the gradient buckets' bookkeeping, the loss broadcast and the pipeline
-schedule's set-up. For the small models that train on a CPU these costs, not the FLOPs, are most
-of a step. The roofline in `cost_models.compute` knows nothing of them, so the profiler measures
-them here and the cost model charges ``op_overhead_s`` per op per micro-batch and
-``step_overhead_s`` once per step (`cost_models.compute.op_overhead`, ``step_overhead``).
+Python (`runtime.compiled`; eagerly it interprets the traced graph on DTensors); the pipeline runner
+does some work per micro-batch (slicing the batch, the compiled call's wrapping, the loss), and
+every step also runs the optimizer, the gradient buckets' bookkeeping, the loss broadcast and the
+pipeline schedule's set-up. For the small models that train on a CPU these costs, not the FLOPs,
+are most of a step. The roofline in `cost_models.compute` knows nothing of them, so the profiler
+measures them here and the cost model charges ``op_overhead_s`` per op per micro-batch,
+``microbatch_overhead_s`` per stage per micro-batch and ``step_overhead_s`` once per step
+(`cost_models.compute.op_overhead`, ``microbatch_overhead``, ``step_overhead``).
 
 Measurement (`measure_op_overhead`, inside a launched group, on every rank at once as in
 training): two tiny GPTs (``CALIBRATION_MODELS``, hidden 8: a few thousand FLOPs per op, 2 and 8
 layers) are trained by the runtime's own `runtime.train.Trainer` (pipeline runner, executor,
-gradient sync, SGD step) under a data-parallel plan over all the ranks with one micro-batch,
-``steps`` steps after ``warmup`` (the first step costs far more while the stage compiles and
-caches fill). Rank 0 returns, per model, the median step time, the graph's ``call_function``
-nodes (views included) and the gradient bytes; the step's own collectives (the bucketed
-gradient all-reduce and the loss's two scalar collectives), which the cost model prices
-separately, are timed right after each step in the same way. `overheads_from_steps` then fits
-``step - collectives = step_overhead + ops * op_overhead`` through the two models: the slope is
-the per-op figure, the intercept the per-step one. The profile keeps the median of ``REPEATS``
-such lines. The ops' own compute is negligible at this size (it is not subtracted). Every rank
-trains at once, so on a machine with fewer cores than ranks the figures include the ranks'
-time-sharing of the cores, as in training.
+gradient sync, SGD step) under a data-parallel plan over all the ranks with one micro-batch, and
+the first of them again over ``MICROBATCHES``, ``steps`` steps after ``warmup`` (the first step
+costs far more while the stage compiles and caches fill). Rank 0 returns, per run, the median
+step time, the graph's ``call_function`` nodes (views included) and the gradient bytes; the
+step's own collectives (the bucketed gradient all-reduce and the loss's two scalar collectives),
+which the cost model prices separately, are timed right after each step in the same way.
+`overheads_from_steps` then fits ``step - collectives = overhead + ops * op_overhead`` through
+the one-micro-batch runs: the slope is the per-op figure; the run over several micro-batches
+splits the intercept into its per-micro-batch and per-step parts. The profile keeps the median of
+``REPEATS`` such calibrations. The ops' own compute is negligible at this size (it is not
+subtracted). Every rank trains at once, so on a machine with fewer cores than ranks the figures
+include the ranks' time-sharing of the cores, as in training.
 
 The figures belong to the runtime measured: when it gets faster, re-profiling updates them.
 """
@@ -40,6 +44,9 @@ CALIBRATION_BATCH = 2
 # One calibration's line is noisy on a shared machine: five back-to-back ones on 2 ranks here gave
 # 43..77 us per op and 0.6..8.7 ms per step; the profile takes the median of `REPEATS` of them.
 REPEATS = 3
+# The first calibration model is also trained over this many micro-batches: what a micro-batch
+# costs beyond its ops (the pipeline runner's per-micro-batch work) is the difference.
+MICROBATCHES = 4
 
 
 def measure_op_overhead(
@@ -51,14 +58,20 @@ def measure_op_overhead(
     repeat (module docstring)."""
     return {
         "repeats": [
-            {"runs": [_measure(m, steps, warmup) for m in CALIBRATION_MODELS]}
+            {
+                "runs": [_measure(m, steps, warmup) for m in CALIBRATION_MODELS]
+                + [_measure(CALIBRATION_MODELS[0], steps, warmup, MICROBATCHES)]
+            }
             for _ in range(repeats)
         ]
     }
 
 
-def _measure(model_spec: str, steps: int, warmup: int) -> dict[str, float]:
-    """One calibration model's figures (`measure_op_overhead`)."""
+def _measure(
+    model_spec: str, steps: int, warmup: int, microbatches: int = 1
+) -> dict[str, float]:
+    """One calibration model's figures over `microbatches` micro-batches of CALIBRATION_BATCH
+    samples per rank (`measure_op_overhead`)."""
     import torch
     import torch.distributed as dist
 
@@ -68,14 +81,14 @@ def _measure(model_spec: str, steps: int, warmup: int) -> dict[str, float]:
     from runtime.train import Trainer, seeded_model_and_batches
 
     world = dist.get_world_size()
-    batch = CALIBRATION_BATCH * world
+    batch = CALIBRATION_BATCH * world * microbatches
     plan = manual_plan(
         model_spec,
         f"1x{world}xA100-80GB",  # pure data parallelism: the shardings need no prices
         dp=world,
         tp=1,
         pp=1,
-        num_microbatches=1,
+        num_microbatches=microbatches,
         global_batch=batch,
         dtype="float32",
         optimizer="sgd",
@@ -122,6 +135,7 @@ def _measure(model_spec: str, steps: int, warmup: int) -> dict[str, float]:
         "ops": float(ops),
         "grad_bytes": float(grad_bytes),
         "world": float(world),
+        "microbatches": float(microbatches),
     }
 
 
@@ -139,24 +153,39 @@ def _net(run: dict[str, float], all_reduce: Any) -> float:
     return max(0.0, run["step_s"] - comm)
 
 
-def overheads_from_steps(raw: dict[str, Any], all_reduce: Any) -> tuple[float, float]:
-    """(seconds per op per micro-batch, seconds per step) from `measure_op_overhead`'s figures,
-    both at least 0: the line ``net = step_overhead + ops * op_overhead`` through the runs' net
-    step times (`_net`) against their op counts. A single run (a record of one calibration
-    model: ``raw`` is the run itself) gives no intercept: all of its time is per op. With
-    ``repeats`` (`measure_op_overhead`): the median of the repeats' per-op figures and of their
-    per-step figures."""
+def overheads_from_steps(
+    raw: dict[str, Any], all_reduce: Any
+) -> tuple[float, float, float]:
+    """(seconds per op per micro-batch, seconds per step, seconds per micro-batch) from
+    `measure_op_overhead`'s figures, all at least 0. The runs over one micro-batch give the
+    least-squares line ``net = overhead + ops * op_overhead`` through their net step times
+    (`_net`) against their op counts. A run of the same model over B micro-batches adds
+    (B - 1) micro-batches: ``(net_B - net_1) / (B - 1) - ops * op_overhead`` is the per-micro-batch
+    figure, and the line's intercept less it the per-step one (without such a run, 0 and the
+    whole intercept). A single run (a record of one calibration model: ``raw`` is the run
+    itself) gives no intercept: all of its time is per op. With ``repeats``: the median of the
+    repeats' figures, each taken alone."""
     if "repeats" in raw:
         lines = [overheads_from_steps(r, all_reduce) for r in raw["repeats"]]
-        return (
-            statistics.median(p for p, _ in lines),
-            statistics.median(s for _, s in lines),
-        )
+        return tuple(statistics.median(x[i] for x in lines) for i in range(3))
     runs = raw.get("runs", [raw])
-    nets = [(r["ops"], _net(r, all_reduce)) for r in runs]
-    if len(nets) < 2:
-        ops, net = nets[0]
-        return net / ops, 0.0
-    (o1, n1), (o2, n2) = min(nets), max(nets)
-    per_op = max(0.0, (n2 - n1) / (o2 - o1)) if o2 > o1 else n1 / o1
-    return per_op, max(0.0, n1 - o1 * per_op)
+    single = [r for r in runs if r.get("microbatches", 1) == 1]
+    nets = sorted((r["ops"], _net(r, all_reduce)) for r in single)
+    ops = [o for o, _ in nets]
+    if len(set(ops)) < 2:
+        return nets[0][1] / nets[0][0], 0.0, 0.0
+    mean_o, mean_n = statistics.fmean(ops), statistics.fmean(n for _, n in nets)
+    per_op = sum((o - mean_o) * (n - mean_n) for o, n in nets) / sum(
+        (o - mean_o) ** 2 for o in ops
+    )
+    if per_op <= 0:  # noise beat the ops: the smallest model's time is all per step
+        return 0.0, nets[0][1], 0.0
+    intercept = max(0.0, mean_n - per_op * mean_o)
+    per_mb = 0.0
+    for r in runs:
+        b = r.get("microbatches", 1)
+        base = [n for o, n in nets if o == r["ops"]]
+        if b > 1 and base:
+            extra = (_net(r, all_reduce) - base[0]) / (b - 1) - r["ops"] * per_op
+            per_mb = min(max(0.0, extra), intercept)
+    return per_op, intercept - per_mb, per_mb

@@ -480,7 +480,7 @@ def profile_from_raw(
     for op, w, samples in raw["collectives"]:
         alpha, beta = fit_alpha_beta(samples)
         fits.append(CollectiveFit(op, w, alpha, beta, samples, fit_segments(samples)))
-    per_op, per_step = _overheads(raw["op_overhead"], fits, opts.nproc)
+    per_op, per_step, per_mb = _overheads(raw["op_overhead"], fits, opts.nproc)
     peak: dict[str, float] = {}
     for s in raw["matmul"]:
         peak[s.dtype] = max(peak.get(s.dtype, 0.0), s.flops_per_s)
@@ -501,16 +501,17 @@ def profile_from_raw(
         host=socket.gethostname(),
         op_overhead_s=per_op,
         step_overhead_s=per_step,
+        microbatch_overhead_s=per_mb,
     )
 
 
 def _overheads(
     raw: dict[str, Any] | None, fits: list[CollectiveFit], nproc: int
-) -> tuple[float, float]:
-    """`runtime.overhead.overheads_from_steps` (per op, per step) with the all_reduce fit at
-    `nproc` ranks; (0, 0) when the overheads were not measured."""
+) -> tuple[float, float, float]:
+    """`runtime.overhead.overheads_from_steps` (per op, per step, per micro-batch) with the
+    all_reduce fit at `nproc` ranks; zeros when the overheads were not measured."""
     if raw is None:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     from runtime.overhead import overheads_from_steps
 
     fit = next(

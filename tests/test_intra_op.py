@@ -188,5 +188,5 @@ def test_gradient_all_reduce_latency_is_paid_once_per_bucket() -> None:
     layers = [(0, half - 1), (half, len(g.ops) - 1)]
     layer_of = st.layer_of_nodes(g, layers)
     prof = st.profile(sol, g, layer_of, st.boundary_values(g, layer_of, 2), 2)
-    assert prof.sync[0, 0] == prof.sync[1, 1] == prof.sync[0, 1] == latency / 2
+    assert prof.fixed[0, 0] == prof.fixed[1, 1] == prof.fixed[0, 1] == latency / 2
     assert prof.range_time(0, 1, False) == pytest.approx(sol.time_s, rel=1e-9)

@@ -194,7 +194,7 @@ def test_report_table_and_figure(tmp_path):
     assert (
         "| 2 | gpt | B=2; 0-3@1x2 | 100.0 | 110.0 | -9% | dp2 tp1 pp1 B1 |" in rows[2]
     )
-    assert rows[3].endswith("| manual / manual | 100 / - | - |")
+    assert rows[3].endswith("| manual / manual | 100 / - / - | - |")
     pytest.importorskip("matplotlib")
     lines = local_report.local_section(doc, tmp_path)
     assert (tmp_path / "local-CPU.png").stat().st_size > 0
@@ -319,9 +319,9 @@ def test_overhead_takes_off_the_collectives_timed_in_the_same_run():
     slow_fit = CollectiveFit(
         "all_reduce", 2, 1.0, 0.0
     )  # 1 s per call: more than the step
-    assert overheads_from_steps(raw, slow_fit) == pytest.approx((0.04 / 200, 0.0))
+    assert overheads_from_steps(raw, slow_fit) == pytest.approx((0.04 / 200, 0.0, 0.0))
     del raw["comm_s"]
-    assert overheads_from_steps(raw, slow_fit) == (0.0, 0.0)
+    assert overheads_from_steps(raw, slow_fit) == (0.0, 0.0, 0.0)
     fit = CollectiveFit("all_reduce", 2, 1e-3, 0.0)
     assert overheads_from_steps(raw, fit)[0] == pytest.approx((0.05 - 3e-3) / 200)
     one = {**raw, "world": 1.0}
@@ -331,7 +331,8 @@ def test_overhead_takes_off_the_collectives_timed_in_the_same_run():
 def test_overheads_are_the_line_through_two_calibration_models():
     """Two runs: the slope of net step time against ops is the per-op overhead, the intercept the
     per-step one; a larger model measured faster (noise) gives no per-op overhead, not a
-    negative one."""
+    negative one. A run of the first model over 4 micro-batches splits the intercept into a
+    per-micro-batch and a per-step part."""
     from runtime.overhead import overheads_from_steps
 
     def run(ops: float, step: float) -> dict[str, float]:
@@ -350,11 +351,22 @@ def test_overheads_are_the_line_through_two_calibration_models():
             run(340, 0.002 + 0.010 + 340 * 30e-6),
         ]
     }
-    per_op, per_step = overheads_from_steps(raw, None)
+    per_op, per_step, per_mb = overheads_from_steps(raw, None)
     assert per_op == pytest.approx(30e-6) and per_step == pytest.approx(0.010)
+    assert per_mb == 0.0  # no run over several micro-batches
     noisy = {"runs": [run(100, 0.020), run(340, 0.015)]}
     # the smaller model's net time (step less its collectives) is all per step
-    assert overheads_from_steps(noisy, None) == pytest.approx((0.0, 0.020 - 0.002))
+    assert overheads_from_steps(noisy, None) == pytest.approx((0.0, 0.020 - 0.002, 0.0))
+    # the first model again over 4 micro-batches: net = 0.004 + 4 * (0.0015 + 100 * 30e-6)
+    four = run(100, 0.002 + 0.004 + 4 * (0.0015 + 100 * 30e-6)) | {"microbatches": 4}
+    raw = {
+        "runs": [
+            run(100, 0.002 + 0.0055 + 100 * 30e-6),
+            run(340, 0.002 + 0.0055 + 340 * 30e-6),
+            four,
+        ]
+    }
+    assert overheads_from_steps(raw, None) == pytest.approx((30e-6, 0.004, 0.0015))
 
 
 def test_same_plan_ignores_size_one_axes_and_layer_numbering():
@@ -409,4 +421,4 @@ def test_overheads_are_the_median_of_the_repeats():
         }
 
     raw = {"repeats": [repeat(30e-6, 0.004), repeat(90e-6, 0.010), repeat(40e-6, 0.0)]}
-    assert overheads_from_steps(raw, None) == pytest.approx((40e-6, 0.004))
+    assert overheads_from_steps(raw, None) == pytest.approx((40e-6, 0.004, 0.0))

@@ -128,6 +128,7 @@ def summary(profile: DeviceProfile) -> str:
         ),
         f"memory bw  {profile.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s",
         f"op overhead {profile.op_overhead_s * 1e6:.0f} us per op per micro-batch, "
+        f"{profile.microbatch_overhead_s * 1e3:.2f} ms per micro-batch, "
         f"{profile.step_overhead_s * 1e3:.1f} ms per step"
         + (
             " (not measured)"
