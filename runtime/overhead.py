@@ -157,9 +157,9 @@ def overheads_from_steps(
     raw: dict[str, Any], all_reduce: Any
 ) -> tuple[float, float, float]:
     """(seconds per op per micro-batch, seconds per step, seconds per micro-batch) from
-    `measure_op_overhead`'s figures, all at least 0. The runs over one micro-batch give the
-    least-squares line ``net = overhead + ops * op_overhead`` through their net step times
-    (`_net`) against their op counts. A run of the same model over B micro-batches adds
+    `measure_op_overhead`'s figures, all at least 0. The runs over one micro-batch give the line
+    ``net = overhead + ops * op_overhead`` through their net step times (`_net`) against their
+    op counts (the smallest and the largest model). A run of the same model over B micro-batches adds
     (B - 1) micro-batches: ``(net_B - net_1) / (B - 1) - ops * op_overhead`` is the per-micro-batch
     figure, and the line's intercept less it the per-step one (without such a run, 0 and the
     whole intercept). A single run (a record of one calibration model: ``raw`` is the run
@@ -169,18 +169,16 @@ def overheads_from_steps(
         lines = [overheads_from_steps(r, all_reduce) for r in raw["repeats"]]
         return tuple(statistics.median(x[i] for x in lines) for i in range(3))
     runs = raw.get("runs", [raw])
-    single = [r for r in runs if r.get("microbatches", 1) == 1]
-    nets = sorted((r["ops"], _net(r, all_reduce)) for r in single)
-    ops = [o for o, _ in nets]
-    if len(set(ops)) < 2:
-        return nets[0][1] / nets[0][0], 0.0, 0.0
-    mean_o, mean_n = statistics.fmean(ops), statistics.fmean(n for _, n in nets)
-    per_op = sum((o - mean_o) * (n - mean_n) for o, n in nets) / sum(
-        (o - mean_o) ** 2 for o in ops
+    nets = sorted(
+        (r["ops"], _net(r, all_reduce)) for r in runs if r.get("microbatches", 1) == 1
     )
+    (o1, n1), (o2, n2) = nets[0], nets[-1]
+    if o2 == o1:
+        return n1 / o1, 0.0, 0.0
+    per_op = (n2 - n1) / (o2 - o1)
     if per_op <= 0:  # noise beat the ops: the smallest model's time is all per step
-        return 0.0, nets[0][1], 0.0
-    intercept = max(0.0, mean_n - per_op * mean_o)
+        return 0.0, n1, 0.0
+    intercept = max(0.0, n1 - o1 * per_op)
     per_mb = 0.0
     for r in runs:
         b = r.get("microbatches", 1)
