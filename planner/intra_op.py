@@ -21,6 +21,7 @@ placement of every parameter, the cost broken down, and `explain(node)` for debu
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -176,6 +177,10 @@ class _Context:
     param_derived: set[str]
     saved: set[str]
 
+    @functools.cached_property
+    def param_grad_edges(self) -> list[tuple[str, str, int, int, sc.TensorMeta]]:
+        return sc.param_grad_edges(self.graph, self.param_derived)
+
     def node_cost(self, name: str, opt: Option) -> float:
         node = self.graph.node(name)
         if name in self.graph.placeholder_paths and node.op == "param":
@@ -235,7 +240,7 @@ class _Context:
             if opts is not full[n]:
                 where = {id(o): i for i, o in enumerate(full[n])}
                 keep[n] = np.array([where[id(o)] for o in opts], dtype=int)
-        return _Context(
+        out = _Context(
             self.graph,
             self.settings,
             self.fx,
@@ -250,6 +255,8 @@ class _Context:
             _values=self._values,
             _keys=self._keys,
         )
+        out.__dict__["param_grad_edges"] = self.param_grad_edges  # the same graph's
+        return out
 
     def edge_key(self, u: str, v: str) -> tuple[str, str, int]:
         key = self._keys.get((u, v))
@@ -553,7 +560,9 @@ def _summarise(
         i, j = index[u], index[v]
         comm += act[i, j]
         grad_sync += grad[i, j] * s.num_microbatches
-    buckets = sc.grad_buckets(g, choice, s.mesh, ctx.param_derived)
+    buckets = sc.grad_buckets(
+        g, choice, s.mesh, ctx.param_derived, ctx.param_grad_edges
+    )
     grad_sync += sum(b.latency_s for b in buckets.values())
     params = {g.placeholder_paths[n]: choice[n] for n in choice if is_param[n]}
     param_mem = sum(values[n][1] for n in choice if is_param[n])

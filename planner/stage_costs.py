@@ -352,42 +352,59 @@ class Bucket:
     consumers: list[str]
 
 
+def param_grad_edges(
+    graph: OpGraph, param_derived: set[str]
+) -> list[tuple[str, str, int, int, TensorMeta]]:
+    """(u, v, u's output index, v's input index, value) of every edge from a parameter or a view
+    of one (`param_derived`) to a call whose gradient goes back to it (a floating value)."""
+    out = []
+    fx = {n.name: n for n in graph.gm.graph.nodes}
+    for u in (n.name for n in graph.nodes if n.name in param_derived):
+        if not graph.node(u).requires_grad:
+            continue
+        for fx_v in fx[u].users:
+            if fx_v.op != "call_function":
+                continue
+            o = consumed_output(fx[u], fx_v)
+            meta = graph.node(u).outputs[o]
+            if getattr(torch, meta.dtype).is_floating_point:
+                k = fx_v.all_input_nodes.index(fx[u])
+                out.append((u, fx_v.name, o, k, meta))
+    return out
+
+
 def grad_buckets(
     graph: OpGraph,
     choice: dict[str, Option],
     mesh: LogicalMesh,
     param_derived: set[str],
+    edges: list[tuple[str, str, int, int, TensorMeta]] | None = None,
 ) -> dict[tuple, Bucket]:
     """The gradient buckets of a solution, keyed (axes, parameter placement, bytes per element) as
     the runtime keys them: one per distinct key among the edges leaving parameters (and their
     views) whose gradient `bucketed_axes` all-reduces. `edge_matrices` prices those edges'
-    bandwidth only; the latency here is added per stage (`planner.stage_table.LayerProfile.sync`)."""
+    bandwidth only; the latency here is added per stage (`planner.stage_table.LayerProfile.fixed`).
+    `edges`: `param_grad_edges` of the graph, when the caller keeps them."""
     out: dict[tuple, Bucket] = {}
-    fx = {n.name: n for n in graph.gm.graph.nodes}
-    for u in (n.name for n in graph.nodes if n.name in param_derived):
-        if u not in choice or not graph.node(u).requires_grad:
+    if edges is None:
+        edges = param_grad_edges(graph, param_derived)
+    for u, v, o, k, meta in edges:
+        if u not in choice or v not in choice:
             continue
-        for fx_v in fx[u].users:
-            if fx_v.name not in choice or fx_v.op != "call_function":
-                continue
-            o = consumed_output(fx[u], fx_v)
-            meta = graph.node(u).outputs[o]
-            if not getattr(torch, meta.dtype).is_floating_point:
-                continue
-            vs = choice[fx_v.name].strategy
-            src = choice[u].strategy.output[o]
-            dst = vs.inputs[fx_v.all_input_nodes.index(fx[u])]
-            if not src or dst is None:
-                continue
-            want = expected_grad(tuple(map(norm, src)))
-            grad = grad_from_consumer(tuple(map(norm, dst)), vs, mesh.shape)
-            axes = bucketed_axes(grad, want)
-            if not axes:
-                continue
-            key = (axes, want, meta.nbytes / max(meta.numel(), 1))
-            if key not in out:
-                out[key] = Bucket(bucket_latency(mesh, axes), [])
-            out[key].consumers.append(fx_v.name)
+        vs = choice[v].strategy
+        src, dst = choice[u].strategy.output[o], vs.inputs[k]
+        if not src or dst is None:
+            continue
+        want = expected_grad(tuple(map(norm, src)))
+        axes = bucketed_axes(
+            grad_from_consumer(tuple(map(norm, dst)), vs, mesh.shape), want
+        )
+        if not axes:
+            continue
+        key = (axes, want, meta.nbytes / max(meta.numel(), 1))
+        if key not in out:
+            out[key] = Bucket(bucket_latency(mesh, axes), [])
+        out[key].consumers.append(v)
     return out
 
 
