@@ -82,7 +82,7 @@ def local_cases(procs: Sequence[int] | None = None) -> list[LocalCase]:
     return list(LOCAL_CASES)
 
 
-def profile_options(nproc: int) -> Any:
+def profile_options(nproc: int, case: LocalCase | None = None) -> Any:
     """What the suite measures: float32 products (m x d) @ (d x d) for m in 64, 256, 1024 and d in
     64, 128, 512 (the small models' shapes), every rank at once; memory bandwidth as the copy of
     a 2 MiB tensor, the size of these models' activations (a 64 MiB copy measures DRAM streaming,
@@ -90,7 +90,8 @@ def profile_options(nproc: int) -> Any:
     collectives
     of 4 KiB .. 4 MiB on the power-of-two world sizes up to `nproc` (the submesh sizes planned)
     and `nproc`, every group of consecutive ranks at once (as a mesh axis's groups run); the
-    runtime's per-op overhead."""
+    runtime's per-op overhead; and with a `case`, the rates of its model's non-GEMM ops
+    (`runtime.op_rates`) at one rank's share of its batch (a data-parallel micro-batch)."""
     from runtime.profiler import KB, MB, ProfileOptions, size_range
 
     worlds = sorted({w for w in (2, 4, 8) if w < nproc} | {nproc})
@@ -107,6 +108,8 @@ def profile_options(nproc: int) -> Any:
         concurrent_compute=True,
         op_overhead=True,
         concurrent_collectives=True,
+        op_models=(case.model,) if case else (),
+        op_batch=max(1, case.global_batch // nproc) if case else 1,
     )
 
 
@@ -269,7 +272,7 @@ def run_local_case(
     from runtime.launch import launch
     from runtime.profiler import check_options
 
-    options = options or profile_options(case.num_devices)
+    options = options or profile_options(case.num_devices, case)
     check_options(options)
     load_before = os.getloadavg()[0]
     if say:
@@ -294,6 +297,9 @@ def run_local_case(
             "op_overhead_s": profile.op_overhead_s,
             "step_overhead_s": profile.step_overhead_s,
             "microbatch_overhead_s": profile.microbatch_overhead_s,
+            "op_rates": {
+                r.target: [r.unit, r.forward_s, r.backward_s] for r in profile.op_rates
+            },
         },
         "auto": {
             "iteration_time_s": t_auto,

@@ -29,6 +29,14 @@ measured peak, and matrix products interpolate the measured samples (``_measured
 achieved FLOP/s of the nearest measured shapes in the plane (log2 min-dimension, log2 FLOPs),
 averaged in log space with inverse-distance weights. All functions here are pure.
 
+Measured ops (``measured_op_time``): a profile may also carry ``op_rates``, the measured seconds
+per unit (forward FLOP, or forward byte read or written for ops without FLOPs) of the non-GEMM ops of some
+models, forward and backward (`runtime.op_rates`). Such an op is priced from its rate instead of the
+roofline: on a CPU, GELU's erf, softmax's exp and attention's fused kernel run far below both the
+matrix-product rate and memory bandwidth (measured: GELU forward and backward at 4x, log-softmax
+at 5x their roofline price), and the roofline has no term for it. GEMMs keep the samples above,
+whose rate depends on the shape a sharding gives them.
+
 Per-op overhead (``op_overhead``): a profile may also carry ``op_overhead_s``, the runtime's
 measured time per traced op per micro-batch beyond the op's compute (interpreting the graph and
 DTensor's dispatch, forward and backward; see `runtime.overhead`). It is a fixed cost per op,
@@ -167,6 +175,26 @@ def op_time(
                 * (TENSOR_CORE_CURVE if name in TENSOR_CORE_DTYPES else FP32_CURVE)[0]
             )
     return max(flops / rate, memory) + overhead
+
+
+def measured_op_time(
+    cluster: Cluster,
+    target: str,
+    *,
+    flops: float,
+    nbytes: float,
+    backward: bool,
+) -> float | None:
+    """Seconds of one call of op `target` doing `flops` forward FLOPs and reading and writing
+    `nbytes` bytes in its forward, from the profile's measured rate (`cost_models.profile.OpRate`): forward,
+    plus backward when `backward`. None when the profile has no rate for `target`, or none for
+    its backward when `backward` is asked for: price the op with `op_time` then."""
+    lookup = getattr(cluster.profile, "op_rate", None)
+    rate = lookup(target) if lookup is not None else None
+    if rate is None or (backward and rate.backward_s is None):
+        return None
+    units = flops if rate.unit == "flop" else nbytes
+    return units * (rate.forward_s + ((rate.backward_s or 0.0) if backward else 0.0))
 
 
 def op_overhead(cluster: Cluster) -> float:

@@ -31,6 +31,8 @@ JSON layout (version 1)::
      "created": "2025-01-01T00:00:00+00:00", "host": "hostname",
      "op_overhead_s": 6e-05,                            # optional (0 when absent)
      "microbatch_overhead_s": 0.001,                    # optional (0 when absent)
+     "op_rates": [{"target": "aten.gelu.default", "unit": "byte",   # optional ([] when absent)
+                   "forward_s": 1e-09, "backward_s": 2e-09}, ...],
      "step_overhead_s": 0.004}                          # optional (0 when absent)
 
 This module is a leaf: it imports nothing from `planner` or `runtime`.
@@ -38,6 +40,7 @@ This module is a leaf: it imports nothing from `planner` or `runtime`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -79,6 +82,25 @@ class MatmulSample:
     def flops_per_s(self) -> float:
         """Achieved throughput of this sample."""
         return self.flops / self.seconds if self.seconds > 0 else 0.0
+
+
+#: What an `OpRate` counts: the op's forward FLOPs, or the bytes of its tensor inputs and outputs.
+OP_RATE_UNITS = ("flop", "byte")
+
+
+@dataclass
+class OpRate:
+    """Measured seconds per unit of one aten op (``target`` as the tracer names it, e.g.
+    ``aten.gelu.default``) on one device: ``forward_s`` for its forward, ``backward_s`` for the
+    gradients of its inputs that needed them (None when the measured calls needed none). The unit
+    is the call's forward FLOPs (``"flop"``, ops that count FLOPs) or the bytes of its tensor
+    inputs and outputs (``"byte"``). A call of u units is priced ``u * forward_s`` forward (see
+    `cost_models.compute.measured_op_time`)."""
+
+    target: str
+    unit: str
+    forward_s: float
+    backward_s: float | None
 
 
 @dataclass
@@ -156,6 +178,18 @@ class DeviceProfile:
     #: Seconds the runtime spends per stage and micro-batch beyond its ops (the pipeline runner's
     #: work per micro-batch), measured with ``op_overhead_s``; 0.0 when not measured. Optional.
     microbatch_overhead_s: float = 0.0
+    #: Measured per-unit times of the non-GEMM ops of some models (`runtime.op_rates`); the cost
+    #: model prices an op listed here from it instead of the roofline. Optional in the file.
+    op_rates: list[OpRate] = field(default_factory=list)
+
+    def op_rate(self, target: str) -> OpRate | None:
+        """The measured rate of op `target`, or None."""
+        return self._op_rates_by_target.get(target)
+
+    @functools.cached_property
+    def _op_rates_by_target(self) -> dict[str, OpRate]:
+        # the planner asks once per node and option: a dict, built on first use
+        return {r.target: r for r in self.op_rates}
 
     def collective(self, op: str, world_size: int) -> CollectiveFit | None:
         """The fit for `op` at `world_size`, or None when that pair was not measured."""
@@ -420,6 +454,25 @@ def load_profile(path: str | os.PathLike[str]) -> DeviceProfile:
             )
         )
 
+    op_rates: list[OpRate] = []
+    for i, raw in enumerate(r.list_(data, "op_rates") if "op_rates" in data else []):
+        w = f"op_rates[{i}]."
+        item = r.obj(raw, w[:-1])
+        unit = r.str_(item, "unit", w)
+        if unit not in OP_RATE_UNITS:
+            raise r.fail(
+                f"field '{w}unit' is {unit!r}; expected one of {', '.join(OP_RATE_UNITS)}"
+            )
+        backward = item.get("backward_s")
+        op_rates.append(
+            OpRate(
+                target=r.str_(item, "target", w),
+                unit=unit,
+                forward_s=r.num(item, "forward_s", w),
+                backward_s=None if backward is None else r.num(item, "backward_s", w),
+            )
+        )
+
     collectives: list[CollectiveFit] = []
     for i, raw in enumerate(r.list_(data, "collectives")):
         w = f"collectives[{i}]."
@@ -489,4 +542,5 @@ def load_profile(path: str | os.PathLike[str]) -> DeviceProfile:
             if "microbatch_overhead_s" in data
             else 0.0
         ),
+        op_rates=op_rates,
     )

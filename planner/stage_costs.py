@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from cost_models.communication import LogicalMesh
-from cost_models.compute import op_overhead, op_time
+from cost_models.compute import measured_op_time, op_overhead, op_time
 from cost_models.memory import state_bytes_per_param
 from cost_models.resharding import reshard_cost, reshard_steps
 from planner.opgraph import OpGraph, OpNode, TensorMeta
@@ -122,12 +122,15 @@ def _matmul_hint(
 def compute_time(node: OpNode, option: Option, s: StageSettings) -> float:
     """Forward + backward compute of a call node under `option`, plus the runtime's fixed
     per-op overhead (`cost_models.compute.op_overhead`, 0 without a measured profile), which
-    views pay too."""
+    views pay too. An op the profile measured is priced from its rate (`_measured_time`)."""
     if node.op != "call":
         return 0.0
     if node.is_view:
         return op_overhead(s.mesh.cluster)
     f = split_factor(option.strategy, s.mesh.shape)
+    measured = _measured_time(node, f, s, backward=node.requires_grad)
+    if measured is not None:
+        return op_overhead(s.mesh.cluster) + measured
     flops = (node.fwd_flops + node.bwd_flops) / f
     passes = (
         3 if node.requires_grad else 1
@@ -158,6 +161,9 @@ def forward_time(node: OpNode, option: Option, s: StageSettings) -> float:
     if node.op != "call" or node.is_view:
         return 0.0
     f = split_factor(option.strategy, s.mesh.shape)
+    measured = _measured_time(node, f, s, backward=False)
+    if measured is not None:
+        return measured
     dtype = node.outputs[0].dtype if node.outputs else "float32"
     return op_time(
         s.mesh.cluster,
@@ -166,6 +172,20 @@ def forward_time(node: OpNode, option: Option, s: StageSettings) -> float:
         dtype,
         shape_hint=_matmul_hint(node, option.strategy, s.mesh.shape),
         kernels=1,
+    )
+
+
+def _measured_time(
+    node: OpNode, f: int, s: StageSettings, *, backward: bool
+) -> float | None:
+    """`cost_models.compute.measured_op_time` of the node's share on one device (its forward
+    FLOPs and bytes divided by the split factor `f`), or None without a measured rate."""
+    return measured_op_time(
+        s.mesh.cluster,
+        node.target,
+        flops=node.fwd_flops / f,
+        nbytes=(node.bytes_read + node.bytes_written) / f,
+        backward=backward,
     )
 
 

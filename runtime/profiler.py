@@ -27,7 +27,8 @@ One launch (`runtime.launch.launch`) of N ranks measures, in order:
    reduce_scatter input / all_reduce / all_to_all buffer; the per-rank message for send_recv).
 
 With ``concurrent_compute`` steps 1 and 2 run on every rank at once (rank 0's figures are kept;
-see `ProfileOptions`); with ``op_overhead`` every rank then measures the runtime's overheads per
+see `ProfileOptions`), followed by the non-GEMM ops of ``op_models`` (`runtime.op_rates`); with
+``op_overhead`` every rank then measures the runtime's overheads per
 op and per step (`runtime.overhead`, CPU ranks).
 
 Then alpha and beta are fitted per (op, world size) with `fit_alpha_beta`, plus a continuous
@@ -98,6 +99,10 @@ class ProfileOptions:
     #: False: ranks 0..w-1 alone, the others idle (an upper bound on speed where the groups share
     #: cores or links).
     concurrent_collectives: bool = False
+    #: Built-in model specs whose non-GEMM ops to time (`runtime.op_rates`), at a batch of
+    #: `op_batch` rows, on the ranks that measure matmul; () measures none.
+    op_models: tuple[str, ...] = ()
+    op_batch: int = 1
 
     @staticmethod
     def full(nproc: int, max_bytes: int = 64 * MB) -> ProfileOptions:
@@ -352,6 +357,19 @@ def _time_sizes(
     return [statistics.median(col) for col in times.cpu().T.tolist()]
 
 
+def _measure_op_rates(opts: ProfileOptions) -> list[Any]:
+    """`runtime.op_rates.measure_op_rates` of `opts.op_models`, timed as matrix products are."""
+    from runtime.op_rates import measure_op_rates
+
+    _log(opts, f"non-GEMM ops of {', '.join(opts.op_models)} (batch {opts.op_batch})")
+
+    def time_one(fn: Callable[[], Any]) -> float:
+        _meet(opts)
+        return time_call(fn, opts.matmul_repeats, **_timer(opts))
+
+    return measure_op_rates(opts.op_models, opts.op_batch, time_one)
+
+
 def _plan_collectives(opts: ProfileOptions) -> list[tuple[str, int]]:
     """(op, world size) pairs to measure, in order."""
     sizes = opts.world_sizes or list(range(2, opts.nproc + 1))
@@ -375,6 +393,8 @@ def _profile_worker(opts: ProfileOptions) -> dict[str, Any] | None:
         _log(opts, f"memory bandwidth ({opts.bandwidth_bytes // MB} MiB copy)")
         _meet(opts)
         out["bandwidth"] = measure_bandwidth(opts.bandwidth_bytes, **_timer(opts))
+        if opts.op_models:
+            out["op_rates"] = _measure_op_rates(opts)
     dist.barrier()
     if opts.op_overhead and dist.get_backend() == "gloo":
         from runtime.overhead import REPEATS, measure_op_overhead
@@ -502,6 +522,7 @@ def profile_from_raw(
         op_overhead_s=per_op,
         step_overhead_s=per_step,
         microbatch_overhead_s=per_mb,
+        op_rates=raw.get("op_rates", []),
     )
 
 

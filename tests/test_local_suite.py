@@ -300,6 +300,12 @@ def test_profile_options_cover_the_planned_world_sizes():
     assert profile_options(2).world_sizes == [2]
     assert profile_options(8).world_sizes == [2, 4, 8]
     assert dataclasses.asdict(profile_options(4))["concurrent_compute"] is True
+    # with a case, the rates of its model's non-GEMM ops at one rank's share of the batch
+    case = local_cases([4])[0]
+    opts = profile_options(4, case)
+    assert opts.op_models == (case.model,)
+    assert opts.op_batch == case.global_batch // 4
+    assert profile_options(4).op_models == ()
 
 
 def test_overhead_takes_off_the_collectives_timed_in_the_same_run():

@@ -21,6 +21,7 @@ from cost_models.profile import (
     CollectiveFit,
     DeviceProfile,
     MatmulSample,
+    OpRate,
     fit_alpha_beta,
     fit_segments,
     load_profile,
@@ -57,6 +58,10 @@ def _profile() -> DeviceProfile:
         ],
         created="2025-01-01T00:00:00+00:00",
         host="testhost",
+        op_rates=[
+            OpRate("aten.gelu.default", "byte", 5e-11, 2e-10),
+            OpRate("aten.arange.default", "byte", 1e-8, None),
+        ],
     )
 
 
@@ -68,6 +73,16 @@ def test_save_load_roundtrip(tmp_path):
     assert back.collective("all_reduce", 2).alpha_s == 1e-4
     assert back.collective("all_reduce", 4) is None
     assert back.matmul_samples("float32")[0].flops == 2 * 64**3
+    assert back.op_rate("aten.gelu.default").backward_s == 2e-10
+    assert back.op_rate("aten.arange.default").backward_s is None
+    assert back.op_rate("aten.mm.default") is None
+    older = (
+        tmp_path / "older.json"
+    )  # a profile written before op rates loads without them
+    older.write_text(
+        json.dumps({k: v for k, v in _asdict_profile().items() if k != "op_rates"})
+    )
+    assert load_profile(older).op_rates == []
 
 
 def test_fit_alpha_beta_recovers_line_and_stays_non_negative():
@@ -115,6 +130,12 @@ def _corrupt_cases(tmp_path):
     bad_matmul = json.loads(json.dumps(good))
     del bad_matmul["matmul"][0]["k"]
     cases["matmul_field"] = (bad_matmul, "'matmul[0].k'")
+    bad_unit = json.loads(json.dumps(good))
+    bad_unit["op_rates"][0]["unit"] = "element"
+    cases["op_rate_unit"] = (
+        bad_unit,
+        "'op_rates[0].unit' is 'element'; expected one of flop, byte",
+    )
     cases["not_object"] = ([1, 2], "must be an object")
     out = {}
     for name, (content, expected) in cases.items():
@@ -161,7 +182,17 @@ def test_cli_exits_2_on_corrupt_file_and_bad_nproc(tmp_path, capsys):
     good = tmp_path / "good.json"
     save_profile(_profile(), good)
     assert main(["profile", "--show", str(good)]) == 0
-    assert "all_reduce" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "all_reduce" in shown
+    assert "aten.gelu.default: 50.000 ms forward, 200.000 ms backward per GB" in shown
+    out = str(tmp_path / "x.json")
+    assert main(["profile", "--nproc", "2", "--op-batch", "0", "--out", out]) == 2
+    assert "--op-batch must be at least 1, got 0" in capsys.readouterr().err
+    assert (
+        main(["profile", "--nproc", "2", "--op-model", "gpt:hidden=x", "--out", out])
+        == 2
+    )
+    assert "bad value 'x' for hidden" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,6 +71,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="also measure the runtime's per-op overhead (CPU ranks), priced per op by the planner",
     )
     p.add_argument(
+        "--op-model",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="also time the non-GEMM ops (GELU, softmax, norms, attention) of this built-in "
+        "model spec, priced from these rates by the planner (repeatable; e.g. "
+        "gpt:hidden=128,layers=2)",
+    )
+    p.add_argument(
+        "--op-batch",
+        type=int,
+        default=1,
+        help="batch rows of --op-model's models (default 1)",
+    )
+    p.add_argument(
         "--show", metavar="FILE", help="summarise an existing profile instead"
     )
     p.set_defaults(func=run)
@@ -90,6 +105,12 @@ def run(args: argparse.Namespace) -> int:
     check_nproc(args.nproc, args.backend)
     if args.max_bytes is not None and args.max_bytes < 64 * 1024:
         raise MeshplanError(f"--max-bytes must be at least 64KiB, got {args.max_bytes}")
+    if args.op_batch < 1:
+        raise MeshplanError(f"--op-batch must be at least 1, got {args.op_batch}")
+    for spec in args.op_model:
+        from planner.models import build_model
+
+        build_model(spec, batch=args.op_batch, device="meta")  # a bad spec fails now
     if args.repeats is not None and args.repeats < 1:
         raise MeshplanError(f"--repeats must be at least 1, got {args.repeats}")
     make = ProfileOptions.quick if args.quick else ProfileOptions.full
@@ -101,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
     opts.backend = args.backend
     opts.concurrent_compute = args.concurrent
     opts.op_overhead = args.op_overhead
+    opts.op_models = tuple(args.op_model)
+    opts.op_batch = args.op_batch
     try:
         with open(args.out, "a", encoding="utf-8"):
             pass  # fail now, not after minutes of measuring
@@ -137,6 +160,13 @@ def summary(profile: DeviceProfile) -> str:
         ),
         f"matmul     {len(profile.matmul)} samples",
     ]
+    for r in profile.op_rates:
+        per = "GFLOP" if r.unit == "flop" else "GB"
+        back = "-" if r.backward_s is None else f"{r.backward_s * 1e9 * 1e3:.3f} ms"
+        lines.append(
+            f"op         {r.target}: {r.forward_s * 1e9 * 1e3:.3f} ms forward, {back} backward"
+            f" per {per}"
+        )
     if profile.collectives:
         lines.append(
             f"{'collective':<15}{'ranks':>5}{'alpha':>11}{'bandwidth':>12}{'segments':>9}"
