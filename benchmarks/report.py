@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.local_report import local_section
+from cost_models.errors import MeshplanError
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -30,6 +31,25 @@ def write_results(results: dict[str, Any], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1) + "\n")
     return path
+
+
+def merge_results(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`old` with the cases of `new` (a run of some of the same suite's cases on the same device)
+    in place of its cases of the same GPU counts; the run is listed under `reruns` (its date,
+    machine, torch, time and GPU counts), the rest of `old` is kept."""
+    key = ("suite", "device")
+    if [old.get(k) for k in key] != [new.get(k) for k in key]:
+        raise MeshplanError(
+            f"cannot merge {new.get('suite')} on {new.get('device')} into a results file of "
+            f"{old.get('suite')} on {old.get('device')}; give another --json FILE"
+        )
+    counts = sorted({c["num_devices"] for c in new["cases"]})
+    cases = [c for c in old["cases"] if c["num_devices"] not in counts] + new["cases"]
+    rerun = {k: new.get(k) for k in ("date", "machine", "torch", "total_time_s")}
+    return old | {
+        "cases": sorted(cases, key=lambda c: c["num_devices"]),
+        "reruns": [*old.get("reruns", []), rerun | {"num_devices": counts}],
+    }
 
 
 def load_results(directory: str | Path = RESULTS) -> list[dict[str, Any]]:
@@ -277,6 +297,11 @@ def report(directory: str | Path = RESULTS) -> str:
                 f"File `{doc['file']}`; planned on {doc.get('machine', '?')}, {doc.get('date', '?')}, "
                 f"torch {doc.get('torch', '?')}; the suite took {_f(doc.get('total_time_s'), '.0f')} s."
                 + (f" {doc['note']}." if doc.get("note") else "")
+                + "".join(
+                    f" Re-run on {r['date']} (torch {r['torch']}, {_f(r['total_time_s'], '.0f')} s): "
+                    f"{', '.join(map(str, r['num_devices']))} GPUs."
+                    for r in doc.get("reruns", [])
+                )
             ),
             "",
             *suite_table(doc),

@@ -86,16 +86,37 @@ def microbatch_sizes(global_batch: int, cluster: Cluster | None = None) -> list[
 
     Each costs one trace and one intra-op pass per mesh; all are evaluated, because the latency
     is not unimodal in the micro-batch size (memory decides when recomputation is needed; an MoE
-    layer's dispatch grows faster than linearly in its tokens), and the sizes of the manual grid
-    (`benchmarks.manual_grid`: 1 to 16 rows per data-parallel replica) must be in the search
-    space: gpt-39b on 64 V100s is fastest at micro-batch size 1 (tp4 x pp16), gpt-1.3b on 4 A100s
-    at 64 (dp4, 16 rows each). Beyond one host the larger sizes are not tried: they would add
-    passes to the largest searches (`benchmarks/bench_planner.py`, plan-39b), and no best manual
-    configuration of the committed suites beyond 8 GPUs runs micro-batches of more than 32 rows."""
+    layer's dispatch grows faster than linearly in its tokens): gpt-39b on 64 V100s is fastest at
+    micro-batch size 1 (tp4 x pp16), gpt-1.3b on 4 A100s at 64 (dp4, 16 rows each). The sizes of
+    the manual grid (`benchmarks.manual_grid`: 1 to 16 rows per data-parallel replica, so up to
+    16 per device) beyond these are `larger_microbatch_sizes`, tried only while they pay off."""
     top = 32
     if cluster is not None and cluster.hosts == 1:
         top = max(top, 16 * cluster.num_devices)
-    return [1 << i for i in range(top.bit_length()) if global_batch % (1 << i) == 0]
+    return _pow2_divisors(global_batch, 1, top)
+
+
+def larger_microbatch_sizes(global_batch: int, cluster: Cluster) -> list[int]:
+    """Sizes above `microbatch_sizes`' up to 16 rows per device, in increasing order. `plan` tries
+    them one by one only while the best plan so far uses the largest size tried: evaluating all
+    of them would add passes to the largest searches that cannot win (gpt-39b on 64 V100s does not
+    fit at 64 rows and is fastest at 1; one more size costs about 13 s of its planning,
+    `benchmarks/bench_planner.py`), while a data-parallel MoE on 16 H100s gains from 32 rows to
+    64 and 128 (the manual grid's dp8 x pp2 runs 64)."""
+    return _pow2_divisors(
+        global_batch,
+        max(microbatch_sizes(global_batch, cluster), default=0) + 1,
+        16 * cluster.num_devices,
+    )
+
+
+def _pow2_divisors(n: int, low: int, high: int) -> list[int]:
+    """Powers of two in [low, high] that divide n, increasing."""
+    return [
+        1 << i
+        for i in range(high.bit_length())
+        if low <= 1 << i <= high and n % (1 << i) == 0
+    ]
 
 
 def plan(
@@ -152,7 +173,7 @@ def plan(
     ]  # per-device memory of the whole model as one stage on all devices, at best
     found: list[tuple] = []  # (iteration time, dp, choices, layers, graph, B)
 
-    for b in sorted(sizes_b, reverse=True):
+    def evaluate(b: int) -> None:
         say(f"tracing {name} with micro-batch {b}")
         module, batch = make(b)
         graph = trace(module, batch, model_name=name)
@@ -166,6 +187,14 @@ def plan(
         ):
             t = _iteration_time(graph, lay, cluster, dp, choices, subs, B, schedule)
             found.append((t, dp, choices, lay, graph, B))
+
+    for b in sorted(sizes_b, reverse=True):
+        evaluate(b)
+    tried = max(sizes_b)
+    for b in [] if microbatch_size else larger_microbatch_sizes(G, cluster):
+        if not found or G // min(found, key=lambda r: r[0])[5] != tried:
+            break  # the best plan so far runs smaller micro-batches than the largest tried
+        evaluate(tried := b)
     best = min(found, key=lambda r: r[0]) if found else None
     if best is None:
         raise MeshplanError(

@@ -212,7 +212,7 @@ def test_unknown_mode() -> None:
 
 
 def test_microbatch_candidates() -> None:
-    from planner.api import microbatch_sizes
+    from planner.api import larger_microbatch_sizes, microbatch_sizes
 
     assert microbatch_sizes(1024) == [1, 2, 4, 8, 16, 32]
     assert microbatch_sizes(24) == [1, 2, 4, 8]
@@ -233,6 +233,36 @@ def test_microbatch_candidates() -> None:
         32,
     ]
     assert microbatch_sizes(1024, two_hosts) == [1, 2, 4, 8, 16, 32]
+    # beyond one host, the manual grid's sizes up to 16 rows per device come after
+    assert larger_microbatch_sizes(1024, two_hosts) == [64, 128]
+    assert larger_microbatch_sizes(96, two_hosts) == []
+    assert larger_microbatch_sizes(1024, one_host) == []
+
+
+def test_larger_microbatches_are_tried_only_while_they_win() -> None:
+    """On 2 hosts the candidates stop at 32 rows; 64 is traced only when 32 is the best so far.
+    Ground truth: the best of the plans at each size alone."""
+    tiny, spec = "gpt:hidden=64,layers=2,heads=2,seq=32,vocab=128", "2x2xA100-80GB"
+
+    def alone(b: int, budget: float | None) -> float:
+        try:
+            p = plan(
+                tiny, spec, global_batch=64, memory_budget=budget, microbatch_size=b
+            )
+        except MeshplanError:  # does not fit at this size
+            return float("inf")
+        return p.estimate.iteration_time_s
+
+    for budget, traced in ((None, True), (1.3e6, False)):
+        msgs: list[str] = []
+        p = plan(
+            tiny, spec, global_batch=64, memory_budget=budget, progress=msgs.append
+        )
+        sizes = [int(m.split()[-1]) for m in msgs if m.startswith("tracing")]
+        assert (64 in sizes) is traced
+        best = min((alone(b, budget), b) for b in (8, 16, 32, 64)[: 4 if traced else 3])
+        assert p.estimate.iteration_time_s == pytest.approx(best[0])
+        assert 64 // p.num_microbatches == best[1]
 
 
 def test_cli_output_into_a_closed_pipe_is_not_an_error(tmp_path) -> None:

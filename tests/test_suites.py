@@ -8,9 +8,10 @@ import json
 import pytest
 
 from benchmarks.manual_grid import grid, model_facts, parallel_degrees
-from benchmarks.report import load_results, write_report, write_results
+from benchmarks.report import load_results, merge_results, write_report, write_results
 from benchmarks.suites import run_case, suite_cases
 from cost_models.cluster import Cluster
+from cost_models.errors import MeshplanError
 from planner.manual import manual_plan
 
 
@@ -139,13 +140,16 @@ def test_report_from_a_tiny_results_file(tmp_path) -> None:
         "machine": "test",
         "date": "2026-01-01",
         "cases": [case],
+        "reruns": [{"date": "2026-02-02", "torch": "2.x", "total_time_s": 7.0}],
     }
+    doc["reruns"][0]["num_devices"] = [1]
     write_results(doc, tmp_path / "gpt-V100-16GB.json")
     (tmp_path / "other.json").write_text("[1, 2]")  # not results files: ignored
     (tmp_path / "cases.json").write_text('{"cases": []}')
     assert len(load_results(tmp_path)) == 1
     text = write_report(tmp_path).read_text()
     assert "## gpt on V100-16GB" in text and "2026-01-01" in text
+    assert "Re-run on 2026-02-02 (torch 2.x, 7 s): 1 GPUs." in text
     assert "| 1 | gpt-350m | 70.0 |" in text and "1.25" in text and "+19%" in text
     assert "(a) every GPT case on V100-16GB has ratio >= 1.00: yes" in text
     assert "Measured on one GPU" not in text
@@ -169,3 +173,29 @@ def test_report_shows_one_gpu_measurements(tmp_path) -> None:
     text = write_report(tmp_path).read_text()
     assert "## Measured on one GPU: NVIDIA H100" in text
     assert "| gpt:hidden=64 | 8 | 1 | 30.0 | 40.0 | 32.0 | -25% | 1.25 |" in text
+
+
+def test_merge_replaces_rerun_cases_and_keeps_the_others(tmp_path) -> None:
+    def case(n: int, ratio: float) -> dict:
+        return {"num_devices": n, "ratio": ratio}
+
+    old = {"suite": "moe", "device": "H100-80GB", "date": "d0", "total_time_s": 9.0}
+    old["cases"] = [case(1, 1.0), case(2, 1.1), case(16, 0.97)]
+    new = {"suite": "moe", "device": "H100-80GB", "date": "d1", "torch": "t"}
+    new |= {"machine": "m", "total_time_s": 5.0, "cases": [case(16, 1.01)]}
+    merged = merge_results(old, new)
+    assert merged["cases"] == [case(1, 1.0), case(2, 1.1), case(16, 1.01)]
+    assert merged["date"] == "d0" and merged["total_time_s"] == 9.0
+    assert merged["reruns"] == [
+        {
+            "date": "d1",
+            "machine": "m",
+            "torch": "t",
+            "total_time_s": 5.0,
+            "num_devices": [16],
+        }
+    ]
+    with pytest.raises(
+        MeshplanError, match="cannot merge moe on H100-80GB into .* gpt on"
+    ):
+        merge_results({**old, "suite": "gpt"}, new)

@@ -2,6 +2,7 @@
 
 meshplan bench --suite gpt                          # 1..64 V100s; writes benchmarks/results/gpt-V100-16GB.json
 meshplan bench --suite moe --gpus 1 2 4 --json moe.json
+meshplan bench --suite moe --gpus 16 --device H100-80GB   # re-run one case into the default file
 meshplan bench --suite wresnet --device A100-80GB
 meshplan bench --report                             # regenerate benchmarks/results/REPORT.md only
 meshplan bench --suite local [--gpus 2 4] [--json FILE]   # measured on this machine's processes
@@ -15,6 +16,7 @@ processes and executes the plans, predicted against measured; see `benchmarks.lo
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -42,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--gpus",
         type=int,
         nargs="+",
-        help="GPU counts to run, or process counts for the local suite (default: all cases)",
+        help="GPU counts to run, or process counts for the local suite (default: all cases); "
+        "into an existing results file, these cases replace its cases of the same counts",
     )
     p.add_argument(
         "--device",
@@ -66,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def run(args: argparse.Namespace) -> int:
     """Run the suite and/or the report; 0 on success."""
-    from benchmarks.report import RESULTS, write_report, write_results
+    from benchmarks.report import RESULTS, merge_results, write_report, write_results
     from benchmarks.suites import HEADER, format_row, run_suite
     from cost_models.errors import MeshplanError
 
@@ -87,10 +90,14 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise MeshplanError(str(exc)) from None
         path = Path(args.json or RESULTS / f"{args.suite}-{args.device}.json")
+        done = f"{len(results['cases'])} cases in {results['total_time_s']:.0f} s"
+        if (
+            args.gpus and path.exists()
+        ):  # a re-run of some cases: keep the file's others
+            results = merge_results(json.loads(path.read_text()), results)
+            done += ", merged with the file's other cases"
         write_results(results, path)
-        print(
-            f"{len(results['cases'])} cases in {results['total_time_s']:.0f} s; wrote {path}"
-        )
+        print(f"{done}; wrote {path}")
         if args.json is None:
             args.report = True
     if args.report:
