@@ -9,16 +9,21 @@ For every case (a small GPT or MoE model on N local processes, `LOCAL_CASES`):
    memory bandwidth measured on every rank at once, the collectives on 2, 4, ... N ranks, and the
    runtime's per-op overhead (`runtime.overhead`);
 2. plan automatically (`planner.plan`) and search the Megatron grid (`benchmarks.manual_grid`) on
-   the cluster of that profile (`Cluster.from_profile`), float32 and SGD as the ranks train;
-3. launch N ranks once and train both plans on the same seeded model and batches, steps
+   the cluster of that profile (`Cluster.from_profile`), float32 and SGD as the ranks train; when
+   the grid's best manual plan is the automatic plan itself (`same_plan`), search the grid again
+   for the best manual plan other than it (the runner-up): two runs of one plan have no faster
+   one, while the runner-up checks that the cost model ranks two different plans as they run;
+3. launch N ranks once and train both plans (automatic, and the best manual or the runner-up) on
+   the same seeded model and batches, steps
    alternating (auto, manual, auto, ...) so that both see the same machine noise, each step timed
    between two barriers of the whole group; the measured step time of a plan is the median over
    its timed steps after `warmup` untimed ones.
 
-Recorded per case: predicted and measured step time of both plans, the cost model's error
-(predicted / measured - 1), which plan is faster in prediction and in measurement (``agree``;
-None when the automatic plan is the manual one, ``same_plan``: their measured order is noise),
-and the first step's losses of both (the same model and data: they must agree).
+Recorded per case: predicted and measured step time of both plans run (``auto``, and
+``manual_best`` or ``runner_up``: `compared`), the cost model's error (predicted / measured - 1),
+which plan is faster in prediction and in measurement (``agree``; None only when no other manual
+plan exists, as their measured order would be noise), and the first step's losses of both (the
+same model and data: they must agree).
 
 Processes and cores. The launcher binds each rank to its share of the cores, one core per rank
 round-robin when there are more ranks than cores (8 ranks on 2 cores: 4 per core). The profile is
@@ -225,13 +230,36 @@ def _plan_case(case: LocalCase, profile: Any) -> dict[str, Any]:
         )
     config = ManualConfig(**manual["config"])
     mplan = price(case.model, cluster, config, case.global_batch, "float32", OPTIMIZER)
-    return {
+    out = {
         "cluster": cluster.spec,
         "auto": auto,
         "planner_time_s": planner_s,
         "manual": manual,
         "manual_plan": mplan,
     }
+    if same_plan(auto, mplan):  # run the best other manual plan: a ranking to check
+        other = best_manual(
+            case.model,
+            cluster,
+            case.global_batch,
+            suite=case.suite,
+            dtype="float32",
+            optimizer=OPTIMIZER,
+            skip=lambda p: same_plan(auto, p),
+        )
+        if other["config"] is not None:
+            config = ManualConfig(**other["config"])
+            out["runner_up"] = other
+            out["manual_plan"] = price(
+                case.model, cluster, config, case.global_batch, "float32", OPTIMIZER
+            )
+    return out
+
+
+def compared(case: dict[str, Any]) -> dict[str, Any]:
+    """The manual plan a case record executed: the runner-up when the grid's best manual plan is
+    the automatic plan, else the best."""
+    return case.get("runner_up") or case["manual_best"]
 
 
 def case_rank(
@@ -287,7 +315,14 @@ def run_local_case(
     )[0]
     profile, auto, manual, runs = r["profile"], r["auto"], r["manual"], r["runs"]
     measured = [statistics.median(t) for t in runs["times"]]
-    t_auto, t_man = auto.estimate.iteration_time_s, manual["iteration_time_s"]
+    t_auto = auto.estimate.iteration_time_s
+    runner = r.get("runner_up")
+    t_man = (runner or manual)["iteration_time_s"]
+    run_manual = (runner or manual) | {  # the manual plan executed
+        "measured_iteration_time_s": measured[1],
+        "measured_step_times_s": runs["times"][1],
+        "error": _error(t_man, measured[1]),
+    }
     return asdict(case) | {
         "cluster": r["cluster"],
         "profile": {
@@ -310,17 +345,16 @@ def run_local_case(
             "error": _error(t_auto, measured[0]),
             **_shape(auto),
         },
-        "manual_best": manual
-        | {
-            "measured_iteration_time_s": measured[1],
-            "measured_step_times_s": runs["times"][1],
-            "error": _error(t_man, measured[1]),
-        },
-        "ratio": t_man / t_auto,
+        # the grid's best; when it is the automatic plan, the best other one ran instead
+        "manual_best": manual if runner else run_manual,
+        "runner_up": run_manual if runner else None,
+        "ratio": manual["iteration_time_s"] / t_auto,
         "measured_ratio": measured[1] / measured[0],
+        "same_plan": bool(runner) or (same := same_plan(auto, r["manual_plan"])),
         # identical plans have no faster one: their measured order is noise, not a verdict
-        "same_plan": (same := same_plan(auto, r["manual_plan"])),
-        "agree": None if same else (t_man >= t_auto) == (measured[1] >= measured[0]),
+        "agree": None
+        if not runner and same
+        else (t_man >= t_auto) == (measured[1] >= measured[0]),
         "first_losses": [runs["losses"][0][0], runs["losses"][1][0]],
         "times_s": r["times_s"],
         # 1-minute load average before and after the case: other work sharing the cores
@@ -331,10 +365,10 @@ def run_local_case(
 
 
 def summary(cases: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Median absolute cost-model error over both plans of every case, in how many cases the
-    plan predicted faster is the one measured faster, and in how many the two plans are the same
-    plan (no verdict: `same_plan`)."""
-    errors = [abs(c[k]["error"]) for c in cases for k in ("auto", "manual_best")]
+    """Median absolute cost-model error over both executed plans of every case, in how many
+    cases the plan predicted faster is the one measured faster, and in how many the grid's best
+    manual plan is the automatic one (`same_plan`; the runner-up was compared)."""
+    errors = [abs(p["error"]) for c in cases for p in (c["auto"], compared(c))]
     return {
         "median_abs_error": statistics.median(errors) if errors else None,
         "max_abs_error": max(errors) if errors else None,
@@ -384,7 +418,7 @@ def run_local_suite(
 
 HEADER = (
     f"{'procs':>5} {'model':<6} {'auto pred':>9} {'measured':>9} {'err':>6}  "
-    f"{'manual best':<18} {'pred':>7} {'measured':>9} {'err':>6} {'agree':>5}"
+    f"{'manual plan run':<18} {'pred':>7} {'measured':>9} {'err':>6} {'agree':>5}"
 )
 
 
@@ -394,7 +428,7 @@ def _verdict(agree: bool | None) -> str:
 
 def format_row(c: dict[str, Any]) -> str:
     """One console line (milliseconds)."""
-    a, m = c["auto"], c["manual_best"]
+    a, m = c["auto"], compared(c)
     return (
         f"{c['num_devices']:>5} {c['suite']:<6} {a['iteration_time_s'] * 1e3:>9.1f} "
         f"{a['measured_iteration_time_s'] * 1e3:>9.1f} {a['error']:>+6.0%}  "

@@ -224,10 +224,13 @@ def best_manual(
     dtype: str = "float16",
     optimizer: str = "adam_mixed",
     say: Callable[[str], None] | None = None,
+    skip: Callable[[ParallelPlan], bool] | None = None,
 ) -> dict[str, Any]:
     """Search the grid; return the best feasible configuration and its prediction, or
     `{"config": None, ...}` when none fits. `grid_size` counts every configuration of the grid,
-    `grid_priced` those actually priced (the rest were pruned, see the module docstring)."""
+    `grid_priced` those actually priced (the rest were pruned, see the module docstring). A
+    configuration whose plan `skip` accepts is walked past but never the best (the local suite
+    asks for the best manual plan other than the automatic one)."""
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     t0 = time.perf_counter()
     groups, pruned = grid(model, cluster, global_batch, optimizer, suite)
@@ -258,7 +261,7 @@ def best_manual(
                     here = t = p.estimate.iteration_time_s
                     if say:
                         say(f"  {config.label()}: {t:.2f} s")
-                    if best is None or t < best[0]:
+                    if (best is None or t < best[0]) and not (skip and skip(p)):
                         best = (t, config, p)
                     break  # recomputation would only be slower
                 if not fitted or here > previous:

@@ -199,3 +199,35 @@ def test_merge_replaces_rerun_cases_and_keeps_the_others(tmp_path) -> None:
         MeshplanError, match="cannot merge moe on H100-80GB into .* gpt on"
     ):
         merge_results({**old, "suite": "gpt"}, new)
+
+
+def test_best_manual_skips_the_plans_it_is_told_to() -> None:
+    """Ground truth: every configuration of the grid priced alone; skipping the best one's plan
+    gives the fastest feasible configuration among the rest."""
+    from benchmarks.manual_grid import ManualConfig, best_manual, price
+
+    model, spec, G = (
+        "gpt:hidden=64,layers=2,heads=2,seq=32,vocab=128",
+        "1x2xA100-80GB",
+        8,
+    )
+    best = best_manual(model, spec, G, suite="gpt")
+    groups, _ = grid(model, Cluster.from_spec(spec), G, "adam_mixed", "gpt")
+    times = {
+        c: price(model, Cluster.from_spec(spec), c, G, "float16", "adam_mixed")
+        for group in groups
+        for c in group
+        if not c.recompute
+    }
+    top = ManualConfig(**best["config"])
+    assert best["iteration_time_s"] == min(
+        p.estimate.iteration_time_s for p in times.values()
+    )
+    other = best_manual(
+        model, spec, G, suite="gpt", skip=lambda p: p.manual == times[top].manual
+    )
+    rest = min(p.estimate.iteration_time_s for c, p in times.items() if c != top)
+    assert other["config"] != best["config"] and other["iteration_time_s"] == rest
+    assert (
+        best_manual(model, spec, G, suite="gpt", skip=lambda p: True)["config"] is None
+    )
