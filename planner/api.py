@@ -190,8 +190,9 @@ def plan(
 
     for b in sorted(sizes_b, reverse=True):
         evaluate(b)
+    larger = [] if microbatch_size else larger_microbatch_sizes(G, cluster)
     tried = max(sizes_b)
-    for b in [] if microbatch_size else larger_microbatch_sizes(G, cluster):
+    for b in larger:
         if not found or G // min(found, key=lambda r: r[0])[5] != tried:
             break  # the best plan so far runs smaller micro-batches than the largest tried
         evaluate(tried := b)
