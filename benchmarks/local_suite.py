@@ -201,7 +201,8 @@ def _error(predicted: float, measured: float) -> float:
 
 def _plan_case(case: LocalCase, profile: Any) -> dict[str, Any]:
     """Plan the case on the cluster of `profile`: the automatic plan, the grid's best manual
-    configuration (its record and its plan) and the planning time."""
+    configuration's record, the runner-up's record when the best is the automatic plan, the
+    manual plan to run (the runner-up's or the best's) and the planning time."""
     from benchmarks.manual_grid import ManualConfig, best_manual, price
     from cost_models.cluster import Cluster
     from planner import plan
@@ -216,43 +217,40 @@ def _plan_case(case: LocalCase, profile: Any) -> dict[str, Any]:
         optimizer=OPTIMIZER,
     )
     planner_s = time.perf_counter() - t0
-    manual = best_manual(
-        case.model,
-        cluster,
-        case.global_batch,
-        suite=case.suite,
-        dtype="float32",
-        optimizer=OPTIMIZER,
-    )
-    if manual["config"] is None:
-        raise RuntimeError(
-            f"{case.model} on {case.num_devices} processes: no manual configuration fits"
-        )
-    config = ManualConfig(**manual["config"])
-    mplan = price(case.model, cluster, config, case.global_batch, "float32", OPTIMIZER)
-    out = {
-        "cluster": cluster.spec,
-        "auto": auto,
-        "planner_time_s": planner_s,
-        "manual": manual,
-        "manual_plan": mplan,
-    }
-    if same_plan(auto, mplan):  # run the best other manual plan: a ranking to check
-        other = best_manual(
+
+    def search(**kw: Any) -> dict[str, Any]:
+        return best_manual(
             case.model,
             cluster,
             case.global_batch,
             suite=case.suite,
             dtype="float32",
             optimizer=OPTIMIZER,
-            skip=lambda p: same_plan(auto, p),
+            **kw,
         )
+
+    def priced(record: dict[str, Any]) -> Any:
+        config = ManualConfig(**record["config"])
+        return price(
+            case.model, cluster, config, case.global_batch, "float32", OPTIMIZER
+        )
+
+    manual = search()
+    if manual["config"] is None:
+        raise RuntimeError(
+            f"{case.model} on {case.num_devices} processes: no manual configuration fits"
+        )
+    out = {
+        "cluster": cluster.spec,
+        "auto": auto,
+        "planner_time_s": planner_s,
+        "manual": manual,
+        "manual_plan": priced(manual),
+    }
+    if same_plan(auto, out["manual_plan"]):  # run the best other manual plan: a ranking
+        other = search(skip=lambda p: same_plan(auto, p))
         if other["config"] is not None:
-            config = ManualConfig(**other["config"])
-            out["runner_up"] = other
-            out["manual_plan"] = price(
-                case.model, cluster, config, case.global_batch, "float32", OPTIMIZER
-            )
+            out |= {"runner_up": other, "manual_plan": priced(other)}
     return out
 
 
