@@ -82,6 +82,12 @@ def _stages(case: dict[str, Any]) -> str:
     )
 
 
+def _plan_shape(case: dict[str, Any]) -> str:
+    if not case["auto"]["stages"]:
+        return "does not fit"
+    return f"B={case['auto']['num_microbatches']}; {_stages(case)}"
+
+
 def suite_table(doc: dict[str, Any]) -> list[str]:
     """Markdown table of one results document."""
     measured = any("measured_tflops_per_device" in c for c in doc["cases"])
@@ -96,7 +102,7 @@ def suite_table(doc: dict[str, Any]) -> list[str]:
         m = c["manual_best"]
         row = (
             f"| {c['num_devices']} | {c['model']} | {_f(c['auto']['tflops_per_device'])} | "
-            f"B={c['auto']['num_microbatches']}; {_stages(c)} | {_f(c['auto']['planner_time_s'])} | "
+            f"{_plan_shape(c)} | {_f(c['auto']['planner_time_s'])} | "
             f"{m.get('label', 'none fits')} | {_f(m.get('tflops_per_device'))} | {_f(c['ratio'], '.2f')} |"
         )
         if measured:
@@ -143,7 +149,7 @@ def figure(doc: dict[str, Any], path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.plot(
         x,
-        [c["auto"]["tflops_per_device"] for c in cases],
+        [c["auto"]["tflops_per_device"] or float("nan") for c in cases],
         "o-",
         label="auto (predicted)",
     )

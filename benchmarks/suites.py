@@ -25,6 +25,7 @@ from typing import Any
 from benchmarks.manual_grid import best_manual
 from benchmarks.megatron_gpt import megatron_prediction
 from benchmarks.reference import gpt_megatron_configs, measured_tflops, scaling
+from cost_models.errors import DoesNotFitError
 from planner import plan
 
 HOST = 8  # GPUs per host (p3.16xlarge, DGX A100, DGX H100)
@@ -105,13 +106,16 @@ def listed_megatron(case: Case) -> dict[str, Any] | None:
 def run_case(case: Case, say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Plan `case` automatically and search its manual grid; the JSON record of the case."""
     t0 = time.perf_counter()
-    auto = plan(
-        case.model,
-        case.cluster,
-        global_batch=case.global_batch,
-        dtype=case.dtype,
-        optimizer=case.optimizer,
-    )
+    try:
+        auto = plan(
+            case.model,
+            case.cluster,
+            global_batch=case.global_batch,
+            dtype=case.dtype,
+            optimizer=case.optimizer,
+        )
+    except DoesNotFitError as exc:  # recorded, and the suite goes on
+        auto = exc
     planner_s = time.perf_counter() - t0
     manual = best_manual(
         case.model,
@@ -122,19 +126,31 @@ def run_case(case: Case, say: Callable[[str], None] | None = None) -> dict[str, 
         optimizer=case.optimizer,
         say=say,
     )
-    t_auto = auto.estimate.iteration_time_s
-    out: dict[str, Any] = asdict(case) | {
-        "auto": {
-            "iteration_time_s": t_auto,
+    if isinstance(auto, DoesNotFitError):
+        record: dict[str, Any] = {
+            "iteration_time_s": None,
+            "tflops_per_device": None,
+            "fits": False,
+            "error": str(auto),
+            "num_microbatches": None,
+            "stages": [],
+        }
+    else:
+        record = {
+            "iteration_time_s": auto.estimate.iteration_time_s,
             "tflops_per_device": auto.estimate.tflops_per_device,
             "peak_memory_bytes": auto.estimate.peak_memory_bytes,
             "fits": auto.estimate.peak_memory_bytes <= auto.memory_budget_bytes,
-            "planner_time_s": planner_s,
             "num_microbatches": auto.num_microbatches,
             "stages": [_stage_json(s) for s in auto.stages],
-        },
+        }
+    t_auto = record["iteration_time_s"]
+    out: dict[str, Any] = asdict(case) | {
+        "auto": record | {"planner_time_s": planner_s},
         "manual_best": manual,
-        "ratio": manual["iteration_time_s"] / t_auto if manual["config"] else None,
+        "ratio": manual["iteration_time_s"] / t_auto
+        if manual["config"] and t_auto
+        else None,
     }
     if case.cluster.endswith("V100-16GB"):
         auto_sys, base_sys = _SYSTEMS[case.suite]
@@ -205,8 +221,9 @@ def format_row(c: dict[str, Any]) -> str:
         for s in c["auto"]["stages"]
     )
     ratio = f"{c['ratio']:.2f}" if c["ratio"] else "-"
+    auto = c["auto"]["tflops_per_device"]
     return (
-        f"{c['num_devices']:>4} {c['model']:<13} {c['auto']['tflops_per_device']:>12.1f} "
+        f"{c['num_devices']:>4} {c['model']:<13} {'none fits' if auto is None else f'{auto:.1f}':>12} "
         f"{m.get('label', 'none fits'):>26} {m.get('tflops_per_device') or 0:>7.1f} {ratio:>6} "
         f"{c['auto']['planner_time_s']:>7.1f} {m['search_time_s']:>7.1f}  "
         f"B={c['auto']['num_microbatches']} {stages}"

@@ -7,3 +7,8 @@ the CLI turns it into a single line on stderr and a non-zero exit.
 
 class MeshplanError(Exception):
     """A user-facing error: the message names what is wrong and what would be accepted."""
+
+
+class DoesNotFitError(MeshplanError):
+    """No plan of the model fits the devices' memory (a result, not bad input: a benchmark records
+    it and goes on)."""

@@ -30,7 +30,7 @@ from torch import nn
 from cost_models.cluster import Cluster
 from cost_models.communication import p2p_time
 from cost_models.compute import step_overhead
-from cost_models.errors import MeshplanError
+from cost_models.errors import DoesNotFitError, MeshplanError
 from cost_models.memory import microbatches_in_flight
 from cost_models.pipeline import pipeline_time
 from planner import stage_table as st
@@ -198,7 +198,7 @@ def plan(
         evaluate(tried := b)
     best = min(found, key=lambda r: r[0]) if found else None
     if best is None:
-        raise MeshplanError(
+        raise DoesNotFitError(
             f"{name} does not fit on {cluster.spec}: even as one stage on all {D} devices it needs "
             f"{least[0] / 2**30:.1f} GiB per device, {budget / 2**30:.1f} GiB available "
             "(use more devices, a larger memory budget or a smaller batch)"

@@ -104,6 +104,26 @@ def test_case_record(suite: str, gpus: int) -> None:
         )
 
 
+def test_a_case_that_does_not_fit_is_recorded(tmp_path) -> None:
+    """gpt-39b's Adam state alone (16 bytes per parameter) is 7x one A100's memory: no plan, no
+    manual configuration; the record says so and the report and the console row render it."""
+    from benchmarks.suites import Case, format_row
+
+    case = run_case(Case("moe", "gpt-39b", 1, "1x1xA100-80GB", 8))
+    json.dumps(case)
+    auto = case["auto"]
+    assert (
+        not auto["fits"] and auto["stages"] == [] and auto["tflops_per_device"] is None
+    )
+    assert "does not fit on 1x1xA100-80GB" in auto["error"]
+    assert case["manual_best"]["config"] is None and case["ratio"] is None
+    assert "none fits" in format_row(case)
+    doc = {"suite": "moe", "device": "A100-80GB", "date": "d", "cases": [case]}
+    write_results(doc, tmp_path / "moe-A100-80GB.json")
+    text = write_report(tmp_path).read_text()
+    assert "| 1 | gpt-39b | - | does not fit |" in text
+
+
 def test_report_from_a_tiny_results_file(tmp_path) -> None:
     case = {
         "suite": "gpt",
