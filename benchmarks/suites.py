@@ -226,5 +226,5 @@ def format_row(c: dict[str, Any]) -> str:
         f"{c['num_devices']:>4} {c['model']:<13} {'none fits' if auto is None else f'{auto:.1f}':>12} "
         f"{m.get('label', 'none fits'):>26} {m.get('tflops_per_device') or 0:>7.1f} {ratio:>6} "
         f"{c['auto']['planner_time_s']:>7.1f} {m['search_time_s']:>7.1f}  "
-        f"B={c['auto']['num_microbatches']} {stages}"
+        + (f"B={c['auto']['num_microbatches']} {stages}" if stages else "does not fit")
     )

@@ -45,7 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         type=int,
         nargs="+",
         help="GPU counts to run, or process counts for the local suite (default: all cases); "
-        "into an existing results file, these cases replace its cases of the same counts",
+        "for a predicted suite, written into an existing results file, these cases replace its "
+        "cases of the same counts",
     )
     p.add_argument(
         "--device",
