@@ -253,14 +253,21 @@ def test_larger_microbatches_are_tried_only_while_they_win() -> None:
             return float("inf")
         return p.estimate.iteration_time_s
 
+    from planner.api import microbatch_sizes
+
+    base = microbatch_sizes(64, Cluster.from_spec(spec))
+    assert base == [1, 2, 4, 8, 16, 32]
+    # both branches of the rule: 32 rows best (64 tried), and 16 best under a tight budget
     for budget, traced in ((None, True), (1.3e6, False)):
         msgs: list[str] = []
         p = plan(
             tiny, spec, global_batch=64, memory_budget=budget, progress=msgs.append
         )
         sizes = [int(m.split()[-1]) for m in msgs if m.startswith("tracing")]
-        assert (64 in sizes) is traced
-        best = min((alone(b, budget), b) for b in (8, 16, 32, 64)[: 4 if traced else 3])
+        best = min((alone(b, budget), b) for b in base)
+        assert (64 in sizes) is (best[1] == 32) is traced
+        if traced:
+            best = min(best, (alone(64, budget), 64))
         assert p.estimate.iteration_time_s == pytest.approx(best[0])
         assert 64 // p.num_microbatches == best[1]
 

@@ -92,9 +92,8 @@ def run(args: argparse.Namespace) -> int:
             raise MeshplanError(str(exc)) from None
         path = Path(args.json or RESULTS / f"{args.suite}-{args.device}.json")
         done = f"{len(results['cases'])} cases in {results['total_time_s']:.0f} s"
-        if (
-            args.gpus and path.exists()
-        ):  # a re-run of some cases: keep the file's others
+        # a re-run of some cases into an existing file keeps the file's other cases
+        if args.gpus and path.exists():
             results = merge_results(json.loads(path.read_text()), results)
             done += ", merged with the file's other cases"
         write_results(results, path)
