@@ -31,7 +31,7 @@ from cost_models.cluster import Cluster
 from cost_models.communication import p2p_time
 from cost_models.compute import step_overhead
 from cost_models.errors import DoesNotFitError, MeshplanError
-from cost_models.memory import microbatches_in_flight
+from cost_models.memory import microbatches_in_flight, state_bytes_per_param
 from cost_models.pipeline import pipeline_time
 from planner import stage_table as st
 from planner.blocks import block_of
@@ -168,6 +168,7 @@ def plan(
         else submesh_shapes(cluster)
     )
     D = cluster.num_devices
+    _check_state_fits(make(min(sizes_b))[0], name, cluster, optimizer, budget)
     least = [
         np.inf
     ]  # per-device memory of the whole model as one stage on all devices, at best
@@ -220,6 +221,26 @@ def plan(
         budget,
         time.perf_counter() - t0,
     )
+
+
+def _check_state_fits(
+    module: nn.Module, name: str, cluster: Cluster, optimizer: str, budget: float
+) -> None:
+    """Raise DoesNotFitError before any tracing when the model's weights, gradients and optimizer
+    state alone exceed `budget` even spread evenly over every device: each parameter costs
+    ``state_bytes_per_param(optimizer).total`` bytes somewhere (`planner.stage_costs.
+    param_state_bytes` with every axis sharding it), and the fullest device holds at least the
+    average."""
+    params = sum(p.numel() for p in module.parameters())
+    D = cluster.num_devices
+    need = params * state_bytes_per_param(optimizer).total / D
+    if need > budget:
+        raise DoesNotFitError(
+            f"{name} does not fit on {cluster.spec}: its {params / 1e9:.2f} B parameters' "
+            f"weights, gradients and {optimizer} state alone need {need / 2**30:.1f} GiB per "
+            f"device even sharded over all {D} devices, {budget / 2**30:.1f} GiB available "
+            "(use more devices, a larger memory budget or an optimizer with less state)"
+        )
 
 
 def _layers(graph: OpGraph, num_layers: int | None) -> list[tuple[int, int]]:

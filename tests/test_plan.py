@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cost_models.errors import MeshplanError
+from cost_models.errors import DoesNotFitError, MeshplanError
 from planner import Cluster, plan
 from planner.manual import manual_plan
 from planner.models import build_model
@@ -123,6 +123,26 @@ def test_infeasible_model_states_memory() -> None:
             global_batch=8,
             microbatch_size=8,
         )
+
+
+def test_state_that_cannot_fit_is_refused_before_tracing() -> None:
+    """The up-front bound (every parameter's 16 bytes of mixed-precision Adam state spread over all
+    devices) is below every planned stage's memory, and a budget under it fails before tracing."""
+    module, _ = build_model(SMALL, device="meta")
+    need = sum(p.numel() for p in module.parameters()) * 16 / 4
+    assert min(s.memory_bytes for s in _small_plan().stages) >= need
+    said: list[str] = []
+    with pytest.raises(
+        DoesNotFitError, match=r"state alone need [\d.]+ GiB per device"
+    ):
+        plan(
+            SMALL,
+            "1x4xV100-16GB",
+            global_batch=16,
+            memory_budget=0.999 * need,
+            progress=said.append,
+        )
+    assert not any("tracing" in m for m in said)
 
 
 def test_cli_plan_and_explain(tmp_path, capsys) -> None:
