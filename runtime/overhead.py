@@ -15,11 +15,13 @@ Measurement (`measure_op_overhead`, inside a launched group, on every rank at on
 training): two tiny GPTs (``CALIBRATION_MODELS``, hidden 8: a few thousand FLOPs per op, 2 and 8
 layers) are trained by the runtime's own `runtime.train.Trainer` (pipeline runner, executor,
 gradient sync, SGD step) under a data-parallel plan over all the ranks with one micro-batch, and
-the first of them again over ``MICROBATCHES``, ``steps`` steps after ``warmup`` (the first step
-costs far more while the stage compiles and caches fill). Rank 0 returns, per run, the median
-step time, the graph's ``call_function`` nodes (views included) and the gradient bytes; the
-step's own collectives (the bucketed gradient all-reduce and the loss's two scalar collectives),
-which the cost model prices separately, are timed right after each step in the same way.
+the first of them again over ``MICROBATCHES``: each trainer is built once and takes ``warmup``
+steps (the first step costs far more while the stage compiles and caches fill), then the three
+take their ``steps`` timed steps interleaved, one step of each in turn, so that all three see
+the same machine. Rank 0 returns, per run, the median step time, the graph's ``call_function``
+nodes (views included) and the gradient bytes; the step's own collectives (the bucketed gradient
+all-reduce and the loss's two scalar collectives), which the cost model prices separately, are
+timed right after each step in the same way.
 `overheads_from_steps` then fits ``step - collectives = overhead + ops * op_overhead`` through
 the one-micro-batch runs: the slope is the per-op figure; the run over several micro-batches
 splits the intercept into its per-micro-batch and per-step parts. The profile keeps the median of
@@ -42,7 +44,10 @@ CALIBRATION_MODELS = (
 )
 CALIBRATION_BATCH = 2
 # One calibration's line is noisy on a shared machine: five back-to-back ones on 2 ranks here gave
-# 43..77 us per op and 0.6..8.7 ms per step; the profile takes the median of `REPEATS` of them.
+# 43..77 us per op and 0.6..8.7 ms per step (models timed one after the other); the profile takes
+# the median of `REPEATS` of them. Interleaved, six back-to-back medians of three on 4 ranks gave
+# 90..103 us per op, and 178 ops' worth of overhead per step within 25.4..27.7 ms; another launch
+# minutes earlier drifted from 144 to 101 us per op over its three (the machine's speed moves).
 REPEATS = 3
 # The first calibration model is also trained over this many micro-batches: what a micro-batch
 # costs beyond its ops (the pipeline runner's per-micro-batch work) is the difference.
@@ -53,90 +58,110 @@ def measure_op_overhead(
     steps: int = 20, warmup: int = 5, repeats: int = REPEATS
 ) -> dict[str, Any]:
     """Train each calibration model data-parallel over every rank of an initialised CPU (gloo)
-    group, `repeats` times; rank 0's ``{"repeats": [{"runs": [{"step_s", "comm_s", "ops",
-    "grad_bytes", "world"}, ...]}, ...]}``, one run per model of ``CALIBRATION_MODELS`` in each
-    repeat (module docstring)."""
-    return {
-        "repeats": [
-            {
-                "runs": [_measure(m, steps, warmup) for m in CALIBRATION_MODELS]
-                + [_measure(CALIBRATION_MODELS[0], steps, warmup, MICROBATCHES)]
-            }
-            for _ in range(repeats)
-        ]
-    }
+    group; rank 0's ``{"repeats": [{"runs": [{"step_s", "comm_s", "ops", "grad_bytes", "world",
+    "microbatches"}, ...]}, ...]}``, one run per model of ``CALIBRATION_MODELS`` and the first over
+    ``MICROBATCHES`` in each of `repeats` repeats (module docstring).
 
-
-def _measure(
-    model_spec: str, steps: int, warmup: int, microbatches: int = 1
-) -> dict[str, float]:
-    """One calibration model's figures over `microbatches` micro-batches of CALIBRATION_BATCH
-    samples per rank (`measure_op_overhead`)."""
+    Each model's trainer is built once; after `warmup` steps of each, every repeat takes `steps`
+    rounds, a round being one step of every model in turn, each followed by its collectives
+    alone. Interleaved so, the models see the same machine: the line through their step times
+    is a difference of times, and a drift of the machine's speed between separately timed models
+    (other load, the host's) went straight into its slope and intercept."""
     import torch
     import torch.distributed as dist
 
-    from planner.manual import manual_plan
-    from planner.models import build_model
-    from planner.tracer import trace
-    from runtime.train import Trainer, seeded_model_and_batches
+    runs = [_Calibration(m) for m in CALIBRATION_MODELS]
+    runs.append(_Calibration(CALIBRATION_MODELS[0], MICROBATCHES))
+    for run in runs:
+        for _ in range(warmup):
+            run.step()
+    out = []
+    for _ in range(repeats):
+        times = [([], []) for _ in runs]  # per run: step times, collective times
+        for _ in range(steps):
+            for run, (step_t, comm_t) in zip(runs, times):
+                step_t.append(_barriered(run.step))
+                comm_t.append(_barriered(run.collectives))
+        figures = torch.tensor(
+            [statistics.median(t) for pair in times for t in pair], dtype=torch.float64
+        )
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        out.append(
+            {
+                "runs": [
+                    run.info | {"step_s": float(step), "comm_s": float(comm)}
+                    for run, step, comm in zip(runs, figures[0::2], figures[1::2])
+                ]
+            }
+        )
+    return {"repeats": out}
 
-    world = dist.get_world_size()
-    batch = CALIBRATION_BATCH * world * microbatches
-    plan = manual_plan(
-        model_spec,
-        f"1x{world}xA100-80GB",  # pure data parallelism: the shardings need no prices
-        dp=world,
-        tp=1,
-        pp=1,
-        num_microbatches=microbatches,
-        global_batch=batch,
-        dtype="float32",
-        optimizer="sgd",
-        allow_oom=True,
-    )
-    model, batches = seeded_model_and_batches(model_spec, batch, 1)
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    trainer = Trainer(plan, model, batches[0], optimizer="sgd", lr=1e-3)
-    meta, micro = build_model(model_spec, batch=CALIBRATION_BATCH, device="meta")
-    graph = trace(meta, micro, model_name=model_spec)
-    ops = sum(1 for n in graph.gm.graph.nodes if n.op == "call_function")
-    grads = torch.zeros(max(1, grad_bytes // 4), dtype=torch.float32)
-    scalar = torch.zeros(1, dtype=torch.float32)
 
-    def collectives() -> (
-        None
-    ):  # the step's own: gradient all-reduce, loss all-reduce + broadcast
-        dist.all_reduce(grads)
-        dist.all_reduce(scalar)
-        dist.all_reduce(scalar)
+def _barriered(fn: Any) -> float:
+    """Seconds of `fn` between two barriers of the whole group."""
+    import torch.distributed as dist
 
-    step_times, comm_times = [], []
-    for i in range(warmup + steps):
-        # each step is followed by its collectives alone, timed the same way, so both see the
-        # same outside load; with compiled stages the step is only a few times its collectives
-        for fn, out in (
-            (lambda: trainer.step(batches[0]), step_times),
-            (collectives, comm_times),
-        ):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            dist.barrier()
-            if i >= warmup:
-                out.append(time.perf_counter() - t0)
-    figures = torch.tensor(
-        [statistics.median(step_times), statistics.median(comm_times)],
-        dtype=torch.float64,
-    )
-    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-    return {
-        "step_s": float(figures[0]),
-        "comm_s": float(figures[1]),
-        "ops": float(ops),
-        "grad_bytes": float(grad_bytes),
-        "world": float(world),
-        "microbatches": float(microbatches),
-    }
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+class _Calibration:
+    """One calibration model trained data-parallel over the group on micro-batches of
+    CALIBRATION_BATCH samples per rank: its training step, the step's own collectives alone (the
+    bucketed gradient all-reduce and the loss's two scalar collectives, which the cost model
+    prices separately) and its figures (`info`: op count, gradient bytes, world, micro-batches)."""
+
+    def __init__(self, model_spec: str, microbatches: int = 1) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from planner.manual import manual_plan
+        from planner.models import build_model
+        from planner.tracer import trace
+        from runtime.train import Trainer, seeded_model_and_batches
+
+        world = dist.get_world_size()
+        batch = CALIBRATION_BATCH * world * microbatches
+        plan = manual_plan(
+            model_spec,
+            f"1x{world}xA100-80GB",  # pure data parallelism: the shardings need no prices
+            dp=world,
+            tp=1,
+            pp=1,
+            num_microbatches=microbatches,
+            global_batch=batch,
+            dtype="float32",
+            optimizer="sgd",
+            allow_oom=True,
+        )
+        model, batches = seeded_model_and_batches(model_spec, batch, 1)
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.batch = batches[0]
+        self.trainer = Trainer(plan, model, self.batch, optimizer="sgd", lr=1e-3)
+        meta, micro = build_model(model_spec, batch=CALIBRATION_BATCH, device="meta")
+        graph = trace(meta, micro, model_name=model_spec)
+        ops = sum(1 for n in graph.gm.graph.nodes if n.op == "call_function")
+        self.grads = torch.zeros(max(1, grad_bytes // 4), dtype=torch.float32)
+        self.scalar = torch.zeros(1, dtype=torch.float32)
+        self.info = {
+            "ops": float(ops),
+            "grad_bytes": float(grad_bytes),
+            "world": float(world),
+            "microbatches": float(microbatches),
+        }
+
+    def step(self) -> None:
+        self.trainer.step(self.batch)
+
+    def collectives(self) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(self.grads)
+        dist.all_reduce(self.scalar)
+        dist.all_reduce(self.scalar)
 
 
 def _net(run: dict[str, float], all_reduce: Any) -> float:

@@ -468,3 +468,38 @@ def test_runner_up_is_planned_when_the_best_manual_plan_is_the_automatic_one():
     assert runner["iteration_time_s"] >= best["iteration_time_s"]
     assert not same_plan(r["auto"], r["manual_plan"])
     assert r["manual_plan"].estimate.iteration_time_s == runner["iteration_time_s"]
+
+
+def _calibrate_in_order() -> tuple[dict, list[int]]:
+    """Inside a launch: `measure_op_overhead` with every calibration step logged by run."""
+    from runtime import overhead
+
+    order: list[int] = []
+    step = overhead._Calibration.step
+    ids: dict[int, int] = {}
+
+    def logged(self) -> None:
+        order.append(ids.setdefault(id(self), len(ids)))
+        step(self)
+
+    overhead._Calibration.step = logged
+    return overhead.measure_op_overhead(steps=2, warmup=1, repeats=2), order
+
+
+def test_calibration_runs_are_interleaved():
+    """The three calibration runs are built once, warmed up, then stepped in turn (one step of
+    each per round), so the line through their times compares them on the same machine; the
+    record has every run's figures per repeat."""
+    from runtime.launch import launch
+    from runtime.overhead import MICROBATCHES
+
+    raw, order = launch(_calibrate_in_order, 2, timeout_s=300)[0]
+    assert order == [0, 1, 2] + [0, 1, 2] * 2 * 2  # warm-up, then 2 repeats of 2 rounds
+    assert len(raw["repeats"]) == 2
+    for rep in raw["repeats"]:
+        small, large, several = rep["runs"]
+        assert large["ops"] > small["ops"] == several["ops"]
+        assert (small["microbatches"], several["microbatches"]) == (1, MICROBATCHES)
+        assert all(
+            r["world"] == 2 and r["step_s"] > 0 and r["comm_s"] > 0 for r in rep["runs"]
+        )
