@@ -372,9 +372,7 @@ def price_stage(
         for u in dict.fromkeys(graph.node(v).inputs)
         if u in options
     ]
-    param_derived = {n for n in names if graph.node(n).op == "param"} | _param_views(
-        graph, names
-    )
+    param_derived = graph.param_derived(names)
     ctx = _Context(
         graph,
         settings,
@@ -499,19 +497,6 @@ def _reduce(
         cg.add_edge(index[key[0]], index[key[1]], (act + grad) * c)
     leaders = _leaders(graph, reps, options, rep)
     return merge_followers(identity(cg), leaders)
-
-
-def _param_views(graph: OpGraph, names: list[str]) -> set[str]:
-    out: set[str] = set()
-    for n in names:
-        node = graph.node(n)
-        if (
-            node.is_view
-            and node.inputs
-            and all(graph.node(i).op == "param" or i in out for i in node.inputs)
-        ):
-            out.add(n)
-    return out
 
 
 def _leaders(

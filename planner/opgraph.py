@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,22 @@ class OpGraph:
     @property
     def ops(self) -> list[OpNode]:
         return [n for n in self.nodes if n.op == "call"]
+
+    def param_derived(self, names: Sequence[str] | None = None) -> set[str]:
+        """Among `names` (in graph order; default every node): parameters, and views of
+        parameters only (``t(weight)``): the values whose gradients are synchronised once per
+        iteration (the planner prices that divided by the micro-batches, the runtime does it
+        after the last one)."""
+        out: set[str] = set()
+        for name in (n.name for n in self.nodes) if names is None else names:
+            node = self._by_name[name]
+            if node.op == "param" or (
+                node.is_view
+                and node.inputs
+                and all(self._by_name[i].op == "param" or i in out for i in node.inputs)
+            ):
+                out.add(name)
+        return out
 
     @property
     def num_params(self) -> int:

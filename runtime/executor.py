@@ -90,7 +90,7 @@ from runtime.grad_sync import sync_grads
 from runtime.meshes import device_mesh
 from runtime.redistribute import Edge, redistribute, unmask
 
-__all__ = ["PlanExecutor", "make_mesh", "param_derived", "place_params", "run_graph"]
+__all__ = ["PlanExecutor", "make_mesh", "place_params", "run_graph"]
 
 Strs = tuple[str, ...]
 _NOT_COMPILED = object()  # `_run_compiled`: this stage runs eagerly
@@ -159,7 +159,7 @@ class PlanExecutor(torch.fx.Interpreter):
         self.mismatches: list[str] = []
         self.sync_param_grads = sync_param_grads
         self.recompute_layers = recompute_layers
-        self.param_derived = param_derived(graph)
+        self.param_derived = graph.param_derived()
         register_missing_rules()
         self._targets = device_targets(graph.gm, mesh.device_type)
         for n in graph.gm.graph.nodes:
@@ -494,16 +494,6 @@ class PlanExecutor(torch.fx.Interpreter):
         if single:
             return items[0]
         return type(out)(items) if isinstance(out, tuple) else items
-
-
-def param_derived(graph: OpGraph) -> set[str]:
-    """Parameters and views of parameters only (``t(weight)``): the values whose gradients are
-    synchronised once per iteration (`planner.intra_op` prices them divided by micro-batches)."""
-    out = {n.name for n in graph.nodes if n.op == "param"}
-    for n in graph.nodes:
-        if n.is_view and n.inputs and all(i in out for i in n.inputs):
-            out.add(n.name)
-    return out
 
 
 def place_params(

@@ -303,14 +303,13 @@ def test_gradient_accumulation_syncs_parameter_gradients_once(runs: dict) -> Non
     """data_parallel over two micro-batches with ``sync_param_grads=False`` + ``sync_grads``:
     the gradients of loss(b1) + loss(b2), activations' collectives twice, parameters' once."""
     from runtime.comm_count import predicted_collectives
-    from runtime.executor import param_derived
 
     c = _case("data_parallel")
     acc = runs["data_parallel"][0]["accumulated"]
     for k, g in c["grads_accumulated"].items():
         err = (torch.from_numpy(acc["grads"][k]) - g).norm() / g.norm().clamp_min(1e-12)
         assert err < 1e-5, (k, err.item())
-    params = param_derived(c["graph"])
+    params = c["graph"].param_derived()
     expected: dict[str, float] = {}
     once_bytes = 0.0
     for site, colls in predicted_collectives(

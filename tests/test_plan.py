@@ -127,10 +127,11 @@ def test_infeasible_model_states_memory() -> None:
 
 def test_state_that_cannot_fit_is_refused_before_tracing() -> None:
     """The up-front bound (every parameter's 16 bytes of mixed-precision Adam state spread over all
-    devices) is below every planned stage's memory, and a budget under it fails before tracing."""
+    devices) is at most the fullest device's memory in a plan, and a budget under it fails
+    before tracing."""
     module, _ = build_model(SMALL, device="meta")
     need = sum(p.numel() for p in module.parameters()) * 16 / 4
-    assert min(s.memory_bytes for s in _small_plan().stages) >= need
+    assert max(s.memory_bytes for s in _small_plan().stages) >= need
     said: list[str] = []
     with pytest.raises(
         DoesNotFitError, match=r"state alone need [\d.]+ GiB per device"

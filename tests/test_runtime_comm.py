@@ -100,7 +100,6 @@ def _predicted(stage_index: int) -> dict[str, float]:
     from cost_models.communication import LogicalMesh
     from planner.tracer import trace
     from runtime.comm_count import as_run_on, predicted_collectives
-    from runtime.executor import param_derived
     from runtime.stages import split_stages, stage_solution
 
     plan = _plan()
@@ -114,7 +113,7 @@ def _predicted(stage_index: int) -> dict[str, float]:
     lmesh = LogicalMesh(
         Cluster.from_spec(CLUSTER), tuple(sp.submesh), tuple(sp.logical_mesh)
     )
-    params = param_derived(st.graph)
+    params = st.graph.param_derived()
     out: dict[str, float] = defaultdict(float)
     for label, colls in predicted_collectives(st.graph, sol, lmesh).items():
         once = label.startswith("bwd:") and label[4:].split("->")[0] in params
@@ -158,7 +157,6 @@ def test_gradient_buckets_match_the_runtime(
     from cost_models.communication import LogicalMesh
     from planner.stage_costs import grad_buckets
     from planner.tracer import trace
-    from runtime.executor import param_derived
     from runtime.stages import split_stages, stage_solution
 
     plan = _plans()["pp2_dp2"]
@@ -170,7 +168,7 @@ def test_gradient_buckets_match_the_runtime(
         Cluster.from_spec(CLUSTER), tuple(sp.submesh), tuple(sp.logical_mesh)
     )
     buckets = grad_buckets(
-        st.graph, stage_solution(st, sp).choice, lmesh, param_derived(st.graph)
+        st.graph, stage_solution(st, sp).choice, lmesh, st.graph.param_derived()
     )
     issued = [
         r
