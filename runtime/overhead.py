@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 CALIBRATION_MODELS = (
@@ -97,7 +98,7 @@ def measure_op_overhead(
     return {"repeats": out}
 
 
-def _barriered(fn: Any) -> float:
+def _barriered(fn: Callable[[], object]) -> float:
     """Seconds of `fn` between two barriers of the whole group."""
     import torch.distributed as dist
 
