@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks.suites import machine
+from benchmarks.suites import TIE, machine
 
 DEVICE = "CPU"
 OPTIMIZER = "sgd"
@@ -161,38 +161,35 @@ def _shape(p: Any) -> dict[str, Any]:
 
 def same_plan(a: Any, b: Any) -> bool:
     """Whether two ParallelPlans run alike: schedule, micro-batches and, per stage, its ops,
-    devices, mesh, recomputation, ZeRO, and every parameter's and node's placements. Mesh axes of
-    size 1 are dropped first (a (1, 2) and a (2, 1) mesh of the same devices are one mesh), and a
-    stage is its ops, not its layer indices (clusterings of different granularity)."""
+    devices, mesh, recomputation, ZeRO and every parameter's placement, and the same predicted
+    iteration time. Mesh axes of size 1 are dropped first (a (1, 2) and a (2, 1) mesh of the same
+    devices are one mesh), and a stage is its ops, not its layer indices (clusterings of different
+    granularity). Activations' placements are not compared: where two plans with the same
+    parameters differ only there at the same predicted time, the difference costs nothing (the
+    ILP's choice among equal-cost placements, e.g. the labels' view replicated or sharded before
+    the loss slices them, depends on the solver's tie-breaking)."""
 
     def key(p: Any) -> tuple:
         stages = []
         for s in p.stages:
             axes = [i for i, n in enumerate(s.logical_mesh) if n > 1]
-
-            def squeeze(pl: Any, axes: list[int] = axes) -> Any:
-                return tuple(pl[i] for i in axes) if pl else pl
-
-            nodes = {
-                n: {
-                    k: [squeeze(tuple(x) if x else x) for x in v]
-                    for k, v in strategy.items()
-                }
-                for n, strategy in s.node_strategies.items()
-            }
             stages.append(
                 (
                     tuple(s.devices),
                     tuple(s.logical_mesh[i] for i in axes),
                     s.recompute,
                     sorted(s.zero_params),
-                    {k: squeeze(tuple(v)) for k, v in s.param_placements.items()},
-                    nodes,
+                    sorted(s.node_strategies),
+                    {
+                        k: tuple(v[i] for i in axes) if v else v
+                        for k, v in s.param_placements.items()
+                    },
                 )
             )
         return (p.num_microbatches, p.schedule, p.virtual_stages, stages)
 
-    return key(a) == key(b)
+    ta, tb = a.estimate.iteration_time_s, b.estimate.iteration_time_s
+    return key(a) == key(b) and abs(ta - tb) <= TIE * max(ta, tb)
 
 
 def _error(predicted: float, measured: float) -> float:

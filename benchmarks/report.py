@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.local_report import local_section
+from benchmarks.suites import TIE
 from cost_models.errors import MeshplanError
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -91,19 +92,23 @@ def _plan_shape(case: dict[str, Any]) -> str:
 def suite_table(doc: dict[str, Any]) -> list[str]:
     """Markdown table of one results document."""
     measured = any("measured_tflops_per_device" in c for c in doc["cases"])
-    head = "| GPUs | model | auto TFLOP/s | auto plan (B; layers@mesh) | plan s | best manual | manual TFLOP/s | ratio |"
-    rule = "|---|---|---|---|---|---|---|---|"
+    head = (
+        "| GPUs | model | auto TFLOP/s | auto plan (B; layers@mesh) | plan s | best manual | "
+        "manual TFLOP/s | ratio | bound TFLOP/s | max ratio |"
+    )
+    rule = "|---|---|---|---|---|---|---|---|---|---|"
     if measured:
         names = list(doc["cases"][0].get("measured_tflops_per_device", {}))
         head += "".join(f" measured {n} |" for n in names)
         rule += "---|" * len(names)
     out = [head, rule]
     for c in doc["cases"]:
-        m = c["manual_best"]
+        m, bound = c["manual_best"], c.get("ceiling", {})
         row = (
             f"| {c['num_devices']} | {c['model']} | {_f(c['auto']['tflops_per_device'])} | "
             f"{_plan_shape(c)} | {_f(c['auto']['planner_time_s'])} | "
-            f"{m.get('label', 'none fits')} | {_f(m.get('tflops_per_device'))} | {_f(c['ratio'], '.2f')} |"
+            f"{m.get('label', 'none fits')} | {_f(m.get('tflops_per_device'))} | {_f(c['ratio'], '.2f')} | "
+            f"{_f(bound.get('tflops_per_device'))} | {_f(bound.get('max_ratio'), '.2f')} |"
         )
         if measured:
             row += "".join(
@@ -181,11 +186,6 @@ def figure(doc: dict[str, Any], path: Path) -> bool:
     return True
 
 
-#: Relative difference below which two predicted times are a tie: the same plan priced along two
-#: code paths differs by float summation order (~1e-15), e.g. on 1 GPU, where auto and manual agree.
-TIE = 1e-9
-
-
 def checks(docs: list[dict[str, Any]]) -> list[str]:
     """The issue's targets, evaluated on the results present (nothing is tuned to them): (a) and
     (b) on every device's suites, (c) on the V100 GPT suite (the reference measured V100s)."""
@@ -209,6 +209,21 @@ def checks(docs: list[dict[str, Any]]) -> list[str]:
             + ", ".join(f"{c['num_devices']} GPUs {_f(c['ratio'], '.2f')}" for c in bad)
         )
 
+    def unreachable(cases: list[dict[str, Any]], low: float) -> str:
+        # Cases where no plan at all can reach `low` under the cost models (`benchmarks.ceiling`).
+        capped = [
+            c
+            for c in cases
+            if (c.get("ceiling") or {}).get("max_ratio") is not None
+            and c["ceiling"]["max_ratio"] < low
+        ]
+        if not capped:
+            return ""
+        return f"; no plan can reach {low} at " + ", ".join(
+            f"{c['num_devices']} GPUs (max {c['ceiling']['max_ratio']:.2f})"
+            for c in capped
+        )
+
     out = []
     for device in sorted({d["device"] for d in suites}):
         on = [d for d in suites if d["device"] == device]
@@ -228,7 +243,7 @@ def checks(docs: list[dict[str, Any]]) -> list[str]:
             if big:
                 out.append(
                     f"- (b) {suite} on {device} at >= 16 GPUs has ratio >= 1.3: "
-                    f"{misses(big, 1.3)}"
+                    f"{misses(big, 1.3)}{unreachable(big, 1.3)}"
                 )
     gpt = [c for d in v100 if d["suite"] == "gpt" for c in d["cases"]]
     errs = [c["megatron_listed"] for c in gpt if c.get("megatron_listed")]
@@ -285,7 +300,12 @@ def report(directory: str | Path = RESULTS) -> str:
             "measured, which are Alpa's authors' measurements on AWS p3.16xlarge (V100) hosts "
             "(../../../shared/reference/alpa-osdi22-suite.md). ratio = best manual iteration time / "
             "automatic iteration time (> 1: the automatic plan is faster; - when no manual configuration fits). Best manual = the fastest "
-            "configuration of the grid in `benchmarks/manual_grid.py` that fits in memory. The local "
+            "configuration of the grid in `benchmarks/manual_grid.py` that fits in memory. bound "
+            "TFLOP/s = what the least iteration time ANY plan can be predicted to take would give "
+            "(the whole model's time on one device at the whole batch, ignoring memory, divided by "
+            "the devices; `benchmarks/ceiling.py` derives it); max ratio = best manual time / that "
+            "least time, so no planner using these cost models can beat the best manual "
+            "configuration by more than max ratio. The local "
             "suite's section is measured on this machine's processes (predicted against measured "
             "step time)."
         ),

@@ -139,6 +139,9 @@ def plan(
 
     `model` is an nn.Module (with `example_batch`; it may live on the meta device) or a built-in
     model name or spec. `memory_budget` is bytes per device (default: the device's memory).
+    A micro-batch size the model cannot be traced at (BatchNorm over a single value per channel,
+    say) is skipped with a progress note; when no size can be traced, the first one's error is
+    raised.
     """
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
@@ -173,11 +176,19 @@ def plan(
         np.inf
     ]  # per-device memory of the whole model as one stage on all devices, at best
     found: list[tuple] = []  # (iteration time, dp, choices, layers, graph, B)
+    untraceable: dict[
+        int, MeshplanError
+    ] = {}  # micro-batch size -> why it cannot be traced
 
     def evaluate(b: int) -> None:
         say(f"tracing {name} with micro-batch {b}")
         module, batch = make(b)
-        graph = trace(module, batch, model_name=name)
+        try:
+            graph = trace(module, batch, model_name=name)
+        except MeshplanError as exc:  # e.g. BatchNorm over a single value per channel
+            say(f"micro-batch {b} skipped: {exc}")
+            untraceable[b] = exc
+            return
         # per trace: the op count may depend on the micro-batch size (e.g. size-1 dims)
         layers = _layerings(graph, num_layers, D if mode == "auto" else 1)
         counts = ", ".join(str(len(x)) for x in layers)
@@ -198,6 +209,8 @@ def plan(
             break  # the best plan so far runs smaller micro-batches than the largest tried
         evaluate(tried := b)
     best = min(found, key=lambda r: r[0]) if found else None
+    if best is None and len(untraceable) == len(sizes_b):
+        raise next(iter(untraceable.values()))
     if best is None:
         raise DoesNotFitError(
             f"{name} does not fit on {cluster.spec}: even as one stage on all {D} devices it needs "

@@ -146,6 +146,25 @@ def test_state_that_cannot_fit_is_refused_before_tracing() -> None:
     assert not any("tracing" in m for m in said)
 
 
+def test_a_microbatch_size_that_cannot_be_traced_is_skipped() -> None:
+    """wresnet-tiny's last block is 1x1 pixels: BatchNorm cannot train on one row there. The plan
+    skips that size and says so; asked for that size alone, plan raises the tracer's error."""
+    said: list[str] = []
+    p = plan(
+        "wresnet-tiny",
+        "1x2xA100-80GB",
+        global_batch=4,
+        dtype="float32",
+        optimizer="adam_fp32",
+        microbatch_size=[1, 2],
+        progress=said.append,
+    )
+    assert p.num_microbatches == 2
+    assert any(m.startswith("micro-batch 1 skipped: cannot trace") for m in said)
+    with pytest.raises(MeshplanError, match="more than 1 value per channel"):
+        plan("wresnet-tiny", "1x2xA100-80GB", global_batch=4, microbatch_size=1)
+
+
 def test_cli_plan_and_explain(tmp_path, capsys) -> None:
     out = tmp_path / "p.json"
     assert (

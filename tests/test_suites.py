@@ -90,6 +90,9 @@ def test_case_record(suite: str, gpus: int) -> None:
         best["iteration_time_s"] / auto["iteration_time_s"]
     )
     assert case["ratio"] > 0
+    bound = case["ceiling"]  # no plan beats the bound: the ratio is at most its max
+    assert 0 < bound["iteration_time_s"] <= auto["iteration_time_s"]
+    assert case["ratio"] <= bound["max_ratio"] * (1 + 1e-9)
     if (
         suite == "gpt"
     ):  # on one device the automatic plan is pure data parallel, as good as manual
@@ -181,6 +184,50 @@ def test_report_from_a_tiny_results_file(tmp_path) -> None:
     assert "within 15% of measured: no (largest error 19%)" in text
     if (tmp_path / "gpt-V100-16GB.png").exists():
         assert "(gpt-V100-16GB.png)" in text
+
+
+def test_report_names_the_cases_no_plan_can_win(tmp_path) -> None:
+    """(b) names the cases whose max ratio (`benchmarks.ceiling`) is below 1.3, and the table
+    shows the bound."""
+    base = {
+        "suite": "moe",
+        "model": "moe-10b",
+        "cluster": "2x8xA100-80GB",
+        "global_batch": 1024,
+        "auto": {
+            "iteration_time_s": 1.0,
+            "tflops_per_device": 170.0,
+            "planner_time_s": 3.0,
+            "num_microbatches": 8,
+            "stages": [{"layers": [0, 7], "logical_mesh": [2, 8], "recompute": False}],
+        },
+        "manual_best": {"label": "dp16 tp1 pp1 B8", "iteration_time_s": 1.1},
+        "ratio": 1.1,
+    }
+    capped = base | {
+        "num_devices": 16,
+        "ceiling": {
+            "iteration_time_s": 0.9,
+            "tflops_per_device": 195.0,
+            "max_ratio": 1.22,
+        },
+    }
+    room = base | {
+        "num_devices": 32,
+        "ceiling": {
+            "iteration_time_s": 0.5,
+            "tflops_per_device": 340.0,
+            "max_ratio": 2.2,
+        },
+    }
+    doc = {"suite": "moe", "device": "A100-80GB", "cases": [capped, room]}
+    write_results(doc, tmp_path / "moe-A100-80GB.json")
+    text = write_report(tmp_path).read_text()
+    assert (
+        "(b) moe on A100-80GB at >= 16 GPUs has ratio >= 1.3: no: 16 GPUs 1.10, 32 GPUs "
+        "1.10; no plan can reach 1.3 at 16 GPUs (max 1.22)\n" in text
+    )
+    assert "| 1.10 | 195.0 | 1.22 |" in text and "| 1.10 | 340.0 | 2.20 |" in text
 
 
 def test_report_shows_one_gpu_measurements(tmp_path) -> None:

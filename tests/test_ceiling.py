@@ -1,0 +1,83 @@
+"""The iteration-time bound of `benchmarks.ceiling` against brute force: every configuration of the
+manual grid (recomputation and expert parallelism included) and the automatic plan, on small
+models and multi-host clusters, is predicted at least as slow as the bound."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from benchmarks.ceiling import ceiling
+from benchmarks.manual_grid import grid, price, shared_traces
+from cost_models.cluster import Cluster
+from cost_models.errors import MeshplanError
+from cost_models.profile import DeviceProfile
+from planner import plan
+
+CASES = [
+    ("gpt-tiny", "2x2xV100-16GB", 8, "gpt", "float16", "adam_mixed"),
+    ("moe-tiny", "1x2xA100-80GB", 4, "moe", "float16", "adam_mixed"),
+    ("wresnet-tiny", "1x4xH100-80GB", 8, "wresnet", "float32", "adam_fp32"),
+]
+
+
+@pytest.mark.parametrize("model,spec,G,suite,dtype,optimizer", CASES)
+def test_no_plan_beats_the_bound(model, spec, G, suite, dtype, optimizer) -> None:
+    cluster = Cluster.from_spec(spec)
+    bound = ceiling(model, cluster, G, dtype=dtype, optimizer=optimizer)
+    t_min = bound["iteration_time_s"]
+    groups, pruned = grid(model, cluster, G, optimizer, suite)
+    assert pruned == 0 and groups
+    times = {}
+    with shared_traces():
+        for config in (c for group in groups for c in group):
+            try:
+                p = price(model, cluster, config, G, dtype, optimizer)
+            except (
+                MeshplanError
+            ):  # e.g. a micro-batch size the model cannot be traced at
+                continue
+            times[config.label()] = p.estimate.iteration_time_s
+    assert len(times) >= 8
+    auto = plan(model, cluster, global_batch=G, dtype=dtype, optimizer=optimizer)
+    times["auto"] = auto.estimate.iteration_time_s
+    below = {k: t for k, t in times.items() if t < t_min * (1 - 1e-9)}
+    assert not below, f"faster than the bound {t_min}: {below}"
+    # The ratio bound follows: no plan is max_ratio times faster than a manual configuration.
+    some = next(iter(times.values()))
+    capped = ceiling(
+        model, cluster, G, dtype=dtype, optimizer=optimizer, manual_time_s=some
+    )
+    assert capped["max_ratio"] == pytest.approx(some / t_min)
+    assert max(some / t for t in times.values()) <= capped["max_ratio"] * (1 + 1e-9)
+
+
+def test_tflops_at_the_bound() -> None:
+    """T_min's TFLOP/s per device is the model's FLOPs over N * T_min: the same on 1 and 8
+    devices of a kind, since T_min = T1 / N."""
+    one = ceiling("gpt-tiny", "1x1xA100-80GB", 16)
+    eight = ceiling("gpt-tiny", "1x8xA100-80GB", 16)
+    assert eight["iteration_time_s"] == pytest.approx(one["iteration_time_s"] / 8)
+    assert eight["tflops_per_device"] == pytest.approx(one["tflops_per_device"])
+    assert one["max_ratio"] is None
+
+
+def test_a_profiled_cluster_is_refused() -> None:
+    profile = DeviceProfile(
+        version=1,
+        device_name="Test CPU",
+        backend="gloo",
+        hosts=1,
+        devices_per_host=2,
+        memory_bytes=8 << 30,
+        memory_bandwidth_bytes_per_s=20e9,
+        peak_flops={"float32": 100e9},
+        matmul=[],
+        collectives=[],
+        created="2025-01-01T00:00:00+00:00",
+        host="t",
+    )
+    cluster = replace(Cluster.from_spec("1x2xA100-80GB"), profile=profile)
+    with pytest.raises(MeshplanError, match="datasheet pricing only"):
+        ceiling("gpt-tiny", cluster, 16)
