@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from profiles import cpu_profile
 
 from benchmarks.ceiling import ceiling
 from benchmarks.manual_grid import grid, price, shared_traces
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
-from cost_models.profile import DeviceProfile
 from planner import plan
 
 CASES = [
@@ -64,20 +64,6 @@ def test_tflops_at_the_bound() -> None:
 
 
 def test_a_profiled_cluster_is_refused() -> None:
-    profile = DeviceProfile(
-        version=1,
-        device_name="Test CPU",
-        backend="gloo",
-        hosts=1,
-        devices_per_host=2,
-        memory_bytes=8 << 30,
-        memory_bandwidth_bytes_per_s=20e9,
-        peak_flops={"float32": 100e9},
-        matmul=[],
-        collectives=[],
-        created="2025-01-01T00:00:00+00:00",
-        host="t",
-    )
-    cluster = replace(Cluster.from_spec("1x2xA100-80GB"), profile=profile)
+    cluster = replace(Cluster.from_spec("1x2xA100-80GB"), profile=cpu_profile())
     with pytest.raises(MeshplanError, match="datasheet pricing only"):
         ceiling("gpt-tiny", cluster, 16)

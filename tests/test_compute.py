@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import profiles
 import pytest
 
 from cost_models import Cluster, matmul_efficiency, matmul_time, op_time
@@ -23,21 +24,13 @@ V100 = Cluster.from_spec("1x8xV100-16GB")
 
 
 def cpu_profile(samples):
-    return profile_mod.DeviceProfile(
-        version=1,
-        device_name="Test CPU",
-        backend="gloo",
-        hosts=1,
-        devices_per_host=2,
+    return profiles.cpu_profile(
         memory_bytes=8 << 30,
         memory_bandwidth_bytes_per_s=20e9,
-        peak_flops={"float32": 100e9},
         matmul=[
             profile_mod.MatmulSample(m, n, k, "float32", s) for m, n, k, s in samples
         ],
         collectives=[profile_mod.CollectiveFit("send_recv", 2, 1e-5, 1e-9)],
-        created="2025-01-01T00:00:00+00:00",
-        host="t",
     )
 
 

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from profiles import cpu_profile
 
 from benchmarks import local_report
 from benchmarks.local_suite import (
@@ -26,9 +27,7 @@ from benchmarks.report import load_results, report, write_results
 from cost_models.cluster import Cluster
 from cost_models.compute import op_overhead
 from cost_models.profile import (
-    PROFILE_VERSION,
     DeviceProfile,
-    MatmulSample,
     load_profile,
     save_profile,
 )
@@ -225,21 +224,8 @@ def test_report_table_and_figure(tmp_path):
 
 
 def _profile(overhead: float, devices: int = 1, step: float = 5e-3) -> DeviceProfile:
-    return DeviceProfile(
-        version=PROFILE_VERSION,
-        device_name="test cpu",
-        backend="gloo",
-        hosts=1,
-        devices_per_host=devices,
-        memory_bytes=1 << 30,
-        memory_bandwidth_bytes_per_s=1e10,
-        peak_flops={"float32": 1e11},
-        matmul=[MatmulSample(64, 64, 64, "float32", 1e-5)],
-        collectives=[],
-        created="2025-01-01T00:00:00+00:00",
-        host="testhost",
-        op_overhead_s=overhead,
-        step_overhead_s=step,
+    return cpu_profile(
+        devices_per_host=devices, op_overhead_s=overhead, step_overhead_s=step
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from profiles import cpu_profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -14,7 +15,6 @@ from cost_models.compute import measured_op_time, op_overhead
 from cost_models.profile import (
     CollectiveFit,
     DeviceProfile,
-    MatmulSample,
     OpRate,
 )
 from planner.models import build_model
@@ -30,19 +30,10 @@ SDPA = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
 
 def _profile(rates: list[OpRate]) -> DeviceProfile:
-    return DeviceProfile(
-        version=1,
-        device_name="test cpu",
-        backend="gloo",
-        hosts=1,
-        devices_per_host=2,
+    return cpu_profile(
         memory_bytes=8 << 30,
         memory_bandwidth_bytes_per_s=20e9,
-        peak_flops={"float32": 100e9},
-        matmul=[MatmulSample(64, 64, 64, "float32", 1e-5)],
         collectives=[CollectiveFit("send_recv", 2, 1e-5, 1e-9)],
-        created="2025-01-01T00:00:00+00:00",
-        host="t",
         op_overhead_s=3e-5,
         op_rates=rates,
     )

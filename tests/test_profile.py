@@ -14,13 +14,13 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from profiles import cpu_profile
 
 from cost_models.errors import MeshplanError
 from cost_models.profile import (
     PROFILE_VERSION,
     CollectiveFit,
     DeviceProfile,
-    MatmulSample,
     OpRate,
     fit_alpha_beta,
     fit_segments,
@@ -38,16 +38,7 @@ TOLERANCE = 0.25
 
 
 def _profile() -> DeviceProfile:
-    return DeviceProfile(
-        version=PROFILE_VERSION,
-        device_name="test cpu",
-        backend="gloo",
-        hosts=1,
-        devices_per_host=2,
-        memory_bytes=1 << 30,
-        memory_bandwidth_bytes_per_s=1e10,
-        peak_flops={"float32": 1e11},
-        matmul=[MatmulSample(64, 64, 64, "float32", 1e-5)],
+    return cpu_profile(
         collectives=[
             CollectiveFit(
                 "all_reduce", 2, 1e-4, 1e-9, [(65536, 1.6e-4), (1 << 20, 1.1e-3)]
@@ -56,8 +47,6 @@ def _profile() -> DeviceProfile:
                 "send_recv", 2, 5e-5, 5e-10, [(65536, 8e-5)], [(1 << 20, 5e-5, 5e-10)]
             ),
         ],
-        created="2025-01-01T00:00:00+00:00",
-        host="testhost",
         op_rates=[
             OpRate("aten.gelu.default", "byte", 5e-11, 2e-10),
             OpRate("aten.arange.default", "byte", 1e-8, None),

@@ -20,14 +20,13 @@ from pathlib import Path
 import pytest
 import single_device
 import torch
+from profiles import cpu_profile
 
 import runtime.launch
 import runtime.profiler
 from cost_models.profile import (
-    PROFILE_VERSION,
     CollectiveFit,
     DeviceProfile,
-    MatmulSample,
 )
 from planner.manual import manual_plan
 from runtime.cli import COMMAND_MODULES, main
@@ -167,22 +166,12 @@ def test_torchrun_runs_one_rank_per_process(tmp_path: Path) -> None:
 
 
 def _stub_profile() -> DeviceProfile:
-    return DeviceProfile(
-        version=PROFILE_VERSION,
-        device_name="test cpu",
-        backend="gloo",
-        hosts=1,
-        devices_per_host=2,
-        memory_bytes=1 << 30,
-        memory_bandwidth_bytes_per_s=1e10,
+    return cpu_profile(
         peak_flops={"float32": 1e10},
-        matmul=[MatmulSample(64, 64, 64, "float32", 1e-5)],
         collectives=[
             CollectiveFit("all_reduce", 2, 1e-4, 1e-9, [(65536, 1.6e-4)]),
             CollectiveFit("send_recv", 2, 5e-5, 5e-10, [(65536, 8e-5)]),
         ],
-        created="2025-01-01T00:00:00+00:00",
-        host="testhost",
     )
 
 

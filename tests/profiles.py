@@ -1,0 +1,27 @@
+"""A small measured CPU profile for tests that need a cluster with a profile attached."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cost_models.profile import PROFILE_VERSION, DeviceProfile, MatmulSample
+
+
+def cpu_profile(**overrides: Any) -> DeviceProfile:
+    """Two gloo processes on one host, one matmul sample and no collective fits, unless
+    `overrides` (DeviceProfile fields) say otherwise."""
+    fields: dict[str, Any] = {
+        "version": PROFILE_VERSION,
+        "device_name": "test cpu",
+        "backend": "gloo",
+        "hosts": 1,
+        "devices_per_host": 2,
+        "memory_bytes": 1 << 30,
+        "memory_bandwidth_bytes_per_s": 1e10,
+        "peak_flops": {"float32": 1e11},
+        "matmul": [MatmulSample(64, 64, 64, "float32", 1e-5)],
+        "collectives": [],
+        "created": "2025-01-01T00:00:00+00:00",
+        "host": "testhost",
+    }
+    return DeviceProfile(**(fields | overrides))
