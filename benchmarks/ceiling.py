@@ -97,9 +97,8 @@ def case_ceiling(case: dict[str, Any]) -> dict[str, Any]:
 
 def annotate(path: str | Path) -> Path:
     """Add `ceiling` to every case of a results file written before the suites recorded it."""
-    from benchmarks.report import (
-        write_results,
-    )  # the report imports the suites, they this
+    # imported here: the report imports the suites, which import this module
+    from benchmarks.report import write_results
 
     doc = json.loads(Path(path).read_text())
     for case in doc["cases"]:

@@ -176,9 +176,8 @@ def plan(
         np.inf
     ]  # per-device memory of the whole model as one stage on all devices, at best
     found: list[tuple] = []  # (iteration time, dp, choices, layers, graph, B)
-    untraceable: dict[
-        int, MeshplanError
-    ] = {}  # micro-batch size -> why it cannot be traced
+    # micro-batch size -> why the model cannot be traced at it
+    untraceable: dict[int, MeshplanError] = {}
 
     def evaluate(b: int) -> None:
         say(f"tracing {name} with micro-batch {b}")
