@@ -228,8 +228,8 @@ def format_row(c: dict[str, Any]) -> str:
         for s in c["auto"]["stages"]
     )
     ratio = f"{c['ratio']:.2f}" if c["ratio"] else "-"
-    cap = (c.get("ceiling") or {}).get("max_ratio")
-    cap = f"{cap:.2f}" if cap else "-"
+    most = (c.get("ceiling") or {}).get("max_ratio")
+    cap = f"{most:.2f}" if most else "-"
     auto = c["auto"]["tflops_per_device"]
     return (
         f"{c['num_devices']:>4} {c['model']:<13} {'none fits' if auto is None else f'{auto:.1f}':>12} "

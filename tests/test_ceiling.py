@@ -34,9 +34,8 @@ def test_no_plan_beats_the_bound(model, spec, G, suite, dtype, optimizer) -> Non
         for config in (c for group in groups for c in group):
             try:
                 p = price(model, cluster, config, G, dtype, optimizer)
-            except (
-                MeshplanError
-            ):  # e.g. a micro-batch size the model cannot be traced at
+            # e.g. a micro-batch size the model cannot be traced at
+            except MeshplanError:
                 continue
             times[config.label()] = p.estimate.iteration_time_s
     assert len(times) >= 8
@@ -44,13 +43,12 @@ def test_no_plan_beats_the_bound(model, spec, G, suite, dtype, optimizer) -> Non
     times["auto"] = auto.estimate.iteration_time_s
     below = {k: t for k, t in times.items() if t < t_min * (1 - 1e-9)}
     assert not below, f"faster than the bound {t_min}: {below}"
-    # The ratio bound follows: no plan is max_ratio times faster than a manual configuration.
+    # So max_ratio, a manual time over the bound, caps every plan's ratio against it.
     some = next(iter(times.values()))
     capped = ceiling(
         model, cluster, G, dtype=dtype, optimizer=optimizer, manual_time_s=some
     )
     assert capped["max_ratio"] == pytest.approx(some / t_min)
-    assert max(some / t for t in times.values()) <= capped["max_ratio"] * (1 + 1e-9)
 
 
 def test_the_bound_is_attained_on_one_device() -> None:
