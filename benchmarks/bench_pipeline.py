@@ -7,7 +7,7 @@
 
 Each configuration is one `runtime.launch.launch` of gloo ranks; every rank builds the same seeded
 GPT and batches and trains two `runtime.train.Trainer` copies of the Megatron plan
-(`planner.manual.manual_plan`), one per runner (``pipeline="torch"`` and ``"ours"``), alternating
+(`planner.plans.manual.manual_plan`), one per runner (``pipeline="torch"`` and ``"ours"``), alternating
 their steps so that both see the same machine noise; each step is timed between two barriers of
 the whole group (`benchmarks.bench_runtime._timed`). The table gives the median step time of each
 and their ratio (torch / ours), and both runners' losses of the first step (they must agree).
@@ -55,7 +55,7 @@ def compare_rank(
     cfg: PipelineConfig, spec: str, batch: int, steps: int, warmup: int
 ) -> dict[str, Any]:
     """Body of one rank: both runners on the same plan, alternating timed steps."""
-    from planner.manual import manual_plan
+    from planner.plans.manual import manual_plan
     from runtime.train import Trainer, seeded_model_and_batches
 
     plan = manual_plan(

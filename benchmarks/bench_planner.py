@@ -24,7 +24,7 @@ import torch
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from planner import plan, trace
-from planner.intra_op import solve_stage
+from planner.intra.solve import solve_stage
 from planner.models import build_model
 
 GPT_1T = "gpt:hidden=25600,layers=128,heads=160,seq=2048,vocab=51200"

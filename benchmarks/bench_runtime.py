@@ -7,7 +7,7 @@
 Each configuration is one `runtime.launch.launch` of dp * tp * pp gloo ranks. Every rank builds the
 same seeded GPT and seeded global batches, then trains two copies of it side by side:
 
-* **runtime**: `runtime.train.Trainer` on `planner.manual.manual_plan` (dp, tp, pp, micro-batches);
+* **runtime**: `runtime.train.Trainer` on `planner.plans.manual.manual_plan` (dp, tp, pp, micro-batches);
 * **reference**: PyTorch's own pieces, written by hand as a user would (`ReferenceTrainer`):
   tensor parallelism with ``parallelize_module`` on the ``tp`` axis of a DeviceMesh (ColwiseParallel
   for ``attn.qkv`` and ``mlp.fc`` - the qkv features are head-major, so a column shard holds whole
@@ -243,7 +243,7 @@ class ReferenceTrainer:
 
 
 def _plan(cfg: Config, spec: str, batch: int) -> Any:
-    from planner.manual import manual_plan
+    from planner.plans.manual import manual_plan
 
     return manual_plan(
         spec,

@@ -41,7 +41,7 @@ from typing import Any
 
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
-from planner.manual import manual_plan
+from planner.plans.manual import manual_plan
 
 
 def ceiling(

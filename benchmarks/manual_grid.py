@@ -10,7 +10,7 @@ For a case (model, cluster, global batch) the grid is every
     expert parallel            for MoE, off and (when E divides by dp > 1) on.
 
 Wide-ResNet's baseline is PP-DP (the paper's): Megatron's tensor-parallel rules cover no convolution
-weight, so tp = 1 there. Every configuration is priced by `planner.manual.manual_plan`, the same cost
+weight, so tp = 1 there. Every configuration is priced by `planner.plans.manual.manual_plan`, the same cost
 models as the automatic plans; the best feasible one (least predicted iteration time, fits in memory)
 is the baseline.
 
@@ -43,11 +43,11 @@ from typing import Any
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from cost_models.memory import state_bytes_per_param
-from planner import manual
-from planner.manual import manual_plan
 from planner.models import build_model
-from planner.opgraph import OpGraph
-from planner.plan_format import ParallelPlan
+from planner.plans import manual
+from planner.plans.manual import manual_plan
+from planner.tracing.opgraph import OpGraph
+from planner.vocab.plan_file import ParallelPlan
 
 MICROBATCH_SIZES = (1, 2, 4, 8, 16)
 
@@ -171,7 +171,7 @@ def grid(
 
 @contextmanager
 def shared_traces() -> Iterator[None]:
-    """Within the block, `planner.manual` traces a model once per (name, batch shapes) and reuses
+    """Within the block, `planner.plans.manual` traces a model once per (name, batch shapes) and reuses
     the OpGraph (planning reads it and never changes it): most of a configuration's pricing time is
     tracing, and a grid prices the same micro-batch size many times."""
     original = manual.trace

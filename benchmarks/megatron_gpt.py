@@ -11,7 +11,7 @@ forward and backward, not recomputed (``alpa_gpt_flops``). Predicted and measure
 ``F / iteration time / GPUs`` here.
 
 Megatron-LM's program is not meshplan's GPT (flash attention, no dropout, cross-entropy on fp16
-logits). ``megatron_iteration_time`` prices the plan of ``planner.manual.manual_plan`` (Megatron's
+logits). ``megatron_iteration_time`` prices the plan of ``planner.plans.manual.manual_plan`` (Megatron's
 placements, its pipeline split and per-block checkpointing) and replaces, stage by stage, the price
 of what Megatron runs differently, each from ``cost_models.compute``:
 
@@ -48,19 +48,19 @@ from cost_models.compute import (
 )
 from cost_models.pipeline import pipeline_time
 from planner.api import _resolve_model, boundary_send_times
-from planner.manual import manual_plan
-from planner.models.gpt import GPT_CONFIGS
-from planner.opgraph import OpGraph
-from planner.plan_format import ParallelPlan
-from planner.stage_costs import (
+from planner.inter.stage_table import stage_boundary_bytes
+from planner.intra.prices import (
     Option,
     StageSettings,
     compute_time,
     forward_time,
 )
-from planner.stage_table import stage_boundary_bytes
-from planner.strategies import Strategy
-from planner.tracer import trace
+from planner.intra.strategies import Strategy
+from planner.models.gpt import GPT_CONFIGS
+from planner.plans.manual import manual_plan
+from planner.tracing.opgraph import OpGraph
+from planner.tracing.tracer import trace
+from planner.vocab.plan_file import ParallelPlan
 
 
 def alpa_gpt_flops(

@@ -3,9 +3,9 @@
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from planner.api import plan
-from planner.opgraph import OpGraph, OpNode, TensorMeta
-from planner.plan_format import ParallelPlan
-from planner.tracer import trace
+from planner.tracing.opgraph import OpGraph, OpNode, TensorMeta
+from planner.tracing.tracer import trace
+from planner.vocab.plan_file import ParallelPlan
 
 __all__ = [
     "Cluster",

@@ -1,13 +1,13 @@
 """`plan(model, cluster)`: the planner's front door.
 
 1. Trace the model on fake tensors for each candidate micro-batch size.
-2. Cluster its ops into layers (`planner.layers`): the automatic count L, and also p layers for
+2. Cluster its ops into layers (`planner.inter.layers`): the automatic count L, and also p layers for
    every divisor p < L of the device count (a p-stage manual pipeline's balanced split).
 3. For every submesh shape (1,1), (1,2), ..., (1,M), (2,M), ..., (N,M) and its logical meshes, solve
    the intra-op program (time-optimal, a memory ladder, Megatron's placements as seeds) and
-   attribute time and memory to the layers of each clustering (`planner.mesh_search`,
-   `planner.stage_table`).
-4. Run the stage DP (`planner.inter_op`) for each micro-batch count and clustering; keep the plan
+   attribute time and memory to the layers of each clustering (`planner.inter.mesh_search`,
+   `planner.inter.stage_table`).
+4. Run the stage DP (`planner.inter.stage_dp`) for each micro-batch count and clustering; keep the plan
    whose predicted iteration time (`cost_models.pipeline.pipeline_time`, activations sent between
    stages included) is least.
 5. Return a `ParallelPlan` with the stages, shardings, schedule and predicted time and memory.
@@ -33,13 +33,13 @@ from cost_models.compute import step_overhead
 from cost_models.errors import DoesNotFitError, MeshplanError
 from cost_models.memory import microbatches_in_flight, state_bytes_per_param
 from cost_models.pipeline import pipeline_time
-from planner import stage_table as st
-from planner.blocks import block_of
-from planner.layers import auto_num_layers, cluster_layers
-from planner.mesh_search import search, submesh_shapes
-from planner.opgraph import OpGraph
-from planner.plan_format import Estimate, ParallelPlan, StagePlan
-from planner.tracer import trace
+from planner.inter import stage_table as st
+from planner.inter.layers import auto_num_layers, cluster_layers
+from planner.inter.mesh_search import search, submesh_shapes
+from planner.tracing.blocks import block_of
+from planner.tracing.opgraph import OpGraph
+from planner.tracing.tracer import trace
+from planner.vocab.plan_file import Estimate, ParallelPlan, StagePlan
 
 MODES = ("auto", "intra-only", "inter-only")
 Progress = Callable[[str], None]
@@ -240,7 +240,7 @@ def _check_state_fits(
 ) -> None:
     """Raise DoesNotFitError before any tracing when the model's weights, gradients and optimizer
     state alone exceed `budget` even spread evenly over every device: each parameter costs
-    ``state_bytes_per_param(optimizer).total`` bytes somewhere (`planner.stage_costs.
+    ``state_bytes_per_param(optimizer).total`` bytes somewhere (`planner.intra.prices.
     param_state_bytes` with every axis sharding it), and the fullest device holds at least the
     average."""
     params = sum(p.numel() for p in module.parameters())
@@ -328,7 +328,7 @@ def boundary_send_times(
 ) -> list[float]:
     """Round trip of one micro-batch's boundary activations (forward) and their gradient (back)
     from stage i to stage i + 1 (`nbytes[i]` full bytes), each device of stage i sending its 1/n
-    share (as the stage DP prices it, `planner.stage_table.send_times`), over the inter-host link
+    share (as the stage DP prices it, `planner.inter.stage_table.send_times`), over the inter-host link
     when the two stages' devices lie in different hosts, where the host's network is shared by
     the stage's devices in that host (all of them for stages of whole hosts, as the stage DP
     assumes; a 1-device stage has the whole network card)."""

@@ -51,8 +51,8 @@ from torch.distributed.tensor import empty as dtensor_empty
 from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
-from planner.dtensor_rules import str_to_placement
-from planner.plan_format import ParallelPlan, StagePlan
+from planner.intra.dtensor_rules import str_to_placement
+from planner.vocab.plan_file import ParallelPlan, StagePlan
 from runtime.meshes import device_mesh
 
 __all__ = [

@@ -50,12 +50,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cost_models.communication import LogicalMesh
 from cost_models.resharding import reshard_steps
-from planner.intra_op import StageSolution
-from planner.opgraph import OpGraph
-from planner.plan_format import ParallelPlan
-from planner.stage_costs import expected_grad, grad_from_consumer, norm
-from planner.stage_table import stage_boundary_bytes
-from planner.strategies import consumed_output
+from planner.inter.stage_table import stage_boundary_bytes
+from planner.intra.prices import expected_grad, grad_from_consumer, norm
+from planner.intra.solve import StageSolution
+from planner.intra.strategies import consumed_output
+from planner.tracing.opgraph import OpGraph
+from planner.vocab.plan_file import ParallelPlan
 
 __all__ = [
     "Collective",
@@ -267,7 +267,7 @@ def predicted_collectives(
 ) -> dict[str, list[tuple[str, float]]]:
     """What the planner prices, per site of the executor: ``"fwd:u->v"`` -> [(kind, bytes)] for the
     forward redistribution of every edge u -> v of the chosen strategies, and ``"bwd:u->v"`` for its
-    gradient (`planner.stage_costs`: from ``grad_from_consumer(dst, v's strategy)`` to
+    gradient (`planner.intra.prices`: from ``grad_from_consumer(dst, v's strategy)`` to
     ``expected_grad(src)``), both from `cost_models.resharding.reshard_steps`. One micro-batch,
     forward + backward (the parameter-gradient part is not divided by the micro-batches)."""
     out: dict[str, list[tuple[str, float]]] = {}
@@ -351,7 +351,7 @@ DIRECTIONS = ("fwd", "bwd")
 def predicted_boundary(graph: OpGraph, plan: ParallelPlan) -> dict[str, float]:
     """Point-to-point bytes of one step between stages as the planner prices them, per direction:
     ``{"fwd": activations, "bwd": their gradients}``. For every stage boundary, the full values
-    crossing it (`planner.stage_table.stage_boundary_bytes`; the planner's send time is that many
+    crossing it (`planner.inter.stage_table.stage_boundary_bytes`; the planner's send time is that many
     bytes split over the sending stage's devices, once each way) times the micro-batches. `graph`:
     the model traced on one micro-batch."""
     per_mb = stage_boundary_bytes(

@@ -11,7 +11,7 @@ this process's device of that type (a DeviceMesh's ``device_type``): attention t
 256, compute capability 8.0 or newer) or else the memory-efficient kernel, with the same inputs,
 the same causal flag and scale, and the same first two outputs (attention output and log-sum-exp);
 factory ops with the run's device. DTensor shards both CUDA kernels by batch or by heads, the
-strategies `planner.dtensor_rules` registers for the CPU kernel, so the planned placements hold.
+strategies `planner.intra.dtensor_rules` registers for the CPU kernel, so the planned placements hold.
 On CPU nothing is replaced.
 
 What PyTorch lacks: ``aten.scaled_dot_product_attention`` is CompositeImplicitAutograd, so a trace

@@ -1,7 +1,7 @@
 """Execute a traced graph under one stage's planned shardings with DTensor (principles 1, 6, 7).
 
 ``run_graph(graph, solution, mesh, params, batch)`` interprets ``graph.gm`` (the aten-level fx graph
-of `planner.tracer.trace`) node by node on DTensors:
+of `planner.tracing.tracer.trace`) node by node on DTensors:
 
 * Leaves. Parameters are placed as DTensors with their planned placements (`place_params`), leaves
   of autograd that require grad, so ``loss.backward()`` leaves their gradients in ``.grad`` as
@@ -12,22 +12,22 @@ of `planner.tracer.trace`) node by node on DTensors:
 * Edges. Before a node runs, every DTensor input is moved to the placement the node's chosen
   strategy requires (``Strategy.inputs[k]``) by `Edge`, an autograd function whose forward is
   ``DTensor.redistribute`` and whose backward moves the gradient to the placement the planner
-  prices for the producer (`planner.stage_costs.expected_grad`: S(d) where the producer's output
+  prices for the producer (`planner.intra.prices.expected_grad`: S(d) where the producer's output
   was S(d), else R). DTensor refuses S -> P; we go S -> R -> P, as `cost_models` prices it. A
   getitem of a multi-output op is an edge from the producer's output to the getitem's placement.
 * Ops. The aten op runs on the DTensors; DTensor's dispatcher picks the output placement. When it
   differs from the planned output (it should not: the planner keeps the output DTensor's propagator
   picks), the executor records it in ``mismatches`` and redistributes to the planned placement (or
   raises with ``strict=True``). Ops that fell back to replication in the plan are registered with
-  DTensor's ``replicate_op_strategy`` (`planner.strategies.register_fallback`), and the rules the
-  planner added (CPU flash attention) with `planner.dtensor_rules.register_missing_rules`. On
+  DTensor's ``replicate_op_strategy`` (`planner.intra.strategies.register_fallback`), and the rules the
+  planner added (CPU flash attention) with `planner.intra.dtensor_rules.register_missing_rules`. On
   GPUs, ops traced as CPU kernels run as their CUDA equivalents (`runtime.device_ops`).
 * Output. The loss is returned replicated; a partial loss (``P(avg)`` under data parallelism) is
   all-reduced first (one scalar, which the planner does not price: no edge leads to the output).
 
 Backward is plain autograd through DTensor ops and the `Edge` functions. Why an explicit edge
 function instead of relying on ``DTensor.redistribute``'s own backward: the planner prices every
-edge's gradient separately (`planner.stage_costs.edge_matrices`), from the placement the consumer's
+edge's gradient separately (`planner.intra.prices.edge_matrices`), from the placement the consumer's
 backward hands back (`grad_from_consumer`) to ``expected_grad(src)``, including edges whose forward
 needs no redistribution (a replicated weight used by a batch-sharded matmul: the data-parallel
 gradient all-reduce). ``redistribute`` records no backward when src == dst, leaving a partial
@@ -74,15 +74,15 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.fx.node import map_arg
 
 from cost_models.errors import MeshplanError
-from planner.dtensor_rules import (
+from planner.intra.dtensor_rules import (
     placement_to_str,
     register_missing_rules,
     str_to_placement,
 )
-from planner.intra_op import StageSolution
-from planner.opgraph import OpGraph
-from planner.stage_costs import expected_grad, grad_from_consumer
-from planner.strategies import consumed_output, register_fallback
+from planner.intra.prices import expected_grad, grad_from_consumer
+from planner.intra.solve import StageSolution
+from planner.intra.strategies import consumed_output, register_fallback
+from planner.tracing.opgraph import OpGraph
 from runtime import comm_count
 from runtime.compiled import CompiledStage
 from runtime.device_ops import device_targets
@@ -98,7 +98,7 @@ _NOT_COMPILED = object()  # `_run_compiled`: this stage runs eagerly
 
 def make_mesh(solution: StageSolution, device_type: str = "cpu") -> DeviceMesh:
     """The DeviceMesh a solution runs on: its logical mesh without the axes of size 1 (the planner
-    derives strategies on that squeezed mesh, see `planner.strategies`). Needs an initialised
+    derives strategies on that squeezed mesh, see `planner.intra.strategies`). Needs an initialised
     default process group of ``prod(solution.mesh_shape)`` ranks."""
     shape = tuple(s for s in solution.mesh_shape if s > 1) or (1,)
     return device_mesh(device_type, torch.arange(math.prod(shape)).view(shape))
@@ -117,7 +117,7 @@ class PlanExecutor(torch.fx.Interpreter):
     redistributions included) before differentiating it.
 
     Gradient accumulation: with ``sync_param_grads=False`` the edges leaving parameters (and views
-    of parameters, as `planner.intra_op` counts them) do not redistribute their gradients, so the
+    of parameters, as `planner.intra.solve` counts them) do not redistribute their gradients, so the
     ``.grad`` of a replicated weight accumulates as a partial sum over the micro-batches; call
     `sync_grads` once after the last backward (the planner prices this synchronisation once per
     iteration).

@@ -16,7 +16,7 @@ placements, so the buckets are made here:
 * anything else is redistributed gradient by gradient.
 
 So a bucket pays one collective's latency however many gradients it holds, as the planner prices
-it (`planner.stage_costs.grad_buckets`).
+it (`planner.intra.prices.grad_buckets`).
 """
 
 from __future__ import annotations

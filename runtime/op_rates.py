@@ -7,7 +7,7 @@ measured here instead.
 
 How (`measure_op_rates`, on every rank of a launched group at once, as the profiler's other compute
 measurements): each model spec is built small and real on the CPU at two batch sizes (``batch``
-and ``BATCH_FACTOR`` times it) and traced (`planner.tracer.trace`), and each traced graph is run
+and ``BATCH_FACTOR`` times it) and traced (`planner.tracing.tracer.trace`), and each traced graph is run
 once on the real weights and the model's example batch, keeping every value. Then, for each op
 target that is neither a view nor a GEMM (a GEMM's rate depends on the shape a sharding gives it:
 the profile's matmul samples price those), up to ``CALLS_PER_TARGET`` of its calls are re-run on
@@ -105,7 +105,7 @@ def _time_model(
     import torch
 
     from planner.models import build_model
-    from planner.tracer import trace
+    from planner.tracing.tracer import trace
 
     torch.manual_seed(0)
     model, example = build_model(spec, batch=batch, device="cpu")

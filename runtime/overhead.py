@@ -119,9 +119,9 @@ class _Calibration:
         import torch
         import torch.distributed as dist
 
-        from planner.manual import manual_plan
         from planner.models import build_model
-        from planner.tracer import trace
+        from planner.plans.manual import manual_plan
+        from planner.tracing.tracer import trace
         from runtime.train import Trainer, seeded_model_and_batches
 
         world = dist.get_world_size()

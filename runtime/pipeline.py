@@ -62,7 +62,7 @@ its state for), is sharded over the mesh axes where the plan replicates it (`pla
 all-gathers it once to its planned placement (a new leaf the micro-batches compute with), and after
 the last backward reduce-scatters that leaf's accumulated partial gradient onto the shard: the
 all-reduce of data parallelism split into its two halves, plus the parameter all-gather, as
-`planner.stage_costs` prices it.
+`planner.intra.prices` prices it.
 
 Losses: each micro-batch's loss is divided by the number of micro-batches before its backward, so
 the accumulated gradient is that of the mean loss over the global batch (single-device training on
@@ -81,9 +81,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
-from planner.intra_op import StageSolution
-from planner.opgraph import OpGraph
-from planner.plan_format import ParallelPlan, StagePlan
+from planner.intra.solve import StageSolution
+from planner.tracing.opgraph import OpGraph
+from planner.vocab.plan_file import ParallelPlan, StagePlan
 from runtime import boundary, comm_count
 from runtime.device_ops import run_device
 from runtime.executor import PlanExecutor

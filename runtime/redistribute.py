@@ -5,7 +5,7 @@ from Shard to Partial, and records no backward when source and target already ma
 replicated weight's gradient would stay Partial and the data-parallel all-reduce would never run).
 What PyTorch lacks is written here: local partial-kind conversions (`_repartial`), S -> P through R
 (as `cost_models` prices it), and `Edge`, an autograd function whose backward moves the gradient
-to the placement `planner.stage_costs.expected_grad` prices.
+to the placement `planner.intra.prices.expected_grad` prices.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from runtime import comm_count
 def _repartial(x: DTensor, dst: tuple[Placement, ...]) -> DTensor:
     """Change the kind of a partial placement locally, on the axes where `dst` asks for another.
 
-    The planner treats every partial as "P" (`planner.stage_costs.norm`), so a producer's partial
+    The planner treats every partial as "P" (`planner.intra.prices.norm`), so a producer's partial
     may meet a consumer that wants another kind; DTensor refuses to convert between partial types
     ("one partial type to another is unsupported"), which would cost an all-reduce. The
     conversions that the planner's strategies need are local (PyTorch lacks them):

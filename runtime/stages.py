@@ -1,7 +1,7 @@
 """Split a traced graph into the per-stage sub-graphs of a pipeline plan, and drive the executor
 from a plan's string strategies.
 
-`split_stages(graph, plan)` cuts ``graph.gm`` (the aten fx graph of `planner.tracer.trace`) at the
+`split_stages(graph, plan)` cuts ``graph.gm`` (the aten fx graph of `planner.tracing.tracer.trace`) at the
 plan's stage boundaries (``plan.layer_nodes`` and ``StagePlan.layers``). Stage ``i`` gets a
 `StageGraph`: an `OpGraph` whose ``gm`` has placeholders for
 
@@ -30,11 +30,11 @@ import torch
 from torch import fx
 
 from cost_models.errors import MeshplanError
-from planner.intra_op import StageSolution
-from planner.opgraph import OpGraph, OpNode
-from planner.plan_format import ParallelPlan, StagePlan
-from planner.stage_costs import Option
-from planner.strategies import Strategy
+from planner.intra.prices import Option
+from planner.intra.solve import StageSolution
+from planner.intra.strategies import Strategy
+from planner.tracing.opgraph import OpGraph, OpNode
+from planner.vocab.plan_file import ParallelPlan, StagePlan
 
 __all__ = ["StageGraph", "split_stages", "stage_of_nodes", "stage_solution"]
 

@@ -91,12 +91,12 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
-from planner.dtensor_rules import str_to_placement
-from planner.intra_op import StageSolution
-from planner.opgraph import OpGraph
-from planner.plan_format import ParallelPlan
-from planner.stage_costs import Option
-from planner.strategies import Strategy
+from planner.intra.dtensor_rules import str_to_placement
+from planner.intra.prices import Option
+from planner.intra.solve import StageSolution
+from planner.intra.strategies import Strategy
+from planner.tracing.opgraph import OpGraph
+from planner.vocab.plan_file import ParallelPlan
 from runtime import comm_count
 from runtime.meshes import device_mesh
 from runtime.pipeline import PipelineRunner
@@ -237,7 +237,7 @@ def wire_placements(
     replicated mesh axis of size n > 1 sharded on the largest tensor dimension that no other axis
     shards and that n divides (kept replicated when there is none). The ranks of a stage then each
     send a 1/n piece and the full value crosses once per direction, as the planner prices it
-    (`planner.stage_table`; Alpa's cross-mesh resharding: send pieces, all-gather on the
+    (`planner.inter.stage_table`; Alpa's cross-mesh resharding: send pieces, all-gather on the
     receiving mesh) instead of n copies of it."""
     out = list(places)
     taken = {p.dim for p in out if isinstance(p, Shard)}

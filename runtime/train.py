@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from cost_models.errors import MeshplanError
-from planner.plan_format import ParallelPlan
-from planner.tracer import trace
+from planner.tracing.tracer import trace
+from planner.vocab.plan_file import ParallelPlan
 from runtime.pipeline import PipelineRunner
 from runtime.torch_pipeline import make_runner
 

@@ -9,12 +9,17 @@ import pytest
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from planner import plan
-from planner.batch_split import batch_split_options, data_nodes, shards_batch
-from planner.intra_op import price_stage, solve_stage
-from planner.manual import manual_plan
-from planner.megatron import axes_filter, batch_axes, megatron_filter, seed_filters
+from planner.intra.batch_split import batch_split_options, data_nodes, shards_batch
+from planner.intra.megatron import (
+    axes_filter,
+    batch_axes,
+    megatron_filter,
+    seed_filters,
+)
+from planner.intra.solve import price_stage, solve_stage
 from planner.models import build_model
-from planner.tracer import trace
+from planner.plans.manual import manual_plan
+from planner.tracing.tracer import trace
 
 MODEL = "gpt:hidden=512,layers=4,heads=8,seq=256,vocab=16384"
 

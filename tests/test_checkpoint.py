@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from cost_models.errors import MeshplanError
-from planner.manual import manual_plan
 from planner.models import build_model
-from planner.plan_format import ParallelPlan
+from planner.plans.manual import manual_plan
+from planner.vocab.plan_file import ParallelPlan
 from runtime.launch import launch
 
 SPEC = "gpt:hidden=64,layers=2,heads=4,seq=16,vocab=128"

@@ -27,9 +27,9 @@ import single_device
 import torch
 from test_executor import CASES, SPEC, _case, _plain, _quiet
 
-from planner.manual import manual_plan
 from planner.models import build_model
-from planner.tracer import trace
+from planner.plans.manual import manual_plan
+from planner.tracing.tracer import trace
 from runtime.launch import launch
 from runtime.train import _random_batches
 

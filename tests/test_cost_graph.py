@@ -6,8 +6,8 @@ import itertools
 
 import numpy as np
 
-from planner.cost_graph import CostGraph, identity, merge_followers, quotient
-from planner.ilp import brute_force, solve
+from planner.intra.cost_graph import CostGraph, identity, merge_followers, quotient
+from planner.intra.ilp import brute_force, solve
 
 
 def _original_objective(g: CostGraph, choice: dict[str, int]) -> tuple[float, float]:

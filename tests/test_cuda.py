@@ -19,9 +19,9 @@ import torch
 from test_executor import _plain
 
 from cost_models.errors import MeshplanError
-from planner.manual import manual_plan
 from planner.models import build_model
-from planner.tracer import trace
+from planner.plans.manual import manual_plan
+from planner.tracing.tracer import trace
 from runtime.device_ops import CPU_SDPA, device_targets
 from runtime.launch import LaunchError, launch
 from runtime.train import Trainer, _random_batches

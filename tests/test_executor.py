@@ -34,7 +34,7 @@ import torch
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from planner import trace
-from planner.intra_op import solve_stage
+from planner.intra.solve import solve_stage
 from planner.models import build_model
 from runtime.launch import launch
 

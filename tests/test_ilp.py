@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cost_models.errors import MeshplanError
-from planner.ilp import ILPModel, ILPProblem, _BulkHiGHS, brute_force, solve
+from planner.intra.ilp import ILPModel, ILPProblem, _BulkHiGHS, brute_force, solve
 
 
 def _random_problem(rng: np.random.Generator, with_memory: bool) -> ILPProblem:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cost_models.errors import MeshplanError
-from planner.inter_op import _dp_for, stage_dp
+from planner.inter.stage_dp import _dp_for, stage_dp
 
 
 def _brute(cost: np.ndarray, sizes: list[int], D: int, B: int) -> float:

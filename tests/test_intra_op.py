@@ -11,9 +11,9 @@ from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from planner import trace
-from planner.blocks import representatives
-from planner.intra_op import solve_stage
+from planner.intra.solve import solve_stage
 from planner.models import build_model
+from planner.tracing.blocks import representatives
 
 
 @functools.cache
@@ -168,9 +168,9 @@ class _MLP(torch.nn.Module):
 def test_gradient_all_reduce_latency_is_paid_once_per_bucket() -> None:
     """Data parallel on 2 devices: the runtime all-reduces the four float32 gradients as one
     bucket, so the priced synchronisation is one all-reduce of all their bytes (up to the byte of
-    the latency probe, `planner.stage_costs.bucket_line`), not four all-reduces; a stage holding
+    the latency probe, `planner.intra.prices.bucket_line`), not four all-reduces; a stage holding
     either layer or both pays the latency once."""
-    from planner import stage_table as st
+    from planner.inter import stage_table as st
 
     model = _MLP()
     g = trace(model, (torch.randn(64, 64),))

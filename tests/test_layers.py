@@ -9,7 +9,7 @@ import time
 import pytest
 
 from cost_models import MeshplanError
-from planner.layers import (
+from planner.inter.layers import (
     auto_num_layers,
     boundary_cut_bytes,
     cluster_layers,

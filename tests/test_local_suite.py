@@ -31,9 +31,9 @@ from cost_models.profile import (
     load_profile,
     save_profile,
 )
-from planner.manual import manual_plan
 from planner.models import build_model
-from planner.tracer import trace
+from planner.plans.manual import manual_plan
+from planner.tracing.tracer import trace
 from runtime.profiler import KB
 
 SPEC = "gpt:hidden=16,layers=2,heads=2,seq=8,vocab=32"

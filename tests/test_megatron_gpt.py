@@ -11,11 +11,11 @@ from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from cost_models.memory import gpt_layer_activation_bytes, state_bytes_per_param
 from planner.api import _resolve_model
-from planner.blocks import block_of
-from planner.manual import manual_plan
-from planner.manual_costs import block_chunks
 from planner.models.gpt import GPTConfig, gpt_param_count
-from planner.tracer import trace
+from planner.plans.manual import manual_plan
+from planner.plans.recompute import block_chunks
+from planner.tracing.blocks import block_of
+from planner.tracing.tracer import trace
 
 SPEC = "gpt:hidden=256,layers=4,heads=4,seq=128,vocab=1024"
 CFG = GPTConfig(hidden=256, layers=4, heads=4, seq=128, vocab=1024)
@@ -122,13 +122,13 @@ def test_forward_time_is_one_pass_of_a_memory_bound_op() -> None:
     its bytes and one kernel, a third of the forward + backward price (three passes, three
     kernels), not zero."""
     from cost_models.communication import LogicalMesh
-    from planner.stage_costs import (
+    from planner.intra.prices import (
         Option,
         StageSettings,
         compute_time,
         forward_time,
     )
-    from planner.strategies import Strategy
+    from planner.intra.strategies import Strategy
 
     g = _graph(4)
     gelu = next(n for n in g.ops if n.target.endswith("gelu.default"))

@@ -127,7 +127,7 @@ def test_gpt_layer_vs_korthikanti():
 def test_gpt_layer_formula_matches_traced_block():
     torch = pytest.importorskip("torch")
     gpt = pytest.importorskip("planner.models.gpt")
-    tracer = pytest.importorskip("planner.tracer")
+    tracer = pytest.importorskip("planner.tracing.tracer")
     s, b, h, a = 32, 2, 64, 4
 
     class OneBlock(torch.nn.Module):

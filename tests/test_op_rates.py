@@ -1,5 +1,5 @@
 """Measured op rates: what `runtime.op_rates` measures, and how the cost model prices an op from a
-profile's rate (`cost_models.compute.measured_op_time`, `planner.stage_costs.compute_time`)."""
+profile's rate (`cost_models.compute.measured_op_time`, `planner.intra.prices.compute_time`)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from cost_models.profile import (
     DeviceProfile,
     OpRate,
 )
+from planner.intra.prices import Option, StageSettings, compute_time, forward_time
+from planner.intra.strategies import Strategy
 from planner.models import build_model
-from planner.op_costs import VIEW_OPS
-from planner.stage_costs import Option, StageSettings, compute_time, forward_time
-from planner.strategies import Strategy
-from planner.tracer import trace
+from planner.tracing.op_flops import VIEW_OPS
+from planner.tracing.tracer import trace
 from runtime.op_rates import GEMM_TARGETS, measure_op_rates
 
 SPEC = "gpt:hidden=32,layers=1,heads=2,seq=16,vocab=64"

@@ -9,9 +9,9 @@ import pytest
 
 from cost_models.errors import DoesNotFitError, MeshplanError
 from planner import Cluster, plan
-from planner.manual import manual_plan
 from planner.models import build_model
-from planner.plan_format import ParallelPlan
+from planner.plans.manual import manual_plan
+from planner.vocab.plan_file import ParallelPlan
 from runtime.cli import main
 
 SMALL = "gpt:hidden=256,layers=4,heads=4,seq=128,vocab=1024"
@@ -357,7 +357,7 @@ def test_boundary_sends_share_the_network_card_only_among_senders() -> None:
 def test_logical_shapes_offer_both_orientations_inside_a_host() -> None:
     from cost_models.communication import LogicalMesh
     from cost_models.resharding import reshard_cost
-    from planner.mesh_search import logical_shapes
+    from planner.inter.mesh_search import logical_shapes
 
     assert logical_shapes((1, 8)) == [(1, 8), (2, 4), (4, 2)]
     assert logical_shapes((1, 4)) == [(1, 4), (2, 2)]

@@ -28,7 +28,7 @@ from cost_models.profile import (
     CollectiveFit,
     DeviceProfile,
 )
-from planner.manual import manual_plan
+from planner.plans.manual import manual_plan
 from runtime.cli import COMMAND_MODULES, main
 from runtime.commands.run import Fault, launch_mode
 from runtime.train import seeded_model_and_batches

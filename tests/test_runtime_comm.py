@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 import torch
 
-from planner.manual import manual_plan
 from planner.models import build_model
-from planner.plan_format import ParallelPlan
+from planner.plans.manual import manual_plan
+from planner.vocab.plan_file import ParallelPlan
 from runtime.launch import launch
 from runtime.train import _random_batches
 
@@ -98,7 +98,7 @@ def _predicted(stage_index: int) -> dict[str, float]:
     """Priced intra-stage bytes per kind for one step."""
     from cost_models.cluster import Cluster
     from cost_models.communication import LogicalMesh
-    from planner.tracer import trace
+    from planner.tracing.tracer import trace
     from runtime.comm_count import as_run_on, predicted_collectives
     from runtime.stages import split_stages, stage_solution
 
@@ -151,12 +151,12 @@ def test_gradient_buckets_match_the_runtime(
     all_runs: list[dict[str, Any]], stage: int
 ) -> None:
     """The planner charges gradient all-reduce latency once per bucket and mesh axis
-    (`planner.stage_costs.grad_buckets`): as many all-reduces as the runtime's synchronisation
+    (`planner.intra.prices.grad_buckets`): as many all-reduces as the runtime's synchronisation
     issues in one step of the data-parallel plan (``pp2_dp2``)."""
     from cost_models.cluster import Cluster
     from cost_models.communication import LogicalMesh
-    from planner.stage_costs import grad_buckets
-    from planner.tracer import trace
+    from planner.intra.prices import grad_buckets
+    from planner.tracing.tracer import trace
     from runtime.stages import split_stages, stage_solution
 
     plan = _plans()["pp2_dp2"]
@@ -184,7 +184,7 @@ def test_boundary_point_to_point_bytes_match_the_plan(
     all_runs: list[dict[str, Any]], name: str
 ) -> None:
     """Every rank's sends between stages, per direction, against the planner's price (10%)."""
-    from planner.tracer import trace
+    from planner.tracing.tracer import trace
     from runtime.comm_count import boundary_bytes, compare_boundary, predicted_boundary
 
     plan = _plans()[name]
@@ -230,7 +230,7 @@ def test_torch_pipelining_sends_what_the_plan_priced(
     forward from backward): every rank's point-to-point bytes of one step, both directions
     together, against the planner's price (10%). pp2 x tp2 sends each value in pieces over the
     tensor axis (`runtime.torch_pipeline.wire_placements`), not one copy per rank."""
-    from planner.tracer import trace
+    from planner.tracing.tracer import trace
     from runtime.comm_count import predicted_boundary
 
     plan = _plans()[name]

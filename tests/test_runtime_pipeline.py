@@ -27,10 +27,10 @@ import pytest
 import single_device
 import torch
 
-from planner.manual import manual_plan
 from planner.models import build_model
-from planner.plan_format import ParallelPlan
-from planner.tracer import trace
+from planner.plans.manual import manual_plan
+from planner.tracing.tracer import trace
+from planner.vocab.plan_file import ParallelPlan
 from runtime.launch import launch
 from runtime.pipeline import schedule_order
 from runtime.stages import split_stages

@@ -36,9 +36,9 @@ import single_device
 import torch
 
 from cost_models.errors import MeshplanError
-from planner.manual import manual_plan
 from planner.models import build_model
-from planner.plan_format import ParallelPlan
+from planner.plans.manual import manual_plan
+from planner.vocab.plan_file import ParallelPlan
 from runtime.launch import launch
 from runtime.torch_pipeline import make_runner, torch_pipelining_unsupported
 from runtime.train import _random_batches

@@ -33,9 +33,9 @@ import pytest
 import single_device
 import torch
 
-from planner.manual import manual_plan
 from planner.models import build_model
-from planner.plan_format import ParallelPlan
+from planner.plans.manual import manual_plan
+from planner.vocab.plan_file import ParallelPlan
 from runtime.launch import launch
 from runtime.train import _random_batches
 

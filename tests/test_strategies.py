@@ -1,4 +1,4 @@
-"""Tests of planner.strategies: strategies derived from DTensor's registries, and that they run.
+"""Tests of planner.intra.strategies: strategies derived from DTensor's registries, and that they run.
 
 The last test is the ground truth of principle 1: sampled strategies of mm, addmm, layer_norm,
 gelu, add, view, t, log_softmax, embedding and the CPU sdpa kernel are executed by DTensor on a
@@ -21,9 +21,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import planner.dtensor_rules as dr
-from planner import strategies as st
-from planner.strategies import Strategy, fallback_ops, leaf_strategies, node_strategies
+import planner.intra.dtensor_rules as dr
+from planner.intra import strategies as st
+from planner.intra.strategies import (
+    Strategy,
+    fallback_ops,
+    leaf_strategies,
+    node_strategies,
+)
 
 aten = torch.ops.aten
 H, NH, V, B, S = 16, 4, 32, 4, 8
@@ -221,7 +226,7 @@ def test_sdpa_cpu_uses_registered_flash_rule(
     # PyTorch registers no strategy for the CPU kernel; the one DTensor now holds is ours.
     assert (
         dr.propagator().op_single_dim_strategy_funcs[op].func.__module__
-        == "planner.dtensor_rules"
+        == "planner.intra.dtensor_rules"
     )
     assert {s.source for s in ss} == {"custom"}
     for axis in _axes(mesh):

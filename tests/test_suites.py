@@ -12,7 +12,7 @@ from benchmarks.report import load_results, merge_results, write_report, write_r
 from benchmarks.suites import run_case, suite_cases
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
-from planner.manual import manual_plan
+from planner.plans.manual import manual_plan
 
 
 def test_suite_cases_follow_the_reference() -> None:

@@ -7,7 +7,7 @@ import json
 import sys
 
 from cost_models.cluster import DEVICE_NAMES, DTYPES, Cluster
-from planner.fmt import nbytes, si, table
+from planner.commands.fmt import nbytes, si, table
 
 
 def register(sub: argparse._SubParsersAction) -> None:

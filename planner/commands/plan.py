@@ -8,8 +8,8 @@ from collections import Counter
 
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
-from planner.fmt import nbytes, table
-from planner.plan_format import ParallelPlan
+from planner.commands.fmt import nbytes, table
+from planner.vocab.plan_file import ParallelPlan
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -164,7 +164,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_manual(args: argparse.Namespace) -> int:
-    from planner.manual import manual_plan
+    from planner.plans.manual import manual_plan
 
     result = manual_plan(
         args.model,

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from planner.fmt import nbytes, si, table
+from planner.commands.fmt import nbytes, si, table
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from planner.models import build_model
-    from planner.tracer import trace
+    from planner.tracing.tracer import trace
 
     if args.batch is not None and args.batch < 1:
         from cost_models.errors import MeshplanError

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cost_models.errors import MeshplanError
-from planner.plan_format import ParallelPlan
+from planner.vocab.plan_file import ParallelPlan
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 FAULT_KINDS = ("kill", "exit", "raise")
@@ -117,7 +117,7 @@ def check_plan_model(plan: ParallelPlan, model: str) -> str:
     import torch
 
     from planner.models import build_model
-    from planner.tracer import trace
+    from planner.tracing.tracer import trace
 
     if plan.dtype not in FLOAT_DTYPES:
         raise MeshplanError(

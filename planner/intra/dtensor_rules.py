@@ -1,4 +1,4 @@
-"""The DTensor side of `planner.strategies`: meshes, placements and calls into DTensor's registries.
+"""The DTensor side of `planner.intra.strategies`: meshes, placements and calls into DTensor's registries.
 
 Everything here talks to private pieces of `torch.distributed.tensor` (torch 2.13); the rest of the
 planner only sees placement strings. Principle 1 ("what is planned is what runs") is the reason this

@@ -1,14 +1,14 @@
 """Repeated blocks of a traced model (``blocks.0``, ``blocks.1``, ...): which block a node belongs
 to, and which nodes of identical blocks stand for each other, so the intra-op program solves a
-repeated transformer block once (`planner.intra_op`) and manual plans split and checkpoint by
-block (`planner.manual_costs`).
+repeated transformer block once (`planner.intra.solve`) and manual plans split and checkpoint by
+block (`planner.plans.recompute`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from planner.opgraph import OpGraph
+from planner.tracing.opgraph import OpGraph
 
 
 def block_of(path: str) -> str | None:

@@ -1,7 +1,7 @@
 """Megatron-LM's parameter placements, as `intra_op` parameter filters.
 
-Used twice: `planner.manual` prices Megatron configurations with them, and the automatic planner
-adds the same placements as seed solutions of its intra-op pass (`planner.stage_table`), so that
+Used twice: `planner.plans.manual` prices Megatron configurations with them, and the automatic planner
+adds the same placements as seed solutions of its intra-op pass (`planner.inter.stage_table`), so that
 every manual configuration of the benchmark grid is also in the automatic search space.
 
 On the tensor-parallel axis (Megatron's rules, for the built-in GPT and MoE models):
@@ -16,7 +16,7 @@ On an expert-parallel axis (GShard / DeepSpeed-MoE) the expert weights are also 
 S(0); every other parameter is replicated on every other axis (data parallelism, no ZeRO).
 
 On a data-parallel axis Megatron (like DDP) also splits every activation by the batch: each rank
-runs the whole layer on its own samples (`batch_axes`; `planner.intra_op.solve_stage` then keeps
+runs the whole layer on its own samples (`batch_axes`; `planner.intra.solve.solve_stage` then keeps
 each value computed from the data S(0) on those axes). Left to itself the intra-op program may
 instead split a replicated-weight layer by sequence or hidden features on such an axis, which the
 cost model prices the same but which runs as extra redistributions.
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from planner.stage_costs import Option
+from planner.intra.prices import Option
 
 _COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc.weight", "mlp.fc.bias")
 _ROW = ("attn.proj.weight", "mlp.proj.weight")
@@ -39,7 +39,7 @@ ParamFilter = Callable[[str, Option], bool]
 
 class Seed(NamedTuple):
     """A Megatron layout as an intra-op restriction: the parameters' placements and the mesh axes
-    on which activations split the batch (`planner.intra_op.solve_stage`'s arguments)."""
+    on which activations split the batch (`planner.intra.solve.solve_stage`'s arguments)."""
 
     params: ParamFilter
     batch_axes: tuple[int, ...]

@@ -28,10 +28,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 from cost_models.errors import MeshplanError
-from planner import stage_costs as sc
-from planner.blocks import block_of
-from planner.intra_op import StageSolution
-from planner.opgraph import OpGraph
+from planner.intra import prices as sc
+from planner.intra.solve import StageSolution
+from planner.tracing.blocks import block_of
+from planner.tracing.opgraph import OpGraph
 
 
 def block_chunks(graph: OpGraph, chunks: int) -> list[tuple[int, int]]:

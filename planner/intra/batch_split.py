@@ -1,6 +1,6 @@
 """Data parallelism as Megatron-LM and DDP run it: every value computed from the data split by
-its first (batch) dimension on the data-parallel mesh axes. `planner.intra_op.solve_stage`
-restricts the intra-op program with `batch_split_options`; `planner.stage_table` checks with it
+its first (batch) dimension on the data-parallel mesh axes. `planner.intra.solve.solve_stage`
+restricts the intra-op program with `batch_split_options`; `planner.inter.stage_table` checks with it
 whether a solution already obeys a seed.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.opgraph import OpGraph, OpNode
-from planner.stage_costs import Option
+from planner.intra.prices import Option
+from planner.tracing.opgraph import OpGraph, OpNode
 
 
 def data_nodes(graph: OpGraph) -> set[str]:

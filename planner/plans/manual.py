@@ -4,7 +4,7 @@ A configuration (dp, tp, pp, micro-batches, recompute, interleaving) becomes a `
 the model's layers are split into pp balanced stages (pp * v chunks when interleaved), each stage
 runs on dp * tp devices as a (dp, tp) logical mesh with tensor parallelism inside a host (Megatron's
 recommendation), and the intra-op program is restricted to Megatron's parameter placements
-(`planner.megatron`, which the automatic planner also solves as seeds):
+(`planner.intra.megatron`, which the automatic planner also solves as seeds):
 
     attention qkv and MLP fc weights (and biases): split by output features   S(0) on the tp axis
     attention and MLP output projections:         split by input features     S(1) on the tp axis
@@ -18,8 +18,8 @@ With `expert_parallel=True` (GShard/DeepSpeed-MoE expert parallelism) the MoE ex
 data-parallel rank holds E / dp experts; tokens reach them by all-to-all); E must divide by dp.
 
 For models without experts every activation is split by the batch, S(0), on the dp axis, as
-Megatron and DDP run (`planner.megatron.batch_axes`), unless some op cannot run on a batch split
-(batch norm; `planner.batch_split.batch_split_options`); the other activation placements follow
+Megatron and DDP run (`planner.intra.megatron.batch_axes`), unless some op cannot run on a batch split
+(batch norm; `planner.intra.batch_split.batch_split_options`); the other activation placements follow
 from DTensor's strategies at the least cost, which reproduces Megatron's dataflow (one
 all-reduce per sub-block forward). MoE activations are left to the least cost on every axis.
 """
@@ -38,18 +38,18 @@ from cost_models.compute import step_overhead
 from cost_models.errors import MeshplanError
 from cost_models.memory import microbatches_in_flight
 from cost_models.pipeline import pipeline_time
-from planner import stage_table as st
 from planner.api import _assemble, _layers, _resolve_model, _send_times
-from planner.inter_op import DPResult
-from planner.manual_costs import block_chunks, recompute_costs
-from planner.megatron import (
+from planner.inter import stage_table as st
+from planner.inter.stage_dp import DPResult
+from planner.intra.megatron import (
     batch_axes,
     is_expert_weight,
     megatron_filter,
     megatron_placement,
 )
-from planner.plan_format import ParallelPlan
-from planner.tracer import trace
+from planner.plans.recompute import block_chunks, recompute_costs
+from planner.tracing.tracer import trace
+from planner.vocab.plan_file import ParallelPlan
 
 __all__ = ["manual_plan", "megatron_filter", "megatron_placement"]
 

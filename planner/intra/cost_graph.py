@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner.ilp import ILPProblem
+from planner.intra.ilp import ILPProblem
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The search for one micro-batch size: the submeshes and logical meshes tried, an intra-op pass
 per logical mesh (time-optimal, memory ladder, Megatron seeds; on threads), the stage DP's cost
-table per layer clustering (`planner.stage_table`), and the stage DP (`planner.inter_op`) on
+table per layer clustering (`planner.inter.stage_table`), and the stage DP (`planner.inter.stage_dp`) on
 each. `planner.api.plan` runs it for every candidate micro-batch size and assembles the best."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from cost_models.memory import microbatches_in_flight
-from planner import stage_table as st
-from planner.ilp import solves_overlap
-from planner.inter_op import stage_dp
-from planner.megatron import is_expert_weight, seed_filters
-from planner.opgraph import OpGraph
-from planner.stage_costs import Option
+from planner.inter import stage_table as st
+from planner.inter.stage_dp import stage_dp
+from planner.intra.ilp import solves_overlap
+from planner.intra.megatron import is_expert_weight, seed_filters
+from planner.intra.prices import Option
+from planner.tracing.opgraph import OpGraph
 
 
 def submesh_shapes(cluster: Cluster) -> list[tuple[int, int]]:
@@ -48,7 +48,7 @@ def logical_shapes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
       multi-host submesh (one run each).
 
     A mesh and its transpose are not interchangeable: a dimension sharded on both axes nests axis 0
-    outside axis 1 (DTensor's default shard order; `planner.strategies` has no strided shards). On
+    outside axis 1 (DTensor's default shard order; `planner.intra.strategies` has no strided shards). On
     4 x 2 with tensor parallelism on axis 1, Megatron's dp-outer, tp-inner activation layout is
     (S(0), S(0)), and moving between it and (S(0), R) is one collective over the 2 tp devices. With
     tensor parallelism on axis 0 of 2 x 4 the same layout nests the other way round, and DTensor
@@ -69,7 +69,7 @@ def _param_filter(mode: str) -> Callable[[str, Option], bool] | None:
 
 
 def _seeds(graph: OpGraph, cluster: Cluster, shape: tuple[int, int], mode: str):
-    """Megatron-style parameter placements solved as extra candidates (`planner.megatron`)."""
+    """Megatron-style parameter placements solved as extra candidates (`planner.intra.megatron`)."""
     if mode == "inter-only":
         return []
     experts = any(is_expert_weight(p) for p in graph.placeholder_paths.values())
@@ -78,7 +78,7 @@ def _seeds(graph: OpGraph, cluster: Cluster, shape: tuple[int, int], mode: str):
 
 
 class _Table:
-    """The stage DP's cost table for one layer clustering (see `planner.stage_table`)."""
+    """The stage DP's cost table for one layer clustering (see `planner.inter.stage_table`)."""
 
     def __init__(self, graph, layers, cluster, subs, B, mode) -> None:
         self.layers = layers
@@ -129,7 +129,7 @@ def _solver_threads() -> int:
 
 
 def _lean_layers(tables: list, sub: tuple[int, int], devices: int) -> tuple | None:
-    """The clustering whose layers the memory ladder (`planner.stage_table.profiles_for`) must
+    """The clustering whose layers the memory ladder (`planner.inter.stage_table.profiles_for`) must
     make lean on submesh `sub`: the p-layer one where p stages of this size fill the cluster, else
     None (the first clustering's). A p-stage manual pipeline's stage is one of those p layers;
     its time-optimal placements may not fit where the finer layers' do (gpt-15b on 4x8 A100s:
@@ -178,7 +178,7 @@ def search(graph, layerings, cluster, subs, B, budget, optimizer, mode, say, lea
             )
 
     # The meshes' intra-op programs are independent: threads overlap one mesh's HiGHS solve with
-    # another's pricing (`planner.ilp.solves_overlap`). Results are entered in job order, so the
+    # another's pricing (`planner.intra.ilp.solves_overlap`). Results are entered in job order, so the
     # plan does not depend on the thread count. On an error or Ctrl-C the queued passes are
     # cancelled (the running ones finish first).
     pool = ThreadPoolExecutor(max_workers=_solver_threads())

@@ -1,6 +1,6 @@
 """The op graph: the planner's IR, one node per aten operator of the traced forward + loss.
 
-Built by `planner.tracer.trace` on top of a torch.fx graph (kept in `OpGraph.gm`, which the runtime
+Built by `planner.tracing.tracer.trace` on top of a torch.fx graph (kept in `OpGraph.gm`, which the runtime
 executes); each node carries what the cost models need: shapes, FLOPs of forward and backward, bytes
 moved, parameters used, bytes saved for backward and the module it came from.
 """

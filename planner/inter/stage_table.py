@@ -2,8 +2,8 @@
 
 For one micro-batch size and one (submesh, logical mesh), the intra-op program is solved over the
 whole model (the repeated-block quotient keeps it small) at a ladder of memory budgets, and with the
-parameters restricted to Megatron's placements (seeds, `planner.megatron`), all sharing one pricing
-of the options (`planner.intra_op.price_stage`); each solution is a `LayerProfile`: its time and
+parameters restricted to Megatron's placements (seeds, `planner.intra.megatron`), all sharing one pricing
+of the options (`planner.intra.solve.price_stage`); each solution is a `LayerProfile`: its time and
 memory attributed to layers (an edge to its consumer's layer, a parameter to its first consumer's;
 one solution serves several layer clusterings). A stage's cost for layers k..j is then a difference of prefix sums
 (principle 4: solved once, reused for every range). Memory of a stage holding layers k..j with s
@@ -13,7 +13,7 @@ stages from it to the end (1F1B keeps min(B, s) micro-batches in flight):
     with recomputation:    params[k..j] + inflight * layer_inputs[k..j] + max activations of one layer
 
 and recomputation adds the layers' forward compute to the time. The latency of the gradient
-all-reduce buckets a range holds is added once per bucket (`planner.stage_costs.grad_buckets`),
+all-reduce buckets a range holds is added once per bucket (`planner.intra.prices.grad_buckets`),
 and the runtime's overhead per stage and micro-batch once.
 A range's cost is the fastest option (logical mesh, memory level, recomputation) that fits the
 budget, plus sending the boundary activations to the next stage and their gradient back; +inf if
@@ -29,11 +29,11 @@ import numpy as np
 
 from cost_models.communication import LogicalMesh, p2p_time
 from cost_models.errors import MeshplanError
-from planner.batch_split import batch_split_options
-from planner.intra_op import StagePricing, StageSolution, price_stage, solve_stage
-from planner.megatron import ParamFilter, Seed
-from planner.opgraph import OpGraph
-from planner.stage_costs import Option, shards
+from planner.intra.batch_split import batch_split_options
+from planner.intra.megatron import ParamFilter, Seed
+from planner.intra.prices import Option, shards
+from planner.intra.solve import StagePricing, StageSolution, price_stage, solve_stage
+from planner.tracing.opgraph import OpGraph
 
 
 @dataclass
@@ -45,7 +45,7 @@ class LayerProfile:
     acts: np.ndarray  # activation bytes per layer and micro-batch
     inputs: np.ndarray  # bytes of each layer's input boundary (kept when recomputing)
     # [k, j]: seconds per micro-batch a stage of layers k..j pays once, however many layers it
-    # holds: the latency of its gradient buckets (`planner.stage_costs.grad_buckets`; `time` has
+    # holds: the latency of its gradient buckets (`planner.intra.prices.grad_buckets`; `time` has
     # their bandwidth only) and the runtime's per-micro-batch overhead (`StageSolution.overhead_s`)
     fixed: np.ndarray
 
@@ -172,11 +172,11 @@ def profiles_for(
     (`ladder`, fractions of the time-optimal solution's memory, until the layers are lean: those
     of `layer_of`, or of `lean_layers` (layer_of, bounds, count) when given), then
     the time-optimal solution with the parameters restricted to each of `seeds` (e.g. Megatron's
-    placements, `planner.megatron.seed_filters`: their memory often lies between the ladder's
+    placements, `planner.intra.megatron.seed_filters`: their memory often lies between the ladder's
     rungs). A seed is not solved when the time-optimal solution already obeys it (its optimum
     then repeats that solution) or when its placements put more parameter state in every layer
     than `budget` (no stage could use it). `param_filter` and `batch_axes` restrict every solve
-    (`planner.intra_op.solve_stage`)."""
+    (`planner.intra.solve.solve_stage`)."""
     pricing = price_stage(
         graph, mesh, num_microbatches=num_microbatches, optimizer=optimizer
     )

@@ -6,7 +6,7 @@ weights. The graph is at the aten level that DTensor executes (principle 1): its
 parameters (by module path), the buffers and the batch; each `call_function` node is one aten op.
 
 Per node we record the module it came from (global forward hooks write the current module path into
-fx's node metadata while tracing) and, from `planner.op_costs`, FLOPs of forward and backward and the
+fx's node metadata while tracing) and, from `planner.tracing.op_flops`, FLOPs of forward and backward and the
 tensors autograd saves for backward.
 """
 
@@ -26,8 +26,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from cost_models.errors import MeshplanError
-from planner.op_costs import VIEW_OPS, measure_op
-from planner.opgraph import OpGraph, OpNode, TensorMeta
+from planner.tracing.op_flops import VIEW_OPS, measure_op
+from planner.tracing.opgraph import OpGraph, OpNode, TensorMeta
 
 _MATMUL = (
     "mm",

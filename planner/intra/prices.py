@@ -37,8 +37,8 @@ from cost_models.communication import LogicalMesh
 from cost_models.compute import measured_op_time, op_overhead, op_time
 from cost_models.memory import state_bytes_per_param
 from cost_models.resharding import reshard_cost, reshard_steps
-from planner.opgraph import OpGraph, OpNode, TensorMeta
-from planner.strategies import Strategy, consumed_output, node_strategies
+from planner.intra.strategies import Strategy, consumed_output, node_strategies
+from planner.tracing.opgraph import OpGraph, OpNode, TensorMeta
 
 
 @dataclass(frozen=True)
@@ -403,7 +403,7 @@ def grad_buckets(
     """The gradient buckets of a solution, keyed (axes, parameter placement, bytes per element) as
     the runtime keys them: one per distinct key among the edges leaving parameters (and their
     views) whose gradient `bucketed_axes` all-reduces. `edge_matrices` prices those edges'
-    bandwidth only; the latency here is added per stage (`planner.stage_table.LayerProfile.fixed`).
+    bandwidth only; the latency here is added per stage (`planner.inter.stage_table.LayerProfile.fixed`).
     `edges`: `param_grad_edges` of the graph, when the caller keeps them."""
     out: dict[tuple, Bucket] = {}
     if edges is None:

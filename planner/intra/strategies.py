@@ -7,7 +7,7 @@ are strings: ``"R"`` (replicate), ``"S(d)"`` (shard tensor dim d), ``"P"`` (part
 ``P(max)``/``P(min)``, ``P(mask)`` from a vocabulary-sharded embedding, ``P(norm)``); anything
 starting with ``"P"`` is a partial value that an all-reduce (or reduce-scatter) completes.
 
-How strategies are derived (principle 1, "what is planned is what runs"): `planner.dtensor_rules`
+How strategies are derived (principle 1, "what is planned is what runs"): `planner.intra.dtensor_rules`
 asks the registry DTensor itself would use at run time (single-dim, classic, propagation rule or
 decomposition, in DTensor's order) for every strategy on the mesh, keeps for every set of input
 placements the output DTensor's propagator actually picks, and converts to strings. Then:
@@ -40,7 +40,7 @@ Node kinds:
   ``strategy.output[consumed_output(u, v)]``.
 * other ops: sources ``"single_dim"``, ``"classic"``, ``"rule"``, ``"decomp"`` (DTensor's paths),
   ``"custom"`` (a rule this package registers in DTensor because PyTorch lacks it:
-  ``_scaled_dot_product_flash_attention_for_cpu`` and its backward, see `planner.dtensor_rules`),
+  ``_scaled_dot_product_flash_attention_for_cpu`` and its backward, see `planner.intra.dtensor_rules`),
   or ``"fallback"``: all inputs and outputs ``"R"``, when DTensor has no rule, its rule raises, or it
   leaves no even strategy. `fallback_ops` lists them with the reason; the runtime must run them on
   the replicated local tensors itself (DTensor would raise), e.g. by registering DTensor's
@@ -63,7 +63,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from planner import dtensor_rules as dr
+from planner.intra import dtensor_rules as dr
 
 __all__ = [
     "Strategy",

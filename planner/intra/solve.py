@@ -2,20 +2,20 @@
 
 Steps (DESIGN, "The two searches"; Alpa section 4.2):
 
-1. Options per node: DTensor's strategies (`planner.strategies`), plus ZeRO variants of parameters.
+1. Options per node: DTensor's strategies (`planner.intra.strategies`), plus ZeRO variants of parameters.
 2. Repeated blocks: nodes whose module path has an index (``blocks.7.attn.qkv``) belong to block
    ``blocks.7``; blocks with identical structure share one strategy per position, so only the first
-   copy gets ILP variables (`planner.cost_graph.quotient`: exact among such plans). Prices are
+   copy gets ILP variables (`planner.intra.cost_graph.quotient`: exact among such plans). Prices are
    computed once per distinct (representative) node and edge and multiplied by their count.
 3. Followers (views, getitem, single-input elementwise ops) merge into their producer
-   (`planner.cost_graph.merge_followers`).
-4. The ILP (`planner.ilp`): minimise per-micro-batch time = compute + activation resharding forward
+   (`planner.intra.cost_graph.merge_followers`).
+4. The ILP (`planner.intra.ilp`): minimise per-micro-batch time = compute + activation resharding forward
    and backward + gradient synchronisation / micro-batches (its bandwidth part: the latency of
-   the runtime's gradient buckets is charged per stage, `planner.stage_costs.grad_buckets`),
+   the runtime's gradient buckets is charged per stage, `planner.intra.prices.grad_buckets`),
    subject to per-device memory. Solves of one pricing (`price_stage`) with the same options
    kept share the program; only the memory budget differs between them.
 
-Prices: `planner.stage_costs`. The result, `StageSolution`, holds the strategy of every node, the
+Prices: `planner.intra.prices`. The result, `StageSolution`, holds the strategy of every node, the
 placement of every parameter, the cost broken down, and `explain(node)` for debugging.
 """
 
@@ -34,14 +34,14 @@ from cost_models.communication import LogicalMesh
 from cost_models.compute import microbatch_overhead
 from cost_models.errors import MeshplanError
 from cost_models.resharding import ReshardStep, reshard_steps
-from planner import stage_costs as sc
-from planner.batch_split import batch_split_options
-from planner.blocks import block_of, representatives
-from planner.cost_graph import CostGraph, Reduction, identity, merge_followers
-from planner.ilp import ILPModel
-from planner.opgraph import OpGraph
-from planner.stage_costs import Option, StageSettings
-from planner.strategies import consumed_output, leaf_strategies
+from planner.intra import prices as sc
+from planner.intra.batch_split import batch_split_options
+from planner.intra.cost_graph import CostGraph, Reduction, identity, merge_followers
+from planner.intra.ilp import ILPModel
+from planner.intra.prices import Option, StageSettings
+from planner.intra.strategies import consumed_output, leaf_strategies
+from planner.tracing.blocks import block_of, representatives
+from planner.tracing.opgraph import OpGraph
 
 FOLLOWER_KINDS = ("view", "elementwise")
 
@@ -64,7 +64,7 @@ class StageSolution:
     optimal: bool
     ilp_nodes: int
     solve_time_s: float
-    # the gradient all-reduce buckets (`planner.stage_costs.grad_buckets`), whose latency the
+    # the gradient all-reduce buckets (`planner.intra.prices.grad_buckets`), whose latency the
     # per-node costs leave out: a stage pays it once per bucket it holds
     buckets: dict[tuple, sc.Bucket] = field(
         default_factory=dict, repr=False, compare=False
@@ -406,7 +406,7 @@ def solve_stage(
     Megatron configuration, or pure data parallelism); every parameter must keep at least one.
     `batch_axes` are mesh axes on which every value computed from the data is split by its
     first (batch) dimension, as data parallelism in Megatron-LM and DDP runs
-    (`planner.batch_split.batch_split_options`).
+    (`planner.intra.batch_split.batch_split_options`).
     `pricing` (from `price_stage` with the same graph, mesh, nodes and settings) reuses prices
     computed by earlier solves of this stage.
     """
@@ -449,7 +449,7 @@ def solve_stage(
         ctx = base
 
     # The program depends on the options kept (ctx.keep), not on the budget: a memory ladder
-    # builds it once (`planner.ilp.ILPModel`) and only changes its memory row.
+    # builds it once (`planner.intra.ilp.ILPModel`) and only changes its memory row.
     key = tuple(sorted((n, k.tobytes()) for n, k in ctx.keep.items()))
     if key not in pricing._programs:
         red = _reduce(graph, pricing, ctx, options)
