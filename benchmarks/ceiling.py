@@ -39,6 +39,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.records import write_results
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from planner.plans.manual import manual_plan
@@ -97,9 +98,6 @@ def case_ceiling(case: dict[str, Any]) -> dict[str, Any]:
 
 def annotate(path: str | Path) -> Path:
     """Add `ceiling` to every case of a results file written before the suites recorded it."""
-    # imported here: the report imports the suites, which import this module
-    from benchmarks.report import write_results
-
     doc = json.loads(Path(path).read_text())
     for case in doc["cases"]:
         case["ceiling"] = case_ceiling(case)

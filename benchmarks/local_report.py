@@ -5,7 +5,7 @@ suite is "local"; see `benchmarks.local_suite` for how the numbers are made).
 Targets (issue #7): the median |predicted / measured - 1| over both plans of every case is at most
 20%, and the plan predicted faster (automatic or manual) is the one measured faster in at least 4
 of 5 cases (the same fraction for another number of cases). The manual plan is the grid's best,
-or its runner-up where the best is the automatic plan itself (`benchmarks.local_suite.compared`).
+or its runner-up where the best is the automatic plan itself (`benchmarks.records.compared`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks.local_suite import compared
+from benchmarks.records import compared
 
 MAX_MEDIAN_ERROR = 0.20
 AGREE_FRACTION = 4 / 5

@@ -20,10 +20,10 @@ For every case (a small GPT or MoE model on N local processes, `LOCAL_CASES`):
    its timed steps after `warmup` untimed ones.
 
 Recorded per case: predicted and measured step time of both plans run (``auto``, and
-``manual_best`` or ``runner_up``: `compared`), the cost model's error (predicted / measured - 1),
-which plan is faster in prediction and in measurement (``agree``; None only when no other manual
-plan exists, as their measured order would be noise), and the first step's losses of both (the
-same model and data: they must agree).
+``manual_best`` or ``runner_up``: `benchmarks.records.compared`), the cost model's error
+(predicted / measured - 1), which plan is faster in prediction and in measurement (``agree``; None
+only when no other manual plan exists, as their measured order would be noise), and the first
+step's losses of both (the same model and data: they must agree).
 
 Processes and cores. The launcher binds each rank to its share of the cores, one core per rank
 round-robin when there are more ranks than cores (8 ranks on 2 cores: 4 per core). The profile is
@@ -44,7 +44,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks.suites import TIE, machine
+from benchmarks.records import (
+    RESULTS,
+    TIE,
+    compared,
+    machine,
+    stage_json,
+    write_results,
+)
+from benchmarks.report import write_report
 
 DEVICE = "CPU"
 OPTIMIZER = "sgd"
@@ -151,11 +159,9 @@ def measure_rank(
 
 
 def _shape(p: Any) -> dict[str, Any]:
-    from benchmarks.suites import _stage_json
-
     return {
         "num_microbatches": p.num_microbatches,
-        "stages": [_stage_json(s) for s in p.stages],
+        "stages": [stage_json(s) for s in p.stages],
     }
 
 
@@ -249,12 +255,6 @@ def _plan_case(case: LocalCase, profile: Any) -> dict[str, Any]:
         if other["config"] is not None:
             out |= {"runner_up": other, "manual_plan": priced(other)}
     return out
-
-
-def compared(case: dict[str, Any]) -> dict[str, Any]:
-    """The manual plan a case record executed: the runner-up when the grid's best manual plan is
-    the automatic plan, else the best."""
-    return case.get("runner_up") or case["manual_best"]
 
 
 def case_rank(
@@ -436,8 +436,6 @@ def format_row(c: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line (module docstring)."""
     import sys
-
-    from benchmarks.report import RESULTS, write_report, write_results
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--procs", type=int, nargs="+", help="process counts to run")

@@ -46,8 +46,8 @@ from cost_models.compute import (
     optimizer_step_time,
     unfused_attention_time,
 )
-from cost_models.pipeline import pipeline_time
-from planner.api import _resolve_model, boundary_send_times
+from cost_models.pipeline import iteration_time
+from planner.api import resolve_model
 from planner.inter.stage_table import stage_boundary_bytes
 from planner.intra.prices import (
     Option,
@@ -55,12 +55,12 @@ from planner.intra.prices import (
     compute_time,
     forward_time,
 )
-from planner.intra.strategies import Strategy
 from planner.models.gpt import GPT_CONFIGS
 from planner.plans.manual import manual_plan
 from planner.tracing.opgraph import OpGraph
 from planner.tracing.tracer import trace
 from planner.vocab.plan_file import ParallelPlan
+from planner.vocab.strategy import Strategy
 
 
 def alpa_gpt_flops(
@@ -188,21 +188,17 @@ def megatron_iteration_time(
     step = optimizer_step_time(
         cluster, plan.model["params"] / (tp * pp), plan.optimizer
     )
-    return (
-        pipeline_time(
-            times,
-            plan.num_microbatches,
-            plan.schedule,
-            virtual_stages=plan.virtual_stages,
-            send_times=boundary_send_times(
-                stage_boundary_bytes(
-                    graph, plan.layer_nodes, [s.layers[0] for s in plan.stages]
-                ),
-                [s.devices for s in plan.stages],
-                cluster,
-            ),
-        )
-        + step
+    return iteration_time(
+        cluster,
+        times,
+        stage_boundary_bytes(
+            graph, plan.layer_nodes, [s.layers[0] for s in plan.stages]
+        ),
+        [s.devices for s in plan.stages],
+        plan.num_microbatches,
+        plan.schedule,
+        virtual_stages=plan.virtual_stages,
+        step_s=step,
     )
 
 
@@ -234,7 +230,7 @@ def megatron_prediction(
         allow_oom=True,
         split="blocks",
     )
-    module, example = _resolve_model(model, None, torch.float16, None)[1](
+    module, example = resolve_model(model, None, torch.float16, None)[1](
         global_batch // B
     )
     graph = trace(module, example, model_name=model)

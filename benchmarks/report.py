@@ -1,7 +1,6 @@
-"""Results files of the benchmark suites and the markdown report made from them.
+"""The markdown report made from the results files of the benchmark suites.
 
-`write_results` stores one suite's document (`benchmarks.suites.run_suite`) as JSON under
-`benchmarks/results/`; `write_report` reads every results file there and writes
+`write_report` reads every results file under `benchmarks/results/` (`benchmarks.records`) and writes
 `benchmarks/results/REPORT.md`: per suite and device a table (automatic plan, best manual
 configuration, ratio, measured numbers of the reference), a figure of TFLOP/s per device against
 devices (automatic vs manual, predicted, and measured where the reference has them; needs matplotlib,
@@ -20,55 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.local_report import local_section
-from benchmarks.suites import TIE
-from cost_models.errors import MeshplanError
-
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def write_results(results: dict[str, Any], path: str | Path) -> Path:
-    """Write a suite's results document as JSON; returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    return path
-
-
-def merge_results(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """`old` with the cases of `new` (a run of some of the same suite's cases on the same device)
-    in place of its cases of the same GPU counts; the run is listed under `reruns` (its date,
-    machine, torch, time and GPU counts), the rest of `old` is kept."""
-    key = ("suite", "device")
-    if [old.get(k) for k in key] != [new.get(k) for k in key]:
-        raise MeshplanError(
-            f"cannot merge {new.get('suite')} on {new.get('device')} into a results file of "
-            f"{old.get('suite')} on {old.get('device')}; give another --json FILE"
-        )
-    counts = sorted({c["num_devices"] for c in new["cases"]})
-    cases = [c for c in old["cases"] if c["num_devices"] not in counts] + new["cases"]
-    rerun = {k: new.get(k) for k in ("date", "machine", "torch", "total_time_s")}
-    return old | {
-        "cases": sorted(cases, key=lambda c: c["num_devices"]),
-        "reruns": [*old.get("reruns", []), rerun | {"num_devices": counts}],
-    }
-
-
-def load_results(directory: str | Path = RESULTS) -> list[dict[str, Any]]:
-    """Every results document (a JSON object with `suite`, `device` and `cases`) in `directory`;
-    other JSON files there are ignored."""
-    docs = []
-    for f in sorted(Path(directory).glob("*.json")):
-        try:
-            doc = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if (
-            isinstance(doc, dict)
-            and isinstance(doc.get("cases"), list)
-            and {"suite", "device"} <= set(doc)
-        ):
-            docs.append(doc | {"file": f.name})
-    return docs
+from benchmarks.records import RESULTS, TIE, load_results
 
 
 def _f(x: float | None, fmt: str = ".1f") -> str:

@@ -27,6 +27,7 @@ from typing import Any
 from benchmarks.ceiling import case_ceiling
 from benchmarks.manual_grid import best_manual
 from benchmarks.megatron_gpt import megatron_prediction
+from benchmarks.records import machine, stage_json
 from benchmarks.reference import gpt_megatron_configs, measured_tflops, scaling
 from cost_models.errors import DoesNotFitError
 from planner import plan
@@ -34,9 +35,6 @@ from planner import plan
 HOST = 8  # GPUs per host (p3.16xlarge, DGX A100, DGX H100)
 SUITES = ("gpt", "moe", "wresnet")
 DEVICES = ("V100-16GB", "A100-80GB", "H100-80GB")
-#: Relative difference below which two predicted times are a tie: the same plan priced along two
-#: code paths differs by float summation order (~1e-15), e.g. on 1 GPU, where auto and manual agree.
-TIE = 1e-9
 _HEADING = {"gpt": "## GPT", "moe": "## GShard MoE", "wresnet": "## Wide-ResNet"}
 # Measured rows of the reference: (automatic, baseline) per suite.
 _SYSTEMS = {
@@ -89,16 +87,6 @@ def suite_cases(
     return out
 
 
-def _stage_json(s: Any) -> dict[str, Any]:
-    return {
-        "layers": list(s.layers),
-        "submesh": list(s.submesh),
-        "logical_mesh": list(s.logical_mesh),
-        "dp_tp": s.dp_tp,
-        "recompute": s.recompute,
-    }
-
-
 def listed_megatron(case: Case) -> dict[str, Any] | None:
     """Megatron's listed best configuration of a GPT case, priced, next to its measured TFLOP/s."""
     if case.suite != "gpt":
@@ -148,7 +136,7 @@ def run_case(case: Case, say: Callable[[str], None] | None = None) -> dict[str, 
             "peak_memory_bytes": auto.estimate.peak_memory_bytes,
             "fits": auto.estimate.peak_memory_bytes <= auto.memory_budget_bytes,
             "num_microbatches": auto.num_microbatches,
-            "stages": [_stage_json(s) for s in auto.stages],
+            "stages": [stage_json(s) for s in auto.stages],
         }
     t_auto = record["iteration_time_s"]
     out: dict[str, Any] = asdict(case) | {
@@ -170,14 +158,6 @@ def run_case(case: Case, say: Callable[[str], None] | None = None) -> dict[str, 
         if listed:
             out["megatron_listed"] = listed
     return out
-
-
-def machine() -> str:
-    """The machine the suite ran on (the planner's own run; predictions do not depend on it)."""
-    import os
-    import platform
-
-    return f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()})"
 
 
 def run_suite(

@@ -38,6 +38,7 @@ collective inside a host depends on which GPUs form its group (``Cluster.group_l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_models.cluster import Cluster, LinkSpec
@@ -206,6 +207,28 @@ def p2p_time(
             link.bandwidth_bytes_per_s * M / senders_per_host, link.latency_s
         )
     return send_recv(nbytes, link)
+
+
+def boundary_send_times(
+    cluster: Cluster,
+    nbytes: Sequence[float],
+    senders: Sequence[int],
+    crosses_hosts: Sequence[bool],
+    senders_per_host: Sequence[int | None] | None = None,
+) -> list[float]:
+    """Round trip of one micro-batch's boundary values from pipeline stage i to stage i + 1: the
+    activations forward and their gradient back, each ``nbytes[i]`` bytes in full, each device of
+    stage i sending its ``1 / senders[i]`` share in parallel (`p2p_time`), over the inter-host
+    link when ``crosses_hosts[i]``, with ``senders_per_host[i]`` of a host's devices sharing its
+    network (None: all of them). 0 where nothing crosses. The stage DP prices its candidate
+    boundaries and a finished plan its actual ones with this one function."""
+    per_host = senders_per_host or [None] * len(nbytes)
+    return [
+        2 * p2p_time(cluster, b / n, crosses_hosts=c, senders_per_host=h)
+        if b > 0
+        else 0.0
+        for b, n, c, h in zip(nbytes, senders, crosses_hosts, per_host)
+    ]
 
 
 def _axis_layout(

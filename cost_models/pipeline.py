@@ -58,12 +58,22 @@ rounds; high, like 1F1B, when the slowest device comes early). ``v == 1`` is pla
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 
+from cost_models.cluster import Cluster
+from cost_models.communication import boundary_send_times
+from cost_models.compute import step_overhead
 from cost_models.errors import MeshplanError
 from cost_models.memory import SCHEDULES, canonical_schedule
 
-__all__ = ["SCHEDULES", "pipeline_time", "steady_state_period"]
+__all__ = [
+    "SCHEDULES",
+    "iteration_time",
+    "pipeline_time",
+    "stage_send_times",
+    "steady_state_period",
+]
 
 
 def _times(values: Sequence[float], what: str) -> list[float]:
@@ -147,3 +157,49 @@ def pipeline_time(
         )
     device = max(sum(t[d::p]) for d in range(p))
     return b * device + (sum(t) - device) / v + sum(s)
+
+
+def stage_send_times(
+    cluster: Cluster,
+    boundary_bytes: Sequence[float],
+    devices: Sequence[Sequence[int]],
+) -> list[float]:
+    """`boundary_send_times` between consecutive stages placed on `devices` (global ranks,
+    host-major): stage i's devices send ``boundary_bytes[i]`` in parallel, over the inter-host
+    link when the two stages' devices lie in different hosts, where a host's network is shared by
+    the stage's devices in that host."""
+    M = cluster.devices_per_host
+    hosts = [{d // M for d in group} for group in devices]
+    return boundary_send_times(
+        cluster,
+        boundary_bytes,
+        [len(group) for group in devices[:-1]],
+        [hosts[i] != hosts[i + 1] for i in range(len(devices) - 1)],
+        [max(Counter(d // M for d in group).values()) for group in devices[:-1]],
+    )
+
+
+def iteration_time(
+    cluster: Cluster,
+    stage_times: Sequence[float],
+    boundary_bytes: Sequence[float],
+    devices: Sequence[Sequence[int]],
+    num_microbatches: int,
+    schedule: str = "1f1b",
+    *,
+    virtual_stages: int = 1,
+    step_s: float | None = None,
+) -> float:
+    """Predicted seconds of one training iteration of a plan: `pipeline_time` of its stages
+    (``stage_times[i]``: forward + backward of one micro-batch on stage i, recomputation and its
+    share of gradient synchronisation included), with the values crossing each stage boundary
+    (``boundary_bytes[i]``: full bytes of one micro-batch from stage i to i + 1) sent between the
+    stages' ``devices`` (`stage_send_times`), plus a fixed time per step: `step_s`, by default the
+    runtime's (`step_overhead`). Every plan, automatic or manual, is priced by this function."""
+    return pipeline_time(
+        stage_times,
+        num_microbatches,
+        schedule,
+        virtual_stages=virtual_stages,
+        send_times=stage_send_times(cluster, boundary_bytes, devices),
+    ) + (step_overhead(cluster) if step_s is None else step_s)

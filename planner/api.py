@@ -19,8 +19,8 @@ Modes (Alpa's ablations): "auto"; "intra-only" (one stage on the whole cluster);
 from __future__ import annotations
 
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,26 +28,26 @@ import torch
 from torch import nn
 
 from cost_models.cluster import Cluster
-from cost_models.communication import p2p_time
-from cost_models.compute import step_overhead
 from cost_models.errors import DoesNotFitError, MeshplanError
-from cost_models.memory import microbatches_in_flight, state_bytes_per_param
-from cost_models.pipeline import pipeline_time
-from planner.inter import stage_table as st
+from cost_models.memory import param_state_bytes
 from planner.inter.layers import auto_num_layers, cluster_layers
 from planner.inter.mesh_search import search, submesh_shapes
+from planner.plans.assemble import (
+    PlanSpec,
+    assemble,
+    predicted_iteration_time,
+    stage_from_profile,
+)
 from planner.tracing.blocks import block_of
 from planner.tracing.opgraph import OpGraph
 from planner.tracing.tracer import trace
-from planner.vocab.plan_file import Estimate, ParallelPlan, StagePlan
+from planner.vocab.plan_file import ParallelPlan
 
 MODES = ("auto", "intra-only", "inter-only")
 Progress = Callable[[str], None]
 
 
-def _resolve_model(
-    model: Any, example_batch: Any, dtype: torch.dtype, name: str | None
-):
+def resolve_model(model: Any, example_batch: Any, dtype: torch.dtype, name: str | None):
     """(name, batch_fn(b) -> (module, batch), default global batch)."""
     if isinstance(model, str):
         from planner.models import build_model
@@ -151,7 +151,7 @@ def plan(
         )
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    name, make, default_batch = _resolve_model(model, example_batch, dtype, model_name)
+    name, make, default_batch = resolve_model(model, example_batch, dtype, model_name)
     G = global_batch or default_batch
     if G < 1:
         raise MeshplanError(f"global batch must be positive, got {G}")
@@ -172,14 +172,14 @@ def plan(
     )
     D = cluster.num_devices
     _check_state_fits(make(min(sizes_b))[0], name, cluster, optimizer, budget)
-    least = [
-        np.inf
-    ]  # per-device memory of the whole model as one stage on all devices, at best
-    found: list[tuple] = []  # (iteration time, dp, choices, layers, graph, B)
+    # per-device memory of the whole model as one stage on all devices, at best
+    least = np.inf
+    found: list[Ranked] = []
     # micro-batch size -> why the model cannot be traced at it
     untraceable: dict[int, MeshplanError] = {}
 
     def evaluate(b: int) -> None:
+        nonlocal least
         say(f"tracing {name} with micro-batch {b}")
         module, batch = make(b)
         try:
@@ -193,46 +193,50 @@ def plan(
         counts = ", ".join(str(len(x)) for x in layers)
         say(f"{len(graph.ops)} ops in {counts} layers")
         B = G // b
-        for dp, choices, lay in search(
-            graph, layers, cluster, subs, B, budget, optimizer, mode, say, least
-        ):
-            t = _iteration_time(graph, lay, cluster, dp, choices, subs, B, schedule)
-            found.append((t, dp, choices, lay, graph, B))
+        result = search(
+            graph, layers, cluster, subs, B, budget, optimizer, mode, schedule, say
+        )
+        least = min(least, result.least_whole_memory)
+        for cand in result.candidates:
+            stages = [
+                stage_from_profile(
+                    s.layers, s.submesh, s.option.profile, s.option.recompute
+                )
+                for s in cand.stages
+            ]
+            spec = PlanSpec(
+                name, graph, cand.layers, cluster, stages, B, G, schedule,
+                optimizer, mode, budget,
+            )  # fmt: skip
+            found.append(Ranked(predicted_iteration_time(spec), spec))
 
     for b in sorted(sizes_b, reverse=True):
         evaluate(b)
     larger = [] if microbatch_size else larger_microbatch_sizes(G, cluster)
     tried = max(sizes_b)
     for b in larger:
-        if not found or G // min(found, key=lambda r: r[0])[5] != tried:
+        if not found or min(found).spec.microbatch_size != tried:
             break  # the best plan so far runs smaller micro-batches than the largest tried
         evaluate(tried := b)
-    best = min(found, key=lambda r: r[0]) if found else None
-    if best is None and len(untraceable) == len(sizes_b):
+    if not found and len(untraceable) == len(sizes_b):
         raise next(iter(untraceable.values()))
-    if best is None:
+    if not found:
         raise DoesNotFitError(
             f"{name} does not fit on {cluster.spec}: even as one stage on all {D} devices it needs "
-            f"{least[0] / 2**30:.1f} GiB per device, {budget / 2**30:.1f} GiB available "
+            f"{least / 2**30:.1f} GiB per device, {budget / 2**30:.1f} GiB available "
             "(use more devices, a larger memory budget or a smaller batch)"
         )
-    _, dp, choices, best_layers, graph, B = best
-    return _assemble(
-        name,
-        graph,
-        best_layers,
-        cluster,
-        dp,
-        choices,
-        subs,
-        B,
-        G,
-        schedule,
-        optimizer,
-        mode,
-        budget,
-        time.perf_counter() - t0,
-    )
+    best = min(found).spec
+    best.planner_time_s = time.perf_counter() - t0
+    return assemble(best)
+
+
+@dataclass(frozen=True, order=True)
+class Ranked:
+    """A searched plan and its predicted iteration time (ordered by the time)."""
+
+    seconds: float
+    spec: PlanSpec = field(compare=False)
 
 
 def _check_state_fits(
@@ -240,12 +244,11 @@ def _check_state_fits(
 ) -> None:
     """Raise DoesNotFitError before any tracing when the model's weights, gradients and optimizer
     state alone exceed `budget` even spread evenly over every device: each parameter costs
-    ``state_bytes_per_param(optimizer).total`` bytes somewhere (`planner.intra.prices.
-    param_state_bytes` with every axis sharding it), and the fullest device holds at least the
-    average."""
+    `cost_models.memory.param_state_bytes` somewhere, and the fullest device holds at least the
+    average: all of them sharded over every device."""
     params = sum(p.numel() for p in module.parameters())
     D = cluster.num_devices
-    need = params * state_bytes_per_param(optimizer).total / D
+    need = param_state_bytes(params, optimizer, shards=D)
     if need > budget:
         raise DoesNotFitError(
             f"{name} does not fit on {cluster.spec}: its {params / 1e9:.2f} B parameters' "
@@ -255,7 +258,8 @@ def _check_state_fits(
         )
 
 
-def _layers(graph: OpGraph, num_layers: int | None) -> list[tuple[int, int]]:
+def layers_in(graph: OpGraph, num_layers: int) -> list[tuple[int, int]]:
+    """The op index ranges of `num_layers` layers of balanced compute (`cluster_layers`)."""
     return _layerings(graph, num_layers, 1)[0]
 
 
@@ -283,184 +287,3 @@ def _layerings(
     L = auto_num_layers(flops, blocks=blocks or None)
     extra = [p for p in range(2, min(L, num_devices + 1)) if num_devices % p == 0]
     return [cluster_layers(flops, edges, n) for n in (L, *extra)]
-
-
-def _data_parallel_axes(
-    graph: OpGraph, sol, names: set[str], mesh_shape: tuple[int, int]
-) -> list[int]:
-    """Axes (of size > 1) on which most of the stage's parameter bytes are not sharded."""
-    params = [
-        (graph.node(n).output_bytes, sol.choice[n].strategy.output[0])
-        for n in names
-        if graph.node(n).op == "param" and n in sol.choice
-    ]
-    total = sum(b for b, _ in params) or 1
-    return [
-        a
-        for a, size in enumerate(mesh_shape)
-        if size > 1 and sum(b for b, pl in params if pl[a].startswith("S")) < total / 2
-    ]
-
-
-def _allocate(sizes: list[int], cluster: Cluster) -> list[list[int]]:
-    """Device ranks (host-major) per stage: larger submeshes first, each aligned to its size."""
-    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
-    free = np.ones(cluster.num_devices, dtype=bool)
-    out: list[list[int]] = [[] for _ in sizes]
-    for i in order:
-        n = sizes[i]
-        start = next(
-            s for s in range(0, cluster.num_devices, n) if free[s : s + n].all()
-        )
-        free[start : start + n] = False
-        out[i] = list(range(start, start + n))
-    return out
-
-
-def _send_times(graph, layer_of, layers, stages, devices, cluster) -> list[float]:
-    """`boundary_send_times` of a stage DP result's boundaries (`stages`: (first, last, mesh))."""
-    sent = st.boundary_bytes(graph, st.boundary_values(graph, layer_of, len(layers)))
-    return boundary_send_times([sent[j] for _, j, _ in stages[:-1]], devices, cluster)
-
-
-def boundary_send_times(
-    nbytes: Sequence[float], devices: Sequence[Sequence[int]], cluster: Cluster
-) -> list[float]:
-    """Round trip of one micro-batch's boundary activations (forward) and their gradient (back)
-    from stage i to stage i + 1 (`nbytes[i]` full bytes), each device of stage i sending its 1/n
-    share (as the stage DP prices it, `planner.inter.stage_table.send_times`), over the inter-host link
-    when the two stages' devices lie in different hosts, where the host's network is shared by
-    the stage's devices in that host (all of them for stages of whole hosts, as the stage DP
-    assumes; a 1-device stage has the whole network card)."""
-    M = cluster.devices_per_host
-    out = []
-    for i, b in enumerate(nbytes):
-        hosts = [{d // M for d in devices[x]} for x in (i, i + 1)]
-        share = b / len(devices[i])
-        senders = max(Counter(d // M for d in devices[i]).values())
-        out.append(
-            2
-            * p2p_time(
-                cluster,
-                share,
-                crosses_hosts=hosts[0] != hosts[1],
-                senders_per_host=senders,
-            )
-            if b > 0
-            else 0.0
-        )
-    return out
-
-
-def _iteration_time(graph, layers, cluster, dp, choices, subs, B, schedule) -> float:
-    """The iteration time `_assemble` predicts for a stage DP result (1 virtual stage)."""
-    S = len(dp.stages)
-    devices = _allocate([subs[m][0] * subs[m][1] for _, _, m in dp.stages], cluster)
-    times = []
-    for i, (k, j, m) in enumerate(dp.stages):
-        _, prof, rc = choices[k, j, m, S - i]
-        times.append(prof.range_time(k, j, rc))
-    layer_of = st.layer_of_nodes(graph, layers)
-    sends = _send_times(graph, layer_of, layers, dp.stages, devices, cluster)
-    return pipeline_time(times, B, schedule, send_times=sends) + step_overhead(cluster)
-
-
-def _assemble(
-    name,
-    graph,
-    layers,
-    cluster,
-    dp,
-    choices,
-    subs,
-    B,
-    G,
-    schedule,
-    optimizer,
-    mode,
-    budget,
-    seconds,
-    virtual_stages=1,
-) -> ParallelPlan:
-    S = len(dp.stages)
-    layer_of = st.layer_of_nodes(graph, layers)
-    stages: list[StagePlan] = []
-    times = []
-    # With interleaving, the S stages are p * v chunks and chunk c runs on device group c % p.
-    p = S // virtual_stages
-    groups = _allocate([subs[m][0] * subs[m][1] for _, _, m in dp.stages[:p]], cluster)
-    devices = [groups[i % p] for i in range(S)]
-    fallbacks: list[str] = []
-    for i, (k, j, m) in enumerate(dp.stages):
-        mesh, prof, rc = choices[k, j, m, S - i]
-        inflight = np.array([0.0, microbatches_in_flight("1f1b", B, S - i, 0)])
-        _, mem = st.range_costs(prof, inflight, np.inf, np.zeros(len(layers)), rc)
-        sol = prof.solution
-        in_stage = {n for n, layer in layer_of.items() if k <= layer <= j}
-        params = {
-            graph.placeholder_paths[n]: list(o.strategy.output[0])
-            for n, o in sol.choice.items()
-            if n in in_stage and graph.node(n).op == "param"
-        }
-        strategies = {
-            n: {
-                "inputs": [list(p) if p else None for p in o.strategy.inputs],
-                "outputs": [list(p) for p in o.strategy.output],
-            }
-            for n, o in sol.choice.items()
-            if n in in_stage and graph.node(n).op == "call"
-        }
-        fallbacks += [f for f in sol.fallback_ops if f.split(":")[0] in in_stage]
-        dp_axes = _data_parallel_axes(graph, sol, in_stage, mesh.shape)
-        t = prof.range_time(k, j, rc)
-        times.append(t)
-        stages.append(
-            StagePlan(
-                layers=(k, j),
-                devices=devices[i],
-                submesh=subs[m],
-                logical_mesh=mesh.shape,
-                recompute=rc,
-                param_placements=params,
-                time_s=t,
-                memory_bytes=float(mem[k, j, 1]),
-                compute_s=float(sum(prof.time[k : j + 1])),
-                grad_sync_s=float(sol.grad_sync_s),
-                zero_params=[p for p in sol.zero_params if p in params],
-                node_strategies=strategies,
-                data_parallel_axes=dp_axes,
-            )
-        )
-    sends = _send_times(graph, layer_of, layers, dp.stages, devices, cluster)
-    iteration = pipeline_time(
-        times, B, schedule, virtual_stages=virtual_stages, send_times=sends
-    ) + step_overhead(cluster)
-    flops = graph.flops_per_iteration * B
-    D = cluster.num_devices
-    ops = graph.ops
-    return ParallelPlan(
-        model={
-            "name": name,
-            "fingerprint": graph.fingerprint(),
-            "params": graph.num_params,
-            "flops_per_iteration": flops,
-        },
-        cluster=cluster.to_json(),
-        global_batch=G,
-        num_microbatches=B,
-        schedule=schedule,
-        stages=stages,
-        estimate=Estimate(
-            iteration, flops / iteration / D / 1e12, max(s.memory_bytes for s in stages)
-        ),
-        planner_time_s=seconds,
-        layer_nodes=[(ops[a].name, ops[b].name) for a, b in layers],
-        dtype=next(iter(graph.params.values())).dtype
-        if graph.params
-        else "float32",  # training dtype
-        optimizer=optimizer,
-        kind=mode,
-        virtual_stages=virtual_stages,
-        fallback_ops=sorted(set(fallbacks)),
-        memory_budget_bytes=budget,
-    )

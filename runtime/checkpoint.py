@@ -51,7 +51,7 @@ from torch.distributed.tensor import empty as dtensor_empty
 from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
-from planner.intra.dtensor_rules import str_to_placement
+from planner.vocab.dtensor_ext import str_to_placement
 from planner.vocab.plan_file import ParallelPlan, StagePlan
 from runtime.meshes import device_mesh
 

@@ -1,29 +1,30 @@
 """The `meshplan` command line.
 
-The entry point lives in `runtime` because imports flow runtime -> planner -> cost_models: the
-planner's commands (trace, cluster, ...) are collected from `planner.commands`, and the commands that
-need processes or devices (profile, run) from `runtime.commands`. Each command module exposes
-`register(subparsers)`, which adds a parser whose `func(args) -> int` runs the command.
+Commands are found, not listed: each is a module named in the `meshplan.commands` entry-point group
+of pyproject.toml (so the CLI names no layer above the runtime: `bench` lives in `benchmarks`). Each
+command module exposes `register(subparsers)`, which adds a parser whose `func(args) -> int` runs the
+command. Entry points are registered by installing the package (`pip install -e .`).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
+from importlib.metadata import EntryPoint, entry_points
 
 from cost_models.errors import MeshplanError
 
-# Order here is the order in `meshplan --help`.
-COMMAND_MODULES = [
-    "planner.commands.trace",
-    "planner.commands.cluster",
-    "planner.commands.plan",
-    "runtime.commands.profile",
-    "runtime.commands.run",
-    "runtime.commands.bench",
-]
+GROUP = "meshplan.commands"
+#: The order of `meshplan --help`, by entry-point name; commands not named here come after, by name.
+ORDER = ("trace", "cluster", "plan", "profile", "run", "bench")
+
+
+def command_modules() -> list[EntryPoint]:
+    """The command modules of the `meshplan.commands` entry-point group, in `ORDER`."""
+    found = {ep.name: ep for ep in entry_points(group=GROUP)}
+    rank = {name: i for i, name in enumerate(ORDER)}
+    return [found[n] for n in sorted(found, key=lambda n: (rank.get(n, len(ORDER)), n))]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,11 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in COMMAND_MODULES:
+    for ep in command_modules():
         try:
-            module = importlib.import_module(name)
+            module = ep.load()
         except ModuleNotFoundError as exc:
-            if exc.name == name:  # command not built in this checkout
+            if (
+                exc.name == ep.module
+            ):  # declared by an older install, gone from this checkout
                 continue
             raise
         module.register(sub)

@@ -21,8 +21,7 @@ so the numbers compare directly with `cost_models.resharding.reshard_steps`::
 Point-to-point: the pipeline runner's sends and receives between stages (``dist.isend`` /
 ``dist.recv``) reach the dispatcher as ``c10d.send`` / ``c10d.recv_`` and are recorded too, with
 the peer rank as their group (``"peer:<rank>"``) and the runner's site ``fwd:<value>->p2p`` (the
-activation) or ``bwd:<value>->p2p`` (its gradient). `predicted_boundary` gives what the planner
-prices for them and `compare_boundary` compares the two per direction.
+activation) or ``bwd:<value>->p2p`` (its gradient).
 
 Each record carries the "site" that was current when it ran: the executor (`runtime.executor`)
 sets ``fwd:<node>`` while it runs a node, ``fwd:<u>-><v>`` / ``bwd:<u>-><v>`` while it redistributes
@@ -31,7 +30,8 @@ backward. Sites live in a plain module-level stack (not a contextvar) because au
 backward hooks from another thread.
 
 Every rank of an SPMD program issues the same collectives, so the records of one rank are the
-program's. With the fake process group (``init_process_group("fake", ...)``) collectives do nothing
+program's. What the planner priced for the same sites is
+`planner.intra.priced_comm.predicted_collectives`. With the fake process group (``init_process_group("fake", ...)``) collectives do nothing
 but are still dispatched, so bytes can be counted for meshes larger than the machine.
 """
 
@@ -48,22 +48,10 @@ import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cost_models.communication import LogicalMesh
-from cost_models.resharding import reshard_steps
-from planner.inter.stage_table import stage_boundary_bytes
-from planner.intra.prices import expected_grad, grad_from_consumer, norm
-from planner.intra.solve import StageSolution
-from planner.intra.strategies import consumed_output
-from planner.tracing.opgraph import OpGraph
-from planner.vocab.plan_file import ParallelPlan
-
 __all__ = [
     "Collective",
     "CommCounter",
-    "compare_boundary",
     "current_site",
-    "predicted_boundary",
-    "predicted_collectives",
     "set_site",
     "site",
 ]
@@ -260,129 +248,3 @@ class CommCounter(TorchDispatchMode):
         for r in self.records:
             out[(r.kind, self.axis_of.get(r.group, r.group))] += r.nbytes
         return dict(out)
-
-
-def predicted_collectives(
-    graph: OpGraph, solution: StageSolution, mesh: LogicalMesh
-) -> dict[str, list[tuple[str, float]]]:
-    """What the planner prices, per site of the executor: ``"fwd:u->v"`` -> [(kind, bytes)] for the
-    forward redistribution of every edge u -> v of the chosen strategies, and ``"bwd:u->v"`` for its
-    gradient (`planner.intra.prices`: from ``grad_from_consumer(dst, v's strategy)`` to
-    ``expected_grad(src)``), both from `cost_models.resharding.reshard_steps`. One micro-batch,
-    forward + backward (the parameter-gradient part is not divided by the micro-batches)."""
-    out: dict[str, list[tuple[str, float]]] = {}
-    nodes = {n.name: n for n in graph.gm.graph.nodes}
-    for fx_v in graph.gm.graph.nodes:
-        if (
-            fx_v.op != "call_function"
-        ):  # a pipeline stage's output node has no op-graph node
-            continue
-        v = graph.node(fx_v.name)
-        if v.op != "call":
-            continue
-        vs = solution.choice[v.name].strategy
-        for u in dict.fromkeys(v.inputs):
-            fx_u = nodes[u]
-            k = fx_v.all_input_nodes.index(fx_u)
-            o = consumed_output(fx_u, fx_v)
-            src, dst = solution.choice[u].strategy.output[o], vs.inputs[k]
-            if not src or dst is None:
-                continue
-            src, dst = tuple(map(norm, src)), tuple(map(norm, dst))
-            meta = graph.node(u).outputs[o]
-            width = meta.nbytes / max(meta.numel(), 1)
-            steps = [(f"fwd:{u}->{v.name}", src, dst)]
-            if (
-                graph.node(u).requires_grad
-                and getattr(torch, meta.dtype).is_floating_point
-            ):
-                grad = grad_from_consumer(dst, vs, mesh.shape)
-                steps.append((f"bwd:{u}->{v.name}", grad, expected_grad(src)))
-            for label, a, b in steps:
-                if a == b:
-                    continue
-                colls = [
-                    (st.collective, st.nbytes)
-                    for st in reshard_steps(mesh, meta.shape, width, a, b)
-                    if st.collective
-                ]
-                if colls:
-                    out[label] = colls
-    return out
-
-
-def as_run_on(kind: str, device_type: str) -> str:
-    """The collective DTensor really issues for a priced one: on CPU meshes (gloo has no
-    all-to-all) DTensor 2.13 re-shards S(i) -> S(j) by all-gather + local chunk
-    (``shard_dim_alltoall``), so a priced all_to_all of B bytes runs as an all_gather of B bytes."""
-    return "all_gather" if kind == "all_to_all" and device_type == "cpu" else kind
-
-
-def compare(
-    predicted: dict[str, list[tuple[str, float]]],
-    measured: list[Collective],
-    device_type: str = "cpu",
-) -> tuple[dict[str, tuple[float, float]], list[str]]:
-    """Predicted vs measured bytes: ``{kind: (predicted, measured)}`` (predicted kinds mapped with
-    `as_run_on`) and one line per site whose collectives differ."""
-    pred_site: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for label, colls in predicted.items():
-        for kind, nbytes in colls:
-            pred_site[label][as_run_on(kind, device_type)] += nbytes
-    meas_site: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for r in measured:
-        meas_site[r.site][r.kind] += r.nbytes
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    diffs = []
-    for label in sorted(set(pred_site) | set(meas_site)):
-        p, m = dict(pred_site.get(label, {})), dict(meas_site.get(label, {}))
-        for kind, b in p.items():
-            totals[kind][0] += b
-        for kind, b in m.items():
-            totals[kind][1] += b
-        if p != m:
-            diffs.append(f"{label}: predicted {p or '{}'}, measured {m or '{}'}")
-    return {k: (v[0], v[1]) for k, v in sorted(totals.items())}, diffs
-
-
-DIRECTIONS = ("fwd", "bwd")
-
-
-def predicted_boundary(graph: OpGraph, plan: ParallelPlan) -> dict[str, float]:
-    """Point-to-point bytes of one step between stages as the planner prices them, per direction:
-    ``{"fwd": activations, "bwd": their gradients}``. For every stage boundary, the full values
-    crossing it (`planner.inter.stage_table.stage_boundary_bytes`; the planner's send time is that many
-    bytes split over the sending stage's devices, once each way) times the micro-batches. `graph`:
-    the model traced on one micro-batch."""
-    per_mb = stage_boundary_bytes(
-        graph, plan.layer_nodes, [s.layers[0] for s in plan.stages]
-    )
-    total = sum(per_mb) * plan.num_microbatches
-    return {d: total for d in DIRECTIONS}
-
-
-def boundary_bytes(records: list[Collective], kind: str = "send") -> dict[str, float]:
-    """Bytes of the point-to-point records of `kind` ("send" or "recv") per direction, from the
-    runner's sites ``fwd:<value>->p2p`` / ``bwd:<value>->p2p``. Pass the records of every rank: a
-    rank records only what it sends or receives itself."""
-    out = dict.fromkeys(DIRECTIONS, 0.0)
-    for r in records:
-        if r.kind == kind and r.site.endswith("->p2p"):
-            out[r.site.split(":", 1)[0]] += r.nbytes
-    return out
-
-
-def compare_boundary(
-    predicted: dict[str, float], records: list[Collective], rel: float = 0.1
-) -> tuple[dict[str, tuple[float, float]], list[str]]:
-    """Priced vs sent point-to-point bytes per direction: ``{direction: (predicted, measured)}``
-    and one line per direction where they differ by more than `rel` of the prediction (measured
-    from every rank's "send" records)."""
-    sent = boundary_bytes(records)
-    table = {d: (predicted[d], sent[d]) for d in DIRECTIONS}
-    diffs = [
-        f"{d}: priced {p:.0f} B, sent {m:.0f} B"
-        for d, (p, m) in table.items()
-        if abs(m - p) > rel * max(p, 1.0)
-    ]
-    return table, diffs

@@ -1,6 +1,6 @@
 """Execute a traced graph under one stage's planned shardings with DTensor (principles 1, 6, 7).
 
-``run_graph(graph, solution, mesh, params, batch)`` interprets ``graph.gm`` (the aten-level fx graph
+``run_graph(graph, program, mesh, params, batch)`` interprets ``graph.gm`` (the aten-level fx graph
 of `planner.tracing.tracer.trace`) node by node on DTensors:
 
 * Leaves. Parameters are placed as DTensors with their planned placements (`place_params`), leaves
@@ -74,15 +74,15 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.fx.node import map_arg
 
 from cost_models.errors import MeshplanError
-from planner.intra.dtensor_rules import (
+from planner.tracing.opgraph import OpGraph
+from planner.vocab.dtensor_ext import (
     placement_to_str,
+    register_fallback,
     register_missing_rules,
     str_to_placement,
 )
-from planner.intra.prices import expected_grad, grad_from_consumer
-from planner.intra.solve import StageSolution
-from planner.intra.strategies import consumed_output, register_fallback
-from planner.tracing.opgraph import OpGraph
+from planner.vocab.grads import expected_grad, grad_from_consumer
+from planner.vocab.strategy import StageProgram, consumed_output
 from runtime import comm_count
 from runtime.compiled import CompiledStage
 from runtime.device_ops import device_targets
@@ -96,18 +96,18 @@ Strs = tuple[str, ...]
 _NOT_COMPILED = object()  # `_run_compiled`: this stage runs eagerly
 
 
-def make_mesh(solution: StageSolution, device_type: str = "cpu") -> DeviceMesh:
-    """The DeviceMesh a solution runs on: its logical mesh without the axes of size 1 (the planner
+def make_mesh(program: StageProgram, device_type: str = "cpu") -> DeviceMesh:
+    """The DeviceMesh a program runs on: its logical mesh without the axes of size 1 (the planner
     derives strategies on that squeezed mesh, see `planner.intra.strategies`). Needs an initialised
-    default process group of ``prod(solution.mesh_shape)`` ranks."""
-    shape = tuple(s for s in solution.mesh_shape if s > 1) or (1,)
+    default process group of ``prod(program.mesh_shape)`` ranks."""
+    shape = tuple(s for s in program.mesh_shape if s > 1) or (1,)
     return device_mesh(device_type, torch.arange(math.prod(shape)).view(shape))
 
 
 class PlanExecutor(torch.fx.Interpreter):
-    """Runs ``graph.gm`` on DTensors placed as ``solution`` plans on ``mesh`` (module docstring).
+    """Runs ``graph.gm`` on DTensors placed as ``program`` plans on ``mesh`` (module docstring).
 
-    ``mesh`` must be the solution's logical mesh without its size-1 axes (`make_mesh`).
+    ``mesh`` must be the program's logical mesh without its size-1 axes (`make_mesh`).
     ``mismatches`` lists, after a run, every node whose DTensor output placement differed from the
     plan (the executor redistributed it to the plan's).
 
@@ -130,7 +130,7 @@ class PlanExecutor(torch.fx.Interpreter):
     def __init__(
         self,
         graph: OpGraph,
-        solution: StageSolution,
+        program: StageProgram,
         mesh: DeviceMesh,
         *,
         strict: bool = False,
@@ -141,13 +141,13 @@ class PlanExecutor(torch.fx.Interpreter):
         if graph.gm is None:
             raise MeshplanError("the op graph has no fx GraphModule to execute")
         super().__init__(graph.gm, garbage_collect_values=True)
-        self.opgraph, self.solution, self.mesh, self.strict = (
+        self.opgraph, self.program, self.mesh, self.strict = (
             graph,
-            solution,
+            program,
             mesh,
             strict,
         )
-        shape = tuple(solution.mesh_shape)
+        shape = tuple(program.mesh_shape)
         self.axes = [i for i, s in enumerate(shape) if s > 1]
         want = tuple(shape[i] for i in self.axes) or (1,)
         if tuple(mesh.shape) != want:
@@ -163,12 +163,12 @@ class PlanExecutor(torch.fx.Interpreter):
         register_missing_rules()
         self._targets = device_targets(graph.gm, mesh.device_type)
         for n in graph.gm.graph.nodes:
-            opt = solution.choice.get(n.name)
-            if n.op not in ("placeholder", "output") and opt is None:
+            strategy = program.strategies.get(n.name)
+            if n.op not in ("placeholder", "output") and strategy is None:
                 raise MeshplanError(f"the plan has no strategy for node {n.name}")
             if (
-                opt is not None
-                and opt.strategy.source == "fallback"
+                strategy is not None
+                and strategy.source == "fallback"
                 and isinstance(n.target, torch._ops.OpOverload)
             ):
                 register_fallback(n.target)
@@ -212,8 +212,8 @@ class PlanExecutor(torch.fx.Interpreter):
         if skip and sync:
             if u.name in self.param_derived:  # a leaf's .grad must end as planned
                 return dst_pl, grad_dst, f"{u.name}->{v.name}", False
-            strategy = self.solution.choice[v.name].strategy
-            got = grad_from_consumer(dst, strategy, tuple(self.solution.mesh_shape))
+            strategy = self.program.strategies[v.name]
+            got = grad_from_consumer(dst, strategy, tuple(self.program.mesh_shape))
             skip = tuple(got) == tuple(grad_strs) and not any(
                 g.startswith("P") for g in got
             )
@@ -222,7 +222,7 @@ class PlanExecutor(torch.fx.Interpreter):
     def _node_plan(self, n: torch.fx.Node) -> tuple:
         """(site label, getitem edge or None, input edges {k: (u, edge plan)}, planned outputs
         with their parsed placements)."""
-        strategy = self.solution.choice[n.name].strategy
+        strategy = self.program.strategies[n.name]
         getitem = None
         edges: list[tuple[torch.fx.Node, tuple]] = []
         if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node):
@@ -258,7 +258,7 @@ class PlanExecutor(torch.fx.Interpreter):
         )
 
     def _planned_output(self, name: str, k: int = 0) -> Strs:
-        return self.solution.choice[name].strategy.output[k]
+        return self.program.strategies[name].output[k]
 
     # ------------------------------------------------------------------ running
 
@@ -498,18 +498,18 @@ class PlanExecutor(torch.fx.Interpreter):
 
 def place_params(
     graph: OpGraph,
-    solution: StageSolution,
+    program: StageProgram,
     mesh: DeviceMesh,
     params: dict[str, torch.Tensor],
 ) -> dict[str, DTensor]:
     """Parameters as DTensor leaves requiring grad with the planned placements; pass the result to
     `run_graph` and read ``.grad`` after ``loss.backward()``."""
-    return PlanExecutor(graph, solution, mesh).place_params(params)
+    return PlanExecutor(graph, program, mesh).place_params(params)
 
 
 def run_graph(
     graph: OpGraph,
-    solution: StageSolution,
+    program: StageProgram,
     mesh: DeviceMesh,
     params: dict[str, torch.Tensor],
     batch: tuple[torch.Tensor, ...],
@@ -517,9 +517,9 @@ def run_graph(
     buffers: dict[str, torch.Tensor] | None = None,
     strict: bool = False,
 ) -> DTensor:
-    """Run the forward pass of ``graph`` as ``solution`` plans it on ``mesh``; returns the loss
+    """Run the forward pass of ``graph`` as ``program`` plans it on ``mesh``; returns the loss
     (replicated DTensor). ``params`` maps parameter paths to full tensors (placed here, so their
     gradients are not reachable: use `place_params` first) or to DTensors from `place_params`."""
-    return PlanExecutor(graph, solution, mesh, strict=strict).run_plan(
+    return PlanExecutor(graph, program, mesh, strict=strict).run_plan(
         params, batch, buffers
     )

@@ -11,17 +11,20 @@ measures them here and the cost model charges ``op_overhead_s`` per op per micro
 ``microbatch_overhead_s`` per stage per micro-batch and ``step_overhead_s`` once per step
 (`cost_models.compute.op_overhead`, ``microbatch_overhead``, ``step_overhead``).
 
-Measurement (`measure_op_overhead`, inside a launched group, on every rank at once as in
-training): two tiny GPTs (``CALIBRATION_MODELS``, hidden 8: a few thousand FLOPs per op, 2 and 8
-layers) are trained by the runtime's own `runtime.train.Trainer` (pipeline runner, executor,
-gradient sync, SGD step) under a data-parallel plan over all the ranks with one micro-batch, and
-the first of them again over ``MICROBATCHES``: each trainer is built once and takes ``warmup``
-steps (the first step costs far more while the stage compiles and caches fill), then the three
-take their ``steps`` timed steps interleaved, one step of each in turn, so that all three see
-the same machine. Rank 0 returns, per run, the median step time, the graph's ``call_function``
-nodes (views included) and the gradient bytes; the step's own collectives (the bucketed gradient
-all-reduce and the loss's two scalar collectives), which the cost model prices separately, are
-timed right after each step in the same way.
+Measurement (`measure_op_overhead`, inside a launched group, on every rank at once as in training):
+two tiny GPTs (``CALIBRATION_MODELS``, hidden 8: a few thousand FLOPs per op, 2 and 8 layers) are
+trained by the runtime's own `runtime.train.Trainer` (pipeline runner, executor, gradient sync, SGD
+step) under a data-parallel plan over all the ranks with one micro-batch, and the first of them
+again over ``MICROBATCHES`` (``CALIBRATION_RUNS``). The process that launches the ranks makes their
+plans before the launch (`calibration_plans`: our own CLI's `meshplan manual` in a child process
+per plan, as `runtime.commands.run` plans, so that the runtime does not import the planner's
+search) and hands them to the ranks. Each trainer is built once and takes ``warmup`` steps (the
+first step costs far more while the stage compiles and caches fill), then the three take their
+``steps`` timed steps interleaved, one step of each in turn, so that all three see the same
+machine. Rank 0 returns, per run, the median step time, the graph's ``call_function`` nodes (views
+included) and the gradient bytes; the step's own collectives (the bucketed gradient all-reduce and
+the loss's two scalar collectives), which the cost model prices separately, are timed right after
+each step in the same way.
 `overheads_from_steps` then fits ``step - collectives = overhead + ops * op_overhead`` through
 the one-micro-batch runs: the slope is the per-op figure; the run over several micro-batches
 splits the intercept into its per-micro-batch and per-step parts. The profile keeps the median of
@@ -34,10 +37,17 @@ The figures belong to the runtime measured: when it gets faster, re-profiling up
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from cost_models.errors import MeshplanError
+from planner.vocab.plan_file import ParallelPlan
 
 CALIBRATION_MODELS = (
     "gpt:hidden=8,layers=2,heads=2,seq=4,vocab=16",
@@ -53,15 +63,56 @@ REPEATS = 3
 # The first calibration model is also trained over this many micro-batches: what a micro-batch
 # costs beyond its ops (the pipeline runner's per-micro-batch work) is the difference.
 MICROBATCHES = 4
+#: The calibration runs, each trained under its own plan: (model spec, micro-batches).
+CALIBRATION_RUNS = (
+    (CALIBRATION_MODELS[0], 1),
+    (CALIBRATION_MODELS[1], 1),
+    (CALIBRATION_MODELS[0], MICROBATCHES),
+)
+
+
+def calibration_plans(world: int) -> list[ParallelPlan]:
+    """The pure data-parallel plan over `world` ranks of every run of ``CALIBRATION_RUNS``, for
+    `measure_op_overhead`; made before the launch by the launching process, each by our own CLI
+    (`meshplan manual`) in a child process, so that the runtime does not import the planner. A
+    child that fails raises MeshplanError with its last error line."""
+    plans = []
+    with tempfile.TemporaryDirectory(prefix="meshplan-calibration-") as tmp:
+        for i, (spec, microbatches) in enumerate(CALIBRATION_RUNS):
+            out = os.path.join(tmp, f"plan{i}.json")
+            batch = CALIBRATION_BATCH * world * microbatches
+            # pure data parallelism: the shardings need no prices, so no profile
+            cmd = [sys.executable, "-m", "runtime.cli", "manual", spec, "--json", out]
+            cmd += ["--cluster", f"1x{world}xA100-80GB", "--dtype", "float32"]
+            cmd += ["--dp", str(world), "--tp", "1", "--pp", "1"]
+            cmd += ["--microbatches", str(microbatches), "--batch", str(batch)]
+            cmd += ["--optimizer", "sgd", "--allow-oom"]
+            child = subprocess.run(cmd, check=False, capture_output=True, text=True)
+            if child.returncode != 0:
+                lines = [line for line in child.stderr.splitlines() if line.strip()]
+                last = (
+                    lines[-1].removeprefix("meshplan: error: ")
+                    if lines
+                    else "no message"
+                )
+                raise MeshplanError(
+                    f"planning calibration model {spec} failed (exit {child.returncode}): {last}"
+                )
+            plans.append(ParallelPlan.load(out))
+    return plans
 
 
 def measure_op_overhead(
-    steps: int = 20, warmup: int = 5, repeats: int = REPEATS
+    plans: Sequence[ParallelPlan] | None,
+    steps: int = 20,
+    warmup: int = 5,
+    repeats: int = REPEATS,
 ) -> dict[str, Any]:
-    """Train each calibration model data-parallel over every rank of an initialised CPU (gloo)
-    group; rank 0's ``{"repeats": [{"runs": [{"step_s", "comm_s", "ops", "grad_bytes", "world",
-    "microbatches"}, ...]}, ...]}``, one run per model of ``CALIBRATION_MODELS`` and the first over
-    ``MICROBATCHES`` in each of `repeats` repeats (module docstring).
+    """Train each calibration run data-parallel over every rank of an initialised CPU (gloo)
+    group, under its plan of `plans` (`calibration_plans` for this group's size, one per run of
+    ``CALIBRATION_RUNS``); rank 0's ``{"repeats": [{"runs": [{"step_s", "comm_s", "ops",
+    "grad_bytes", "world", "microbatches"}, ...]}, ...]}``, one run per plan in each of `repeats`
+    repeats (module docstring).
 
     Each model's trainer is built once; after `warmup` steps of each, every repeat takes `steps`
     rounds, a round being one step of every model in turn, each followed by its collectives
@@ -71,8 +122,11 @@ def measure_op_overhead(
     import torch
     import torch.distributed as dist
 
-    runs = [_Calibration(m) for m in CALIBRATION_MODELS]
-    runs.append(_Calibration(CALIBRATION_MODELS[0], MICROBATCHES))
+    if not plans:
+        raise MeshplanError(
+            "no calibration plans: make them before the launch (calibration_plans)"
+        )
+    runs = [_Calibration(plan) for plan in plans]
     for run in runs:
         for _ in range(warmup):
             run.step()
@@ -110,34 +164,27 @@ def _barriered(fn: Callable[[], object]) -> float:
 
 
 class _Calibration:
-    """One calibration model trained data-parallel over the group on micro-batches of
-    CALIBRATION_BATCH samples per rank: its training step, the step's own collectives alone (the
-    bucketed gradient all-reduce and the loss's two scalar collectives, which the cost model
-    prices separately) and its figures (`info`: op count, gradient bytes, world, micro-batches)."""
+    """One calibration model trained over the group under its data-parallel `plan` (of
+    `calibration_plans`: micro-batches of CALIBRATION_BATCH samples per rank): its training step,
+    the step's own collectives alone (the bucketed gradient all-reduce and the loss's two scalar
+    collectives, which the cost model prices separately) and its figures (`info`: op count,
+    gradient bytes, world, micro-batches)."""
 
-    def __init__(self, model_spec: str, microbatches: int = 1) -> None:
+    def __init__(self, plan: ParallelPlan) -> None:
         import torch
         import torch.distributed as dist
 
         from planner.models import build_model
-        from planner.plans.manual import manual_plan
         from planner.tracing.tracer import trace
         from runtime.train import Trainer, seeded_model_and_batches
 
         world = dist.get_world_size()
-        batch = CALIBRATION_BATCH * world * microbatches
-        plan = manual_plan(
-            model_spec,
-            f"1x{world}xA100-80GB",  # pure data parallelism: the shardings need no prices
-            dp=world,
-            tp=1,
-            pp=1,
-            num_microbatches=microbatches,
-            global_batch=batch,
-            dtype="float32",
-            optimizer="sgd",
-            allow_oom=True,
-        )
+        if plan.cluster["num_devices"] != world:
+            raise MeshplanError(
+                f"calibration plan for {plan.cluster['num_devices']} devices, but {world} ranks"
+            )
+        model_spec, batch = plan.model["name"], plan.global_batch
+        microbatches = plan.num_microbatches
         model, batches = seeded_model_and_batches(model_spec, batch, 1)
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.batch = batches[0]

@@ -7,7 +7,7 @@ one DeviceMesh per stage over the stage's devices (``DeviceMesh("cpu", ranks.vie
 logical mesh's size-1 axes squeezed, as `runtime.executor.make_mesh` does; every rank creates every
 mesh, in stage order, because creating a mesh's process groups is collective over the world). A
 rank runs the stage whose devices hold it with `runtime.executor.PlanExecutor` driven by the plan's
-strategies (`runtime.stages.stage_solution`); a rank in no stage only joins the loss broadcast.
+strategies (`runtime.stages.stage_program`); a rank in no stage only joins the loss broadcast.
 
 Moving a boundary value from stage s to stage t (one micro-batch):
 
@@ -50,7 +50,7 @@ replicated, and the rank mapping between the submeshes above. It also runs any p
 (``MESHPLAN_PIPELINE=ours``, ``Trainer(..., pipeline="ours")``); its gradients and losses match one
 device (`tests/test_runtime_pipeline.py`).
 
-The hooks `_build_meshes` (the stage meshes), `_solution` (each chunk's executor solution) and
+The hooks `_build_meshes` (the stage meshes), `_program` (each chunk's stage program) and
 `_finish_grads` (ZeRO reduce-scatter and gradient sync after the last backward) are shared with
 the torch-pipelining subclass.
 
@@ -81,9 +81,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
-from planner.intra.solve import StageSolution
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.plan_file import ParallelPlan, StagePlan
+from planner.vocab.strategy import StageProgram
 from runtime import boundary, comm_count
 from runtime.device_ops import run_device
 from runtime.executor import PlanExecutor
@@ -96,7 +96,7 @@ from runtime.schedules import (
     interleaved_order,
     schedule_order,
 )
-from runtime.stages import StageGraph, split_stages, stage_solution
+from runtime.stages import StageGraph, split_stages, stage_program
 
 __all__ = ["PipelineRunner", "layer_of_nodes", "schedule_order", "stage_mesh"]
 
@@ -197,7 +197,7 @@ class PipelineRunner:
             st, stage_plan = self.stages[c], plan.stages[c]
             self.executors[c] = PlanExecutor(
                 st.graph,
-                self._solution(c, fallback),
+                self._program(c, fallback),
                 self.meshes[c],
                 sync_param_grads=False,
                 recompute_layers=recompute if stage_plan.recompute else None,
@@ -231,9 +231,9 @@ class PipelineRunner:
             meshes[tuple(s.devices), tuple(s.logical_mesh)] for s in self.plan.stages
         ]
 
-    def _solution(self, c: int, fallback: set[str]) -> StageSolution:
-        """The executor's solution for chunk `c` (`runtime.stages.stage_solution`)."""
-        return stage_solution(self.stages[c], self.plan.stages[c], fallback)
+    def _program(self, c: int, fallback: set[str]) -> StageProgram:
+        """The program chunk `c` runs (`runtime.stages.stage_program`)."""
+        return stage_program(self.stages[c], self.plan.stages[c], fallback)
 
     def _order(self, group: int, B: int) -> list[Action]:
         """The (kind, chunk, micro-batch) actions of device group `group` in a step."""

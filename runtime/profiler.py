@@ -29,7 +29,8 @@ One launch (`runtime.launch.launch`) of N ranks measures, in order:
 With ``concurrent_compute`` steps 1 and 2 run on every rank at once (rank 0's figures are kept;
 see `ProfileOptions`), followed by the non-GEMM ops of ``op_models`` (`runtime.op_rates`); with
 ``op_overhead`` every rank then measures the runtime's overheads per
-op and per step (`runtime.overhead`, CPU ranks).
+op and per step (`runtime.overhead`, CPU ranks), under calibration plans that `check_options`
+makes before the launch (`runtime.overhead.calibration_plans`: child processes of our CLI).
 
 Then alpha and beta are fitted per (op, world size) with `fit_alpha_beta`, plus a continuous
 piecewise-linear fit (`fit_segments`) where one line misses a sample by more than 20%: gloo's
@@ -59,6 +60,7 @@ from cost_models.profile import (
     fit_alpha_beta,
     fit_segments,
 )
+from planner.vocab.plan_file import ParallelPlan
 from runtime.launch import MAX_LOCAL_RANKS_CPU, default_backend, launch, rank_cpu_sets
 
 KB = 1 << 10
@@ -94,6 +96,9 @@ class ProfileOptions:
     concurrent_compute: bool = False
     #: Measure the runtime's overheads per op and per step (`runtime.overhead`; CPU ranks only).
     op_overhead: bool = False
+    #: The plans `op_overhead` trains (`runtime.overhead.calibration_plans` for `nproc` ranks):
+    #: None until `check_options` makes them, before the launch.
+    calibration_plans: list[ParallelPlan] | None = None
     #: Time a collective of w ranks on every group of w consecutive ranks at once (rank 0's
     #: group's figures are kept), as a mesh axis's groups all communicate at once in training.
     #: False: ranks 0..w-1 alone, the others idle (an upper bound on speed where the groups share
@@ -403,7 +408,7 @@ def _profile_worker(opts: ProfileOptions) -> dict[str, Any] | None:
             opts,
             f"runtime overheads per op and per step (two tiny GPTs, every rank, {REPEATS} times)",
         )
-        out["op_overhead"] = measure_op_overhead()
+        out["op_overhead"] = measure_op_overhead(opts.calibration_plans)
     pairs = _plan_collectives(opts)
     groups = _collective_groups(opts, sorted({w for _, w in pairs}), rank)
     fits: list[tuple[str, int, list[tuple[int, float]]]] = []
@@ -475,12 +480,19 @@ def _memory_bytes(backend: str, nproc: int) -> int:
 
 
 def check_options(opts: ProfileOptions) -> str:
-    """Raise MeshplanError for options that cannot run here; the backend to measure with."""
+    """Raise MeshplanError for options that cannot run here; the backend to measure with. Called
+    by the launching process before the launch: with `op_overhead` on gloo ranks it also makes
+    `opts.calibration_plans` when they are missing (`runtime.overhead.calibration_plans`)."""
     backend = opts.backend or default_backend(opts.nproc)
     check_nproc(opts.nproc, backend)
     bad = [w for w in (opts.world_sizes or []) if not 2 <= w <= opts.nproc]
     if bad:
         raise MeshplanError(f"world sizes {bad} are outside 2..{opts.nproc} (--nproc)")
+    if opts.op_overhead and backend == "gloo" and opts.calibration_plans is None:
+        from runtime.overhead import calibration_plans
+
+        _log(opts, "calibration plans (meshplan manual, one child process each)")
+        opts.calibration_plans = calibration_plans(opts.nproc)
     return backend
 
 

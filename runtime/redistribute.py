@@ -26,7 +26,7 @@ from runtime import comm_count
 def _repartial(x: DTensor, dst: tuple[Placement, ...]) -> DTensor:
     """Change the kind of a partial placement locally, on the axes where `dst` asks for another.
 
-    The planner treats every partial as "P" (`planner.intra.prices.norm`), so a producer's partial
+    The planner treats every partial as "P" (`planner.vocab.placements.norm`), so a producer's partial
     may meet a consumer that wants another kind; DTensor refuses to convert between partial types
     ("one partial type to another is unsupported"), which would cost an all-reduce. The
     conversions that the planner's strategies need are local (PyTorch lacks them):

@@ -13,10 +13,9 @@ plan's stage boundaries (``plan.layer_nodes`` and ``StagePlan.layers``). Stage `
 and returns, for a stage before the last, the values that later stages read (in
 ``StageGraph.outputs`` order); the last stage returns the graph's output (the loss).
 
-`stage_solution(stage_graph, stage_plan, fallback_nodes)` turns the plan's strings
-(``StagePlan.node_strategies``, ``param_placements``) into the `StageSolution` that
-`runtime.executor.PlanExecutor` reads (only ``mesh_shape`` and ``choice[node].strategy``), so the
-executor runs exactly the planned strategies. Leaves without a plan entry (batch inputs, buffers,
+`stage_program(stage_graph, stage_plan, fallback_nodes)` reads the plan's strings
+(``StagePlan.node_strategies``, ``param_placements``) as the `StageProgram` that
+`runtime.executor.PlanExecutor` runs, so the executor runs exactly the planned strategies. Leaves without a plan entry (batch inputs, buffers,
 received boundary values) are replicated: every rank of the stage holds the full tensor, and the
 edge to the first consumer only slices locally.
 """
@@ -30,13 +29,11 @@ import torch
 from torch import fx
 
 from cost_models.errors import MeshplanError
-from planner.intra.prices import Option
-from planner.intra.solve import StageSolution
-from planner.intra.strategies import Strategy
 from planner.tracing.opgraph import OpGraph, OpNode
 from planner.vocab.plan_file import ParallelPlan, StagePlan
+from planner.vocab.strategy import StageProgram
 
-__all__ = ["StageGraph", "split_stages", "stage_of_nodes", "stage_solution"]
+__all__ = ["StageGraph", "split_stages", "stage_of_nodes", "stage_program"]
 
 INPUT_PREFIX = "stage_input:"
 
@@ -174,51 +171,23 @@ def _stage(
     return StageGraph(s, sub, inputs, outputs, s == S - 1)
 
 
-def _strs(p: list[str] | None) -> tuple[str, ...] | None:
-    return None if p is None else tuple(p)
-
-
-def stage_solution(
+def stage_program(
     stage: StageGraph, plan: StagePlan, fallback_nodes: set[str] = frozenset()
-) -> StageSolution:
-    """The executor's view of a stage plan: a `StageSolution` whose ``choice`` holds the plan's
-    strategies (``source="fallback"`` for the nodes in `fallback_nodes`, so that the executor
-    registers DTensor's replicate strategy for their ops); costs are left at zero."""
-    n_axes = len(plan.logical_mesh)
-    rep = ("R",) * n_axes
-    choice: dict[str, Option] = {}
-    for n in stage.graph.gm.graph.nodes:
-        if n.op == "placeholder":
-            path = stage.graph.placeholder_paths[n.name]
-            place = tuple(plan.param_placements.get(path, rep))
-            if path in stage.graph.params and path not in plan.param_placements:
-                raise MeshplanError(f"the stage plan has no placement for {path}")
-            choice[n.name] = Option(Strategy((place,), (), "leaf"))
-        elif n.op == "call_function":
-            st = plan.node_strategies.get(n.name)
-            if st is None:
-                raise MeshplanError(f"the stage plan has no strategy for node {n.name}")
-            source = "fallback" if n.name in fallback_nodes else "plan"
-            choice[n.name] = Option(
-                Strategy(
-                    tuple(tuple(p) for p in st["outputs"]),
-                    tuple(_strs(p) for p in st["inputs"]),
-                    source,
-                )
-            )
-    return StageSolution(
-        mesh_shape=tuple(plan.logical_mesh),
-        choice=choice,
-        param_placements={},
-        zero_params=[],
-        compute_s=0.0,
-        comm_s=0.0,
-        grad_sync_s=0.0,
-        param_state_bytes=0.0,
-        activation_bytes=0.0,
-        fallback_ops=[],
-        num_microbatches=1,
-        optimal=True,
-        ilp_nodes=0,
-        solve_time_s=0.0,
+) -> StageProgram:
+    """The program a stage's executor runs: the plan's strategies for the stage graph's nodes
+    (`planner.vocab.strategy.StageProgram.from_plan`; ``source="fallback"`` for the nodes in
+    `fallback_nodes`, so that the executor registers DTensor's replicate strategy for their ops)."""
+    gm_nodes = stage.graph.gm.graph.nodes
+    return StageProgram.from_plan(
+        plan.logical_mesh,
+        plan.param_placements,
+        plan.node_strategies,
+        {
+            n.name: stage.graph.placeholder_paths[n.name]
+            for n in gm_nodes
+            if n.op == "placeholder"
+        },
+        [n.name for n in gm_nodes if n.op == "call_function"],
+        params=stage.graph.params,
+        fallback=fallback_nodes,
     )

@@ -72,6 +72,7 @@ a boundary placement fixed from the plan keep both sides' layouts, and the gradi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -91,12 +92,10 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
-from planner.intra.dtensor_rules import str_to_placement
-from planner.intra.prices import Option
-from planner.intra.solve import StageSolution
-from planner.intra.strategies import Strategy
 from planner.tracing.opgraph import OpGraph
+from planner.vocab.dtensor_ext import str_to_placement
 from planner.vocab.plan_file import ParallelPlan
+from planner.vocab.strategy import StageProgram, leaf
 from runtime import comm_count
 from runtime.meshes import device_mesh
 from runtime.pipeline import PipelineRunner
@@ -352,15 +351,14 @@ class TorchPipelineRunner(PipelineRunner):
                 )
         return [stage if m else None for m in mine]
 
-    def _solution(self, c: int, fallback: set[str]) -> StageSolution:
-        """The stage's solution with every received value's placeholder planned in its
+    def _program(self, c: int, fallback: set[str]) -> StageProgram:
+        """The stage's program with every received value's placeholder planned in its
         boundary placement (`boundary_placements`)."""
-        sol = super()._solution(c, fallback)
-        choice = dict(sol.choice)
-        for v in self.stages[c].inputs:
-            choice[v] = Option(Strategy((self.boundary[v],), (), "leaf"))
-        sol.choice = choice
-        return sol
+        program = super()._program(c, fallback)
+        received = {v: leaf(self.boundary[v]) for v in self.stages[c].inputs}
+        return dataclasses.replace(
+            program, strategies={**program.strategies, **received}
+        )
 
     @property
     def boundary(self) -> dict[str, Strs]:

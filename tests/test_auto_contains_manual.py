@@ -81,6 +81,7 @@ def test_batch_axes_split_every_activation_by_the_batch() -> None:
     assert dp.time_s >= free.time_s * (1 - 1e-9)
 
 
+@pytest.mark.slow
 def test_shared_pricing_gives_the_same_solutions() -> None:
     """Solving with a `price_stage` pricing reused across budgets and filters equals solving from
     scratch (the restricted context slices the shared edge prices)."""

@@ -11,6 +11,8 @@ import pytest
 
 from benchmarks.bench_runtime import CONFIGS, run_config
 
+pytestmark = pytest.mark.slow  # launches 2 gloo ranks
+
 SPEC = "gpt:hidden=64,layers=2,heads=4,seq=16,vocab=128"
 
 

@@ -23,6 +23,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("model,spec,G,suite,dtype,optimizer", CASES)
+@pytest.mark.slow
 def test_no_plan_beats_the_bound(model, spec, G, suite, dtype, optimizer) -> None:
     cluster = Cluster.from_spec(spec)
     bound = ceiling(model, cluster, G, dtype=dtype, optimizer=optimizer)

@@ -171,6 +171,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{a}->{b}" for a, b in CASES])
+@pytest.mark.slow
 def test_reshard_roundtrip(
     results: list[dict[str, Any]], case: tuple[str, str]
 ) -> None:
@@ -199,6 +200,7 @@ def test_reshard_roundtrip(
             assert np.abs(v).sum() > 0
 
 
+@pytest.mark.slow
 def test_refusals(results: list[dict[str, Any]]) -> None:
     for r in results:
         err = r["errors"]

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import cost_models.profile as profile_mod
 from cost_models import Cluster, MeshplanError
 from cost_models.cluster import (
     DEVICE_NAMES,
@@ -14,8 +15,6 @@ from cost_models.cluster import (
     canonical_dtype,
     dtype_bytes,
 )
-
-profile_mod = pytest.importorskip("cost_models.profile")
 
 
 def make_profile(**overrides):

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+import cost_models.profile as profile_mod
 from cost_models import (
     Cluster,
     LogicalMesh,
@@ -177,13 +178,12 @@ def test_unknown_collective():
 
 
 def test_profile_fit_is_used_inside_a_host():
-    prof = pytest.importorskip("cost_models.profile")
     fits = [
-        prof.CollectiveFit("all_reduce", 4, 1e-3, 1e-8),
-        prof.CollectiveFit("all_to_all", 4, 2e-3, 3e-8),
-        prof.CollectiveFit("send_recv", 2, 5e-5, 1e-9),
+        profile_mod.CollectiveFit("all_reduce", 4, 1e-3, 1e-8),
+        profile_mod.CollectiveFit("all_to_all", 4, 2e-3, 3e-8),
+        profile_mod.CollectiveFit("send_recv", 2, 5e-5, 1e-9),
     ]
-    p = prof.DeviceProfile(
+    p = profile_mod.DeviceProfile(
         1, "cpu", "gloo", 1, 4, 1 << 33, 1e10, {"float32": 1e11}, [], fits, "", "h"
     )
     c = Cluster.from_profile(p, hosts=2, devices_per_host=4)
@@ -372,8 +372,8 @@ def expected_step(axis: int, src: str, dst: str, current: list[str]) -> float:
 @pytest.fixture(scope="module")
 def dtensor_order():
     """DTensor's own redistribution order (its greedy planner), on a fake 8-rank process group."""
-    dist = pytest.importorskip("torch.distributed")
     import torch
+    import torch.distributed as dist
 
     if not dist.is_available() or dist.is_initialized():
         pytest.skip("needs a fresh default process group")

@@ -48,12 +48,12 @@ def _executor_runs(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
         c = cases[name]
         model, b = build_model(SPEC, batch=len(c["batch"][0]), device="meta")
         graph = trace(model, b)
-        mesh = make_mesh(c["solution"])
-        compiled = PlanExecutor(graph, c["solution"], mesh, compile=True)
+        mesh = make_mesh(c["program"])
+        compiled = PlanExecutor(graph, c["program"], mesh, compile=True)
         compiled.run_plan(compiled.place_params(c["params"]), c["batch"]).backward()
         res: dict[str, Any] = {}
         for kind, ex in (
-            ("eager", PlanExecutor(graph, c["solution"], mesh)),
+            ("eager", PlanExecutor(graph, c["program"], mesh)),
             ("compiled", compiled),
         ):
             params = ex.place_params(c["params"])
@@ -75,8 +75,8 @@ def _executor_runs(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     graph = trace(model, b)
     ex = PlanExecutor(
         graph,
-        c["solution"],
-        make_mesh(c["solution"]),
+        c["program"],
+        make_mesh(c["program"]),
         sync_param_grads=False,
         compile=True,
     )
@@ -151,9 +151,7 @@ def _pipe_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
-    cases = {
-        n: {k: _case(n)[k] for k in ("solution", "params", "batch")} for n in CASES
-    }
+    cases = {n: {k: _case(n)[k] for k in ("program", "params", "batch")} for n in CASES}
     cases["data_parallel"]["batch2"] = _case("data_parallel")["batch2"]
     _, batches = _pipe_model_and_batches()
     return launch(_body, 4, args=(cases, batches), timeout_s=600)
@@ -166,6 +164,7 @@ def _assert_grads(got: dict[str, Any], ref: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("name", ["megatron", "mixed_2x2"])
+@pytest.mark.slow
 def test_compiled_executor_matches_one_device_and_runs_compiled(
     runs: list, name: str
 ) -> None:
@@ -182,6 +181,7 @@ def test_compiled_executor_matches_one_device_and_runs_compiled(
 
 
 @pytest.mark.parametrize("name", ["megatron", "mixed_2x2"])
+@pytest.mark.slow
 def test_compiled_graphs_issue_the_eager_collectives_at_the_same_sites(
     runs: list, name: str
 ) -> None:
@@ -193,12 +193,14 @@ def test_compiled_graphs_issue_the_eager_collectives_at_the_same_sites(
         assert sorted(compiled) == sorted(eager)
 
 
+@pytest.mark.slow
 def test_compiled_gradient_accumulation(runs: list) -> None:
     acc = runs[0]["executor"]["accumulated"]
     assert acc["ran_compiled"]
     _assert_grads(acc["grads"], _case("data_parallel")["grads_accumulated"])
 
 
+@pytest.mark.slow
 def test_trainer_compiled_eager_and_recomputed_match_one_device(runs: list) -> None:
     ref_losses, ref_params = _pipe_reference()
     for r in runs:

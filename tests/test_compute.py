@@ -5,6 +5,7 @@ from __future__ import annotations
 import profiles
 import pytest
 
+import cost_models.profile as profile_mod
 from cost_models import Cluster, matmul_efficiency, matmul_time, op_time
 from cost_models.compute import (
     FP32_CURVE,
@@ -17,8 +18,6 @@ from cost_models.compute import (
     unfused_attention_time,
 )
 from cost_models.errors import MeshplanError
-
-profile_mod = pytest.importorskip("cost_models.profile")
 
 V100 = Cluster.from_spec("1x8xV100-16GB")
 

@@ -87,6 +87,7 @@ def runs() -> dict[str, Any]:
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("kind", ["compiled", "eager"])
+@pytest.mark.slow
 def test_cuda_training_matches_one_gpu(runs: dict, dtype: str, kind: str) -> None:
     got, ref, rel = runs[dtype][kind], runs[dtype]["reference"], TOLERANCE[dtype]
     assert got["ran_compiled"] == [kind == "compiled"]

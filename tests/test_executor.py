@@ -15,7 +15,7 @@ the planner rightly keeps it on one device.
 For each plan: the loss and every parameter gradient equal the single-device run within 1e-5
 (relative, float32), DTensor's output placements are the planned ones, and the bytes of every
 collective DTensor issued in forward + backward (`runtime.comm_count.CommCounter`) equal what the
-planner prices (`runtime.comm_count.predicted_collectives`), per collective kind within 10 %.
+planner prices (`planner.intra.priced_comm.predicted_collectives`), per collective kind within 10 %.
 Where they differ, the site (edge or op) is listed in ``KNOWN_DIFFS`` / ``UNPRICED_SITES`` with
 its cause. The data-parallel plan is also run over two micro-batches with the parameter gradients
 synchronised once. A last test counts the bytes of the Megatron plan of a hidden-2048 GPT on (1, 8)
@@ -103,6 +103,7 @@ def _case(name: str) -> dict[str, Any]:
     return {
         "graph": graph,
         "solution": dataclasses.replace(sol, _ctx=None),
+        "program": sol.program(),
         "lmesh": lmesh,
         "params": {k: p.detach().clone() for k, p in model.named_parameters()},
         "batch": tuple(b),
@@ -140,8 +141,8 @@ def _run_cases(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         # fx GraphModules do not unpickle in a fresh process: trace again (deterministic names)
         model, b = build_model(SPEC, batch=len(c["batch"][0]), device="meta")
         graph = trace(model, b)
-        mesh = make_mesh(c["solution"])
-        ex = PlanExecutor(graph, c["solution"], mesh)
+        mesh = make_mesh(c["program"])
+        ex = PlanExecutor(graph, c["program"], mesh)
         params = ex.place_params(c["params"])
         axes = {mesh.get_group(i).group_name: i for i in range(mesh.ndim)}
         with CommCounter(axes) as counter:
@@ -158,7 +159,7 @@ def _run_cases(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "records": counter.records,
         }
         if "batch2" in c:  # two micro-batches, parameter gradients synchronised once
-            ex = PlanExecutor(graph, c["solution"], mesh, sync_param_grads=False)
+            ex = PlanExecutor(graph, c["program"], mesh, sync_param_grads=False)
             params = ex.place_params(c["params"])
             with CommCounter(axes) as counter:
                 for b in (c["batch"], c["batch2"]):
@@ -175,7 +176,7 @@ def _run_cases(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def runs() -> dict[str, list[dict[str, Any]]]:
     cases = {name: _case(name) for name in CASES}
     sent = {
-        n: {k: c[k] for k in ("solution", "params", "batch")} for n, c in cases.items()
+        n: {k: c[k] for k in ("program", "params", "batch")} for n, c in cases.items()
     }
     sent["data_parallel"]["batch2"] = cases["data_parallel"]["batch2"]
     per_rank = launch(_run_cases, 4, args=(sent,), timeout_s=300)
@@ -196,6 +197,7 @@ MEGATRON = {
 }
 
 
+@pytest.mark.slow  # ~3 s: plans the three cases (cached for the launch when it runs too)
 def test_the_plans_are_the_intended_ones() -> None:
     assert _weights("megatron", 1) == MEGATRON
     assert set(_weights("data_parallel", 1).values()) == {"R"}
@@ -211,6 +213,7 @@ def test_the_plans_are_the_intended_ones() -> None:
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_same_numbers_as_one_device(runs: dict, name: str) -> None:
     ref = _case(name)
     ranks = runs[name]
@@ -226,10 +229,12 @@ def test_same_numbers_as_one_device(runs: dict, name: str) -> None:
 
 
 def _report(name: str, runs: dict) -> tuple[dict, list[str]]:
-    from runtime.comm_count import compare, predicted_collectives
+    from comm_check import compare
+
+    from planner.intra.priced_comm import predicted_collectives
 
     c = _case(name)
-    predicted = predicted_collectives(c["graph"], c["solution"], c["lmesh"])
+    predicted = predicted_collectives(c["graph"], c["program"], c["lmesh"])
     records = runs[name][0]["records"]
     for r in runs[name][1:]:  # SPMD: every rank issued the same collectives
         assert [(x.kind, x.nbytes, x.site) for x in r["records"]] == [
@@ -242,6 +247,7 @@ def _report(name: str, runs: dict) -> tuple[dict, list[str]]:
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_comm_matches_prices(runs: dict, name: str) -> None:
     totals, diffs = _report(name, runs)
     print(name, totals, *diffs, sep="\n  ")
@@ -251,7 +257,7 @@ def test_comm_matches_prices(runs: dict, name: str) -> None:
     assert {d.split(": ")[0] for d in diffs} <= KNOWN_DIFFS.get(name, set()), diffs
 
 
-def _count_fake(solution: Any, spec: str, batch: int, world: int) -> tuple:
+def _count_fake(program: Any, spec: str, batch: int, world: int) -> tuple:
     """Body of one process: run a plan on a fake process group of `world` ranks with fake
     tensors (collectives and kernels do nothing; DTensor still issues every collective)."""
     import torch.distributed as dist
@@ -265,7 +271,7 @@ def _count_fake(solution: Any, spec: str, batch: int, world: int) -> tuple:
     dist.destroy_process_group()  # launch's gloo group of one rank
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     model, b = build_model(spec, batch=batch, dtype=torch.float16, device="meta")
-    ex = PlanExecutor(trace(model, b), solution, make_mesh(solution))
+    ex = PlanExecutor(trace(model, b), program, make_mesh(program))
     with FakeTensorMode(allow_non_fake_inputs=True):
         params = {
             k: torch.empty(p.shape, dtype=p.dtype) for k, p in model.named_parameters()
@@ -277,10 +283,13 @@ def _count_fake(solution: Any, spec: str, batch: int, world: int) -> tuple:
     return counter.records, ex.mismatches
 
 
+@pytest.mark.slow
 def test_megatron_gpt_2048_on_8_fake_ranks_communicates_what_is_priced() -> None:
     """tests/test_intra_op.py's Megatron case: GPT hidden 2048, 2 layers, seq 1024, fp16, on
     (1, 8) A100s. Counted with the fake process group: one process, nothing computed."""
-    from runtime.comm_count import compare, predicted_collectives
+    from comm_check import compare
+
+    from planner.intra.priced_comm import predicted_collectives
 
     spec = "gpt:hidden=2048,layers=2,heads=32,seq=1024,vocab=51200"
     model, b = build_model(spec, batch=2, dtype=torch.float16)
@@ -289,20 +298,21 @@ def test_megatron_gpt_2048_on_8_fake_ranks_communicates_what_is_priced() -> None
     lmesh = LogicalMesh(cluster, cluster.shape, (1, 8))
     sol = dataclasses.replace(solve_stage(graph, lmesh), _ctx=None)
     assert sol.param_placements["blocks.0.attn.qkv.weight"] == ("R", "S(0)")
-    args = (sol, spec, 2, 8)
+    args = (sol.program(), spec, 2, 8)
     records, mismatches = launch(_count_fake, 1, args=args, timeout_s=300)[0]
     assert mismatches == []
     priced = [r for r in records if r.site not in UNPRICED_SITES]
-    totals, diffs = compare(predicted_collectives(graph, sol, lmesh), priced)
+    totals, diffs = compare(predicted_collectives(graph, sol.program(), lmesh), priced)
     print(totals, *diffs, sep="\n  ")
     assert diffs == []
     assert totals["all_reduce"][0] > 0  # Megatron's all-reduces, forward and backward
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_syncs_parameter_gradients_once(runs: dict) -> None:
     """data_parallel over two micro-batches with ``sync_param_grads=False`` + ``sync_grads``:
     the gradients of loss(b1) + loss(b2), activations' collectives twice, parameters' once."""
-    from runtime.comm_count import predicted_collectives
+    from planner.intra.priced_comm import predicted_collectives
 
     c = _case("data_parallel")
     acc = runs["data_parallel"][0]["accumulated"]
@@ -313,7 +323,7 @@ def test_gradient_accumulation_syncs_parameter_gradients_once(runs: dict) -> Non
     expected: dict[str, float] = {}
     once_bytes = 0.0
     for site, colls in predicted_collectives(
-        c["graph"], c["solution"], c["lmesh"]
+        c["graph"], c["program"], c["lmesh"]
     ).items():
         once = site.startswith("bwd:") and site[4:].split("->")[0] in params
         for kind, nbytes in colls:

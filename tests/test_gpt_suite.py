@@ -8,6 +8,8 @@ import pytest
 from benchmarks.gpt_suite import run_case
 from cost_models.cluster import Cluster
 
+pytestmark = pytest.mark.slow  # 5 to 14 s per case
+
 
 @pytest.mark.parametrize("gpus", [1, 2, 4])
 def test_gpt_case_fits_and_beats_megatron(gpus: int) -> None:

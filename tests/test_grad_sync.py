@@ -17,6 +17,8 @@ import torch
 
 from runtime.launch import launch
 
+pytestmark = pytest.mark.slow  # every test reads the launch of 4 gloo ranks
+
 # name: (shape, parameter placements, gradient placements)
 CASES = {
     "scatter_a": ((8, 4), ("R", "S0"), ("R", "P")),

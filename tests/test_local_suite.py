@@ -17,13 +17,13 @@ from profiles import cpu_profile
 from benchmarks import local_report
 from benchmarks.local_suite import (
     LocalCase,
-    compared,
     format_row,
     local_cases,
     profile_options,
     run_local_suite,
 )
-from benchmarks.report import load_results, report, write_results
+from benchmarks.records import compared, load_results, write_results
+from benchmarks.report import report
 from cost_models.cluster import Cluster
 from cost_models.compute import op_overhead
 from cost_models.profile import (
@@ -70,6 +70,7 @@ def _single_device_loss() -> float:
         return float(model(*batches[0]))
 
 
+@pytest.mark.slow
 def test_end_to_end_record(doc, tmp_path):
     assert doc["suite"] == "local" and doc["device"] == "CPU"
     assert doc["steps"] == STEPS and doc["date"] and doc["machine"]
@@ -456,8 +457,8 @@ def test_runner_up_is_planned_when_the_best_manual_plan_is_the_automatic_one():
     assert r["manual_plan"].estimate.iteration_time_s == runner["iteration_time_s"]
 
 
-def _calibrate_in_order() -> tuple[dict, list[int]]:
-    """Inside a launch: `measure_op_overhead` with every calibration step logged by run."""
+def _calibrate_in_order(plans: list) -> tuple[dict, list[int]]:
+    """Inside a launch: `measure_op_overhead` over `plans`, every step logged by its run."""
     from runtime import overhead
 
     order: list[int] = []
@@ -469,17 +470,19 @@ def _calibrate_in_order() -> tuple[dict, list[int]]:
         step(self)
 
     overhead._Calibration.step = logged
-    return overhead.measure_op_overhead(steps=2, warmup=1, repeats=2), order
+    return overhead.measure_op_overhead(plans, steps=2, warmup=1, repeats=2), order
 
 
+@pytest.mark.slow
 def test_calibration_runs_are_interleaved():
     """The three calibration runs are built once, warmed up, then stepped in turn (one step of
     each per round), so the line through their times compares them on the same machine; the
     record has every run's figures per repeat."""
     from runtime.launch import launch
-    from runtime.overhead import MICROBATCHES
+    from runtime.overhead import MICROBATCHES, calibration_plans
 
-    raw, order = launch(_calibrate_in_order, 2, timeout_s=300)[0]
+    plans = calibration_plans(2)
+    raw, order = launch(_calibrate_in_order, 2, (plans,), timeout_s=300)[0]
     assert order == [0, 1, 2] + [0, 1, 2] * 2 * 2  # warm-up, then 2 repeats of 2 rounds
     assert len(raw["repeats"]) == 2
     for rep in raw["repeats"]:

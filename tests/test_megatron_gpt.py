@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from closed_forms import gpt_layer_activation_bytes
 
 from benchmarks.megatron_gpt import alpa_gpt_flops
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
-from cost_models.memory import gpt_layer_activation_bytes, state_bytes_per_param
-from planner.api import _resolve_model
+from cost_models.memory import state_bytes_per_param
+from planner.api import resolve_model
 from planner.models.gpt import GPTConfig, gpt_param_count
 from planner.plans.manual import manual_plan
 from planner.plans.recompute import block_chunks
@@ -22,7 +23,7 @@ CFG = GPTConfig(hidden=256, layers=4, heads=4, seq=128, vocab=1024)
 
 
 def _graph(batch: int):
-    module, example = _resolve_model(SPEC, None, torch.float16, None)[1](batch)
+    module, example = resolve_model(SPEC, None, torch.float16, None)[1](batch)
     return trace(module, example, model_name=SPEC)
 
 
@@ -128,7 +129,7 @@ def test_forward_time_is_one_pass_of_a_memory_bound_op() -> None:
         compute_time,
         forward_time,
     )
-    from planner.intra.strategies import Strategy
+    from planner.vocab.strategy import Strategy
 
     g = _graph(4)
     gelu = next(n for n in g.ops if n.target.endswith("gelu.default"))
@@ -141,7 +142,11 @@ def test_forward_time_is_one_pass_of_a_memory_bound_op() -> None:
     )
 
 
-@pytest.mark.parametrize("gpus", [1, 4, 8, 16, 32])
+@pytest.mark.parametrize(
+    "gpus",
+    # 8 to 32 GPUs take 2.4 to 3 s each
+    [1, 4] + [pytest.param(g, marks=pytest.mark.slow) for g in (8, 16, 32)],
+)
 def test_listed_megatron_configurations_within_15_percent(gpus: int) -> None:
     """Issue #7: predicted TFLOP/s per GPU of Megatron's listed configurations, in Alpa's FLOP
     convention, within 15% of the measured ones."""

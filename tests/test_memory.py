@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from closed_forms import gpt_layer_activation_bytes
 
 from cost_models import (
-    ActivationFootprint,
     MeshplanError,
-    activation_footprint,
-    gpt_layer_activation_bytes,
     microbatches_in_flight,
-    model_state_bytes,
-    stage_activation_bytes,
+    param_state_bytes,
+    stage_peak_bytes,
     state_bytes_per_param,
-    zero_shard_factors,
 )
+from planner.inter.stage_table import LayerProfile, range_footprint
+from planner.models import gpt
+from planner.tracing import tracer
 
 # GPT-1.3B of Alpa's suite
 H, L, V, S, HEADS = 2048, 24, 51200, 1024, 32
@@ -38,8 +39,6 @@ def test_gpt_1_3b_parameter_count():
     n = gpt_params(H, L, V, S)
     # 2 * 51200 * 2048 + 1024 * 2048 + 24 * (12 * 2048^2 + 13 * 2048) + 2 * 2048
     assert n == 209_715_200 + 2_097_152 + 1_208_598_528 + 4_096 == 1_420_414_976
-    gpt = pytest.importorskip("planner.models.gpt")
-    torch = pytest.importorskip("torch")
     with torch.device("meta"):
         model = gpt.GPT(gpt.GPTConfig(hidden=H, layers=L, heads=HEADS, seq=S, vocab=V))
     assert sum(p.numel() for p in model.parameters()) == n
@@ -47,7 +46,7 @@ def test_gpt_1_3b_parameter_count():
 
 def test_adam_mixed_precision_is_16_bytes_per_parameter():
     n = gpt_params(H, L, V, S)
-    assert model_state_bytes(n, "adam_mixed") == 16 * n
+    assert param_state_bytes(n, "adam_mixed") == 16 * n
     s = state_bytes_per_param("adam_mixed")
     assert (s.param, s.grad, s.optimizer) == (
         2,
@@ -61,19 +60,18 @@ def test_adam_mixed_precision_is_16_bytes_per_parameter():
         state_bytes_per_param("lamb")
 
 
-def test_zero_sharding():
-    n, dp = 1_000_000, 8
-    assert zero_shard_factors(0, dp) == (1, 1, 1)
-    assert zero_shard_factors(1, dp) == (1, 1, dp)
-    assert zero_shard_factors(2, dp) == (1, dp, dp)
-    assert zero_shard_factors(3, dp) == (dp, dp, dp)
-    expect = {0: 16, 1: 2 + 2 + 12 / dp, 2: 2 + (2 + 12) / dp, 3: 16 / dp}
-    for stage, per_param in expect.items():
-        p, g, o = zero_shard_factors(stage, dp)
-        got = model_state_bytes(n, param_shards=p, grad_shards=g, optimizer_shards=o)
-        assert got == pytest.approx(n * per_param)
+def test_param_state_bytes_with_placement_and_zero():
+    """Adam in mixed precision: 2 + 2 + 12 bytes per parameter; a placement sharding it 4 ways
+    divides all three, ZeRO over 8 replicas the gradient and optimizer state further."""
+    n = 1_000_000
+    assert param_state_bytes(n) == 16 * n
+    assert param_state_bytes(n, shards=4) == 4 * n
+    assert param_state_bytes(n, shards=4, zero_shards=8) == pytest.approx(
+        n / 4 * (2 + 14 / 8)
+    )
+    assert param_state_bytes(n, "sgd") == 8 * n
     with pytest.raises(MeshplanError):
-        zero_shard_factors(4, dp)
+        param_state_bytes(n, zero_shards=0)
 
 
 def our_block_saved_bytes(s: int, b: int, h: int, a: int, p: int) -> int:
@@ -125,9 +123,6 @@ def test_gpt_layer_vs_korthikanti():
 
 
 def test_gpt_layer_formula_matches_traced_block():
-    torch = pytest.importorskip("torch")
-    gpt = pytest.importorskip("planner.models.gpt")
-    tracer = pytest.importorskip("planner.tracing.tracer")
     s, b, h, a = 32, 2, 64, 4
 
     class OneBlock(torch.nn.Module):
@@ -144,18 +139,24 @@ def test_gpt_layer_formula_matches_traced_block():
     )
 
 
-def test_activation_footprint_and_recomputation():
-    saved = [100.0, 300.0, 200.0]
-    inputs = [10.0, 10.0, 20.0]
-    plain = activation_footprint(saved, recompute=False)
-    assert plain == ActivationFootprint(600.0, 0.0)
-    rc = activation_footprint(saved, inputs, recompute=True)
-    assert rc == ActivationFootprint(
-        40.0, 300.0
-    )  # inputs kept, one layer live while recomputed
-    assert rc.per_microbatch == 340.0
-    with pytest.raises(MeshplanError):
-        activation_footprint(saved, inputs[:2], recompute=True)
+def test_stage_memory_keeps_inputs_when_recomputing():
+    """Three layers' parameter state, saved activations and input bytes per micro-batch: without
+    recomputation a stage keeps every saved tensor of every micro-batch in flight; with it only
+    the layers' inputs, plus one layer's saved tensors while it is recomputed."""
+    import numpy as np
+
+    saved, inputs, params = [100.0, 300.0, 200.0], [10.0, 10.0, 20.0], [5.0, 6.0, 7.0]
+    zeros = np.zeros(3)
+    prof = LayerProfile(
+        None, zeros, zeros, np.array(params), np.array(saved), np.array(inputs), zeros
+    )
+    p, kept, transient = range_footprint(prof, recompute=False)
+    assert (p[0, 2], kept[0, 2], transient[0, 2]) == (18.0, 600.0, 0.0)
+    assert stage_peak_bytes(p[0, 2], kept[0, 2], transient[0, 2], 3) == 18 + 3 * 600
+    p, kept, transient = range_footprint(prof, recompute=True)
+    assert (p[0, 2], kept[0, 2], transient[0, 2]) == (18.0, 40.0, 300.0)
+    assert (kept[1, 2], transient[1, 2]) == (30.0, 300.0)
+    assert stage_peak_bytes(p[0, 2], kept[0, 2], transient[0, 2], 3) == 18 + 120 + 300
 
 
 def test_microbatches_in_flight():
@@ -182,6 +183,6 @@ def test_microbatches_in_flight():
     for bad in (("zb", 8, 4, 0), ("gpipe", 0, 4, 0), ("gpipe", 8, 4, 4)):
         with pytest.raises(MeshplanError):
             microbatches_in_flight(*bad)
-    fp = ActivationFootprint(kept=10.0, transient=5.0)
-    assert stage_activation_bytes(fp, "1f1b", 8, 4, 1) == 3 * 10 + 5
-    assert stage_activation_bytes(fp, "gpipe", 8, 4, 1) == 8 * 10 + 5
+    for schedule, held in (("1f1b", 3), ("gpipe", 8)):
+        n = microbatches_in_flight(schedule, 8, 4, 1)
+        assert stage_peak_bytes(1.0, 10.0, 5.0, n) == 1 + held * 10 + 5

@@ -18,10 +18,10 @@ from cost_models.profile import (
     OpRate,
 )
 from planner.intra.prices import Option, StageSettings, compute_time, forward_time
-from planner.intra.strategies import Strategy
 from planner.models import build_model
 from planner.tracing.op_flops import VIEW_OPS
 from planner.tracing.tracer import trace
+from planner.vocab.strategy import Strategy
 from runtime.op_rates import GEMM_TARGETS, measure_op_rates
 
 SPEC = "gpt:hidden=32,layers=1,heads=2,seq=16,vocab=64"

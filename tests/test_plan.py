@@ -279,6 +279,7 @@ def test_microbatch_candidates() -> None:
     assert larger_microbatch_sizes(1024, one_host) == []
 
 
+@pytest.mark.slow
 def test_larger_microbatches_are_tried_only_while_they_win() -> None:
     """On 2 hosts the candidates stop at 32 rows; 64 is traced only when 32 is the best so far.
     Ground truth: the best of the plans at each size alone."""
@@ -312,6 +313,7 @@ def test_larger_microbatches_are_tried_only_while_they_win() -> None:
         assert 64 // p.num_microbatches == best[1]
 
 
+@pytest.mark.slow
 def test_cli_output_into_a_closed_pipe_is_not_an_error(tmp_path) -> None:
     import subprocess
     import sys
@@ -335,19 +337,19 @@ def test_boundary_sends_share_the_network_card_only_among_senders() -> None:
     has the whole card (V100 host: 25 Gbps), a whole-host stage an eighth per device - the same
     time for the whole boundary either way; inside a host the NVLink price is unchanged."""
     from cost_models.cluster import Cluster
-    from planner.api import boundary_send_times
+    from cost_models.pipeline import stage_send_times
 
     cluster = Cluster.from_spec("2x8xV100-16GB")
     nic = 25e9 / 8
     alpha = cluster.inter_host_link.latency_s
     b = 16e6
     one, host = (
-        boundary_send_times([b, b], [[7], [8], list(range(8, 16))], cluster)[0],
-        boundary_send_times([b], [list(range(8)), list(range(8, 16))], cluster)[0],
+        stage_send_times(cluster, [b, b], [[7], [8], list(range(8, 16))])[0],
+        stage_send_times(cluster, [b], [list(range(8)), list(range(8, 16))])[0],
     )
     assert one == pytest.approx(2 * (alpha + b / nic))
     assert host == pytest.approx(2 * (alpha + (b / 8) / (nic / 8)))
-    inside = boundary_send_times([b], [[0], [1]], cluster)[0]
+    inside = stage_send_times(cluster, [b], [[0], [1]])[0]
     link = cluster.intra_host_link
     assert inside == pytest.approx(
         2 * (link.latency_s + b / link.bandwidth_bytes_per_s)
@@ -379,6 +381,7 @@ def test_logical_shapes_offer_both_orientations_inside_a_host() -> None:
     assert tp_outer > 2 * tp_inner > 0
 
 
+@pytest.mark.slow
 def test_planner_threads_do_not_change_the_plan(monkeypatch) -> None:
     """The per-mesh intra-op passes run on threads; the plan is the one a single thread finds."""
     plans = []

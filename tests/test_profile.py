@@ -213,6 +213,7 @@ def _hangs() -> None:
     time.sleep(120)
 
 
+@pytest.mark.slow
 def test_launch_returns_every_rank_result():
     assert launch(_rank_and_sum, 2, timeout_s=60) == [(0, 3.0), (1, 3.0)]
 
@@ -224,6 +225,7 @@ def test_launch_returns_every_rank_result():
         (_rank1_exits, "exited with code 1"),
     ],
 )
+@pytest.mark.slow
 def test_launch_fails_fast_naming_the_rank(fn, expected):
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:
@@ -235,6 +237,7 @@ def test_launch_fails_fast_naming_the_rank(fn, expected):
     assert expected in msg and "\n" not in msg
 
 
+@pytest.mark.slow
 def test_launch_times_out():
     start = time.monotonic()
     with pytest.raises(LaunchError, match="timed out after 5 s"):
@@ -253,6 +256,7 @@ def measured(tmp_path_factory) -> DeviceProfile:
     return load_profile(out)
 
 
+@pytest.mark.slow
 def test_profile_has_every_collective_and_dtype(measured):
     assert measured.version == PROFILE_VERSION and measured.devices_per_host == 2
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"):
@@ -275,6 +279,7 @@ def _all_reduce_fit_errors(profile: DeviceProfile) -> tuple[list[float], list[fl
     return errors, large
 
 
+@pytest.mark.slow
 def test_all_reduce_fit_reproduces_measurements(measured, tmp_path):
     """The fit must follow its own samples: median error and every >= 1 MiB sample within 25%.
     A burst of outside load during one size's repeats (CI once saw a 4 MiB sample far off the
@@ -294,6 +299,7 @@ def test_all_reduce_fit_reproduces_measurements(measured, tmp_path):
     pytest.fail(f"all_reduce fit off its samples in 3 profile runs: {attempts}")
 
 
+@pytest.mark.slow
 def test_matmul_samples_are_self_consistent(measured):
     """Re-measure the float32 products as rank 0 did (same cores, same threads). This machine is
     shared, so a burst of outside load can spoil one attempt: the median ratio must be within 25% in

@@ -8,9 +8,12 @@ training step. One launch of 2 gloo ranks.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from runtime.launch import launch
+
+pytestmark = pytest.mark.slow  # launches 2 gloo ranks
 
 
 def _two_lookups() -> list[bool]:

@@ -10,6 +10,7 @@ profile, then trained). The refusals (fingerprint, --nproc, dtype) start no proc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -24,12 +25,14 @@ from profiles import cpu_profile
 
 import runtime.launch
 import runtime.profiler
+from cost_models.cluster import Cluster
 from cost_models.profile import (
     CollectiveFit,
     DeviceProfile,
+    save_profile,
 )
 from planner.plans.manual import manual_plan
-from runtime.cli import COMMAND_MODULES, main
+from runtime.cli import ORDER, command_modules, main
 from runtime.commands.run import Fault, launch_mode
 from runtime.train import seeded_model_and_batches
 
@@ -82,8 +85,11 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
     return err[0]
 
 
-def test_run_is_a_cli_command() -> None:
-    assert "runtime.commands.run" in COMMAND_MODULES
+def test_commands_are_found_through_entry_points_in_order() -> None:
+    found = [(ep.name, ep.value) for ep in command_modules()]
+    assert ("run", "runtime.commands.run") in found
+    assert ("bench", "benchmarks.commands") in found
+    assert [name for name, _ in found][: len(ORDER)] == list(ORDER)
 
 
 def test_launch_mode_selects_torchrun_from_the_environment() -> None:
@@ -98,6 +104,7 @@ def test_fault_option_parses() -> None:
     assert Fault.parse("0:3:raise") == Fault(0, 3, "raise")
 
 
+@pytest.mark.slow
 def test_run_matches_single_device(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     plan = _plan_file(tmp_path)
@@ -134,6 +141,7 @@ def test_half_precision_plan_refused_on_cpu(
     assert "float32" in _one_line_error(capsys)
 
 
+@pytest.mark.slow
 def test_killed_rank_fails_fast(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -150,6 +158,7 @@ def test_killed_rank_fails_fast(
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
+@pytest.mark.slow
 def test_torchrun_runs_one_rank_per_process(tmp_path: Path) -> None:
     out = tmp_path / "torchrun.json"
     cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "runtime.cli"]
@@ -175,6 +184,7 @@ def _stub_profile() -> DeviceProfile:
     )
 
 
+@pytest.mark.slow
 def test_run_without_plan_profiles_plans_and_runs(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
@@ -197,6 +207,29 @@ def test_run_without_plan_profiles_plans_and_runs(
     assert json.loads(out.read_text())["losses"] == pytest.approx(
         _reference(), rel=1e-5, abs=1e-5
     )
+
+
+def test_plan_command_cluster_is_the_profiles() -> None:
+    """`run` without --plan plans with `meshplan plan --cluster 1xNxCPU --profile FILE`: the
+    cluster of the profile on N local processes, whatever device the profile measured."""
+    gpu = dataclasses.replace(
+        _stub_profile(), backend="nccl", device_name="NVIDIA H100"
+    )
+    for profile in (_stub_profile(), gpu):
+        assert Cluster.from_spec("1x2xCPU", profile=profile) == Cluster.from_profile(
+            profile, hosts=1, devices_per_host=2
+        )
+
+
+@pytest.mark.slow
+def test_planning_error_comes_back_as_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_launch: None
+) -> None:
+    profile = tmp_path / "profile.json"
+    save_profile(_stub_profile(), profile)
+    argv = ["run", "no-such-model", "--nproc", "2", "--profile", str(profile)]
+    assert main(argv) == 2
+    assert "no-such-model" in _one_line_error(capsys)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ parallelism). Every rank counts the collectives and
 point-to-point transfers of one `Trainer.step` (`runtime.comm_count.CommCounter`).
 
 * Intra-stage (``pp2_tp2``): per stage, the prediction is the stage's edges (`predicted_collectives`
-  on `runtime.stages.stage_solution`) times the number of micro-batches, except the gradients of
+  on `runtime.stages.stage_program`) times the number of micro-batches, except the gradients of
   parameters (edges leaving parameters or their views), synchronised once per step.
 * Stage boundaries (both plans): the bytes every rank sends point-to-point, forward (activations)
   and backward (their gradients), against `predicted_boundary` (the planner's price: the boundary
@@ -96,11 +96,13 @@ def runs(all_runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _predicted(stage_index: int) -> dict[str, float]:
     """Priced intra-stage bytes per kind for one step."""
+    from comm_check import as_run_on
+
     from cost_models.cluster import Cluster
     from cost_models.communication import LogicalMesh
+    from planner.intra.priced_comm import predicted_collectives
     from planner.tracing.tracer import trace
-    from runtime.comm_count import as_run_on, predicted_collectives
-    from runtime.stages import split_stages, stage_solution
+    from runtime.stages import split_stages, stage_program
 
     plan = _plan()
     B = plan.num_microbatches
@@ -109,13 +111,13 @@ def _predicted(stage_index: int) -> dict[str, float]:
     graph = trace(model, b)
     st = split_stages(graph, plan)[stage_index]
     sp = plan.stages[stage_index]
-    sol = stage_solution(st, sp)
+    program = stage_program(st, sp)
     lmesh = LogicalMesh(
         Cluster.from_spec(CLUSTER), tuple(sp.submesh), tuple(sp.logical_mesh)
     )
     params = st.graph.param_derived()
     out: dict[str, float] = defaultdict(float)
-    for label, colls in predicted_collectives(st.graph, sol, lmesh).items():
+    for label, colls in predicted_collectives(st.graph, program, lmesh).items():
         once = label.startswith("bwd:") and label[4:].split("->")[0] in params
         for kind, nbytes in colls:
             out[as_run_on(kind, "cpu")] += nbytes * (1 if once else B)
@@ -127,6 +129,7 @@ def _boundary(site: str) -> bool:
 
 
 @pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.slow
 def test_intra_stage_bytes_match_the_plan(
     runs: list[dict[str, Any]], stage: int
 ) -> None:
@@ -147,6 +150,7 @@ def test_intra_stage_bytes_match_the_plan(
 
 
 @pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.slow
 def test_gradient_buckets_match_the_runtime(
     all_runs: list[dict[str, Any]], stage: int
 ) -> None:
@@ -155,9 +159,9 @@ def test_gradient_buckets_match_the_runtime(
     issues in one step of the data-parallel plan (``pp2_dp2``)."""
     from cost_models.cluster import Cluster
     from cost_models.communication import LogicalMesh
-    from planner.intra.prices import grad_buckets
+    from planner.intra.prices import Option, grad_buckets
     from planner.tracing.tracer import trace
-    from runtime.stages import split_stages, stage_solution
+    from runtime.stages import split_stages, stage_program
 
     plan = _plans()["pp2_dp2"]
     sp = plan.stages[stage]
@@ -167,9 +171,8 @@ def test_gradient_buckets_match_the_runtime(
     lmesh = LogicalMesh(
         Cluster.from_spec(CLUSTER), tuple(sp.submesh), tuple(sp.logical_mesh)
     )
-    buckets = grad_buckets(
-        st.graph, stage_solution(st, sp).choice, lmesh, st.graph.param_derived()
-    )
+    choice = {n: Option(s) for n, s in stage_program(st, sp).strategies.items()}
+    buckets = grad_buckets(st.graph, choice, lmesh, st.graph.param_derived())
     issued = [
         r
         for r in all_runs[sp.devices[0]]["pp2_dp2", "ours"]["records"]
@@ -180,12 +183,14 @@ def test_gradient_buckets_match_the_runtime(
 
 
 @pytest.mark.parametrize("name", ["pp2", "pp2_tp2"])
+@pytest.mark.slow
 def test_boundary_point_to_point_bytes_match_the_plan(
     all_runs: list[dict[str, Any]], name: str
 ) -> None:
     """Every rank's sends between stages, per direction, against the planner's price (10%)."""
+    from comm_check import boundary_bytes, compare_boundary, predicted_boundary
+
     from planner.tracing.tracer import trace
-    from runtime.comm_count import boundary_bytes, compare_boundary, predicted_boundary
 
     plan = _plans()[name]
     records = [rec for r in all_runs for rec in r[name, "ours"]["records"]]
@@ -223,6 +228,7 @@ def test_boundary_pieces_rebuild_the_value(shape: tuple[int, ...], n: int) -> No
 
 
 @pytest.mark.parametrize("name", ["pp2", "pp2_tp2"])
+@pytest.mark.slow
 def test_torch_pipelining_sends_what_the_plan_priced(
     all_runs: list[dict[str, Any]], name: str
 ) -> None:
@@ -230,8 +236,9 @@ def test_torch_pipelining_sends_what_the_plan_priced(
     forward from backward): every rank's point-to-point bytes of one step, both directions
     together, against the planner's price (10%). pp2 x tp2 sends each value in pieces over the
     tensor axis (`runtime.torch_pipeline.wire_placements`), not one copy per rank."""
+    from comm_check import predicted_boundary
+
     from planner.tracing.tracer import trace
-    from runtime.comm_count import predicted_boundary
 
     plan = _plans()[name]
     records = [rec for r in all_runs for rec in r[name, "torch"]["records"]]

@@ -111,6 +111,7 @@ def runs() -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("name", ["pp2_v2", "pp2_tp2_v2"])
+@pytest.mark.slow
 def test_same_numbers_as_one_device(runs: list[dict[str, Any]], name: str) -> None:
     plan = _plans()[name]
     assert plan.schedule == "interleaved" and plan.virtual_stages == V

@@ -38,6 +38,8 @@ from planner.vocab.plan_file import ParallelPlan
 from runtime.launch import launch
 from runtime.train import _random_batches
 
+pytestmark = pytest.mark.slow  # every test reads the launch of 4 gloo ranks
+
 SPEC = "moe:hidden=32,layers=2,experts=4,heads=4,seq=8,vocab=64,group_size=8"
 LR = 0.1
 STEPS = 3

@@ -111,6 +111,7 @@ def runs() -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("name", ["pp2", "pp2_tp2", "pp2_dp2_gpipe", "pp4", "uneven"])
+@pytest.mark.slow
 def test_same_numbers_as_one_device(runs: list[dict[str, Any]], name: str) -> None:
     plan, _ = _plans()[name]
     ref_losses, ref_params = _reference()
@@ -175,6 +176,7 @@ def test_schedule_order() -> None:
         assert sorted(order) == sorted([(a, m) for a in "FB" for m in range(5)])
 
 
+@pytest.mark.slow
 def test_run_local_matches_one_device() -> None:
     plan, _ = _plans()["pp2"]
     losses = run_local(plan, SPEC, steps=2, nproc=2, lr=LR)

@@ -203,6 +203,7 @@ def runs() -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.slow
 def test_torch_pipelining_matches_one_device(
     runs: list[dict[str, Any]], name: str
 ) -> None:
@@ -232,6 +233,7 @@ def test_torch_pipelining_matches_one_device(
     single_device.assert_same_parameters(got, ref_params)
 
 
+@pytest.mark.slow
 def test_zero_parameters_are_sharded(runs: list[dict[str, Any]]) -> None:
     zero = runs[0]["moe_pp2_dp2_zero"]["placements"]
     plain = runs[0]["moe_pp2_dp2_recompute"]["placements"]
@@ -240,6 +242,7 @@ def test_zero_parameters_are_sharded(runs: list[dict[str, Any]]) -> None:
     )
 
 
+@pytest.mark.slow
 def test_unequal_submeshes_stay_on_our_runner(runs: list[dict[str, Any]]) -> None:
     plan, _ = _plans()["uneven"]
     ref_losses, ref_params = _reference(GPT)
@@ -253,6 +256,7 @@ def test_unequal_submeshes_stay_on_our_runner(runs: list[dict[str, Any]]) -> Non
     single_device.assert_same_parameters(got, ref_params)
 
 
+@pytest.mark.slow  # ~3 s: builds the plans (cached for the launch when it runs too)
 def test_unsupported_reasons() -> None:
     plans = _plans()
     assert torch_pipelining_unsupported(plans["pp2_tp2"][0]) is None
@@ -271,6 +275,7 @@ def test_unsupported_reasons() -> None:
     assert torch_pipelining_unsupported(one, "gpipe") is None
 
 
+@pytest.mark.slow
 def test_environment_forces_our_runner(runs: list[dict[str, Any]]) -> None:
     ref_losses, _ = _reference(GPT)
     for r in runs:

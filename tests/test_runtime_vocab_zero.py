@@ -154,6 +154,7 @@ def _without_key_bias(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
+@pytest.mark.slow
 def test_vocab_sharded_embedding_trains_like_one_device(
     runs: list[dict[str, Any]],
 ) -> None:
@@ -178,6 +179,7 @@ def test_key_bias_gradient_is_rounding_noise() -> None:
 
 
 @pytest.mark.parametrize("name", ["dp4_zero_adam", "dp2_tp2_zero_adam"])
+@pytest.mark.slow
 def test_zero_adam_matches_one_device(runs: list[dict[str, Any]], name: str) -> None:
     ref_losses, ref_params = _reference("adam")
     base = name.replace("_zero", "")

@@ -23,12 +23,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import planner.intra.dtensor_rules as dr
 from planner.intra import strategies as st
-from planner.intra.strategies import (
-    Strategy,
-    fallback_ops,
-    leaf_strategies,
-    node_strategies,
+from planner.intra.strategies import fallback_ops, leaf_strategies, node_strategies
+from planner.vocab.dtensor_ext import (
+    placement_to_str,
+    register_fallback,
+    register_missing_rules,
+    str_to_placement,
 )
+from planner.vocab.strategy import Strategy, consumed_output, getitem_source
 
 aten = torch.ops.aten
 H, NH, V, B, S = 16, 4, 32, 4, 8
@@ -102,9 +104,9 @@ def _axes(mesh: tuple[int, int]) -> list[int]:
 
 def test_placement_round_trip() -> None:
     for s in ["R", "S(0)", "S(3)", "P", "P(avg)", "P(max)"]:
-        assert st.from_placement(st.to_placement(s)) == s
+        assert placement_to_str(str_to_placement(s)) == s
     with pytest.raises(ValueError):
-        st.to_placement("P(mask)")
+        str_to_placement("P(mask)")
     assert (
         str(Strategy((("S(0)", "R"),), (("S(0)", "R"), None), "classic"))
         == "([S(0),R], -) -> ([S(0),R]) classic"
@@ -203,9 +205,7 @@ def test_getitem_follows_producer(gm: torch.fx.GraphModule) -> None:
         producer = node_strategies(ln, mesh)
         for g in items:
             idx = g.args[1]
-            assert (
-                st.getitem_source(g) == (ln, idx) and st.consumed_output(ln, g) == idx
-            )
+            assert getitem_source(g) == (ln, idx) and consumed_output(ln, g) == idx
             ss = node_strategies(g, mesh)
             assert [s.output[0] for s in ss] == list(
                 dict.fromkeys(s.output[idx] for s in producer)
@@ -259,8 +259,8 @@ def test_fallback_and_decomposition() -> None:
     # the runtime can let DTensor run a fallback op replicated; the plan is unchanged
     sp = dr.propagator()
     try:
-        assert st.register_fallback(aten._cdist_forward.default)
-        assert not st.register_fallback(aten.mm.default)
+        assert register_fallback(aten._cdist_forward.default)
+        assert not register_fallback(aten.mm.default)
         assert [s.output for s in node_strategies(cdist, (2, 2))] == [(("R", "R"),)]
         assert fallback_ops(g, (2, 2)) == []
     finally:
@@ -310,7 +310,7 @@ def test_dtensor_propagator_agrees(gm: torch.fx.GraphModule) -> None:
                 if any("mask" in p for i in s.inputs for p in i):
                     continue
                 placements = [
-                    tuple(st.to_placement(s.inputs[t.index][a]) for a in axes)
+                    tuple(str_to_placement(s.inputs[t.index][a]) for a in axes)
                     for t in leaves
                 ]
                 out = dr.dtensor_output(n.target, args, kwargs, dmesh, placements)
@@ -383,7 +383,7 @@ def _make_local(
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
     base = [
-        Replicate() if p.startswith("P") else st.to_placement(p) for p in placements
+        Replicate() if p.startswith("P") else str_to_placement(p) for p in placements
     ]
     local = distribute_tensor(full, mesh, base).to_local()
     for axis, p in enumerate(placements):
@@ -394,7 +394,7 @@ def _make_local(
     return DTensor.from_local(
         local,
         mesh,
-        [st.to_placement(p) for p in placements],
+        [str_to_placement(p) for p in placements],
         run_check=False,
         shape=full.shape,
         stride=full.stride(),
@@ -418,7 +418,7 @@ def _worker(
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world
     )
-    dr.register_missing_rules()
+    register_missing_rules()
     meshes = {tuple(m): init_device_mesh("cpu", tuple(m)) for m in MESHES}
     failures, ran = [], 0
     for i, case in enumerate(cases):
@@ -454,7 +454,7 @@ def _worker(
                 if not isinstance(o, DTensor):
                     problems.append(f"output is {type(o).__name__}")
                     continue
-                got = tuple(st.from_placement(p) for p in o.placements)
+                got = tuple(placement_to_str(p) for p in o.placements)
                 if got != tuple(want):
                     problems.append(f"output placements {got} != planned {tuple(want)}")
                 if not _close(o.full_tensor(), r):
@@ -471,7 +471,7 @@ def _worker(
     with CommDebugMode() as comm:
         o = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
     ok = comm.get_total_counts() == 0 and tuple(
-        st.from_placement(p) for p in o.placements
+        placement_to_str(p) for p in o.placements
     ) == ("S(0)", "S(1)")
     if not ok or not torch.allclose(
         o.full_tensor(),
@@ -488,6 +488,7 @@ def _worker(
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ground_truth_on_gloo(gm: torch.fx.GraphModule, tmp_path: object) -> None:
     import torch.multiprocessing as mp
 

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from benchmarks.manual_grid import grid, model_facts, parallel_degrees
-from benchmarks.report import load_results, merge_results, write_report, write_results
+from benchmarks.records import load_results, merge_results, write_results
+from benchmarks.report import write_report
 from benchmarks.suites import run_case, suite_cases
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
@@ -75,6 +76,7 @@ def test_expert_parallel_shards_expert_weights_on_dp() -> None:
 
 
 @pytest.mark.parametrize("suite,gpus", [("gpt", 1), ("moe", 1), ("wresnet", 1)])
+@pytest.mark.slow
 def test_case_record(suite: str, gpus: int) -> None:
     case = run_case(suite_cases(suite, [gpus])[0])
     json.dumps(case)  # plain JSON
@@ -268,6 +270,7 @@ def test_merge_replaces_rerun_cases_and_keeps_the_others(tmp_path) -> None:
         merge_results({**old, "suite": "gpt"}, new)
 
 
+@pytest.mark.slow
 def test_best_manual_skips_the_plans_it_is_told_to() -> None:
     """Ground truth: every configuration of the grid priced alone; skipping the best one's plan
     gives the fastest feasible configuration among the rest."""

@@ -8,6 +8,7 @@ from collections import Counter
 
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
+from cost_models.memory import OPTIMIZERS
 from planner.commands.fmt import nbytes, table
 from planner.vocab.plan_file import ParallelPlan
 
@@ -59,7 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--microbatch-size",
         type=int,
         action="append",
-        help="micro-batch size(s) to try (default: powers of two up to 32, on one host up to 16 per device)",
+        help="micro-batch size(s) to try, in rows of the global batch per micro-batch (default: "
+        "powers of two up to 32, on one host up to 16 per device)",
     )
     p.add_argument(
         "--layers",
@@ -97,9 +99,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     nmb = m.add_mutually_exclusive_group(required=True)
     nmb.add_argument("--microbatches", type=int, help="number of micro-batches")
     nmb.add_argument(
+        "--microbatch-size",
+        type=int,
+        help="rows of the global batch per micro-batch, as for `plan` (each data-parallel "
+        "replica runs microbatch-size / dp of them)",
+    )
+    nmb.add_argument(
         "--micro-batch-size",
         type=int,
-        help="micro-batch size per data-parallel rank (Megatron's)",
+        dest="per_replica_microbatch",
+        help="deprecated: rows per data-parallel replica (Megatron's --micro-batch-size); "
+        "use --microbatch-size (rows per micro-batch, = this times --dp)",
     )
     m.add_argument(
         "--recompute", action="store_true", help="recompute activations in backward"
@@ -109,6 +119,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="interleaved 1F1B with this many chunks per device",
+    )
+    m.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZERS),
+        default="adam_mixed",
+        help="optimizer whose state the memory estimate counts (default adam_mixed)",
+    )
+    m.add_argument(
+        "--allow-oom",
+        action="store_true",
+        help="write the plan even when a stage does not fit in memory (manual.fits says so)",
     )
     m.set_defaults(func=run_manual)
 
@@ -166,6 +187,14 @@ def run_plan(args: argparse.Namespace) -> int:
 def run_manual(args: argparse.Namespace) -> int:
     from planner.plans.manual import manual_plan
 
+    if args.per_replica_microbatch is not None:
+        args.microbatch_size = args.per_replica_microbatch * args.dp
+        print(
+            "meshplan: warning: --micro-batch-size (rows per data-parallel replica) is "
+            "deprecated; use --microbatch-size (rows of the global batch per micro-batch): "
+            f"here --microbatch-size {args.microbatch_size}",
+            file=sys.stderr,
+        )
     result = manual_plan(
         args.model,
         _cluster(args),
@@ -173,12 +202,14 @@ def run_manual(args: argparse.Namespace) -> int:
         tp=args.tp,
         pp=args.pp,
         num_microbatches=args.microbatches,
-        microbatch_size=args.micro_batch_size,
+        microbatch_size=args.microbatch_size,
         global_batch=args.batch,
         recompute=args.recompute,
         virtual_stages=args.virtual_stages,
         dtype=args.dtype,
+        optimizer=args.optimizer,
         memory_budget=_budget(args),
+        allow_oom=args.allow_oom,
     )
     print(summary(result))
     _write(result, args.json)

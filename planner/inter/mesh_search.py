@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,6 +22,42 @@ from planner.intra.ilp import solves_overlap
 from planner.intra.megatron import is_expert_weight, seed_filters
 from planner.intra.prices import Option
 from planner.tracing.opgraph import OpGraph
+
+
+@dataclass(frozen=True)
+class StageOption:
+    """How a stage DP table entry runs: the logical mesh, the intra-op solution attributed to the
+    layers (its profile) and whether the stage recomputes its activations."""
+
+    mesh: LogicalMesh
+    profile: st.LayerProfile
+    recompute: bool
+
+
+@dataclass(frozen=True)
+class StagePick:
+    """One stage of a stage DP result: layers k..j on a submesh, run as `option` says."""
+
+    layers: tuple[int, int]
+    submesh: tuple[int, int]
+    option: StageOption
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The stage DP's best assignment for one layer clustering."""
+
+    layers: list[tuple[int, int]]  # op index ranges of the clustering's layers
+    stages: list[StagePick]
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Every clustering's `Candidate` where something fits, and the least memory per device of the
+    whole model as one stage on all devices (for the error message when nothing fits)."""
+
+    candidates: list[Candidate]
+    least_whole_memory: float
 
 
 def submesh_shapes(cluster: Cluster) -> list[tuple[int, int]]:
@@ -80,7 +117,7 @@ def _seeds(graph: OpGraph, cluster: Cluster, shape: tuple[int, int], mode: str):
 class _Table:
     """The stage DP's cost table for one layer clustering (see `planner.inter.stage_table`)."""
 
-    def __init__(self, graph, layers, cluster, subs, B, mode) -> None:
+    def __init__(self, graph, layers, cluster, subs, B, mode, schedule) -> None:
         self.layers = layers
         self.L = L = len(layers)
         self.layer_of = st.layer_of_nodes(graph, layers)
@@ -88,11 +125,11 @@ class _Table:
         self.boundary_bytes = st.boundary_bytes(graph, self.bounds)
         S = min(L, cluster.num_devices) if mode != "intra-only" else 1
         self.inflight = np.array(
-            [0] + [microbatches_in_flight("1f1b", B, s, 0) for s in range(1, S + 1)],
+            [0] + [microbatches_in_flight(schedule, B, s, 0) for s in range(1, S + 1)],
             dtype=float,
         )
         self.cost = np.full((L, L, len(subs), S + 1), np.inf)
-        self.choices: dict[tuple[int, int, int, int], tuple] = {}
+        self.choices: dict[tuple[int, int, int, int], StageOption] = {}
 
     def add(self, m, mesh, prof, budget, crosses_hosts, whole) -> float:
         """Enter one profile for submesh index m; returns the least memory of all layers as one
@@ -106,7 +143,7 @@ class _Table:
             better = c < self.cost[:, :, m, :]
             self.cost[:, :, m, :] = np.where(better, c, self.cost[:, :, m, :])
             for k, j, s in zip(*np.nonzero(better)):
-                self.choices[int(k), int(j), m, int(s)] = (mesh, prof, rc)
+                self.choices[int(k), int(j), m, int(s)] = StageOption(mesh, prof, rc)
         return least
 
 
@@ -142,11 +179,25 @@ def _lean_layers(tables: list, sub: tuple[int, int], devices: int) -> tuple | No
     return None
 
 
-def search(graph, layerings, cluster, subs, B, budget, optimizer, mode, say, least):
+def search(
+    graph: OpGraph,
+    layerings: list[list[tuple[int, int]]],
+    cluster: Cluster,
+    subs: list[tuple[int, int]],
+    B: int,
+    budget: float,
+    optimizer: str,
+    mode: str,
+    schedule: str,
+    say: Callable[[str], None],
+) -> SearchResult:
     """Solve the intra-op pass once per logical mesh (time-optimal, memory ladder, Megatron seeds),
     attribute every solution to each layer clustering, run the stage DP on each clustering's
-    table; return (DP result, choices, layers) of every clustering where something fits."""
-    tables = [_Table(graph, layers, cluster, subs, B, mode) for layers in layerings]
+    table (memory with the micro-batches `schedule` keeps in flight)."""
+    tables = [
+        _Table(graph, layers, cluster, subs, B, mode, schedule) for layers in layerings
+    ]
+    least = np.inf
     first = tables[0]
     jobs = [
         (m, sub, LogicalMesh(cluster, sub, shape))
@@ -192,7 +243,7 @@ def search(graph, layerings, cluster, subs, B, budget, optimizer, mode, say, lea
                             prof.solution, graph, t.layer_of, t.bounds, t.L
                         )
                     low = t.add(m, mesh, prof, budget, crosses, sub == cluster.shape)
-                    least[0] = min(least[0], low)
+                    least = min(least, low)
     finally:
         pool.shutdown(cancel_futures=True)
     out = []
@@ -207,5 +258,10 @@ def search(graph, layerings, cluster, subs, B, budget, optimizer, mode, say, lea
             )
         except MeshplanError:
             continue
-        out.append((dp, t.choices, t.layers))
-    return out
+        S = len(dp.stages)
+        picks = [
+            StagePick((k, j), subs[m], t.choices[k, j, m, S - i])
+            for i, (k, j, m) in enumerate(dp.stages)
+        ]
+        out.append(Candidate(t.layers, picks))
+    return SearchResult(out, least)

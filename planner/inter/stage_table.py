@@ -27,13 +27,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cost_models.communication import LogicalMesh, p2p_time
+from cost_models.communication import LogicalMesh, boundary_send_times
 from cost_models.errors import MeshplanError
+from cost_models.memory import stage_peak_bytes
 from planner.intra.batch_split import batch_split_options
 from planner.intra.megatron import ParamFilter, Seed
-from planner.intra.prices import Option, shards
+from planner.intra.prices import Option
 from planner.intra.solve import StagePricing, StageSolution, price_stage, solve_stage
 from planner.tracing.opgraph import OpGraph
+from planner.vocab.placements import shards
 
 
 @dataclass
@@ -271,6 +273,19 @@ def _range_max(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def range_footprint(
+    prof: LayerProfile, recompute: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[k, j] arrays for a stage holding layers k..j: its parameter-state bytes, the activation
+    bytes it keeps per micro-batch in flight, and the bytes live only while one layer is
+    recomputed (module docstring); `cost_models.memory.stage_peak_bytes` adds them up."""
+    L = len(prof.time)
+    params = _range_sums(prof.params)
+    if recompute:
+        return params, _range_sums(prof.inputs), _range_max(prof.acts)
+    return params, _range_sums(prof.acts), np.zeros((L, L))
+
+
 def range_costs(
     prof: LayerProfile,
     inflight: np.ndarray,
@@ -278,18 +293,17 @@ def range_costs(
     send: np.ndarray,
     recompute: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(cost[k, j, s], memory[k, j, s]) of one option; cost is inf where memory exceeds the budget."""
+    """(cost[k, j, s], memory[k, j, s]) of one option, s indexing `inflight` (the micro-batches a
+    stage with s - 1 stages after it keeps in flight); cost is inf where memory exceeds the
+    budget."""
     L = len(prof.time)
     time = _range_sums(prof.time + (prof.fwd if recompute else 0.0)) + prof.fixed
-    params = _range_sums(prof.params)
-    if recompute:
-        kept, transient = _range_sums(prof.inputs), _range_max(prof.acts)
-    else:
-        kept, transient = _range_sums(prof.acts), np.zeros((L, L))
-    mem = (
-        params[:, :, None]
-        + kept[:, :, None] * inflight[None, None, :]
-        + transient[:, :, None]
+    params, kept, transient = range_footprint(prof, recompute)
+    mem = stage_peak_bytes(
+        params[:, :, None],
+        kept[:, :, None],
+        transient[:, :, None],
+        inflight[None, None, :],
     )
     valid = np.triu(np.ones((L, L), dtype=bool))[:, :, None]
     cost = np.where(valid & (mem <= budget), (time + send[None, :])[:, :, None], np.inf)
@@ -299,15 +313,18 @@ def range_costs(
 def send_times(
     mesh: LogicalMesh, boundary_bytes: np.ndarray, crosses_hosts: bool
 ) -> np.ndarray:
-    """Per layer j: forward activations to the next stage plus their gradient back (0 for the last layer)."""
-    n = mesh.num_devices
+    """Per layer j: a stage on `mesh` ending at layer j sending its boundary values to the next
+    stage and receiving their gradient (`cost_models.communication.boundary_send_times`, every
+    device of the mesh sending; over the inter-host link when `crosses_hosts`), 0 for the last
+    layer."""
+    L = len(boundary_bytes)
     out = np.array(
-        [
-            2 * p2p_time(mesh.cluster, b / n, crosses_hosts=crosses_hosts)
-            if b > 0
-            else 0.0
-            for b in boundary_bytes
-        ]
+        boundary_send_times(
+            mesh.cluster,
+            boundary_bytes,
+            [mesh.num_devices] * L,
+            [crosses_hosts] * L,
+        )
     )
     out[-1] = 0.0
     return out

@@ -40,13 +40,9 @@ Registries, in the order DTensor's ``ShardingPropagator.propagate_op_sharding_no
 When several strategies need the same input placements but give different outputs, DTensor picks
 one at run time; we ask its real propagator which (`dtensor_output`) and keep only that one.
 
-What PyTorch lacks: no strategy for ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its
-backward), the kernel that ``F.scaled_dot_product_attention`` uses on CPU; its decomposition cannot
-be traced by DTensor when ``is_causal`` (the mask is built by factory ops). `register_missing_rules`
-registers, in DTensor's own single-dim registry, the strategies PyTorch registers for the CUDA flash
-kernel: batch-sharded S(0) and head-sharded S(1) q/k/v/outputs (dropout_p == 0 only). The runtime
-must call `register_missing_rules()` before running a plan, so that DTensor runs these ops exactly
-as planned; the planner calls it lazily.
+The rules PyTorch lacks (CPU flash attention) are registered in DTensor by
+`planner.vocab.dtensor_ext.register_missing_rules`, which the runtime calls too; the planner calls
+it before enumerating strategies.
 """
 
 from __future__ import annotations
@@ -70,8 +66,6 @@ from torch.distributed.tensor._op_schema import (
 )
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _expand_single_dim_strategy_to_mesh,
-    _ShardingPlaceholder,
-    register_single_dim_strategy,
 )
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.placement_types import (
@@ -79,8 +73,9 @@ from torch.distributed.tensor.placement_types import (
     Placement,
     Replicate,
     Shard,
-    _StridedShard,
 )
+
+from planner.vocab.dtensor_ext import placement_to_str, register_missing_rules
 
 aten = torch.ops.aten
 
@@ -97,50 +92,6 @@ def propagator() -> Any:
 
 
 # ----------------------------------------------------------------------------------- placements
-
-
-def placement_to_str(p: Placement, strided: bool = False) -> str | None:
-    """``Replicate() -> "R"``, ``Shard(d) -> "S(d)"``, ``Partial("sum") -> "P"``, ``Partial(op) -> "P(op)"``.
-
-    Partial subclasses keep their kind: ``_MaskPartial`` (vocabulary-sharded embedding) is
-    ``"P(mask)"`` and ``_NormPartial`` is ``"P(norm)"``. `_StridedShard` has no string (None):
-    strategies using it are dropped by the planner (with ``strided=True`` it is ``"S(d)"`` too).
-    """
-    if isinstance(p, _StridedShard):
-        return f"S({p.dim})" if strided else None
-    if isinstance(p, Shard):
-        return f"S({p.dim})"
-    if isinstance(p, Replicate):
-        return "R"
-    if isinstance(p, Partial):
-        kind = type(p).__name__
-        if kind == "_MaskPartial":
-            return "P(mask)"
-        if kind == "_NormPartial":
-            return "P(norm)"
-        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
-    return None
-
-
-def str_to_placement(s: str) -> Placement:
-    """Inverse of `placement_to_str` for "R", "S(d)", "P" and "P(op)" with op in sum/avg/max/min.
-
-    "P(mask)" and "P(norm)" carry data DTensor attaches when the op runs; they cannot be rebuilt
-    from a string (and never need to be: no strategy requires them as an input).
-    """
-    if s == "R":
-        return Replicate()
-    if s == "P":
-        return Partial("sum")
-    if s.startswith("S(") and s.endswith(")"):
-        return Shard(int(s[2:-1]))
-    if (
-        s.startswith("P(")
-        and s.endswith(")")
-        and s[2:-1] in ("sum", "avg", "max", "min")
-    ):
-        return Partial(s[2:-1])
-    raise ValueError(f"placement {s!r} cannot be converted to a DTensor placement")
 
 
 def candidate_placements(
@@ -472,67 +423,6 @@ def dtensor_output(
                 ):
                     return None
     return out.output_spec
-
-
-# ------------------------------------------------------------------------- rules PyTorch lacks
-
-
-def _sdpa_cpu_rules(
-    args_schema: tuple, kwargs_schema: dict, first_qkv: int, n_out: int, n_in: int
-) -> list:
-    """Batch (S(0)) and head (S(1)) sharding, as PyTorch registers for the CUDA flash kernel.
-
-    Tensor inputs: forward (q, k, v), backward (grad_out, q, k, v, out, logsumexp), then the
-    optional ``attn_mask`` kwarg, which broadcasts from the right: its batch/head dims are
-    sharded like q's when present with size > 1, else replicated. Not offered: dropout (random
-    ops need DTensor's RNG tracker) and head sharding under grouped-query attention.
-    """
-    dropout_p = args_schema[n_in] if len(args_schema) > n_in else 0.0
-    if dropout_p:
-        return []
-    q, k, v = args_schema[first_qkv : first_qkv + 3]
-    mask = kwargs_schema.get("attn_mask")
-    rules = []
-    for dim in (0, 1):
-        if dim == 1 and not (q.shape[1] == k.shape[1] == v.shape[1]):
-            continue
-        rule: list = [_ShardingPlaceholder(dim)] * (n_out + n_in)
-        if mask is not None:
-            mdim = dim - (len(q.shape) - len(mask.shape))
-            sharded = mdim >= 0 and mask.shape[mdim] > 1
-            rule.append(_ShardingPlaceholder(mdim) if sharded else Replicate())
-        rules.append(rule)
-    return rules
-
-
-@functools.cache
-def register_missing_rules() -> None:
-    """Register in DTensor the strategies PyTorch 2.13 lacks (see module docstring). Idempotent.
-
-    The runtime must call this before executing a plan so that DTensor runs these ops as planned.
-    """
-    fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
-    bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-    sp = propagator()
-    if fwd not in sp.op_single_dim_strategy_funcs and fwd not in sp.op_strategy_funcs:
-
-        @register_single_dim_strategy(
-            fwd, schema_info=RuntimeSchemaInfo(3, static_kwargkey=["scale"])
-        )
-        def _sdpa_cpu(op: Any, args_schema: tuple, kwargs_schema: dict) -> list:
-            # [output, logsumexp, q, k, v, (attn_mask)]
-            return _sdpa_cpu_rules(args_schema, kwargs_schema, 0, 2, 3)
-
-    if bwd not in sp.op_single_dim_strategy_funcs and bwd not in sp.op_strategy_funcs:
-
-        @register_single_dim_strategy(
-            bwd, schema_info=RuntimeSchemaInfo(6, static_kwargkey=["scale"])
-        )
-        def _sdpa_cpu_backward(
-            op: Any, args_schema: tuple, kwargs_schema: dict
-        ) -> list:
-            # [grad_q, grad_k, grad_v, grad_out, q, k, v, out, logsumexp, (attn_mask)]
-            return _sdpa_cpu_rules(args_schema, kwargs_schema, 1, 3, 6)
 
 
 # Ops DTensor runs through its own handler (``_tp_conv``), which builds a ``dim_map`` and so

@@ -35,10 +35,13 @@ import torch
 
 from cost_models.communication import LogicalMesh
 from cost_models.compute import measured_op_time, op_overhead, op_time
-from cost_models.memory import state_bytes_per_param
+from cost_models.memory import param_state_bytes as state_bytes
 from cost_models.resharding import reshard_cost, reshard_steps
-from planner.intra.strategies import Strategy, consumed_output, node_strategies
+from planner.intra.strategies import node_strategies
 from planner.tracing.opgraph import OpGraph, OpNode, TensorMeta
+from planner.vocab.grads import bucketed_axes, expected_grad, grad_from_consumer
+from planner.vocab.placements import norm, shards
+from planner.vocab.strategy import Strategy, consumed_output
 
 
 @dataclass(frozen=True)
@@ -63,10 +66,6 @@ class StageSettings:
     )  # reshard prices
 
 
-def norm(p: str) -> str:
-    return "P" if p.startswith("P") else p
-
-
 def split_factor(strategy: Strategy, mesh_shape: tuple[int, int]) -> int:
     """Product of the mesh axes on which the op's computation is divided."""
     f = 1
@@ -77,12 +76,6 @@ def split_factor(strategy: Strategy, mesh_shape: tuple[int, int]) -> int:
         if any(p != "R" for p in places):
             f *= size
     return f
-
-
-def shards(placements: tuple[str, ...], mesh_shape: tuple[int, int]) -> int:
-    return math.prod(
-        size for p, size in zip(placements, mesh_shape) if p.startswith("S")
-    )
 
 
 def node_options(
@@ -190,16 +183,20 @@ def _measured_time(
 
 
 def param_state_bytes(meta: TensorMeta, option: Option, s: StageSettings) -> float:
-    """Weights + gradients + optimizer state of one parameter on one device."""
-    st = state_bytes_per_param(s.optimizer)
+    """Weights + gradients + optimizer state of one parameter on one device
+    (`cost_models.memory.param_state_bytes`; ZeRO over the axes that replicate it)."""
     placements = option.strategy.output[0]
-    n = meta.numel() / shards(placements, s.mesh.shape)
     zero = (
         math.prod(size for p, size in zip(placements, s.mesh.shape) if p == "R")
         if option.zero
         else 1
     )
-    return n * (st.param + (st.grad + st.optimizer) / zero)
+    return state_bytes(
+        meta.numel(),
+        s.optimizer,
+        shards=shards(placements, s.mesh.shape),
+        zero_shards=zero,
+    )
 
 
 def zero_cost(meta: TensorMeta, option: Option, s: StageSettings) -> float:
@@ -230,24 +227,6 @@ def _reshard(
     if key not in s.cache:
         s.cache[key] = reshard_cost(s.mesh, shape, dtype_bytes, src, dst)
     return s.cache[key]
-
-
-def grad_from_consumer(
-    inp: tuple[str, ...], consumer: Strategy, mesh_shape: tuple[int, int]
-) -> tuple[str, ...]:
-    """Per axis placement of the gradient a consumer's backward hands back for an input placed `inp`."""
-    out = []
-    for a, p in enumerate(inp):
-        places = [q[a] for q in consumer.output if q] + [
-            q[a] for q in consumer.inputs if q
-        ]
-        split = mesh_shape[a] > 1 and any(q != "R" for q in places)
-        out.append(p if p.startswith("S") else "P" if (p == "R" and split) else "R")
-    return tuple(out)
-
-
-def expected_grad(out: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(p if p.startswith("S") else "R" for p in out)
 
 
 def _unique(items: list) -> tuple[list, np.ndarray]:
@@ -307,25 +286,6 @@ def edge_matrices(
                 else:
                     act[a, b] += back
     return act[np.ix_(src_of, dst_of)], grad[np.ix_(src_of, dst_of)]
-
-
-def bucketed_axes(grad: tuple[str, ...], want: tuple[str, ...]) -> tuple[int, ...]:
-    """The mesh axes on which a parameter gradient placed `grad` reaches `want` by all-reduce alone
-    (P -> R there, every other axis unchanged); () when it needs anything else. The runtime
-    flattens all such gradients of a stage with the same (placements, dtype) into one tensor and
-    all-reduces it once per axis (`runtime.grad_sync`), so the latency of those collectives is
-    paid once per bucket, not once per parameter. (A parameter sharded on the axis but gathered
-    for a split computation, as FSDP does, gets P -> R on its gathered view here and R -> S for
-    free on its own edge; the runtime reduce-scatters such gradients in buckets as well, so
-    this prices about twice the time of its bytes and the same number of collectives.)"""
-    axes = []
-    for a, (g, w) in enumerate(zip(grad, want)):
-        if g == w:
-            continue
-        if g != "P" or w != "R":
-            return ()
-        axes.append(a)
-    return tuple(axes)
 
 
 # A bucket's all-reduce is priced on the line through its prices at 1 byte and at this size: the

@@ -39,9 +39,11 @@ from planner.intra.batch_split import batch_split_options
 from planner.intra.cost_graph import CostGraph, Reduction, identity, merge_followers
 from planner.intra.ilp import ILPModel
 from planner.intra.prices import Option, StageSettings
-from planner.intra.strategies import consumed_output, leaf_strategies
+from planner.intra.strategies import leaf_strategies
 from planner.tracing.blocks import block_of, representatives
 from planner.tracing.opgraph import OpGraph
+from planner.vocab.placements import norm
+from planner.vocab.strategy import StageProgram, consumed_output
 
 FOLLOWER_KINDS = ("view", "elementwise")
 
@@ -99,6 +101,12 @@ class StageSolution:
     def memory_bytes(self) -> float:
         return self.param_state_bytes + self.activation_bytes
 
+    def program(self) -> StageProgram:
+        """The stage's program in the plan vocabulary: what the runtime executes."""
+        return StageProgram(
+            self.mesh_shape, {n: o.strategy for n, o in self.choice.items()}
+        )
+
     def node_costs(self) -> dict[str, tuple[float, float, float, float]]:
         """Per node: (time per micro-batch including resharding of its inputs, forward compute time,
         parameter-state bytes, activation bytes per in-flight micro-batch). Sums to the stage totals."""
@@ -146,7 +154,7 @@ class StageSolution:
             )
             if not src or dst is None:
                 continue
-            src, dst = tuple(map(sc.norm, src)), tuple(map(sc.norm, dst))
+            src, dst = tuple(map(norm, src)), tuple(map(norm, dst))
             if src != dst:
                 meta = ctx.graph.node(u).outputs[o]
                 steps = reshard_steps(

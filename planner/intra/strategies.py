@@ -55,56 +55,25 @@ dozen signatures. The order is deterministic (sorted, replication first).
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from planner.intra import dtensor_rules as dr
+from planner.vocab.dtensor_ext import placement_to_str, registrations
+from planner.vocab.placements import Placements
+from planner.vocab.strategy import Strategy, getitem_source
 
 __all__ = [
-    "Strategy",
     "clear_cache",
-    "consumed_output",
     "fallback_ops",
     "fallback_reason",
-    "from_placement",
-    "getitem_source",
     "graph_strategies",
     "leaf_strategies",
     "node_strategies",
-    "register_fallback",
-    "to_placement",
 ]
-
-Placements = tuple[str, ...]  # one placement per mesh axis
-
-from_placement = dr.placement_to_str
-to_placement = dr.str_to_placement
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """One way to run a node: placements (one per mesh axis) of each output and required inputs.
-
-    ``output[k]`` is for the k-th tensor output (``()`` for a non-tensor output); ``inputs[i]`` is for
-    ``node.all_input_nodes[i]`` (None where it does not matter: non-tensor inputs).
-    """
-
-    output: tuple[Placements, ...]
-    inputs: tuple[Placements | None, ...]
-    source: str
-
-    def __str__(self) -> str:
-        def fmt(p: Placements | None) -> str:
-            return "-" if p is None else "[" + ",".join(p) + "]"
-
-        outs = ", ".join(fmt(p) for p in self.output)
-        ins = ", ".join(fmt(p) for p in self.inputs)
-        return f"({ins}) -> ({outs}) {self.source}"
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -194,23 +163,6 @@ def _fallback(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> Strategy:
 # ----------------------------------------------------------------------------------------- getitem
 
 
-def getitem_source(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
-    """(producer, output index) when `node` is ``operator.getitem`` of a multi-output op."""
-    if (
-        node.op == "call_function"
-        and node.target is operator.getitem
-        and isinstance(node.args[0], torch.fx.Node)
-    ):
-        return node.args[0], int(node.args[1])
-    return None
-
-
-def consumed_output(producer: torch.fx.Node, consumer: torch.fx.Node) -> int:
-    """Index into ``Strategy.output`` of `producer` that `consumer` reads (its getitem index, else 0)."""
-    src = getitem_source(consumer)
-    return src[1] if src is not None and src[0] is producer else 0
-
-
 def _getitem(
     node: torch.fx.Node, producer: torch.fx.Node, idx: int, mesh_shape: tuple[int, int]
 ) -> list[Strategy]:
@@ -224,10 +176,12 @@ def _getitem(
 # ------------------------------------------------------------------------------------- op nodes
 
 _CACHE: dict[tuple, tuple[tuple[Strategy, ...], str | None]] = {}
+_CACHED_AT = [registrations()]  # DTensor registrations when the cache was filled
 
 
 def clear_cache() -> None:
-    """Forget cached strategies (e.g. after registering rules)."""
+    """Forget cached strategies (done by itself when DTensor gets new rules from
+    `planner.vocab.dtensor_ext`)."""
     _CACHE.clear()
 
 
@@ -275,7 +229,7 @@ def _out_meta(val: Any) -> Any:
 def _to_strs(placements: Any, axes: list[int], n_axes: int) -> Placements | None:
     full = ["R"] * n_axes
     for j, p in zip(axes, placements):
-        s = dr.placement_to_str(p)
+        s = placement_to_str(p)
         if s is None:
             return None
         full[j] = s
@@ -332,9 +286,7 @@ def _nested(pair: dr.Pair) -> bool:
     specs += [o.placements for o in outs if isinstance(o, DTensorSpec)]
     for pl in specs:
         dims = [
-            p.dim
-            for p in pl or ()
-            if dr.placement_to_str(p, strided=True).startswith("S")
+            p.dim for p in pl or () if placement_to_str(p, strided=True).startswith("S")
         ]
         if len(dims) != len(set(dims)):
             return True
@@ -415,7 +367,7 @@ def _compute(
         if s is None:
             continue
         exact = not any(
-            dr.placement_to_str(p) == "P(mask)" for pl in pair[0] if pl for p in pl
+            placement_to_str(p) == "P(mask)" for pl in pair[0] if pl for p in pl
         )
         prev = found.get(s.inputs)
         if prev is None or (exact and not prev[1]):
@@ -441,6 +393,9 @@ def _signature(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> tuple:
 def _op_strategies(
     node: torch.fx.Node, mesh_shape: tuple[int, ...]
 ) -> tuple[tuple[Strategy, ...], str | None]:
+    if _CACHED_AT[0] != registrations():
+        clear_cache()
+        _CACHED_AT[0] = registrations()
     key = _signature(node, mesh_shape)
     hit = _CACHE.get(key)
     if hit is None:
@@ -502,17 +457,3 @@ def fallback_ops(
             if reason is not None:
                 out.append(f"{n.name}: {n.target} ({reason})")
     return out
-
-
-def register_fallback(op: torch._ops.OpOverload) -> bool:
-    """Let DTensor run `op` replicated, as the plan's fallback assumes (DTensor's own
-    ``replicate_op_strategy``; not for view ops or ops returning a list). For the runtime.
-    Returns False if DTensor already has a strategy for `op`."""
-    from torch.distributed.tensor._ops.utils import replicate_op_strategy
-
-    sp = dr.propagator()
-    if op in sp.op_strategy_funcs or op in sp.op_single_dim_strategy_funcs:
-        return False
-    sp.register_op_strategy(op, replicate_op_strategy)
-    clear_cache()
-    return True

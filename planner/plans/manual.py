@@ -26,6 +26,7 @@ all-reduce per sub-block forward). MoE activations are left to the least cost on
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -34,19 +35,17 @@ from torch import nn
 
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
-from cost_models.compute import step_overhead
 from cost_models.errors import MeshplanError
-from cost_models.memory import microbatches_in_flight
-from cost_models.pipeline import pipeline_time
-from planner.api import _assemble, _layers, _resolve_model, _send_times
+from cost_models.memory import canonical_schedule
+from planner.api import layers_in, resolve_model
 from planner.inter import stage_table as st
-from planner.inter.stage_dp import DPResult
 from planner.intra.megatron import (
     batch_axes,
     is_expert_weight,
     megatron_filter,
     megatron_placement,
 )
+from planner.plans.assemble import PlanSpec, assemble, stage_from_profile
 from planner.plans.recompute import block_chunks, recompute_costs
 from planner.tracing.tracer import trace
 from planner.vocab.plan_file import ParallelPlan
@@ -73,15 +72,18 @@ def manual_plan(
     allow_oom: bool = False,
     expert_parallel: bool = False,
     split: str = "balanced",
+    schedule: str | None = None,
 ) -> ParallelPlan:
-    """Price a Megatron configuration. `microbatch_size` is per data-parallel rank, as in Megatron
-    (global batch = microbatch_size * dp * num_microbatches). Raises MeshplanError if a stage does
+    """Price a Megatron configuration. `microbatch_size` is the rows of the global batch in one
+    micro-batch, as in `plan` (global batch = microbatch_size * num_microbatches; each of the dp
+    replicas gets microbatch_size / dp rows, Megatron's --micro-batch-size). Raises MeshplanError if a stage does
     not fit in memory, unless `allow_oom` (the plan's `manual["fits"]` says so). `expert_parallel`
     splits MoE expert weights by experts over the dp axis (module docstring). `split`: "balanced"
     cuts the layers into pp * v chunks of about equal FLOPs; "blocks" cuts as Megatron-LM does, the
     same number of transformer blocks per chunk, the embedding in the first and the head and loss in
     the last (`block_chunks`). With `recompute`, each transformer block is checkpointed on its own
-    (Megatron's --checkpoint-activations; `recompute_costs`)."""
+    (Megatron's --checkpoint-activations; `recompute_costs`). `schedule`: "1f1b" (default), "gpipe",
+    or "interleaved" (the default when `virtual_stages` > 1)."""
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     D, M = cluster.num_devices, cluster.devices_per_host
@@ -101,11 +103,18 @@ def manual_plan(
         raise MeshplanError(
             f"tensor parallelism stays inside a host: tp={tp} must divide the {M} devices per host"
         )
-    name, make, default_batch = _resolve_model(model, example_batch, dtype, None)
+    name, make, default_batch = resolve_model(model, example_batch, dtype, None)
     G = global_batch or default_batch
     if (num_microbatches is None) == (microbatch_size is None):
         raise MeshplanError("give exactly one of num_microbatches and microbatch_size")
-    B = num_microbatches or G // (microbatch_size * dp)
+    if microbatch_size is not None and (
+        microbatch_size < 1 or microbatch_size % dp or G % microbatch_size
+    ):
+        raise MeshplanError(
+            f"microbatch_size {microbatch_size} (rows of the global batch per micro-batch) must "
+            f"divide the global batch {G} and split evenly over dp={dp} replicas"
+        )
+    B = num_microbatches or G // microbatch_size
     if B < 1 or G % B or (G // B) % dp:
         raise MeshplanError(
             f"global batch {G} does not split into {B} micro-batches divisible by dp={dp}"
@@ -117,7 +126,7 @@ def manual_plan(
     if split not in ("balanced", "blocks"):
         raise MeshplanError(f"split must be 'balanced' or 'blocks', got {split!r}")
     layers = (
-        block_chunks(graph, chunks) if split == "blocks" else _layers(graph, chunks)
+        block_chunks(graph, chunks) if split == "blocks" else layers_in(graph, chunks)
     )
     if len(layers) != chunks:
         raise MeshplanError(f"{name} has too few ops for {chunks} pipeline chunks")
@@ -143,79 +152,46 @@ def manual_plan(
             any(is_expert_weight(p) for p in graph.placeholder_paths.values()),
         ),
     )[0]
-    schedule = "interleaved" if virtual_stages > 1 else "1f1b"
-    stages, choices = [], {}
-    for c in range(chunks):
-        stages.append((c, c, 0))
-        choices[c, c, 0, chunks - c] = (mesh, prof, recompute)
-    plan = _assemble(
-        name,
-        graph,
-        layers,
-        cluster,
-        DPResult(0.0, 0.0, stages),
-        choices,
-        [sub],
-        B,
-        G,
-        schedule,
-        optimizer,
-        "manual",
-        budget,
-        0.0,
-        virtual_stages,
+    schedule = canonical_schedule(
+        schedule or ("interleaved" if virtual_stages > 1 else "1f1b")
     )
-    per_chunk = [
-        _memory(
-            prof,
-            c,
-            microbatches_in_flight(
-                schedule, B, pp, c % pp, virtual_stages=virtual_stages
-            ),
-            recompute,
+    if virtual_stages > 1 and schedule != "interleaved":
+        raise MeshplanError(
+            f"virtual_stages={virtual_stages} needs the interleaved schedule, not {schedule}"
         )
-        for c in range(chunks)
-    ]
-    if recompute:
-        costs = recompute_costs(prof.solution, graph, layer_of, chunks)
-        times = []
-        for c, stage in enumerate(plan.stages):
-            inflight = microbatches_in_flight(
-                schedule, B, pp, c % pp, virtual_stages=virtual_stages
+    block_costs = (
+        recompute_costs(prof.solution, graph, layer_of, chunks)
+        if recompute
+        else [None] * chunks
+    )
+    stages = []
+    for c in range(chunks):
+        stage = stage_from_profile((c, c), sub, prof, recompute)
+        if block_costs[c] is not None:  # each transformer block checkpointed on its own
+            seconds, kept, transient = block_costs[c]
+            stage = dataclasses.replace(
+                stage,
+                cost=dataclasses.replace(
+                    stage.cost,
+                    time_s=float(prof.time[c] + prof.fixed[c, c] + seconds),
+                    kept_bytes=float(kept),
+                    transient_bytes=float(transient),
+                ),
             )
-            rc_time, kept, transient = costs[c] or (
-                prof.fwd[c],
-                prof.inputs[c],
-                prof.acts[c],
-            )
-            per_chunk[c] = float(prof.params[c] + inflight * kept + transient)
-            stage.time_s = float(prof.time[c] + prof.fixed[c, c] + rc_time)
-            times.append(stage.time_s)
-        # the boundary sends as `_assemble` prices them
-        sends = _send_times(
-            graph, layer_of, layers, stages, [s.devices for s in plan.stages], cluster
-        )
-        plan.estimate.iteration_time_s = pipeline_time(
-            times, B, schedule, virtual_stages=virtual_stages, send_times=sends
-        ) + step_overhead(cluster)
-        plan.estimate.tflops_per_device = (
-            plan.model["flops_per_iteration"]
-            / plan.estimate.iteration_time_s
-            / D
-            / 1e12
-        )
-    # Chunk c runs on device group c % pp, which holds all of its v chunks (v = 1: one chunk).
-    for c, stage in enumerate(plan.stages):
-        stage.memory_bytes = sum(m for i, m in enumerate(per_chunk) if i % pp == c % pp)
-    peak = max(s.memory_bytes for s in plan.stages)
-    plan.estimate.peak_memory_bytes = peak
+        stages.append(stage)
+    spec = PlanSpec(
+        name, graph, layers, cluster, stages, B, G, schedule, optimizer, "manual",
+        budget, virtual_stages,
+    )  # fmt: skip
+    plan = assemble(spec)
+    peak = plan.estimate.peak_memory_bytes
     fits = peak <= budget
     plan.manual = {
         "dp": dp,
         "tp": tp,
         "pp": pp,
         "num_microbatches": B,
-        "microbatch_size": b // dp,
+        "microbatch_size": b,
         "recompute": recompute,
         "virtual_stages": virtual_stages,
         "expert_parallel": expert_parallel,
@@ -223,14 +199,7 @@ def manual_plan(
     }
     if not fits and not allow_oom:
         raise MeshplanError(
-            f"dp={dp} tp={tp} pp={pp} with {B} micro-batches does not fit: a stage needs {peak / 2**30:.1f} GiB per device, "
-            f"{budget / 2**30:.1f} GiB available"
+            f"dp={dp} tp={tp} pp={pp} with {B} micro-batches does not fit: a stage needs "
+            f"{peak / 2**30:.1f} GiB per device, {budget / 2**30:.1f} GiB available"
         )
     return plan
-
-
-def _memory(prof: st.LayerProfile, c: int, inflight: int, recompute: bool) -> float:
-    kept = prof.inputs[c] if recompute else prof.acts[c]
-    return float(
-        prof.params[c] + inflight * kept + (prof.acts[c] if recompute else 0.0)
-    )

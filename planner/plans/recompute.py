@@ -32,6 +32,7 @@ from planner.intra import prices as sc
 from planner.intra.solve import StageSolution
 from planner.tracing.blocks import block_of
 from planner.tracing.opgraph import OpGraph
+from planner.vocab.placements import shards
 
 
 def block_chunks(graph: OpGraph, chunks: int) -> list[tuple[int, int]]:
@@ -113,7 +114,7 @@ def recompute_costs(
                     src.output_bytes
                     if opt is None
                     else src.output_bytes
-                    / sc.shards(opt.strategy.output[0], sol.mesh_shape)
+                    / shards(opt.strategy.output[0], sol.mesh_shape)
                 )
     return [
         (

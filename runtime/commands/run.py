@@ -27,7 +27,9 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -220,28 +222,48 @@ def _run_torchrun(
 
 
 def _plan_here(args: argparse.Namespace, nproc: int) -> ParallelPlan:
-    """Plan MODEL for `nproc` local processes (a quick profile of this machine unless --profile)."""
-    from cost_models.cluster import Cluster
-    from cost_models.profile import load_profile
-    from planner.api import plan
-    from planner.commands.plan import summary
+    """Plan MODEL for `nproc` local processes (a quick profile of this machine unless --profile).
+
+    The search runs as a child process of our own CLI (`meshplan plan --cluster 1xNxCPU --profile
+    FILE`: the cluster of the profile, `Cluster.from_profile(profile, 1, N)`), so that the runtime
+    does not import the planner's search. Its summary and progress are printed here."""
+    from cost_models.profile import save_profile
     from runtime.profiler import ProfileOptions, run_profile
 
-    say = lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)
-    if args.profile:
-        profile = load_profile(args.profile)
-    else:
-        say(f"no --plan: measuring this machine with {nproc} processes (quick profile)")
-        profile = run_profile(ProfileOptions.quick(nproc))
-    cluster = Cluster.from_profile(profile, hosts=1, devices_per_host=nproc)
-    result = plan(
-        args.model, cluster, global_batch=args.batch, dtype=args.dtype, progress=say
-    )
-    print(summary(result), flush=True)
-    if args.save_plan:
-        result.save(args.save_plan)
-        print(f"wrote {args.save_plan}", file=sys.stderr)
-    return result
+    with tempfile.TemporaryDirectory(prefix="meshplan-run-") as tmp:
+        profile = args.profile
+        if not profile:
+            print(
+                f"  no --plan: measuring this machine with {nproc} processes (quick profile)",
+                file=sys.stderr,
+                flush=True,
+            )
+            profile = os.path.join(tmp, "profile.json")
+            save_profile(run_profile(ProfileOptions.quick(nproc)), profile)
+        out = args.save_plan or os.path.join(tmp, "plan.json")
+        cmd = [sys.executable, "-m", "runtime.cli", "plan", args.model]
+        cmd += ["--cluster", f"1x{nproc}xCPU", "--profile", profile, "--json", out]
+        cmd += ["--dtype", args.dtype]
+        if args.batch is not None:
+            cmd += ["--batch", str(args.batch)]
+        child = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        if child.returncode != 0:
+            lines = [line for line in child.stderr.splitlines() if line.strip()]
+            last = (
+                lines[-1].removeprefix("meshplan: error: ") if lines else "no message"
+            )
+            raise MeshplanError(
+                f"planning {args.model} failed (exit {child.returncode}): {last}"
+            )
+        # progress, then the summary; the temporary plan file is ours, not worth a line
+        err = (
+            child.stderr
+            if args.save_plan
+            else child.stderr.replace(f"wrote {out}\n", "")
+        )
+        print(err, end="", file=sys.stderr, flush=True)
+        print(child.stdout, end="", flush=True)
+        return ParallelPlan.load(out)
 
 
 def _local_devices() -> int:

@@ -11,6 +11,9 @@ The GPT, MoE and Wide-ResNet suites are predicted by the cost models (no device 
 `benchmarks.suites`. The local suite profiles this machine, plans small models for 2 to 8 local
 processes and executes the plans, predicted against measured; see `benchmarks.local_suite`
 (`--gpus` is then the process counts; `--device` does not apply).
+
+The CLI finds this module through the `bench` entry point of the `meshplan.commands` group
+(pyproject.toml; see `runtime.cli`).
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def run(args: argparse.Namespace) -> int:
     """Run the suite and/or the report; 0 on success."""
-    from benchmarks.report import RESULTS, merge_results, write_report, write_results
+    from benchmarks.records import RESULTS, merge_results, write_results
+    from benchmarks.report import write_report
     from benchmarks.suites import HEADER, format_row, run_suite
     from cost_models.errors import MeshplanError
 
@@ -108,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
 def _run_local(args: argparse.Namespace) -> int:
     """The local measured suite (`benchmarks.local_suite`)."""
     from benchmarks import local_suite as ls
-    from benchmarks.report import RESULTS, write_report, write_results
+    from benchmarks.records import RESULTS, write_results
+    from benchmarks.report import write_report
     from cost_models.errors import MeshplanError
 
     try:

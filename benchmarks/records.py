@@ -1,0 +1,89 @@
+"""The results documents of the benchmark suites: the pieces of a case record the suites share, and
+the results files under `benchmarks/results/` (written, merged and read).
+
+A results document is a JSON object with `suite`, `device`, `machine`, `date` and `cases`
+(`benchmarks.suites.run_suite`, `benchmarks.local_suite.run_local_suite`); `benchmarks.report`
+makes the markdown report from the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+from cost_models.errors import MeshplanError
+
+RESULTS = Path(__file__).resolve().parent / "results"
+#: Relative difference below which two predicted times are a tie: the same plan priced along two
+#: code paths differs by float summation order (~1e-15), e.g. on 1 GPU, where auto and manual agree.
+TIE = 1e-9
+
+
+def machine() -> str:
+    """The machine a suite ran on (the planner's own run; predictions do not depend on it)."""
+    return f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()})"
+
+
+def stage_json(s: Any) -> dict[str, Any]:
+    """A plan's stage (`planner.vocab.plan_file`) as recorded in a case: layers and meshes."""
+    return {
+        "layers": list(s.layers),
+        "submesh": list(s.submesh),
+        "logical_mesh": list(s.logical_mesh),
+        "dp_tp": s.dp_tp,
+        "recompute": s.recompute,
+    }
+
+
+def compared(case: dict[str, Any]) -> dict[str, Any]:
+    """The manual plan a local case record executed: the runner-up when the grid's best manual
+    plan is the automatic plan, else the best."""
+    return case.get("runner_up") or case["manual_best"]
+
+
+def write_results(results: dict[str, Any], path: str | Path) -> Path:
+    """Write a suite's results document as JSON; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    return path
+
+
+def merge_results(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`old` with the cases of `new` (a run of some of the same suite's cases on the same device)
+    in place of its cases of the same GPU counts; the run is listed under `reruns` (its date,
+    machine, torch, time and GPU counts), the rest of `old` is kept."""
+    key = ("suite", "device")
+    if [old.get(k) for k in key] != [new.get(k) for k in key]:
+        raise MeshplanError(
+            f"cannot merge {new.get('suite')} on {new.get('device')} into a results file of "
+            f"{old.get('suite')} on {old.get('device')}; give another --json FILE"
+        )
+    counts = sorted({c["num_devices"] for c in new["cases"]})
+    cases = [c for c in old["cases"] if c["num_devices"] not in counts] + new["cases"]
+    rerun = {k: new.get(k) for k in ("date", "machine", "torch", "total_time_s")}
+    return old | {
+        "cases": sorted(cases, key=lambda c: c["num_devices"]),
+        "reruns": [*old.get("reruns", []), rerun | {"num_devices": counts}],
+    }
+
+
+def load_results(directory: str | Path = RESULTS) -> list[dict[str, Any]]:
+    """Every results document (a JSON object with `suite`, `device` and `cases`) in `directory`;
+    other JSON files there are ignored."""
+    docs = []
+    for f in sorted(Path(directory).glob("*.json")):
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if (
+            isinstance(doc, dict)
+            and isinstance(doc.get("cases"), list)
+            and {"suite", "device"} <= set(doc)
+        ):
+            docs.append(doc | {"file": f.name})
+    return docs

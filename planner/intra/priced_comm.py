@@ -1,0 +1,67 @@
+"""The collectives the planner prices for a stage's program, per site of the executor.
+
+`predicted_collectives` lists, for every edge of a stage program, the collectives
+`cost_models.resharding.reshard_steps` prices for its forward redistribution and its gradient's
+way back, labelled with the sites the executor sets while it runs them (`runtime.comm_count`), so
+that the collectives the runtime issues can be compared with what was priced.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cost_models.communication import LogicalMesh
+from cost_models.resharding import reshard_steps
+from planner.tracing.opgraph import OpGraph
+from planner.vocab.grads import expected_grad, grad_from_consumer
+from planner.vocab.placements import norm
+from planner.vocab.strategy import StageProgram, consumed_output
+
+
+def predicted_collectives(
+    graph: OpGraph, program: StageProgram, mesh: LogicalMesh
+) -> dict[str, list[tuple[str, float]]]:
+    """What the planner prices, per site of the executor: ``"fwd:u->v"`` -> [(kind, bytes)] for the
+    forward redistribution of every edge u -> v of the chosen strategies, and ``"bwd:u->v"`` for its
+    gradient (`planner.intra.prices`: from ``grad_from_consumer(dst, v's strategy)`` to
+    ``expected_grad(src)``), both from `cost_models.resharding.reshard_steps`. One micro-batch,
+    forward + backward (the parameter-gradient part is not divided by the micro-batches)."""
+    out: dict[str, list[tuple[str, float]]] = {}
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    for fx_v in graph.gm.graph.nodes:
+        if (
+            fx_v.op != "call_function"
+        ):  # a pipeline stage's output node has no op-graph node
+            continue
+        v = graph.node(fx_v.name)
+        if v.op != "call":
+            continue
+        vs = program.strategies[v.name]
+        for u in dict.fromkeys(v.inputs):
+            fx_u = nodes[u]
+            k = fx_v.all_input_nodes.index(fx_u)
+            o = consumed_output(fx_u, fx_v)
+            src, dst = program.strategies[u].output[o], vs.inputs[k]
+            if not src or dst is None:
+                continue
+            src, dst = tuple(map(norm, src)), tuple(map(norm, dst))
+            meta = graph.node(u).outputs[o]
+            width = meta.nbytes / max(meta.numel(), 1)
+            steps = [(f"fwd:{u}->{v.name}", src, dst)]
+            if (
+                graph.node(u).requires_grad
+                and getattr(torch, meta.dtype).is_floating_point
+            ):
+                grad = grad_from_consumer(dst, vs, mesh.shape)
+                steps.append((f"bwd:{u}->{v.name}", grad, expected_grad(src)))
+            for label, a, b in steps:
+                if a == b:
+                    continue
+                colls = [
+                    (st.collective, st.nbytes)
+                    for st in reshard_steps(mesh, meta.shape, width, a, b)
+                    if st.collective
+                ]
+                if colls:
+                    out[label] = colls
+    return out

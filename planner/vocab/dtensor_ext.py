@@ -1,0 +1,160 @@
+"""The DTensor side of the plan vocabulary: placement strings to and from DTensor's placements, and
+the rules the planner and the runtime both need, registered in DTensor itself.
+
+What PyTorch lacks: no sharding strategy for ``aten._scaled_dot_product_flash_attention_for_cpu``
+(and its backward), the kernel that ``F.scaled_dot_product_attention`` uses on CPU; its
+decomposition cannot be traced by DTensor when ``is_causal`` (the mask is built by factory ops).
+`register_missing_rules` registers, in DTensor's own single-dim registry, the strategies PyTorch
+registers for the CUDA flash kernel: batch-sharded S(0) and head-sharded S(1) q/k/v/outputs
+(dropout_p == 0 only). The planner enumerates strategies after calling it; the runtime calls it
+before running a plan, so that DTensor runs these ops exactly as planned.
+
+An op the planner could not shard (no DTensor strategy) is planned replicated ("fallback");
+`register_fallback` lets DTensor run it that way, with DTensor's own ``replicate_op_strategy``.
+`registrations()` counts the registrations made here, so that a cache of strategies can tell when
+DTensor's registries changed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _ShardingPlaceholder,
+    register_single_dim_strategy,
+)
+from torch.distributed.tensor.placement_types import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+)
+
+from planner.vocab.placements import PARTIAL_OPS
+
+aten = torch.ops.aten
+_registered = [0]
+
+
+def placement_to_str(p: Placement, strided: bool = False) -> str | None:
+    """``Replicate() -> "R"``, ``Shard(d) -> "S(d)"``, ``Partial("sum") -> "P"``, ``Partial(op) -> "P(op)"``.
+
+    Partial subclasses keep their kind: ``_MaskPartial`` is ``"P(mask)"`` and ``_NormPartial`` is
+    ``"P(norm)"``. `_StridedShard` has no string (None): strategies using it are dropped by the
+    planner (with ``strided=True`` it is ``"S(d)"`` too).
+    """
+    if isinstance(p, _StridedShard):
+        return f"S({p.dim})" if strided else None
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        kind = type(p).__name__
+        if kind == "_MaskPartial":
+            return "P(mask)"
+        if kind == "_NormPartial":
+            return "P(norm)"
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    return None
+
+
+def str_to_placement(s: str) -> Placement:
+    """Inverse of `placement_to_str` for "R", "S(d)", "P" and "P(op)" with op in `PARTIAL_OPS`."""
+    if s == "R":
+        return Replicate()
+    if s == "P":
+        return Partial("sum")
+    if s.startswith("S(") and s.endswith(")") and s[2:-1].isdigit():
+        return Shard(int(s[2:-1]))
+    if s.startswith("P(") and s.endswith(")") and s[2:-1] in PARTIAL_OPS:
+        return Partial(s[2:-1])
+    raise ValueError(f"placement {s!r} cannot be converted to a DTensor placement")
+
+
+def registrations() -> int:
+    """How many strategies this module has registered in DTensor so far."""
+    return _registered[0]
+
+
+def _propagator() -> Any:
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def _has_strategy(op: Any) -> bool:
+    sp = _propagator()
+    return op in sp.op_single_dim_strategy_funcs or op in sp.op_strategy_funcs
+
+
+def _sdpa_cpu_rules(
+    args_schema: tuple, kwargs_schema: dict, first_qkv: int, n_out: int, n_in: int
+) -> list:
+    """Batch (S(0)) and head (S(1)) sharding, as PyTorch registers for the CUDA flash kernel.
+
+    Tensor inputs: forward (q, k, v), backward (grad_out, q, k, v, out, logsumexp), then the
+    optional ``attn_mask`` kwarg, which broadcasts from the right: its batch/head dims are
+    sharded like q's when present with size > 1, else replicated. Not offered: dropout (random
+    ops need DTensor's RNG tracker) and head sharding under grouped-query attention.
+    """
+    dropout_p = args_schema[n_in] if len(args_schema) > n_in else 0.0
+    if dropout_p:
+        return []
+    q, k, v = args_schema[first_qkv : first_qkv + 3]
+    mask = kwargs_schema.get("attn_mask")
+    rules = []
+    for dim in (0, 1):
+        if dim == 1 and not (q.shape[1] == k.shape[1] == v.shape[1]):
+            continue
+        rule: list = [_ShardingPlaceholder(dim)] * (n_out + n_in)
+        if mask is not None:
+            mdim = dim - (len(q.shape) - len(mask.shape))
+            sharded = mdim >= 0 and mask.shape[mdim] > 1
+            rule.append(_ShardingPlaceholder(mdim) if sharded else Replicate())
+        rules.append(rule)
+    return rules
+
+
+@functools.cache
+def register_missing_rules() -> None:
+    """Register in DTensor the strategies PyTorch 2.13 lacks (module docstring). Idempotent."""
+    fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    if not _has_strategy(fwd):
+        _registered[0] += 1
+
+        @register_single_dim_strategy(
+            fwd, schema_info=RuntimeSchemaInfo(3, static_kwargkey=["scale"])
+        )
+        def _sdpa_cpu(op: Any, args_schema: tuple, kwargs_schema: dict) -> list:
+            # [output, logsumexp, q, k, v, (attn_mask)]
+            return _sdpa_cpu_rules(args_schema, kwargs_schema, 0, 2, 3)
+
+    if not _has_strategy(bwd):
+        _registered[0] += 1
+
+        @register_single_dim_strategy(
+            bwd, schema_info=RuntimeSchemaInfo(6, static_kwargkey=["scale"])
+        )
+        def _sdpa_cpu_backward(
+            op: Any, args_schema: tuple, kwargs_schema: dict
+        ) -> list:
+            # [grad_q, grad_k, grad_v, grad_out, q, k, v, out, logsumexp, (attn_mask)]
+            return _sdpa_cpu_rules(args_schema, kwargs_schema, 1, 3, 6)
+
+
+def register_fallback(op: torch._ops.OpOverload) -> bool:
+    """Let DTensor run `op` replicated, as a plan's fallback assumes (DTensor's own
+    ``replicate_op_strategy``; not for view ops or ops returning a list). Returns False if DTensor
+    already has a strategy for `op`."""
+    from torch.distributed.tensor._ops.utils import replicate_op_strategy
+
+    if _has_strategy(op):
+        return False
+    _propagator().register_op_strategy(op, replicate_op_strategy)
+    _registered[0] += 1
+    return True

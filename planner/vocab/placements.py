@@ -1,0 +1,45 @@
+"""Placements and their string form, as plans write them and the runtime reads them.
+
+A placement says how a tensor lies on one axis of a stage's logical mesh. A plan writes one string
+per mesh axis:
+
+    "R"        replicated: every device of the axis holds the whole tensor      (Replicate())
+    "S(d)"     sharded: split evenly along tensor dimension d >= 0              (Shard(d))
+    "P"        partial sum: the devices' tensors add up to the value            (Partial("sum"))
+    "P(op)"    partial under op in avg, max, min                                (Partial(op))
+    "P(mask)"  a vocabulary-sharded embedding's masked partial (DTensor's _MaskPartial)
+    "P(norm)"  a sharded norm's partial (DTensor's _NormPartial)
+
+"P(mask)" and "P(norm)" carry data DTensor attaches when the op runs, so they can be read from a
+DTensor but not built from a string (no strategy needs them as an input). The conversions to and
+from DTensor's placement objects are `planner.vocab.dtensor_ext.placement_to_str` and
+`str_to_placement`; this module needs no torch, so reading a plan file is cheap.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+Placements = tuple[str, ...]  # one placement per mesh axis
+
+PARTIAL_OPS = ("sum", "avg", "max", "min")
+_PLACEMENT = re.compile(r"R|S\((0|[1-9][0-9]*)\)|P|P\((sum|avg|max|min|mask|norm)\)")
+VALID = "R, S(d) with d >= 0, P, or P(op) with op in sum, avg, max, min, mask, norm"
+
+
+def is_placement(s: object) -> bool:
+    """Whether `s` is the string form of a placement (module docstring)."""
+    return isinstance(s, str) and _PLACEMENT.fullmatch(s) is not None
+
+
+def norm(p: str) -> str:
+    """A partial placement of any kind as "P" (they move alike)."""
+    return "P" if p.startswith("P") else p
+
+
+def shards(placements: Placements, mesh_shape: tuple[int, ...]) -> int:
+    """Into how many pieces `placements` split a tensor on a mesh of `mesh_shape`."""
+    return math.prod(
+        size for p, size in zip(placements, mesh_shape) if p.startswith("S")
+    )

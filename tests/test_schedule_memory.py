@@ -1,0 +1,65 @@
+"""The schedule reaches memory: GPipe keeps every micro-batch's activations until its backward,
+1F1B at most as many as there are stages from this one to the last
+(`cost_models.memory.microbatches_in_flight`), in manual plans and in the automatic search."""
+
+from __future__ import annotations
+
+import pytest
+
+from cost_models.errors import DoesNotFitError
+from planner import plan
+from planner.plans.manual import manual_plan
+
+SMALL = "gpt:hidden=64,layers=4,heads=4,seq=16,vocab=128"
+CLUSTER = "1x4xA100-80GB"
+
+
+def _memory(schedule: str, microbatches: int) -> list[float]:
+    """Per-stage memory of tp2 x pp2 with 2 rows per micro-batch."""
+    p = manual_plan(
+        SMALL,
+        CLUSTER,
+        dp=1,
+        tp=2,
+        pp=2,
+        num_microbatches=microbatches,
+        global_batch=2 * microbatches,
+        dtype="float32",
+        schedule=schedule,
+    )
+    assert p.schedule == schedule
+    return [s.memory_bytes for s in p.stages]
+
+
+def test_gpipe_plan_holds_all_of_its_microbatches() -> None:
+    """With one micro-batch both schedules hold one (P_i + K_i per stage). With four, 1F1B holds
+    two on stage 0 and one on stage 1; GPipe holds four on both: P_i + 4 K_i."""
+    one = _memory("gpipe", 1)
+    assert _memory("1f1b", 1) == pytest.approx(one, rel=1e-12)
+    f1b, gpipe = _memory("1f1b", 4), _memory("gpipe", 4)
+    kept0 = f1b[0] - one[0]  # K_0: one more micro-batch on stage 0
+    assert kept0 > 0
+    assert f1b[1] == pytest.approx(one[1], rel=1e-12)  # stage 1 keeps one under 1F1B
+    assert gpipe[0] - one[0] == pytest.approx(3 * kept0, rel=1e-9)
+    assert gpipe[1] > f1b[1]
+
+
+def test_a_budget_that_fits_1f1b_but_not_gpipe_changes_the_gpipe_plan() -> None:
+    """At the memory 1F1B's plan needs, GPipe (same micro-batches) must plan otherwise or refuse:
+    the same stages would hold more activations."""
+    kw = {"global_batch": 16, "microbatch_size": [2], "dtype": "float32"}
+    f1b = plan(SMALL, CLUSTER, **kw)
+    assert f1b.num_microbatches > 1
+    budget = f1b.estimate.peak_memory_bytes
+    try:
+        gpipe = plan(SMALL, CLUSTER, schedule="gpipe", memory_budget=budget, **kw)
+    except DoesNotFitError:
+        return
+    assert gpipe.estimate.peak_memory_bytes <= budget
+    shape = [(s.layers, s.devices, s.logical_mesh, s.recompute) for s in f1b.stages]
+    assert [
+        (s.layers, s.devices, s.logical_mesh, s.recompute) for s in gpipe.stages
+    ] != shape or any(
+        a.param_placements != b.param_placements
+        for a, b in zip(gpipe.stages, f1b.stages)
+    )
