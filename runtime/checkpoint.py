@@ -52,6 +52,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
 from planner.vocab.dtensor_ext import str_to_placement
+from planner.vocab.placements import mesh_axes
 from planner.vocab.plan_file import ParallelPlan, StagePlan
 from runtime.meshes import device_mesh
 
@@ -85,8 +86,8 @@ def stage_of(plan: ParallelPlan, rank: int | None = None) -> int:
 
 
 def _squeezed(stage: StagePlan) -> list[int]:
-    """The logical-mesh axes of size > 1 (the DeviceMesh's axes, as in `runtime.executor`)."""
-    return [i for i, s in enumerate(stage.logical_mesh) if s > 1]
+    """The logical-mesh axes the stage's DeviceMesh has."""
+    return mesh_axes(tuple(stage.logical_mesh))
 
 
 def own_stage_mesh(

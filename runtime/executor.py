@@ -82,6 +82,7 @@ from planner.vocab.dtensor_ext import (
     str_to_placement,
 )
 from planner.vocab.grads import expected_grad, grad_from_consumer
+from planner.vocab.placements import device_mesh_shape, mesh_axes
 from planner.vocab.strategy import StageProgram, consumed_output
 from runtime import comm_count
 from runtime.compiled import CompiledStage
@@ -100,7 +101,7 @@ def make_mesh(program: StageProgram, device_type: str = "cpu") -> DeviceMesh:
     """The DeviceMesh a program runs on: its logical mesh without the axes of size 1 (the planner
     derives strategies on that squeezed mesh, see `planner.intra.strategies`). Needs an initialised
     default process group of ``prod(program.mesh_shape)`` ranks."""
-    shape = tuple(s for s in program.mesh_shape if s > 1) or (1,)
+    shape = device_mesh_shape(program.mesh_shape)
     return device_mesh(device_type, torch.arange(math.prod(shape)).view(shape))
 
 
@@ -148,8 +149,8 @@ class PlanExecutor(torch.fx.Interpreter):
             strict,
         )
         shape = tuple(program.mesh_shape)
-        self.axes = [i for i, s in enumerate(shape) if s > 1]
-        want = tuple(shape[i] for i in self.axes) or (1,)
+        self.axes = mesh_axes(shape)
+        want = device_mesh_shape(shape)
         if tuple(mesh.shape) != want:
             raise MeshplanError(
                 f"plan for logical mesh {shape} runs on a DeviceMesh of shape {want} "

@@ -82,6 +82,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
 from planner.tracing.opgraph import OpGraph
+from planner.vocab.placements import device_mesh_shape
 from planner.vocab.plan_file import ParallelPlan, StagePlan
 from planner.vocab.strategy import StageProgram
 from runtime import boundary, comm_count
@@ -104,7 +105,7 @@ __all__ = ["PipelineRunner", "layer_of_nodes", "schedule_order", "stage_mesh"]
 def stage_mesh(stage: StagePlan, device_type: str = "cpu") -> DeviceMesh:
     """The DeviceMesh of a stage: its devices shaped as its logical mesh, size-1 axes dropped.
     Collective over the world group: every rank must create every stage's mesh, in the same order."""
-    shape = tuple(s for s in stage.logical_mesh if s > 1) or (1,)
+    shape = device_mesh_shape(tuple(stage.logical_mesh))
     ranks = torch.tensor(stage.devices, dtype=torch.int64)
     if ranks.numel() != int(torch.tensor(shape).prod()):
         raise MeshplanError(

@@ -94,6 +94,7 @@ from torch.distributed.tensor.placement_types import Placement
 from cost_models.errors import MeshplanError
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.dtensor_ext import str_to_placement
+from planner.vocab.placements import device_mesh_shape
 from planner.vocab.plan_file import ParallelPlan
 from planner.vocab.strategy import StageProgram, leaf
 from runtime import comm_count
@@ -328,7 +329,7 @@ class TorchPipelineRunner(PipelineRunner):
         """One DeviceMesh ``(p, *stage shape)`` over the device groups (module docstring); this
         rank's stage mesh for the chunks it runs, None for the others."""
         p = self.groups
-        shape = tuple(s for s in self.plan.stages[0].logical_mesh if s > 1) or (1,)
+        shape = device_mesh_shape(tuple(self.plan.stages[0].logical_mesh))
         ranks = torch.tensor(
             [list(s.devices) for s in self.plan.stages[:p]], dtype=torch.int64
         ).view(p, *shape)

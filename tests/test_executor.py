@@ -38,6 +38,9 @@ from planner.intra.solve import solve_stage
 from planner.models import build_model
 from runtime.launch import launch
 
+# Every test reads a gloo launch, or plans the cases (~3 s, cached for the launch).
+pytestmark = pytest.mark.slow
+
 SPEC = "gpt:hidden=64,layers=2,heads=4,seq=16,vocab=128"
 # name -> (batch, micro-batches priced, logical mesh)
 CASES = {
@@ -197,7 +200,6 @@ MEGATRON = {
 }
 
 
-@pytest.mark.slow  # ~3 s: plans the three cases (cached for the launch when it runs too)
 def test_the_plans_are_the_intended_ones() -> None:
     assert _weights("megatron", 1) == MEGATRON
     assert set(_weights("data_parallel", 1).values()) == {"R"}
@@ -213,7 +215,6 @@ def test_the_plans_are_the_intended_ones() -> None:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.slow
 def test_same_numbers_as_one_device(runs: dict, name: str) -> None:
     ref = _case(name)
     ranks = runs[name]
@@ -247,7 +248,6 @@ def _report(name: str, runs: dict) -> tuple[dict, list[str]]:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.slow
 def test_comm_matches_prices(runs: dict, name: str) -> None:
     totals, diffs = _report(name, runs)
     print(name, totals, *diffs, sep="\n  ")
@@ -283,7 +283,6 @@ def _count_fake(program: Any, spec: str, batch: int, world: int) -> tuple:
     return counter.records, ex.mismatches
 
 
-@pytest.mark.slow
 def test_megatron_gpt_2048_on_8_fake_ranks_communicates_what_is_priced() -> None:
     """tests/test_intra_op.py's Megatron case: GPT hidden 2048, 2 layers, seq 1024, fp16, on
     (1, 8) A100s. Counted with the fake process group: one process, nothing computed."""
@@ -308,7 +307,6 @@ def test_megatron_gpt_2048_on_8_fake_ranks_communicates_what_is_priced() -> None
     assert totals["all_reduce"][0] > 0  # Megatron's all-reduces, forward and backward
 
 
-@pytest.mark.slow
 def test_gradient_accumulation_syncs_parameter_gradients_once(runs: dict) -> None:
     """data_parallel over two micro-batches with ``sync_param_grads=False`` + ``sync_grads``:
     the gradients of loss(b1) + loss(b2), activations' collectives twice, parameters' once."""

@@ -44,6 +44,7 @@ def test_gpipe_plan_holds_all_of_its_microbatches() -> None:
     assert gpipe[1] > f1b[1]
 
 
+@pytest.mark.slow
 def test_a_budget_that_fits_1f1b_but_not_gpipe_changes_the_gpipe_plan() -> None:
     """At the memory 1F1B's plan needs, GPipe (same micro-batches) must plan otherwise or refuse:
     the same stages would hold more activations."""

@@ -226,7 +226,7 @@ def test_sdpa_cpu_uses_registered_flash_rule(
     # PyTorch registers no strategy for the CPU kernel; the one DTensor now holds is ours.
     assert (
         dr.propagator().op_single_dim_strategy_funcs[op].func.__module__
-        == "planner.intra.dtensor_rules"
+        == "planner.vocab.dtensor_ext"
     )
     assert {s.source for s in ss} == {"custom"}
     for axis in _axes(mesh):

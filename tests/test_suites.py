@@ -8,7 +8,7 @@ import json
 import pytest
 
 from benchmarks.manual_grid import grid, model_facts, parallel_degrees
-from benchmarks.records import load_results, merge_results, write_results
+from benchmarks.records import RESULTS, load_results, merge_results, write_results
 from benchmarks.report import write_report
 from benchmarks.suites import run_case, suite_cases
 from cost_models.cluster import Cluster
@@ -100,6 +100,20 @@ def test_case_record(suite: str, gpus: int) -> None:
     ):  # on one device the automatic plan is pure data parallel, as good as manual
         assert case["ratio"] >= 1.0 - 1e-6
     assert case["measured_tflops_per_device"]
+    # The committed record of the same case (V100s, as these run): re-planned, the plan and the
+    # prices are unchanged (the planner time aside).
+    committed = json.loads((RESULTS / f"{suite}-V100-16GB.json").read_text())
+    old = next(c for c in committed["cases"] if c["num_devices"] == gpus)
+    for side in ("auto", "manual_best"):
+        new, was = case[side], old[side]
+        assert set(new) == set(was), side
+        for key, value in was.items():
+            if key in ("planner_time_s", "search_time_s"):
+                continue
+            if isinstance(value, float):
+                assert new[key] == pytest.approx(value, rel=1e-9), (side, key)
+            else:
+                assert new[key] == value, (side, key)
     if suite == "gpt" and gpus == 1:
         listed = case["megatron_listed"]
         assert listed["config"] == {"dp": 1, "tp": 1, "pp": 1, "microbatches": 8}

@@ -63,7 +63,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from planner.intra import dtensor_rules as dr
 from planner.vocab.dtensor_ext import placement_to_str, registrations
-from planner.vocab.placements import Placements
+from planner.vocab.placements import Placements, mesh_axes
 from planner.vocab.strategy import Strategy, getitem_source
 
 __all__ = [
@@ -339,7 +339,7 @@ def _compute(
     args, kwargs = _template(node)
     val = _val(node)
     leaves = dr.tensor_leaves(op, args, kwargs)
-    axes = [i for i, s in enumerate(mesh_shape) if s > 1]
+    axes = mesh_axes(mesh_shape)
     if not leaves and _is_tensor(val):
         return leaf_strategies(val.shape, mesh_shape), None  # factory op
     source = dr.registry_of(op)

@@ -43,3 +43,15 @@ def shards(placements: Placements, mesh_shape: tuple[int, ...]) -> int:
     return math.prod(
         size for p, size in zip(placements, mesh_shape) if p.startswith("S")
     )
+
+
+def mesh_axes(mesh_shape: tuple[int, ...]) -> list[int]:
+    """The logical-mesh axes a DeviceMesh keeps: those of size > 1. Strategies are derived on
+    them, and a stage's DeviceMesh has exactly them (`device_mesh_shape`)."""
+    return [a for a, size in enumerate(mesh_shape) if size > 1]
+
+
+def device_mesh_shape(mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the DeviceMesh a logical mesh runs on: its size-1 axes dropped ((1,) when
+    all are)."""
+    return tuple(mesh_shape[a] for a in mesh_axes(mesh_shape)) or (1,)
