@@ -47,7 +47,6 @@ from cost_models.compute import (
     unfused_attention_time,
 )
 from cost_models.pipeline import iteration_time
-from planner.api import resolve_model
 from planner.inter.stage_table import stage_boundary_bytes
 from planner.intra.prices import (
     Option,
@@ -57,6 +56,7 @@ from planner.intra.prices import (
 )
 from planner.models.gpt import GPT_CONFIGS
 from planner.plans.manual import manual_plan
+from planner.tracing.inputs import resolve_model
 from planner.tracing.opgraph import OpGraph
 from planner.tracing.tracer import trace
 from planner.vocab.plan_file import ParallelPlan
@@ -192,7 +192,9 @@ def megatron_iteration_time(
         cluster,
         times,
         stage_boundary_bytes(
-            graph, plan.layer_nodes, [s.layers[0] for s in plan.stages]
+            graph,
+            plan.layer_ranges([n.name for n in graph.ops]),
+            [s.layers[1] for s in plan.stages],
         ),
         [s.devices for s in plan.stages],
         plan.num_microbatches,

@@ -87,3 +87,26 @@ def load_results(directory: str | Path = RESULTS) -> list[dict[str, Any]]:
         ):
             docs.append(doc | {"file": f.name})
     return docs
+
+
+#: Fields of a case record that measure the machine that planned it, not the plan.
+TIMINGS = ("planner_time_s", "search_time_s")
+
+
+def record_differences(new: dict[str, Any], old: dict[str, Any]) -> list[str]:
+    """The fields of a case's automatic plan and best manual configuration that differ between two
+    records of the case (floats beyond a relative 1e-9), planning times aside: ``[]`` when a
+    re-planned case reproduces its committed record."""
+    out = []
+    for side in ("auto", "manual_best"):
+        a, b = new.get(side) or {}, old.get(side) or {}
+        for key in sorted((set(a) | set(b)) - set(TIMINGS)):
+            x, y = a.get(key), b.get(key)
+            same = (
+                abs(x - y) <= 1e-9 * abs(y)
+                if isinstance(x, float) and isinstance(y, float)
+                else x == y
+            )
+            if not same:
+                out.append(f"{side}.{key}: {y!r} -> {x!r}")
+    return out

@@ -7,10 +7,12 @@
    the intra-op program (time-optimal, a memory ladder, Megatron's placements as seeds) and
    attribute time and memory to the layers of each clustering (`planner.inter.mesh_search`,
    `planner.inter.stage_table`).
-4. Run the stage DP (`planner.inter.stage_dp`) for each micro-batch count and clustering; keep the plan
-   whose predicted iteration time (`cost_models.pipeline.pipeline_time`, activations sent between
-   stages included) is least.
-5. Return a `ParallelPlan` with the stages, shardings, schedule and predicted time and memory.
+4. Run the stage DP (`planner.inter.stage_dp`) for each micro-batch count and clustering, with the
+   memory of the micro-batches the schedule keeps in flight; keep the plan whose predicted
+   iteration time (`planner.plans.assemble.predicted_iteration_time`: `cost_models.pipeline.
+   iteration_time`, activations sent between stages included) is least.
+5. Return its `ParallelPlan` (`planner.plans.assemble`) with the stages, shardings, schedule and
+   predicted time and memory.
 
 Modes (Alpa's ablations): "auto"; "intra-only" (one stage on the whole cluster); "inter-only"
 (stages with pure data parallelism inside).
@@ -29,8 +31,8 @@ from torch import nn
 
 from cost_models.cluster import Cluster
 from cost_models.errors import DoesNotFitError, MeshplanError
-from cost_models.memory import param_state_bytes
-from planner.inter.layers import auto_num_layers, cluster_layers
+from cost_models.memory import canonical_schedule, param_state_bytes
+from planner.inter.layers import graph_layerings
 from planner.inter.mesh_search import search, submesh_shapes
 from planner.plans.assemble import (
     PlanSpec,
@@ -38,46 +40,12 @@ from planner.plans.assemble import (
     predicted_iteration_time,
     stage_from_profile,
 )
-from planner.tracing.blocks import block_of
-from planner.tracing.opgraph import OpGraph
+from planner.tracing.inputs import resolve_model
 from planner.tracing.tracer import trace
 from planner.vocab.plan_file import ParallelPlan
 
 MODES = ("auto", "intra-only", "inter-only")
 Progress = Callable[[str], None]
-
-
-def resolve_model(model: Any, example_batch: Any, dtype: torch.dtype, name: str | None):
-    """(name, batch_fn(b) -> (module, batch), default global batch)."""
-    if isinstance(model, str):
-        from planner.models import build_model
-
-        _, probe = build_model(model, device="meta", dtype=dtype)
-        default = int(probe[0].shape[0]) if probe and probe[0].dim() else 1
-        return (
-            name or model,
-            lambda b: build_model(model, batch=b, device="meta", dtype=dtype),
-            default,
-        )
-    if not isinstance(model, nn.Module):
-        raise MeshplanError(
-            f"model must be an nn.Module or a model name, got {type(model).__name__}"
-        )
-    if example_batch is None:
-        raise MeshplanError(
-            "planning an nn.Module needs its example batch (a tensor or tuple of tensors)"
-        )
-    batch = (
-        example_batch if isinstance(example_batch, (tuple, list)) else (example_batch,)
-    )
-    default = int(batch[0].shape[0])
-
-    def make(b: int):
-        return model, tuple(
-            t.new_empty((b, *t.shape[1:]), device="meta") for t in batch
-        )
-
-    return name or type(model).__name__, make, default
 
 
 def microbatch_sizes(global_batch: int, cluster: Cluster | None = None) -> list[int]:
@@ -149,6 +117,7 @@ def plan(
         raise MeshplanError(
             f"unknown mode {mode!r}; expected one of {', '.join(MODES)}"
         )
+    schedule = canonical_schedule(schedule)
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     name, make, default_batch = resolve_model(model, example_batch, dtype, model_name)
@@ -189,7 +158,7 @@ def plan(
             untraceable[b] = exc
             return
         # per trace: the op count may depend on the micro-batch size (e.g. size-1 dims)
-        layers = _layerings(graph, num_layers, D if mode == "auto" else 1)
+        layers = graph_layerings(graph, num_layers, D if mode == "auto" else 1)
         counts = ", ".join(str(len(x)) for x in layers)
         say(f"{len(graph.ops)} ops in {counts} layers")
         B = G // b
@@ -205,9 +174,18 @@ def plan(
                 for s in cand.stages
             ]
             spec = PlanSpec(
-                name, graph, cand.layers, cluster, stages, B, G, schedule,
-                optimizer, mode, budget,
-            )  # fmt: skip
+                model_name=name,
+                graph=graph,
+                layers=cand.layers,
+                cluster=cluster,
+                stages=stages,
+                num_microbatches=B,
+                global_batch=G,
+                schedule=schedule,
+                optimizer=optimizer,
+                kind=mode,
+                memory_budget=budget,
+            )
             found.append(Ranked(predicted_iteration_time(spec), spec))
 
     for b in sorted(sizes_b, reverse=True):
@@ -256,34 +234,3 @@ def _check_state_fits(
             f"device even sharded over all {D} devices, {budget / 2**30:.1f} GiB available "
             "(use more devices, a larger memory budget or an optimizer with less state)"
         )
-
-
-def layers_in(graph: OpGraph, num_layers: int) -> list[tuple[int, int]]:
-    """The op index ranges of `num_layers` layers of balanced compute (`cluster_layers`)."""
-    return _layerings(graph, num_layers, 1)[0]
-
-
-def _layerings(
-    graph: OpGraph, num_layers: int | None, num_devices: int
-) -> list[list[tuple[int, int]]]:
-    """Layer clusterings to search: `num_layers` when given; else the automatic count L
-    (`auto_num_layers`) first, then every divisor p of the device count with 2 <= p < L, clustered
-    into exactly p layers. A manual configuration with p pipeline stages splits the model into p
-    balanced layers; with that clustering among the candidates, its stage split is in the search
-    space (an L-layer clustering's boundaries need not fall where the p-layer one's do: with an LM
-    head, say, the last of 12 equal layers is heavier than an even split of the model in two)."""
-    ops = graph.ops
-    index = {n.name: i for i, n in enumerate(ops)}
-    edges = [
-        (index[u], i, graph.node(u).output_bytes)
-        for i, n in enumerate(ops)
-        for u in dict.fromkeys(n.inputs)
-        if u in index
-    ]
-    flops = [n.fwd_flops + n.bwd_flops for n in ops]
-    if num_layers:
-        return [cluster_layers(flops, edges, num_layers)]
-    blocks = len({block_of(n.module_path) for n in ops if block_of(n.module_path)})
-    L = auto_num_layers(flops, blocks=blocks or None)
-    extra = [p for p in range(2, min(L, num_devices + 1)) if num_devices % p == 0]
-    return [cluster_layers(flops, edges, n) for n in (L, *extra)]

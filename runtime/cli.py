@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from importlib.metadata import EntryPoint, entry_points
 
@@ -45,6 +46,20 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.register(sub)
     return parser
+
+
+def run_child(argv: list[str], what: str) -> subprocess.CompletedProcess[str]:
+    """Run ``meshplan ARGV`` in a child process and return it (stdout and stderr captured). The
+    runtime plans this way, as data through a plan file, instead of importing the planner's
+    search. A child that fails raises MeshplanError: "<what> failed (exit N): <its last error
+    line>"."""
+    cmd = [sys.executable, "-m", "runtime.cli", *argv]
+    child = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if child.returncode != 0:
+        lines = [line for line in child.stderr.splitlines() if line.strip()]
+        last = lines[-1].removeprefix("meshplan: error: ") if lines else "no message"
+        raise MeshplanError(f"{what} failed (exit {child.returncode}): {last}")
+    return child
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,15 +12,15 @@ of `planner.tracing.tracer.trace`) node by node on DTensors:
 * Edges. Before a node runs, every DTensor input is moved to the placement the node's chosen
   strategy requires (``Strategy.inputs[k]``) by `Edge`, an autograd function whose forward is
   ``DTensor.redistribute`` and whose backward moves the gradient to the placement the planner
-  prices for the producer (`planner.intra.prices.expected_grad`: S(d) where the producer's output
+  prices for the producer (`planner.vocab.grads.expected_grad`: S(d) where the producer's output
   was S(d), else R). DTensor refuses S -> P; we go S -> R -> P, as `cost_models` prices it. A
   getitem of a multi-output op is an edge from the producer's output to the getitem's placement.
 * Ops. The aten op runs on the DTensors; DTensor's dispatcher picks the output placement. When it
   differs from the planned output (it should not: the planner keeps the output DTensor's propagator
   picks), the executor records it in ``mismatches`` and redistributes to the planned placement (or
   raises with ``strict=True``). Ops that fell back to replication in the plan are registered with
-  DTensor's ``replicate_op_strategy`` (`planner.intra.strategies.register_fallback`), and the rules the
-  planner added (CPU flash attention) with `planner.intra.dtensor_rules.register_missing_rules`. On
+  DTensor's ``replicate_op_strategy`` (`planner.vocab.dtensor_ext.register_fallback`), and the rules the
+  planner added (CPU flash attention) with `planner.vocab.dtensor_ext.register_missing_rules`. On
   GPUs, ops traced as CPU kernels run as their CUDA equivalents (`runtime.device_ops`).
 * Output. The loss is returned replicated; a partial loss (``P(avg)`` under data parallelism) is
   all-reduced first (one scalar, which the planner does not price: no edge leads to the output).

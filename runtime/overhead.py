@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +46,7 @@ from typing import Any
 
 from cost_models.errors import MeshplanError
 from planner.vocab.plan_file import ParallelPlan
+from runtime.cli import run_child
 
 CALIBRATION_MODELS = (
     "gpt:hidden=8,layers=2,heads=2,seq=4,vocab=16",
@@ -82,22 +81,12 @@ def calibration_plans(world: int) -> list[ParallelPlan]:
             out = os.path.join(tmp, f"plan{i}.json")
             batch = CALIBRATION_BATCH * world * microbatches
             # pure data parallelism: the shardings need no prices, so no profile
-            cmd = [sys.executable, "-m", "runtime.cli", "manual", spec, "--json", out]
+            cmd = ["manual", spec, "--json", out]
             cmd += ["--cluster", f"1x{world}xA100-80GB", "--dtype", "float32"]
             cmd += ["--dp", str(world), "--tp", "1", "--pp", "1"]
             cmd += ["--microbatches", str(microbatches), "--batch", str(batch)]
             cmd += ["--optimizer", "sgd", "--allow-oom"]
-            child = subprocess.run(cmd, check=False, capture_output=True, text=True)
-            if child.returncode != 0:
-                lines = [line for line in child.stderr.splitlines() if line.strip()]
-                last = (
-                    lines[-1].removeprefix("meshplan: error: ")
-                    if lines
-                    else "no message"
-                )
-                raise MeshplanError(
-                    f"planning calibration model {spec} failed (exit {child.returncode}): {last}"
-                )
+            run_child(cmd, f"planning calibration model {spec}")
             plans.append(ParallelPlan.load(out))
     return plans
 

@@ -83,6 +83,7 @@ from torch.distributed.tensor.placement_types import Placement
 from cost_models.errors import MeshplanError
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.placements import device_mesh_shape
+from planner.vocab.plan_check import validate
 from planner.vocab.plan_file import ParallelPlan, StagePlan
 from planner.vocab.strategy import StageProgram
 from runtime import boundary, comm_count
@@ -127,24 +128,15 @@ def layer_of_nodes(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:
 
 def _check_devices(plan: ParallelPlan, world: int) -> int:
     """The number of device groups of `plan` (its stages, or ``len(stages) // v`` when
-    interleaved); raises unless the groups are disjoint ranks below `world` and, when
-    interleaved, chunk ``c`` runs on the devices of group ``c % p``."""
-    v = plan.virtual_stages
-    S = len(plan.stages)
-    if v < 1 or S % v:
-        raise MeshplanError(f"{S} stages do not form {v} chunks per device group")
-    p = S // v
+    interleaved). The plan must be valid (`planner.vocab.plan_check.validate`: disjoint device
+    groups, chunk ``c`` on the devices of group ``c % p``, ...) and its ranks below `world`."""
+    validate(plan)
+    p = len(plan.stages) // plan.virtual_stages
     used = [r for s in plan.stages[:p] for r in s.devices]
-    if len(set(used)) != len(used) or max(used) >= world:
+    if max(used) >= world:
         raise MeshplanError(
-            f"the plan's device groups need distinct ranks below {world}, got {used}"
+            f"the plan runs on ranks up to {max(used)}, but the group has {world} ranks"
         )
-    for c, st in enumerate(plan.stages):
-        if list(st.devices) != list(plan.stages[c % p].devices):
-            raise MeshplanError(
-                f"interleaved chunk {c} runs on {st.devices}, not on the devices of group "
-                f"{c % p} ({plan.stages[c % p].devices})"
-            )
     return p
 
 

@@ -5,7 +5,7 @@ from Shard to Partial, and records no backward when source and target already ma
 replicated weight's gradient would stay Partial and the data-parallel all-reduce would never run).
 What PyTorch lacks is written here: local partial-kind conversions (`_repartial`), S -> P through R
 (as `cost_models` prices it), and `Edge`, an autograd function whose backward moves the gradient
-to the placement `planner.intra.prices.expected_grad` prices.
+to the placement `planner.vocab.grads.expected_grad` prices.
 """
 
 from __future__ import annotations

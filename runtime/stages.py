@@ -56,13 +56,7 @@ class StageGraph:
 
 def stage_of_nodes(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:
     """Op node name -> index of the stage that runs it (by the plan's layer ranges)."""
-    index = {n.name: i for i, n in enumerate(graph.ops)}
-    try:
-        bounds = [(index[a], index[b]) for a, b in plan.layer_nodes]
-    except KeyError as exc:
-        raise MeshplanError(
-            f"plan names op {exc.args[0]} that the traced model does not have"
-        ) from None
+    bounds = plan.layer_ranges([n.name for n in graph.ops])
     out: dict[str, int] = {}
     ops = graph.ops
     for s, stage in enumerate(plan.stages):

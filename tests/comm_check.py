@@ -57,7 +57,9 @@ def predicted_boundary(graph: OpGraph, plan: ParallelPlan) -> dict[str, float]:
     bytes split over the sending stage's devices, once each way) times the micro-batches. `graph`:
     the model traced on one micro-batch."""
     per_mb = stage_boundary_bytes(
-        graph, plan.layer_nodes, [s.layers[0] for s in plan.stages]
+        graph,
+        plan.layer_ranges([n.name for n in graph.ops]),
+        [s.layers[1] for s in plan.stages],
     )
     total = sum(per_mb) * plan.num_microbatches
     return {d: total for d in DIRECTIONS}

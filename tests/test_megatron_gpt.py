@@ -11,11 +11,11 @@ from benchmarks.megatron_gpt import alpa_gpt_flops
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from cost_models.memory import state_bytes_per_param
-from planner.api import resolve_model
 from planner.models.gpt import GPTConfig, gpt_param_count
 from planner.plans.manual import manual_plan
 from planner.plans.recompute import block_chunks
 from planner.tracing.blocks import block_of
+from planner.tracing.inputs import resolve_model
 from planner.tracing.tracer import trace
 
 SPEC = "gpt:hidden=256,layers=4,heads=4,seq=128,vocab=1024"

@@ -9,45 +9,17 @@ import pytest
 from cost_models import MeshplanError
 from cost_models.memory import microbatches_in_flight
 from cost_models.pipeline import pipeline_time
+from runtime.schedules import interleaved_order, schedule_order
 
 Task = tuple[str, int, int]  # ("F" or "B", stage/chunk, micro-batch)
 
 
 def device_orders(schedule: str, p: int, b: int, v: int = 1) -> list[list[Task]]:
-    """Per device, its tasks in the order the schedule runs them (Megatron-LM's rules).
-
-    gpipe: every forward, then every backward, micro-batches in order. 1f1b: ``p - d - 1`` warm-up
-    forwards, then forward/backward pairs, then the remaining backwards. interleaved: device d holds
-    chunks d, p + d, ...; forward unit k runs chunk ``(k mod p v) // p`` of micro-batch
-    ``(k // p v) p + k mod p``, backward unit k the same with chunks reversed; warm-up
-    ``2 (p - d - 1) + (v - 1) p`` units (all when ``B == p``), then forward/backward pairs.
-    """
-    orders = []
-    for d in range(p):
-        if schedule == "gpipe":
-            seq = [("F", d, m) for m in range(b)] + [("B", d, m) for m in range(b)]
-        elif schedule == "1f1b":
-            w = min(p - d - 1, b)
-            seq = [("F", d, m) for m in range(w)]
-            for k in range(b - w):
-                seq += [("F", d, w + k), ("B", d, k)]
-            seq += [("B", d, m) for m in range(b - w, b)]
-        else:
-            total = b * v
-            w = total if b == p else min(2 * (p - d - 1) + (v - 1) * p, total)
-
-            def unit(k: int, kind: str, d: int = d) -> Task:
-                chunk = (k % (p * v)) // p
-                if kind == "B":
-                    chunk = v - 1 - chunk
-                return (kind, chunk * p + d, (k // (p * v)) * p + k % p)
-
-            seq = [unit(k, "F") for k in range(w)]
-            for k in range(total - w):
-                seq += [unit(k + w, "F"), unit(k, "B")]
-            seq += [unit(k, "B") for k in range(total - w, total)]
-        orders.append(seq)
-    return orders
+    """Per device, its tasks in the order the runtime runs them (`runtime.schedules`, Megatron-LM's
+    rules), so that the prices are checked against the schedules that run."""
+    if schedule == "interleaved":
+        return [interleaved_order(d, p, v, b) for d in range(p)]
+    return [[(k, d, m) for k, m in schedule_order(schedule, d, p, b)] for d in range(p)]
 
 
 def simulate(

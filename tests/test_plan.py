@@ -113,6 +113,40 @@ def test_manual_errors() -> None:
         manual_plan(SMALL, "1x4xV100-16GB", dp=4, tp=1, pp=1)
 
 
+def test_microbatch_size_means_rows_per_microbatch_everywhere(tmp_path, capsys) -> None:
+    """`manual_plan(microbatch_size=b)` and `plan(microbatch_size=b)` both mean b rows of the
+    global batch per micro-batch; the manual command's old --micro-batch-size (rows per
+    data-parallel replica) still works, says it is deprecated, and gives the same plan."""
+    m = manual_plan(
+        SMALL, "1x4xV100-16GB", dp=2, tp=2, pp=1, microbatch_size=4, global_batch=16
+    )
+    assert m.num_microbatches == 4 and m.manual["microbatch_size"] == 4
+    auto = plan(SMALL, "1x4xV100-16GB", global_batch=16, microbatch_size=4)
+    assert auto.num_microbatches == 4
+    with pytest.raises(MeshplanError, match="split evenly over dp=2"):
+        manual_plan(
+            SMALL, "1x4xV100-16GB", dp=2, tp=2, pp=1, microbatch_size=3, global_batch=12
+        )
+    common = ["manual", SMALL, "--cluster", "1x4xV100-16GB", "--batch", "16"]
+    common += ["--dp", "2", "--tp", "2", "--pp", "1"]
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    assert main([*common, "--microbatch-size", "4", "--json", str(new)]) == 0
+    assert "deprecated" not in capsys.readouterr().err
+    assert main([*common, "--micro-batch-size", "2", "--json", str(old)]) == 0
+    err = capsys.readouterr().err
+    assert "--micro-batch-size" in err and "deprecated" in err
+    assert "--microbatch-size 4" in err
+    a, b = ParallelPlan.load(new), ParallelPlan.load(old)
+    assert (
+        (a.num_microbatches, a.estimate)
+        == (b.num_microbatches, b.estimate)
+        == (
+            4,
+            m.estimate,
+        )
+    )
+
+
 def test_infeasible_model_states_memory() -> None:
     with pytest.raises(
         MeshplanError, match=r"needs [\d.]+ GiB per device, [\d.]+ GiB available"

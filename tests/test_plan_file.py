@@ -15,7 +15,8 @@ import runtime.launch
 import runtime.profiler
 from cost_models.errors import MeshplanError
 from planner.plans.manual import manual_plan
-from planner.vocab.plan_file import ParallelPlan, validate
+from planner.vocab.plan_check import validate
+from planner.vocab.plan_file import ParallelPlan
 from runtime.cli import main
 
 SPEC = "gpt:hidden=64,layers=4,heads=4,seq=16,vocab=128"

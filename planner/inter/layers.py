@@ -47,6 +47,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from cost_models.errors import MeshplanError
+from planner.tracing.blocks import block_of
+from planner.tracing.opgraph import OpGraph
 
 __all__ = [
     "ALPA_MAX_LAYERS",
@@ -282,3 +284,34 @@ def auto_num_layers(
         ]
         layers = fits[0] if fits else max_layers
     return max(1, min(layers, compute_ops))
+
+
+def graph_layerings(
+    graph: OpGraph, num_layers: int | None, num_devices: int
+) -> list[list[tuple[int, int]]]:
+    """Layer clusterings to search: `num_layers` when given; else the automatic count L
+    (`auto_num_layers`) first, then every divisor p of the device count with 2 <= p < L, clustered
+    into exactly p layers. A manual configuration with p pipeline stages splits the model into p
+    balanced layers; with that clustering among the candidates, its stage split is in the search
+    space (an L-layer clustering's boundaries need not fall where the p-layer one's do: with an LM
+    head, say, the last of 12 equal layers is heavier than an even split of the model in two)."""
+    ops = graph.ops
+    index = {n.name: i for i, n in enumerate(ops)}
+    edges = [
+        (index[u], i, graph.node(u).output_bytes)
+        for i, n in enumerate(ops)
+        for u in dict.fromkeys(n.inputs)
+        if u in index
+    ]
+    flops = [n.fwd_flops + n.bwd_flops for n in ops]
+    if num_layers:
+        return [cluster_layers(flops, edges, num_layers)]
+    blocks = len({block_of(n.module_path) for n in ops if block_of(n.module_path)})
+    L = auto_num_layers(flops, blocks=blocks or None)
+    extra = [p for p in range(2, min(L, num_devices + 1)) if num_devices % p == 0]
+    return [cluster_layers(flops, edges, n) for n in (L, *extra)]
+
+
+def layers_in(graph: OpGraph, num_layers: int) -> list[tuple[int, int]]:
+    """The op index ranges of `num_layers` layers of balanced compute (`cluster_layers`)."""
+    return graph_layerings(graph, num_layers, 1)[0]

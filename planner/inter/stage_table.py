@@ -7,7 +7,8 @@ of the options (`planner.intra.solve.price_stage`); each solution is a `LayerPro
 memory attributed to layers (an edge to its consumer's layer, a parameter to its first consumer's;
 one solution serves several layer clusterings). A stage's cost for layers k..j is then a difference of prefix sums
 (principle 4: solved once, reused for every range). Memory of a stage holding layers k..j with s
-stages from it to the end (1F1B keeps min(B, s) micro-batches in flight):
+stages from it to the end (`cost_models.memory.stage_peak_bytes`; inflight is what the schedule
+keeps there, `cost_models.memory.microbatches_in_flight`: min(B, s) for 1F1B, B for GPipe):
 
     without recomputation: params[k..j] + inflight * activations[k..j]
     with recomputation:    params[k..j] + inflight * layer_inputs[k..j] + max activations of one layer
@@ -107,17 +108,15 @@ def boundary_bytes(graph: OpGraph, bounds: list[list[str]]) -> np.ndarray:
 
 
 def stage_boundary_bytes(
-    graph: OpGraph, layer_nodes: list[tuple[str, str]], first_layers: list[int]
+    graph: OpGraph, layers: list[tuple[int, int]], last_layers: list[int]
 ) -> list[float]:
-    """What the planner prices as sent from each stage to the next, per micro-batch and direction:
-    ``boundary_bytes`` at the layer before each later stage's first layer. `layer_nodes`: the first
-    and last op of every layer (``ParallelPlan.layer_nodes``); `first_layers`: every stage's first
-    layer. `graph` is traced on one micro-batch."""
-    index = {n.name: i for i, n in enumerate(graph.ops)}
-    layers = [(index[a], index[b]) for a, b in layer_nodes]
+    """What a plan prices as sent from each stage to the next, per micro-batch and direction:
+    `boundary_bytes` after each stage's last layer but the last stage's. `layers`: the op index
+    ranges of the layers; `last_layers`: every stage's last layer. `graph` is traced on one
+    micro-batch."""
     bounds = boundary_values(graph, layer_of_nodes(graph, layers), len(layers))
     sent = boundary_bytes(graph, bounds)
-    return [float(sent[k - 1]) for k in first_layers[1:]]
+    return [float(sent[k]) for k in last_layers[:-1]]
 
 
 def profile(

@@ -1,4 +1,4 @@
-"""Megatron-LM's parameter placements, as `intra_op` parameter filters.
+"""Megatron-LM's parameter placements, as parameter filters of the intra-op pass (`planner.intra.solve`).
 
 Used twice: `planner.plans.manual` prices Megatron configurations with them, and the automatic planner
 adds the same placements as seed solutions of its intra-op pass (`planner.inter.stage_table`), so that

@@ -27,6 +27,7 @@ from cost_models.pipeline import iteration_time
 from planner.inter import stage_table as st
 from planner.intra.solve import StageSolution
 from planner.tracing.opgraph import OpGraph
+from planner.vocab.plan_check import validate
 from planner.vocab.plan_file import Estimate, ParallelPlan, StagePlan
 from planner.vocab.strategy import strategy_to_json
 
@@ -120,14 +121,6 @@ def stage_devices(spec: PlanSpec) -> list[list[int]]:
     return [groups[c % p] for c in range(len(spec.stages))]
 
 
-def _boundary_bytes(spec: PlanSpec) -> list[float]:
-    """Full bytes of one micro-batch's values crossing from each stage to the next."""
-    layer_of = st.layer_of_nodes(spec.graph, spec.layers)
-    bounds = st.boundary_values(spec.graph, layer_of, len(spec.layers))
-    sent = st.boundary_bytes(spec.graph, bounds)
-    return [float(sent[s.layers[1]]) for s in spec.stages[:-1]]
-
-
 def predicted_iteration_time(
     spec: PlanSpec, devices: list[list[int]] | None = None
 ) -> float:
@@ -135,7 +128,9 @@ def predicted_iteration_time(
     return iteration_time(
         spec.cluster,
         [s.cost.time_s for s in spec.stages],
-        _boundary_bytes(spec),
+        st.stage_boundary_bytes(
+            spec.graph, spec.layers, [s.layers[1] for s in spec.stages]
+        ),
         devices or stage_devices(spec),
         spec.num_microbatches,
         spec.schedule,
@@ -241,7 +236,7 @@ def assemble(spec: PlanSpec) -> ParallelPlan:
         "params": graph.num_params,
         "flops_per_iteration": flops,
     }
-    return ParallelPlan(
+    plan = ParallelPlan(
         model=model,
         cluster=cluster.to_json(),
         global_batch=spec.global_batch,
@@ -261,3 +256,5 @@ def assemble(spec: PlanSpec) -> ParallelPlan:
         fallback_ops=sorted(fallbacks),
         memory_budget_bytes=spec.memory_budget,
     )
+    validate(plan, "the planner's plan")  # what the planner emits, the runtime can run
+    return plan

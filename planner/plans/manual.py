@@ -37,8 +37,8 @@ from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from cost_models.memory import canonical_schedule
-from planner.api import layers_in, resolve_model
 from planner.inter import stage_table as st
+from planner.inter.layers import layers_in
 from planner.intra.megatron import (
     batch_axes,
     is_expert_weight,
@@ -47,6 +47,7 @@ from planner.intra.megatron import (
 )
 from planner.plans.assemble import PlanSpec, assemble, stage_from_profile
 from planner.plans.recompute import block_chunks, recompute_costs
+from planner.tracing.inputs import resolve_model
 from planner.tracing.tracer import trace
 from planner.vocab.plan_file import ParallelPlan
 
@@ -180,9 +181,19 @@ def manual_plan(
             )
         stages.append(stage)
     spec = PlanSpec(
-        name, graph, layers, cluster, stages, B, G, schedule, optimizer, "manual",
-        budget, virtual_stages,
-    )  # fmt: skip
+        model_name=name,
+        graph=graph,
+        layers=layers,
+        cluster=cluster,
+        stages=stages,
+        num_microbatches=B,
+        global_batch=G,
+        schedule=schedule,
+        optimizer=optimizer,
+        kind="manual",
+        memory_budget=budget,
+        virtual_stages=virtual_stages,
+    )
     plan = assemble(spec)
     peak = plan.estimate.peak_memory_bytes
     fits = peak <= budget

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -110,9 +109,6 @@ def plan_world_size(plan: ParallelPlan) -> int:
     return len(devices)
 
 
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-
-
 def check_plan_model(plan: ParallelPlan, model: str) -> str:
     """Refuse a plan made for another model (traced on meta tensors in the plan's dtype: cheap, no
     process); return the dtype the plan trains in."""
@@ -121,10 +117,6 @@ def check_plan_model(plan: ParallelPlan, model: str) -> str:
     from planner.models import build_model
     from planner.tracing.tracer import trace
 
-    if plan.dtype not in FLOAT_DTYPES:
-        raise MeshplanError(
-            f"plan dtype {plan.dtype!r} is not one of {', '.join(FLOAT_DTYPES)}"
-        )
     m, batch = build_model(model, device="meta", dtype=getattr(torch, plan.dtype))
     plan.check_model(trace(m, batch, model_name=model).fingerprint(), model)
     return plan.dtype
@@ -228,6 +220,7 @@ def _plan_here(args: argparse.Namespace, nproc: int) -> ParallelPlan:
     FILE`: the cluster of the profile, `Cluster.from_profile(profile, 1, N)`), so that the runtime
     does not import the planner's search. Its summary and progress are printed here."""
     from cost_models.profile import save_profile
+    from runtime.cli import run_child
     from runtime.profiler import ProfileOptions, run_profile
 
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as tmp:
@@ -241,20 +234,11 @@ def _plan_here(args: argparse.Namespace, nproc: int) -> ParallelPlan:
             profile = os.path.join(tmp, "profile.json")
             save_profile(run_profile(ProfileOptions.quick(nproc)), profile)
         out = args.save_plan or os.path.join(tmp, "plan.json")
-        cmd = [sys.executable, "-m", "runtime.cli", "plan", args.model]
-        cmd += ["--cluster", f"1x{nproc}xCPU", "--profile", profile, "--json", out]
-        cmd += ["--dtype", args.dtype]
+        cmd = ["plan", args.model, "--cluster", f"1x{nproc}xCPU"]
+        cmd += ["--profile", profile, "--json", out, "--dtype", args.dtype]
         if args.batch is not None:
             cmd += ["--batch", str(args.batch)]
-        child = subprocess.run(cmd, check=False, capture_output=True, text=True)
-        if child.returncode != 0:
-            lines = [line for line in child.stderr.splitlines() if line.strip()]
-            last = (
-                lines[-1].removeprefix("meshplan: error: ") if lines else "no message"
-            )
-            raise MeshplanError(
-                f"planning {args.model} failed (exit {child.returncode}): {last}"
-            )
+        child = run_child(cmd, f"planning {args.model}")
         # progress, then the summary; the temporary plan file is ours, not worth a line
         err = (
             child.stderr

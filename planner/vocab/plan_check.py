@@ -1,0 +1,415 @@
+"""The rules of a plan file, checked once where a plan is read (`ParallelPlan.from_json`).
+
+`validate` runs the rules of `_RULES` in order and raises MeshplanError with one line naming the
+first field that breaks one: ``<source>: <field path>: <what is wrong and what would be valid>``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import MISSING, fields
+from typing import Any
+
+from cost_models.errors import MeshplanError
+from cost_models.memory import OPTIMIZERS, SCHEDULES, canonical_schedule
+
+# A `planner.vocab.plan_file.ParallelPlan` (which reads through this module: not imported here).
+Plan = Any
+
+FORMAT_VERSION = 1
+KINDS = ("auto", "manual", "intra-only", "inter-only")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class Invalid(Exception):
+    """A broken rule: the field's path and what is wrong (the caller adds the file)."""
+
+    def __init__(self, path: str, msg: str) -> None:
+        super().__init__(f"{path}: {msg}")
+
+
+def show(v: Any) -> str:
+    """`v` as the plan file writes it (JSON), shortened, for a one-line message."""
+    s = json.dumps(v, default=repr)
+    return s if len(s) <= 80 else s[:76] + " ..."
+
+
+def _need(ok: bool, path: str, msg: str) -> None:
+    if not ok:
+        raise Invalid(path, msg)
+
+
+def _expect(ok: bool, path: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise Invalid(path, f"{show(value)} is not {expected}")
+
+
+def _is_int(v: Any, low: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _is_number(v: Any) -> bool:
+    """A non-negative int or float (not NaN)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+
+
+def _is_pair(v: Any, low: int) -> bool:
+    return (
+        isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_int(x, low) for x in v)
+    )
+
+
+def as_list(v: Any, path: str, what: str) -> list:
+    _expect(isinstance(v, list) and len(v) > 0, path, v, f"a non-empty list of {what}")
+    return v
+
+
+_PAIRS = ("layers", "submesh", "logical_mesh")  # StagePlan's tuple fields
+
+
+def fields_of(cls: type, d: Any, path: str) -> dict[str, Any]:
+    """The keyword arguments of dataclass `cls` from JSON object `d` at `path`: every field
+    without a default present, no unknown key ("dp_tp" is derived, dropped), pairs as tuples."""
+    _expect(isinstance(d, dict), path, d, "an object")
+    known = {f.name: f for f in fields(cls)}
+    at = f"{path}." if path else ""  # "" at the top level
+    for key in d:
+        _need(
+            key in known or key == "dp_tp",
+            at + str(key),
+            f"unknown field; expected one of {', '.join(known)}",
+        )
+    for f in known.values():
+        needed = f.default is MISSING and f.default_factory is MISSING
+        _need(f.name in d or not needed, at + f.name, "missing")
+    return {
+        k: tuple(v) if isinstance(v, list) and k in _PAIRS else v
+        for k, v in d.items()
+        if k in known
+    }
+
+
+def check_version(v: Any) -> None:
+    _need(
+        _is_int(v) and v == FORMAT_VERSION,
+        "format_version",
+        f"{show(v)} is not supported; this meshplan reads version {FORMAT_VERSION} plans "
+        "(make the plan again with `meshplan plan`)",
+    )
+
+
+def _settings(p: Plan) -> None:
+    """format_version, kind, dtype, optimizer, schedule, and the planner's own numbers."""
+    check_version(p.format_version)
+    for path, value, choices in (
+        ("kind", p.kind, KINDS),
+        ("dtype", p.dtype, DTYPES),
+        ("optimizer", p.optimizer, tuple(OPTIMIZERS)),
+    ):
+        _expect(
+            isinstance(value, str) and value in choices,
+            path,
+            value,
+            f"one of {', '.join(choices)}",
+        )
+    try:
+        canonical_schedule(p.schedule)
+    except (MeshplanError, AttributeError):
+        raise Invalid(
+            "schedule",
+            f"{show(p.schedule)} is not one of {', '.join(SCHEDULES)} (or an alias)",
+        ) from None
+    _expect(
+        _is_number(p.planner_time_s),
+        "planner_time_s",
+        p.planner_time_s,
+        "a number >= 0",
+    )
+    _expect(
+        p.memory_budget_bytes is None or _is_number(p.memory_budget_bytes),
+        "memory_budget_bytes",
+        p.memory_budget_bytes,
+        "null or a number >= 0",
+    )
+    _expect(
+        p.manual is None or isinstance(p.manual, dict),
+        "manual",
+        p.manual,
+        "null or an object",
+    )
+    _expect(
+        isinstance(p.fallback_ops, list)
+        and all(isinstance(x, str) for x in p.fallback_ops),
+        "fallback_ops",
+        p.fallback_ops,
+        "a list of op names",
+    )
+    for key in ("iteration_time_s", "tflops_per_device", "peak_memory_bytes"):
+        value = getattr(p.estimate, key)
+        _expect(_is_number(value), f"estimate.{key}", value, "a number >= 0")
+
+
+def _model_and_cluster(p: Plan) -> None:
+    """The model's name, fingerprint and parameter count; the cluster's device counts."""
+    _expect(isinstance(p.model, dict), "model", p.model, "an object")
+    for key, ok, what in (
+        ("name", isinstance(p.model.get("name"), str), "a string"),
+        ("fingerprint", isinstance(p.model.get("fingerprint"), str), "a string"),
+        ("params", _is_int(p.model.get("params")), "an int >= 0"),
+    ):
+        _expect(ok, f"model.{key}", p.model.get(key), what)
+    _expect(isinstance(p.cluster, dict), "cluster", p.cluster, "an object")
+    _expect(
+        isinstance(p.cluster.get("spec"), str),
+        "cluster.spec",
+        p.cluster.get("spec"),
+        "a string",
+    )
+    for key in ("num_devices", "hosts", "devices_per_host"):
+        _expect(
+            _is_int(p.cluster.get(key), 1),
+            f"cluster.{key}",
+            p.cluster.get(key),
+            "a positive int",
+        )
+
+
+def _batches(p: Plan) -> None:
+    """global_batch and num_microbatches >= 1, the one divisible by the other; virtual_stages >= 1."""
+    for key in ("global_batch", "num_microbatches", "virtual_stages"):
+        _expect(_is_int(getattr(p, key), 1), key, getattr(p, key), "a positive int")
+    _need(
+        p.global_batch % p.num_microbatches == 0,
+        "global_batch",
+        f"{p.global_batch} does not split into num_microbatches={p.num_microbatches} equal "
+        "micro-batches (expected a multiple of it)",
+    )
+
+
+def _layer_nodes(p: Plan) -> None:
+    """A non-empty list of [first op name, last op name] pairs."""
+    for k, pair in enumerate(as_list(p.layer_nodes, "layer_nodes", "layers")):
+        _expect(
+            isinstance(pair, (list, tuple))
+            and len(pair) == 2
+            and all(isinstance(x, str) for x in pair),
+            f"layer_nodes[{k}]",
+            pair,
+            "a [first op name, last op name] pair of strings",
+        )
+
+
+def _stage_list(p: Plan) -> None:
+    """A non-empty list of stages, p * v chunks with virtual_stages v; their scalar fields."""
+    S, v = len(as_list(p.stages, "stages", "stages")), p.virtual_stages
+    _need(
+        S % v == 0,
+        "stages",
+        f"{S} stages do not split into chunks of virtual_stages={v} per device group "
+        f"(expected a multiple of {v})",
+    )
+    for i, s in enumerate(p.stages):
+        _expect(
+            isinstance(s.recompute, bool),
+            f"stages[{i}].recompute",
+            s.recompute,
+            "true or false",
+        )
+        for key in ("time_s", "memory_bytes", "compute_s", "comm_s", "grad_sync_s"):
+            value = getattr(s, key)
+            _expect(_is_number(value), f"stages[{i}].{key}", value, "a number >= 0")
+
+
+def _layer_ranges(p: Plan) -> None:
+    """Every layer in exactly one stage: [first, last] ranges in order from 0 to the last layer."""
+    L, start = len(p.layer_nodes), 0
+    for i, s in enumerate(p.stages):
+        path = f"stages[{i}].layers"
+        _expect(
+            _is_pair(s.layers, 0) and s.layers[0] <= s.layers[1] < L,
+            path,
+            s.layers,
+            f"[first, last] with 0 <= first <= last < {L} (the number of layer_nodes)",
+        )
+        after = f"right after stages[{i - 1}]" if i else "the first layer"
+        _need(
+            s.layers[0] == start,
+            path,
+            f"{show(s.layers)} starts at layer {s.layers[0]}, expected {start} ({after}); "
+            "stages cover the layers in order, each in exactly one stage",
+        )
+        start = s.layers[1] + 1
+    _need(
+        start == L,
+        f"stages[{len(p.stages) - 1}].layers",
+        f"{show(p.stages[-1].layers)} ends at layer {start - 1}, but the last stage must end "
+        f"at the last layer, {L - 1}",
+    )
+
+
+def _devices(p: Plan) -> None:
+    """Distinct ranks of the cluster per stage; the first p = len(stages) / virtual_stages stages
+    on disjoint devices, and chunk c >= p on the devices of chunk c % p (interleaving)."""
+    D, groups = p.cluster["num_devices"], len(p.stages) // p.virtual_stages
+    owner: dict[int, int] = {}
+    for i, s in enumerate(p.stages):
+        path = f"stages[{i}].devices"
+        as_list(s.devices, path, "device ranks")
+        for d in s.devices:
+            _expect(
+                _is_int(d) and d < D,
+                path,
+                d,
+                f"a device of the cluster, which has {D} devices (0..{D - 1})",
+            )
+        dup = next((d for d in s.devices if s.devices.count(d) > 1), None)
+        _need(dup is None, path, f"{show(s.devices)} names device {dup} twice")
+        if i >= groups:
+            first = p.stages[i % groups].devices
+            _need(
+                list(s.devices) == list(first),
+                path,
+                f"{show(s.devices)} differs from stages[{i % groups}].devices {show(first)}: "
+                f"with virtual_stages={p.virtual_stages}, chunk {i} runs on the devices of "
+                f"chunk {i % groups}",
+            )
+            continue
+        shared = next((d for d in s.devices if d in owner), None)
+        _need(
+            shared is None,
+            path,
+            f"{show(s.devices)} shares device {shared} with stages[{owner.get(shared)}]; "
+            "stages run on disjoint devices",
+        )
+        owner.update(dict.fromkeys(s.devices, i))
+
+
+def _meshes(p: Plan) -> None:
+    """submesh [hosts, devices per host] within the cluster and the 2D logical_mesh, each with
+    as many devices as the stage; data_parallel_axes are distinct axes of the mesh."""
+    hosts, per_host = p.cluster["hosts"], p.cluster["devices_per_host"]
+    for i, s in enumerate(p.stages):
+        at = f"stages[{i}]"
+        _expect(
+            _is_pair(s.submesh, 1)
+            and s.submesh[0] <= hosts
+            and s.submesh[1] <= per_host,
+            f"{at}.submesh",
+            s.submesh,
+            f"[hosts, devices per host] of positive ints within the cluster's [{hosts}, {per_host}]",
+        )
+        _expect(
+            _is_pair(s.logical_mesh, 1),
+            f"{at}.logical_mesh",
+            s.logical_mesh,
+            "two positive ints",
+        )
+        n = len(s.devices)
+        for key in ("submesh", "logical_mesh"):
+            shape = getattr(s, key)
+            _need(
+                math.prod(shape) == n,
+                f"{at}.{key}",
+                f"{show(shape)} has {math.prod(shape)} devices, but the stage has {n} devices "
+                f"{show(s.devices)}",
+            )
+        axes = s.data_parallel_axes
+        _expect(
+            isinstance(axes, list)
+            and all(_is_int(a) and a < len(s.logical_mesh) for a in axes)
+            and len(set(axes)) == len(axes),
+            f"{at}.data_parallel_axes",
+            axes,
+            "a list of distinct logical mesh axes (0 or 1)",
+        )
+
+
+def _placements(p: Plan) -> None:
+    """Parameter and node placements: one placement string per logical mesh axis (an input may
+    be null, an output of no tensor []); zero_params are parameters of the stage."""
+    # imported here: it imports torch, which reading a plan otherwise does not need
+    from planner.vocab.placements import VALID, is_placement
+
+    def check(pl: Any, path: str, n: int) -> None:
+        if not isinstance(pl, (list, tuple)) or len(pl) != n:
+            raise Invalid(
+                path,
+                f"{show(pl)} is not a list of {n} placements, one per logical mesh axis",
+            )
+        for a, x in enumerate(pl):
+            if not is_placement(x):
+                raise Invalid(
+                    f"{path}[{a}]", f"{show(x)} is not a placement; expected {VALID}"
+                )
+
+    for i, s in enumerate(p.stages):
+        at, n = f"stages[{i}]", len(s.logical_mesh)
+        _expect(
+            isinstance(s.param_placements, dict),
+            f"{at}.param_placements",
+            s.param_placements,
+            "an object",
+        )
+        for name, pl in s.param_placements.items():
+            check(pl, f"{at}.param_placements[{show(name)}]", n)
+        _expect(
+            isinstance(s.zero_params, list),
+            f"{at}.zero_params",
+            s.zero_params,
+            "a list",
+        )
+        for name in s.zero_params:
+            _expect(
+                isinstance(name, str) and name in s.param_placements,
+                f"{at}.zero_params",
+                name,
+                "a parameter of the stage (a key of its param_placements)",
+            )
+        _expect(
+            isinstance(s.node_strategies, dict),
+            f"{at}.node_strategies",
+            s.node_strategies,
+            "an object",
+        )
+        for node, st in s.node_strategies.items():
+            path = f"{at}.node_strategies[{show(node)}]"
+            _expect(
+                isinstance(st, dict)
+                and set(st) == {"inputs", "outputs"}
+                and all(isinstance(st[k], list) for k in st),
+                path,
+                st,
+                '{"inputs": [...], "outputs": [...]}',
+            )
+            for k, pl in enumerate(st["inputs"]):
+                if pl is not None:
+                    check(pl, f"{path}.inputs[{k}]", n)
+            for k, pl in enumerate(st["outputs"]):
+                if pl != []:
+                    check(pl, f"{path}.outputs[{k}]", n)
+
+
+# In order: a rule may rely on the types the rules before it checked.
+_RULES = (
+    _settings,
+    _model_and_cluster,
+    _batches,
+    _layer_nodes,
+    _stage_list,
+    _layer_ranges,
+    _devices,
+    _meshes,
+    _placements,
+)
+
+
+def validate(plan: Plan, source: str = "plan") -> None:
+    """Check `plan` against every rule of a plan file (the docstrings of `_RULES`); raise
+    MeshplanError with one line naming the first field that breaks one: ``<source>: <field
+    path>: <what is wrong and what would be valid>``."""
+    try:
+        for rule in _RULES:
+            rule(plan)
+    except Invalid as exc:
+        raise MeshplanError(f"{source}: {exc}") from None
