@@ -6,8 +6,8 @@ every manual configuration of the benchmark grid is also in the automatic search
 
 On the tensor-parallel axis (Megatron's rules, for the built-in GPT and MoE models):
 
-    attention qkv and MLP fc weights (and biases): split by output features   S(0)
-    attention and MLP output projections:         split by input features     S(1)
+    attention qkv (Llama: q, k, v) and MLP fc (gate, up) weights: by output features S(0)
+    attention and MLP output projections (Llama: o, down): by input features     S(1)
     token embedding and LM head:                  split by vocabulary          S(0)
     MoE expert weights wi [E, h, f] / wo [E, f, h]: split by f                  S(2) / S(1)
     everything else:                              replicated
@@ -29,8 +29,12 @@ from typing import NamedTuple
 
 from planner.intra.prices import Option
 
-_COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc.weight", "mlp.fc.bias")
-_ROW = ("attn.proj.weight", "mlp.proj.weight")
+_COLUMN = (
+    *("attn.qkv.weight", "attn.qkv.bias", "mlp.fc.weight", "mlp.fc.bias"),
+    *("attn.q.weight", "attn.k.weight", "attn.v.weight"),  # Llama
+    *("mlp.gate.weight", "mlp.up.weight"),
+)
+_ROW = ("attn.proj.weight", "mlp.proj.weight", "attn.o.weight", "mlp.down.weight")
 _VOCAB = ("wte.weight", "lm_head.weight")
 _EXPERT = ("mlp.wi", "mlp.wo")
 

@@ -3,8 +3,9 @@
 A name is one of
 
 * a built-in name (``list_models()``): the reference sizes ``gpt-125m`` ... ``gpt-76b``,
+  ``llama3-8b``, ``llama3-70b``, ``llama3-405b``,
   ``moe-380m`` ... ``moe-70b``, ``wresnet-250m`` ... ``wresnet-13b``, the small ``gpt-tiny``,
-  ``moe-tiny``, ``wresnet-tiny`` for tests and demos, and ``mlp``; case-insensitive;
+  ``llama-tiny``, ``moe-tiny``, ``wresnet-tiny`` for tests and demos, and ``mlp``; case-insensitive;
 * a spec string ``family:key=value,...`` (``SPEC_FORMS``), e.g.
   ``gpt:hidden=8192,layers=48,heads=64,seq=2048``; keys left out take the family's defaults;
 * a user's model ``package.module:factory``: the module is imported and ``factory`` called; it
@@ -38,6 +39,7 @@ from torch import nn
 
 from cost_models.errors import MeshplanError
 from planner.models.gpt import GPT, GPT_CONFIGS, GPTConfig, gpt_param_count
+from planner.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, llama_param_count
 from planner.models.mlp import MLP, MLPConfig, mlp_param_count
 from planner.models.moe import MOE_CONFIGS, MoE, MoEConfig, moe_param_count
 from planner.models.wresnet import (
@@ -142,6 +144,15 @@ _FAMILIES: dict[str, _Family] = {
         8,
         "gpt:hidden=H,layers=L,heads=N[,seq=1024,vocab=51200]",
     ),
+    "llama": _Family(
+        LlamaConfig,
+        Llama,
+        llama_param_count,
+        _token_batch,
+        8,
+        "llama:hidden=H,layers=L,heads=N,kv_heads=G,ffn=F[,vocab=128256,seq=8192,"
+        "rope_theta=500000,norm_eps=1e-5]",
+    ),
     "moe": _Family(
         MoEConfig,
         MoE,
@@ -181,6 +192,13 @@ SPEC_FORMS: tuple[str, ...] = tuple(fam.form for fam in _FAMILIES.values())
 _NAMED: dict[str, tuple[str, Any]] = {
     **{name: ("gpt", cfg) for name, cfg in GPT_CONFIGS.items()},
     "gpt-tiny": ("gpt", GPTConfig(hidden=64, layers=2, heads=4, seq=64, vocab=512)),
+    **{name: ("llama", cfg) for name, cfg in LLAMA_CONFIGS.items()},
+    "llama-tiny": (
+        "llama",
+        LlamaConfig(
+            hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512, seq=64
+        ),
+    ),
     **{name: ("moe", cfg) for name, cfg in MOE_CONFIGS.items()},
     "moe-tiny": (
         "moe",

@@ -1,0 +1,128 @@
+"""The built-in Llama family: parameter counts against the published ones, traced FLOPs against a
+closed form, Megatron's placements on its projections, and plans of a small Llama that train on 4
+gloo processes to the same losses and parameters as one device."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import single_device
+import torch
+
+from cost_models.errors import MeshplanError
+from planner import plan, trace
+from planner.models import build_model, get_config, param_count
+from planner.models.llama import LlamaConfig
+from planner.plans.manual import manual_plan
+from runtime.launch import launch
+from runtime.train import _random_batches
+
+# Meta's model cards (Llama 3 / 3.1): 8.03 B, 70.6 B and 405 B parameters.
+PUBLISHED = {"llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 405e9}
+SMALL = "llama:hidden=64,layers=4,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"
+LR = 0.1
+STEPS = 3
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_parameter_counts_are_the_published_ones(name: str) -> None:
+    assert param_count(name) == pytest.approx(PUBLISHED[name], rel=0.01)
+
+
+def test_module_has_the_closed_form_parameter_count() -> None:
+    for name in ("llama3-8b", SMALL):
+        model, _ = build_model(name, batch=1, device="meta")
+        assert sum(p.numel() for p in model.parameters()) == param_count(name)
+
+
+@pytest.mark.parametrize("name,batch", [(SMALL, 2), ("llama3-8b", 1)])
+def test_traced_flops_equal_the_closed_form(name: str, batch: int) -> None:
+    """Forward: per block the four projections (q and o: h x h; k and v: h x g d), attention's
+    two products (QK^T and AV over all s x s positions: FlopCounterMode does not count the causal
+    mask's savings) and the three SwiGLU products; then the head. Backward is twice the forward."""
+    model, b = build_model(name, batch=batch, device="meta")
+    graph = trace(model, b, model_name=name)
+    c: LlamaConfig = get_config(name)
+    T, h, s = batch * c.seq, c.hidden, c.seq
+    kv = c.kv_heads * c.head_dim
+    block = 2 * T * h * (2 * h + 2 * kv) + 4 * batch * s * s * h + 2 * T * h * c.ffn * 3
+    forward = c.layers * block + 2 * T * h * c.vocab
+    assert graph.fwd_flops == forward
+    assert graph.bwd_flops == 2 * forward
+    assert graph.num_params == param_count(name)
+
+
+def test_bad_configs_are_named() -> None:
+    with pytest.raises(MeshplanError, match="kv_heads=3"):
+        build_model("llama:hidden=64,layers=1,heads=4,kv_heads=3,ffn=8", device="meta")
+    with pytest.raises(MeshplanError, match="even head size"):
+        build_model("llama:hidden=12,layers=1,heads=4,kv_heads=2,ffn=8", device="meta")
+
+
+def test_megatron_places_the_projections() -> None:
+    m = manual_plan(
+        SMALL, "1x4xA100-80GB", dp=2, tp=2, pp=1, num_microbatches=2, global_batch=8
+    )
+    pl = m.stages[0].param_placements
+    for name in ("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up"):
+        assert pl[f"blocks.0.{name}.weight"] == ["R", "S(0)"], name
+    for name in ("attn.o", "mlp.down"):
+        assert pl[f"blocks.0.{name}.weight"] == ["R", "S(1)"], name
+    assert pl["blocks.0.attn_norm.weight"] == ["R", "R"]
+
+
+@functools.cache
+def _plans() -> dict[str, Any]:
+    kw = {"global_batch": 8, "dtype": "float32", "allow_oom": True}
+    one = "1x4xA100-80GB"
+    return {
+        "tp2_dp2": manual_plan(SMALL, one, dp=2, tp=2, pp=1, num_microbatches=1, **kw),
+        "tp4": manual_plan(SMALL, one, dp=1, tp=4, pp=1, num_microbatches=2, **kw),
+        "pp2_dp2": manual_plan(SMALL, one, dp=2, tp=1, pp=2, num_microbatches=2, **kw),
+        "auto": plan(SMALL, one, global_batch=8, dtype="float32"),
+    }
+
+
+def _model_and_batches() -> tuple[torch.nn.Module, list]:
+    torch.manual_seed(0)
+    model, b = build_model(SMALL, batch=8, device="cpu")
+    return model, _random_batches(tuple(b), STEPS, seed=1)
+
+
+def _train(plans: dict[str, Any]) -> dict[str, Any]:
+    """Body of every rank: each plan's losses and full parameters after `STEPS` SGD steps."""
+    import logging
+
+    from runtime.train import Trainer
+
+    logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
+    out = {}
+    for name, p in plans.items():
+        model, batches = _model_and_batches()
+        tr = Trainer(p, model, batches[0], lr=LR)
+        losses = [tr.step(b) for b in batches]
+        out[name] = {
+            "losses": losses,
+            "params": {k: v.numpy().copy() for k, v in tr.full_params().items()},
+        }
+    return out
+
+
+@pytest.mark.slow
+def test_small_llama_trains_like_one_device() -> None:
+    """tp2 x dp2, tp4 (grouped-query attention: 2 key/value heads on 4 devices), two pipeline
+    stages of dp2, and the automatic plan, on 4 gloo processes: 3 SGD steps give the losses and
+    parameters of one device within 1e-5."""
+    model, batches = _model_and_batches()
+    ref_losses, ref_params = single_device.train(
+        model, batches, torch.optim.SGD(model.parameters(), lr=LR)
+    )
+    ranks = launch(_train, 4, args=(_plans(),), timeout_s=600)
+    for name in _plans():
+        params = {}  # a pipeline stage's ranks hold that stage's parameters
+        for r in ranks:
+            assert r[name]["losses"] == pytest.approx(ref_losses, rel=1e-5), name
+            params |= {k: torch.from_numpy(v) for k, v in r[name]["params"].items()}
+        single_device.assert_same_parameters(params, ref_params)
