@@ -1,6 +1,6 @@
-"""The built-in Llama family: parameter counts against the published ones, traced FLOPs against a
-closed form, Megatron's placements on its projections, and plans of a small Llama that train on 4
-gloo processes to the same losses and parameters as one device."""
+"""The built-in Llama and Mixtral families: parameter counts against the published ones, traced
+FLOPs against a closed form, Megatron's placements on their projections and experts, and plans of
+small ones that train on 4 gloo processes to the same losses and parameters as one device."""
 
 from __future__ import annotations
 
@@ -19,9 +19,21 @@ from planner.plans.manual import manual_plan
 from runtime.launch import launch
 from runtime.train import _random_batches
 
-# Meta's model cards (Llama 3 / 3.1): 8.03 B, 70.6 B and 405 B parameters.
-PUBLISHED = {"llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 405e9}
+# Meta's model cards (Llama 3 / 3.1: 8.03 B, 70.6 B, 405 B) and Mistral AI's (Mixtral 8x7B: 46.7 B,
+# 8x22B: 141 B parameters).
+PUBLISHED = {
+    "llama3-8b": 8.03e9,
+    "llama3-70b": 70.6e9,
+    "llama3-405b": 405e9,
+    "mixtral-8x7b": 46.7e9,
+    "mixtral-8x22b": 141e9,
+}
 SMALL = "llama:hidden=64,layers=4,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"
+# group_size 32: groups of 32 tokens (a micro-batch of 2 sequences of 16 is one group)
+SMALL_MIXTRAL = (
+    "mixtral:hidden=64,layers=2,heads=4,kv_heads=2,ffn=32,experts=4,vocab=128,seq=16,"
+    "group_size=32"
+)
 LR = 0.1
 STEPS = 3
 
@@ -32,7 +44,7 @@ def test_parameter_counts_are_the_published_ones(name: str) -> None:
 
 
 def test_module_has_the_closed_form_parameter_count() -> None:
-    for name in ("llama3-8b", SMALL):
+    for name in ("llama3-8b", SMALL, "mixtral-8x7b", SMALL_MIXTRAL):
         model, _ = build_model(name, batch=1, device="meta")
         assert sum(p.numel() for p in model.parameters()) == param_count(name)
 
@@ -54,6 +66,29 @@ def test_traced_flops_equal_the_closed_form(name: str, batch: int) -> None:
     assert graph.num_params == param_count(name)
 
 
+@pytest.mark.parametrize("batch", [2, 3])
+def test_mixtral_traced_flops_equal_the_closed_form(batch: int) -> None:
+    """Llama's attention and head, then per block: the router (h x E), GShard's dispatch and
+    combine einsums over (G groups of S tokens) x E experts x C slots, and the experts' three
+    products on E G C token slots. Backward is twice the forward but for the dispatch, whose 0/1
+    mask needs no gradient (1x). At 3 sequences of 16 the 48 tokens form groups of 24."""
+    model, b = build_model(SMALL_MIXTRAL, batch=batch, device="meta")
+    graph = trace(model, b, model_name=SMALL_MIXTRAL)
+    c = get_config(SMALL_MIXTRAL)
+    T, h, s, E, f = batch * c.seq, c.hidden, c.seq, c.experts, c.ffn
+    S = next(g for g in range(min(c.group_size, T), 0, -1) if T % g == 0)
+    G, C = T // S, min(S, -(-2 * S * c.capacity_factor // E))
+    kv = c.kv_heads * c.head_dim
+    attention = 2 * T * h * (2 * h + 2 * kv) + 4 * batch * s * s * h
+    dispatch = 2 * G * S * E * C * h
+    experts = 2 * E * G * C * h * f * 3
+    block = attention + 2 * T * h * E + dispatch + experts + dispatch
+    forward = c.layers * block + 2 * T * h * c.vocab
+    assert graph.fwd_flops == forward
+    assert graph.bwd_flops == 2 * forward - c.layers * dispatch
+    assert graph.num_params == param_count(SMALL_MIXTRAL)
+
+
 def test_bad_configs_are_named() -> None:
     with pytest.raises(MeshplanError, match="kv_heads=3"):
         build_model("llama:hidden=64,layers=1,heads=4,kv_heads=3,ffn=8", device="meta")
@@ -71,27 +106,41 @@ def test_megatron_places_the_projections() -> None:
     for name in ("attn.o", "mlp.down"):
         assert pl[f"blocks.0.{name}.weight"] == ["R", "S(1)"], name
     assert pl["blocks.0.attn_norm.weight"] == ["R", "R"]
+    m = manual_plan(
+        SMALL_MIXTRAL, "1x4xA100-80GB", dp=2, tp=2, pp=1, num_microbatches=2,
+        global_batch=8, expert_parallel=True,
+    )  # fmt: skip
+    pl = m.stages[0].param_placements
+    for name in ("w_gate", "w_up"):  # experts over dp, their width over tp
+        assert pl[f"blocks.0.mlp.{name}"] == ["S(0)", "S(2)"], name
+    assert pl["blocks.0.mlp.w_down"] == ["S(0)", "S(1)"]
+    assert pl["blocks.0.mlp.router.weight"] == ["R", "R"]
 
 
 @functools.cache
-def _plans() -> dict[str, Any]:
+def _plans(spec: str) -> dict[str, Any]:
     kw = {"global_batch": 8, "dtype": "float32", "allow_oom": True}
     one = "1x4xA100-80GB"
-    return {
-        "tp2_dp2": manual_plan(SMALL, one, dp=2, tp=2, pp=1, num_microbatches=1, **kw),
-        "tp4": manual_plan(SMALL, one, dp=1, tp=4, pp=1, num_microbatches=2, **kw),
-        "pp2_dp2": manual_plan(SMALL, one, dp=2, tp=1, pp=2, num_microbatches=2, **kw),
-        "auto": plan(SMALL, one, global_batch=8, dtype="float32"),
+    out = {
+        "tp2_dp2": manual_plan(spec, one, dp=2, tp=2, pp=1, num_microbatches=1, **kw),
+        "tp4": manual_plan(spec, one, dp=1, tp=4, pp=1, num_microbatches=2, **kw),
+        "pp2_dp2": manual_plan(spec, one, dp=2, tp=1, pp=2, num_microbatches=2, **kw),
+        "auto": plan(spec, one, global_batch=8, dtype="float32"),
     }
+    if spec == SMALL_MIXTRAL:
+        out["ep2_tp2"] = manual_plan(
+            spec, one, dp=2, tp=2, pp=1, num_microbatches=1, expert_parallel=True, **kw
+        )
+    return out
 
 
-def _model_and_batches() -> tuple[torch.nn.Module, list]:
+def _model_and_batches(spec: str) -> tuple[torch.nn.Module, list]:
     torch.manual_seed(0)
-    model, b = build_model(SMALL, batch=8, device="cpu")
+    model, b = build_model(spec, batch=8, device="cpu")
     return model, _random_batches(tuple(b), STEPS, seed=1)
 
 
-def _train(plans: dict[str, Any]) -> dict[str, Any]:
+def _train(spec: str, plans: dict[str, Any]) -> dict[str, Any]:
     """Body of every rank: each plan's losses and full parameters after `STEPS` SGD steps."""
     import logging
 
@@ -100,7 +149,7 @@ def _train(plans: dict[str, Any]) -> dict[str, Any]:
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     out = {}
     for name, p in plans.items():
-        model, batches = _model_and_batches()
+        model, batches = _model_and_batches(spec)
         tr = Trainer(p, model, batches[0], lr=LR)
         losses = [tr.step(b) for b in batches]
         out[name] = {
@@ -111,16 +160,17 @@ def _train(plans: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_small_llama_trains_like_one_device() -> None:
+@pytest.mark.parametrize("spec", [SMALL, SMALL_MIXTRAL], ids=["llama", "mixtral"])
+def test_small_models_train_like_one_device(spec: str) -> None:
     """tp2 x dp2, tp4 (grouped-query attention: 2 key/value heads on 4 devices), two pipeline
-    stages of dp2, and the automatic plan, on 4 gloo processes: 3 SGD steps give the losses and
-    parameters of one device within 1e-5."""
-    model, batches = _model_and_batches()
+    stages of dp2, the automatic plan and, for Mixtral, experts split over dp2 with tp2, on 4 gloo
+    processes: 3 SGD steps give the losses and parameters of one device within 1e-5."""
+    model, batches = _model_and_batches(spec)
     ref_losses, ref_params = single_device.train(
         model, batches, torch.optim.SGD(model.parameters(), lr=LR)
     )
-    ranks = launch(_train, 4, args=(_plans(),), timeout_s=600)
-    for name in _plans():
+    ranks = launch(_train, 4, args=(spec, _plans(spec)), timeout_s=600)
+    for name in _plans(spec):
         params = {}  # a pipeline stage's ranks hold that stage's parameters
         for r in ranks:
             assert r[name]["losses"] == pytest.approx(ref_losses, rel=1e-5), name

@@ -10,6 +10,7 @@ On the tensor-parallel axis (Megatron's rules, for the built-in GPT and MoE mode
     attention and MLP output projections (Llama: o, down): by input features     S(1)
     token embedding and LM head:                  split by vocabulary          S(0)
     MoE expert weights wi [E, h, f] / wo [E, f, h]: split by f                  S(2) / S(1)
+    (Mixtral's w_gate and w_up [E, h, f] / w_down [E, f, h] alike)
     everything else:                              replicated
 
 On an expert-parallel axis (GShard / DeepSpeed-MoE) the expert weights are also split by experts,
@@ -36,7 +37,7 @@ _COLUMN = (
 )
 _ROW = ("attn.proj.weight", "mlp.proj.weight", "attn.o.weight", "mlp.down.weight")
 _VOCAB = ("wte.weight", "lm_head.weight")
-_EXPERT = ("mlp.wi", "mlp.wo")
+_EXPERT = ("mlp.wi", "mlp.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down")
 
 ParamFilter = Callable[[str, Option], bool]
 
@@ -53,9 +54,9 @@ def megatron_placement(path: str) -> str:
     """Megatron's placement of a parameter on the tensor-parallel axis (module docstring)."""
     if path.endswith(_COLUMN) or path.endswith(_VOCAB):
         return "S(0)"
-    if path.endswith(_ROW) or path.endswith("mlp.wo"):
+    if path.endswith(_ROW) or path.endswith(("mlp.wo", "mlp.w_down")):
         return "S(1)"
-    if path.endswith("mlp.wi"):
+    if path.endswith(("mlp.wi", "mlp.w_gate", "mlp.w_up")):
         return "S(2)"
     return "R"
 

@@ -185,20 +185,31 @@ class Block(nn.Module):
         self.mlp = FeedForward(c.hidden, c.ffn, dtype=dtype)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        aux: list[torch.Tensor],
     ) -> torch.Tensor:
+        """``x[B, s, h] -> [B, s, h]``; a block with a router appends its auxiliary loss to
+        `aux` (`planner.models.mixtral`)."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Llama(nn.Module):
-    """Llama language model; ``forward(tokens[B, s], targets[B, s])`` returns the mean loss."""
+    """Llama language model; ``forward(tokens[B, s], targets[B, s])`` returns the mean loss (plus
+    ``config.aux_loss_coef`` times the blocks' auxiliary losses, for a `block_cls` that routes)."""
+
+    block_cls: type[nn.Module] = Block
 
     def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = c = config
         self.wte = nn.Embedding(c.vocab, c.hidden, dtype=dtype)
-        self.blocks = nn.ModuleList(Block(c, dtype=dtype) for _ in range(c.layers))
+        self.blocks = nn.ModuleList(
+            self.block_cls(c, dtype=dtype) for _ in range(c.layers)
+        )
         self.norm = RMSNorm(c.hidden, c.norm_eps, dtype=dtype)
         self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False, dtype=dtype)
         cos, sin = rotary_tables(c.seq, c.head_dim, c.rope_theta, dtype)
@@ -217,6 +228,11 @@ class Llama(nn.Module):
             )
         cos, sin = self.cos[:s], self.sin[:s]
         x = self.wte(tokens)
+        aux: list[torch.Tensor] = []
         for block in self.blocks:
-            x = block(x, cos, sin)
-        return lm_loss(self.lm_head(self.norm(x)), targets)
+            x = block(x, cos, sin, aux)
+        loss = lm_loss(self.lm_head(self.norm(x)), targets)
+        coef = getattr(self.config, "aux_loss_coef", 0.0)
+        if aux and coef > 0:
+            loss = loss + coef * torch.stack(aux).sum().to(loss.dtype)
+        return loss

@@ -116,14 +116,24 @@ class MoEConfig:
 
     def group_for(self, tokens: int) -> int:
         """The group size ``S`` used for ``tokens`` tokens (see the module docstring)."""
-        s = min(self.group_size, tokens)
-        while tokens % s:
-            s -= 1
-        return s
+        return group_for(tokens, self.group_size)
 
     def capacity(self, group: int) -> int:
         """Expert capacity ``C`` for a group of ``group`` tokens."""
-        return min(group, math.ceil(2 * group / self.experts * self.capacity_factor))
+        return capacity(group, self.experts, self.capacity_factor)
+
+
+def group_for(tokens: int, group_size: int) -> int:
+    """The largest divisor of `tokens` that is at most `group_size` (GShard's groups are equal)."""
+    s = min(group_size, tokens)
+    while tokens % s:
+        s -= 1
+    return s
+
+
+def capacity(group: int, experts: int, capacity_factor: float) -> int:
+    """Top-2 expert capacity of a group: ``min(S, ceil(2 S / E * capacity_factor))``."""
+    return min(group, math.ceil(2 * group / experts * capacity_factor))
 
 
 #: The MoE sizes of Alpa's end-to-end suite (seq 1024, vocab 32000, 16 heads, group 2048).

@@ -3,9 +3,9 @@
 A name is one of
 
 * a built-in name (``list_models()``): the reference sizes ``gpt-125m`` ... ``gpt-76b``,
-  ``llama3-8b``, ``llama3-70b``, ``llama3-405b``,
+  ``llama3-8b``, ``llama3-70b``, ``llama3-405b``, ``mixtral-8x7b``, ``mixtral-8x22b``,
   ``moe-380m`` ... ``moe-70b``, ``wresnet-250m`` ... ``wresnet-13b``, the small ``gpt-tiny``,
-  ``llama-tiny``, ``moe-tiny``, ``wresnet-tiny`` for tests and demos, and ``mlp``; case-insensitive;
+  ``llama-tiny``, ``mixtral-tiny``, ``moe-tiny``, ``wresnet-tiny`` for tests and demos, and ``mlp``; case-insensitive;
 * a spec string ``family:key=value,...`` (``SPEC_FORMS``), e.g.
   ``gpt:hidden=8192,layers=48,heads=64,seq=2048``; keys left out take the family's defaults;
 * a user's model ``package.module:factory``: the module is imported and ``factory`` called; it
@@ -40,6 +40,12 @@ from torch import nn
 from cost_models.errors import MeshplanError
 from planner.models.gpt import GPT, GPT_CONFIGS, GPTConfig, gpt_param_count
 from planner.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, llama_param_count
+from planner.models.mixtral import (
+    MIXTRAL_CONFIGS,
+    Mixtral,
+    MixtralConfig,
+    mixtral_param_count,
+)
 from planner.models.mlp import MLP, MLPConfig, mlp_param_count
 from planner.models.moe import MOE_CONFIGS, MoE, MoEConfig, moe_param_count
 from planner.models.wresnet import (
@@ -153,6 +159,15 @@ _FAMILIES: dict[str, _Family] = {
         "llama:hidden=H,layers=L,heads=N,kv_heads=G,ffn=F[,vocab=128256,seq=8192,"
         "rope_theta=500000,norm_eps=1e-5]",
     ),
+    "mixtral": _Family(
+        MixtralConfig,
+        Mixtral,
+        mixtral_param_count,
+        _token_batch,
+        8,
+        "mixtral:hidden=H,layers=L,heads=N,kv_heads=G,ffn=F[,experts=8,vocab=32000,seq=4096,"
+        "group_size=4096,capacity_factor=1.0,aux_loss_coef=0.02,rope_theta=1e6,norm_eps=1e-5]",
+    ),
     "moe": _Family(
         MoEConfig,
         MoE,
@@ -197,6 +212,13 @@ _NAMED: dict[str, tuple[str, Any]] = {
         "llama",
         LlamaConfig(
             hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512, seq=64
+        ),
+    ),
+    **{name: ("mixtral", cfg) for name, cfg in MIXTRAL_CONFIGS.items()},
+    "mixtral-tiny": (
+        "mixtral",
+        MixtralConfig(
+            hidden=64, layers=2, heads=4, kv_heads=2, ffn=96, vocab=512, seq=64
         ),
     ),
     **{name: ("moe", cfg) for name, cfg in MOE_CONFIGS.items()},
