@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from cost_models.cluster import Cluster
-from cost_models.errors import DoesNotFitError, MeshplanError
+from cost_models.errors import DoesNotFitError, MeshplanError, gib
 from cost_models.memory import canonical_schedule, param_state_bytes
 from planner.inter.layers import graph_layerings
 from planner.inter.mesh_search import search, submesh_shapes
@@ -121,7 +121,7 @@ def plan(
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     name, make, default_batch = resolve_model(model, example_batch, dtype, model_name)
-    G = global_batch or default_batch
+    G = default_batch if global_batch is None else global_batch
     if G < 1:
         raise MeshplanError(f"global batch must be positive, got {G}")
     budget = float(memory_budget or cluster.device.memory_bytes)
@@ -199,9 +199,10 @@ def plan(
     if not found and len(untraceable) == len(sizes_b):
         raise next(iter(untraceable.values()))
     if not found:
+        needs, available = gib(least, budget)
         raise DoesNotFitError(
             f"{name} does not fit on {cluster.spec}: even as one stage on all {D} devices it needs "
-            f"{least / 2**30:.1f} GiB per device, {budget / 2**30:.1f} GiB available "
+            f"{needs} per device, {available} available "
             "(use more devices, a larger memory budget or a smaller batch)"
         )
     best = min(found).spec
@@ -228,9 +229,10 @@ def _check_state_fits(
     D = cluster.num_devices
     need = param_state_bytes(params, optimizer, shards=D)
     if need > budget:
+        needs, available = gib(need, budget)
         raise DoesNotFitError(
             f"{name} does not fit on {cluster.spec}: its {params / 1e9:.2f} B parameters' "
-            f"weights, gradients and {optimizer} state alone need {need / 2**30:.1f} GiB per "
-            f"device even sharded over all {D} devices, {budget / 2**30:.1f} GiB available "
+            f"weights, gradients and {optimizer} state alone need {needs} per "
+            f"device even sharded over all {D} devices, {available} available "
             "(use more devices, a larger memory budget or an optimizer with less state)"
         )

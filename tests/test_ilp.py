@@ -66,7 +66,7 @@ def test_infeasible_budget_names_bytes() -> None:
         memory_budget=2**30,
     )
     with pytest.raises(
-        MeshplanError, match=r"at least 2\.00 GiB per device, 1\.00 GiB available"
+        MeshplanError, match=r"at least 2\.0 GiB per device, 1\.0 GiB available"
     ):
         solve(p)
 

@@ -110,7 +110,7 @@ def test_memory_budget_forces_zero_and_then_fails_clearly() -> None:
     assert sharded_state
     with pytest.raises(
         MeshplanError,
-        match=r"needs at least [\d.]+ GiB per device, 0\.10 GiB available",
+        match=r"needs at least [\d.]+ GiB per device, 0\.1 GiB available",
     ):
         solve_stage(g, mesh, num_microbatches=8, memory_budget=0.1 * 2**30)
 

@@ -147,6 +147,47 @@ def test_microbatch_size_means_rows_per_microbatch_everywhere(tmp_path, capsys) 
     )
 
 
+def test_a_zero_batch_is_an_error_not_the_default(capsys) -> None:
+    with pytest.raises(MeshplanError, match="global batch must be positive, got 0"):
+        plan(SMALL, "1x4xV100-16GB", global_batch=0)
+    with pytest.raises(MeshplanError, match="global batch must be positive, got 0"):
+        manual_plan(
+            SMALL, "1x4xV100-16GB", dp=4, tp=1, pp=1, num_microbatches=1, global_batch=0
+        )
+    assert main(["plan", SMALL, "--cluster", "1x4xV100-16GB", "--batch", "0"]) == 2
+    assert "got 0" in capsys.readouterr().err
+
+
+def test_memory_messages_never_print_two_equal_numbers() -> None:
+    from cost_models.errors import gib
+
+    assert gib(20 * 2**30, 16 * 2**30) == ("20.0 GiB", "16.0 GiB")
+    need, have = gib(16 * 2**30 + 2**20, 16 * 2**30)
+    assert need != have and float(need.split()[0]) > float(have.split()[0])
+    assert gib(2**30, 2**30) == ("1.0 GiB", "1.0 GiB")  # equal counts may print equal
+
+
+@pytest.mark.slow
+def test_solver_banner_does_not_reach_the_output() -> None:
+    """HiGHS prints a banner on the first solve of a process; a fresh `meshplan plan` shows only
+    the plan."""
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "runtime.cli",
+        "plan",
+        SMALL,
+        "--cluster",
+        "1x2xA100-80GB",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    assert "HiGHS" not in out.stdout + out.stderr
+    assert out.stdout.startswith("auto plan for")
+
+
 def test_infeasible_model_states_memory() -> None:
     with pytest.raises(
         MeshplanError, match=r"needs [\d.]+ GiB per device, [\d.]+ GiB available"

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -44,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pulp
 
-from cost_models.errors import MeshplanError
+from cost_models.errors import MeshplanError, gib
 
 
 @dataclass
@@ -120,8 +122,9 @@ def _check_fits(problem: ILPProblem, budget: float | None) -> None:
         and min_memory(problem) > budget
     ):
         raise MeshplanError(
-            f"no sharding fits in memory: needs at least {min_memory(problem) / 2**30:.2f} GiB per device, "
-            f"{budget / 2**30:.2f} GiB available"
+            "no sharding fits in memory: needs at least {} per device, {} available".format(
+                *gib(min_memory(problem), budget)
+            )
         )
 
 
@@ -289,8 +292,37 @@ def _solver(time_limit: float | None, msg: bool, name: str | None) -> pulp.LpSol
             "the HiGHS solver needs the highspy package (pip install highspy)"
         )
     if name == "highs" or (name is None and has_highs):
+        _silence_highs_banner()
         return _BulkHiGHS(threads=1, random_seed=0, **kwargs)
     return pulp.PULP_CBC_CMD(threads=1, options=["randomSeed 0"], **kwargs)
+
+
+_banner_lock = threading.Lock()
+
+
+def _silence_highs_banner() -> None:
+    """HiGHS prints its banner ("Running HiGHS ...: Copyright ...") on the process's standard
+    output (file descriptor 1, not Python's `sys.stdout`) when the process makes its first `Highs`
+    object, whatever the options say (highspy 1.16). Make that first object here with descriptor 1
+    pointed at /dev/null, so that the banner never reaches a user's output."""
+    with _banner_lock:
+        if _silence_highs_banner.done:
+            return
+        import highspy
+
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), 1)
+                highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        _silence_highs_banner.done = True
+
+
+_silence_highs_banner.done = False
 
 
 @functools.cache

@@ -35,7 +35,7 @@ from torch import nn
 
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
-from cost_models.errors import MeshplanError
+from cost_models.errors import MeshplanError, gib
 from cost_models.memory import canonical_schedule
 from planner.inter import stage_table as st
 from planner.inter.layers import layers_in
@@ -105,7 +105,9 @@ def manual_plan(
             f"tensor parallelism stays inside a host: tp={tp} must divide the {M} devices per host"
         )
     name, make, default_batch = resolve_model(model, example_batch, dtype, None)
-    G = global_batch or default_batch
+    G = default_batch if global_batch is None else global_batch
+    if G < 1:
+        raise MeshplanError(f"global batch must be positive, got {G}")
     if (num_microbatches is None) == (microbatch_size is None):
         raise MeshplanError("give exactly one of num_microbatches and microbatch_size")
     if microbatch_size is not None and (
@@ -211,6 +213,6 @@ def manual_plan(
     if not fits and not allow_oom:
         raise MeshplanError(
             f"dp={dp} tp={tp} pp={pp} with {B} micro-batches does not fit: a stage needs "
-            f"{peak / 2**30:.1f} GiB per device, {budget / 2**30:.1f} GiB available"
+            "{} per device, {} available".format(*gib(peak, budget))
         )
     return plan
