@@ -182,7 +182,11 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(c.hidden, c.norm_eps, dtype=dtype)
         self.attn = Attention(c, dtype=dtype)
         self.mlp_norm = RMSNorm(c.hidden, c.norm_eps, dtype=dtype)
-        self.mlp = FeedForward(c.hidden, c.ffn, dtype=dtype)
+        self.mlp = self.make_mlp(c, dtype)
+
+    def make_mlp(self, c: LlamaConfig, dtype: torch.dtype) -> nn.Module:
+        """The block's MLP: SwiGLU (a subclass may route to experts instead)."""
+        return FeedForward(c.hidden, c.ffn, dtype=dtype)
 
     def forward(
         self,

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cost_models.errors import MeshplanError
-from planner.models.llama import Attention, Llama, LlamaConfig, RMSNorm
+from planner.models import llama
+from planner.models.llama import Llama, LlamaConfig
 from planner.models.moe import capacity, group_for, top2_gating
 
 __all__ = ["MIXTRAL_CONFIGS", "Mixtral", "MixtralConfig", "mixtral_param_count"]
@@ -122,15 +123,11 @@ class SparseMoE(nn.Module):
         return y.reshape(b, s, h), aux
 
 
-class Block(nn.Module):
-    """A pre-norm Mixtral block: ``attn_norm``, ``attn``, ``mlp_norm``, ``mlp`` (the mixture)."""
+class Block(llama.Block):
+    """A pre-norm Mixtral block: Llama's, with the mixture as its ``mlp``."""
 
-    def __init__(self, c: MixtralConfig, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(c.hidden, c.norm_eps, dtype=dtype)
-        self.attn = Attention(c, dtype=dtype)
-        self.mlp_norm = RMSNorm(c.hidden, c.norm_eps, dtype=dtype)
-        self.mlp = SparseMoE(c, dtype=dtype)
+    def make_mlp(self, c: MixtralConfig, dtype: torch.dtype) -> nn.Module:
+        return SparseMoE(c, dtype=dtype)
 
     def forward(
         self,
