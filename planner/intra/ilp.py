@@ -292,7 +292,8 @@ def _solver(time_limit: float | None, msg: bool, name: str | None) -> pulp.LpSol
             "the HiGHS solver needs the highspy package (pip install highspy)"
         )
     if name == "highs" or (name is None and has_highs):
-        _silence_highs_banner()
+        with _banner_lock:
+            _silence_highs_banner()
         return _BulkHiGHS(threads=1, random_seed=0, **kwargs)
     return pulp.PULP_CBC_CMD(threads=1, options=["randomSeed 0"], **kwargs)
 
@@ -300,29 +301,23 @@ def _solver(time_limit: float | None, msg: bool, name: str | None) -> pulp.LpSol
 _banner_lock = threading.Lock()
 
 
+@functools.cache
 def _silence_highs_banner() -> None:
     """HiGHS prints its banner ("Running HiGHS ...: Copyright ...") on the process's standard
     output (file descriptor 1, not Python's `sys.stdout`) when the process makes its first `Highs`
-    object, whatever the options say (highspy 1.16). Make that first object here with descriptor 1
-    pointed at /dev/null, so that the banner never reaches a user's output."""
-    with _banner_lock:
-        if _silence_highs_banner.done:
-            return
-        import highspy
+    object, whatever the options say (highspy 1.16). Make that first object here, once, with
+    descriptor 1 pointed at /dev/null, so that the banner never reaches a user's output."""
+    import highspy
 
-        sys.stdout.flush()
-        saved = os.dup(1)
-        try:
-            with open(os.devnull, "w") as null:
-                os.dup2(null.fileno(), 1)
-                highspy.Highs()
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-        _silence_highs_banner.done = True
-
-
-_silence_highs_banner.done = False
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 @functools.cache

@@ -198,7 +198,11 @@ class Block(nn.Module):
         """``x[B, s, h] -> [B, s, h]``; a block with a router appends its auxiliary loss to
         `aux` (`planner.models.mixtral`)."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self.run_mlp(self.mlp_norm(x), aux)
+
+    def run_mlp(self, x: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+        """The MLP's output for `x` (a subclass with a router also appends to `aux`)."""
+        return self.mlp(x)
 
 
 class Llama(nn.Module):

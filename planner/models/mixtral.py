@@ -129,18 +129,11 @@ class Block(llama.Block):
     def make_mlp(self, c: MixtralConfig, dtype: torch.dtype) -> nn.Module:
         return SparseMoE(c, dtype=dtype)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        aux: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """``x[B, s, h] -> [B, s, h]``, appending the router's auxiliary loss to `aux`."""
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        y, loss = self.mlp(self.mlp_norm(x))
+    def run_mlp(self, x: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+        """The mixture's output for `x`, appending the router's auxiliary loss to `aux`."""
+        y, loss = self.mlp(x)
         aux.append(loss)
-        return x + y
+        return y
 
 
 class Mixtral(Llama):
