@@ -15,17 +15,19 @@ from __future__ import annotations
 import operator
 import os
 import traceback
+import warnings
 from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.func import functional_call
+from torch.func import functional_call, functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from cost_models.errors import MeshplanError
+from planner.tracing.calls import call_for_loss
 from planner.tracing.op_flops import VIEW_OPS, measure_op
 from planner.tracing.opgraph import OpGraph, OpNode, TensorMeta
 
@@ -96,16 +98,52 @@ def _fake_like(t: torch.Tensor) -> torch.Tensor:
 
 def _failure_site(exc: BaseException) -> str:
     """The innermost Python line outside torch and meshplan's tracer that was running when tracing failed."""
-    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(__file__)
     frames = [
         f
         for f in traceback.extract_tb(exc.__traceback__)
-        if not f.filename.startswith(torch_dir) and f.filename != __file__
+        if not f.filename.startswith((_TORCH_DIR, here))
     ]
     if not frames:
         return ""
     f = frames[-1]
     return f" at {f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`"
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_DATA_DEPENDENT = (
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "GuardOnDataDependentSymNode",
+)
+
+
+def _trace_failure(label: str, exc: BaseException) -> str:
+    """One message for a model that cannot be traced: the module and the op that failed, the
+    Python line, and what to do."""
+    kind = type(exc).__name__
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else ""
+    module = getattr(exc, "meshplan_module", "")
+    where = f" in module {module!r}" if module else " in the model's top-level forward"
+    func = getattr(exc, "func", None)
+    op = f" (op {func})" if func is not None else ""
+    if kind in _DATA_DEPENDENT or "data-dependent" in first.lower():
+        advice = (
+            "meshplan traces with static shapes on fake tensors, so Python control flow on tensor "
+            "values (`if x.sum() > 0`, `.item()`, `.tolist()`, `nonzero`, boolean-mask indexing) "
+            "cannot be planned: compute both branches and pick with torch.where, or make the "
+            "decision outside forward"
+        )
+    elif kind == "UnsupportedOperatorException" or "dtype" in first.lower():
+        advice = (
+            "the op has no implementation for these inputs on fake tensors; check the dtypes "
+            "(e.g. grouped matrix products want bfloat16: plan with --dtype bf16) or replace the "
+            "op with standard torch operations"
+        )
+    else:
+        advice = "the model must run under torch.func.functional_call on fake tensors"
+    return f"cannot trace {label}{where}{op}: {kind}: {first}{_failure_site(exc)}. {advice}"
 
 
 def _trace_fx(
@@ -135,18 +173,82 @@ def _trace_fx(
         fake_batch = tuple(_fake_like(t) for t in batch)
 
     def loss_fn(p: dict, b: dict, inputs: tuple) -> Any:
-        return functional_call(model, {**p, **b}, inputs)
+        return call_for_loss(
+            model, inputs, lambda m, a, k: functional_call(m, {**p, **b}, a, k)
+        )
 
     h1 = nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = nn.modules.module.register_module_forward_hook(post)
     try:
         with fx_traceback.preserve_node_meta():
             gm = make_fx(loss_fn)(fake_params, fake_buffers, fake_batch)
+    except Exception as exc:
+        exc.meshplan_module = stack[-1] if stack else ""  # type: ignore[attr-defined]
+        raise
     finally:
         h1.remove()
         h2.remove()
+    if any(_mutates(n) for n in gm.graph.nodes):
+        gm = _functionalized(gm)
     paths = list(params) + list(buffers) + [f"batch[{i}]" for i in range(len(batch))]
+    _drop_input_writes(gm, paths, len(params))
     return gm, paths
+
+
+def _mutates(node: torch.fx.Node) -> bool:
+    return (
+        isinstance(node.target, torch._ops.OpOverload)
+        and node.target._schema.is_mutable
+    )
+
+
+def _functionalized(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`gm` re-traced with its in-place ops (``relu_``, ``h += x``, ``masked_fill_``) replaced by
+    their out-of-place forms, so every node is a value the planner can place and autograd can
+    differentiate on the runtime's DTensors. The graph is re-traced, not the model: the model's
+    Python (which may test whether it runs on fake tensors) ran once, in the first trace, and each
+    node keeps the module path of the node it came from."""
+    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def run(*args: Any) -> Any:
+        return torch.fx.Interpreter(gm).run(*args)
+
+    with fx_traceback.preserve_node_meta():
+        return make_fx(functionalize(run, remove="mutations"))(*inputs)
+
+
+def _drop_input_writes(
+    gm: torch.fx.GraphModule, paths: list[str], num_params: int
+) -> None:
+    """Remove the ``copy_`` into graph inputs that functionalization appends for a forward that
+    writes its buffers (BatchNorm's ``num_batches_tracked``): the planner and the runtime treat
+    buffers as read-only inputs. A write to a parameter is an error; dropped buffer writes warn."""
+    position = {
+        n: j for j, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
+    }
+    dropped = []
+    for node in list(gm.graph.nodes):
+        if node.target is not torch.ops.aten.copy_.default:
+            continue
+        dst = node.args[0]
+        if dst not in position:
+            continue
+        path = paths[position[dst]]
+        if position[dst] < num_params:
+            raise MeshplanError(
+                f"the model's forward writes its parameter {path!r} in place; meshplan trains "
+                "parameters only through the optimizer: compute a new tensor instead"
+            )
+        dropped.append(path)
+        gm.graph.erase_node(node)
+    if dropped:
+        warnings.warn(
+            f"the model's forward updates {', '.join(sorted(dropped))} in place (e.g. BatchNorm "
+            "running statistics); meshplan's runtime does not write buffers back, so they keep "
+            "their initial values (training losses are unaffected)",
+            stacklevel=3,
+        )
+    gm.recompile()
 
 
 def trace(model: nn.Module, example_batch: Any, *, model_name: str = "") -> OpGraph:
@@ -166,13 +268,34 @@ def trace(model: nn.Module, example_batch: Any, *, model_name: str = "") -> OpGr
     except MeshplanError:
         raise
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise MeshplanError(
-            f"cannot trace {label}: {type(exc).__name__}: {first}{_failure_site(exc)}"
-        ) from exc
+        raise MeshplanError(_trace_failure(label, exc)) from exc
     num_params = sum(1 for _ in model.named_parameters())
     num_buffers = sum(1 for _ in model.named_buffers())
     return _build_graph(gm, paths, num_params, num_buffers, label)
+
+
+_SAMPLERS = (
+    "bernoulli",
+    "rand",
+    "randn",
+    "randint",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "normal",
+    "uniform",
+    "multinomial",
+)
+
+
+def is_random(target: Any) -> bool:
+    """Whether an aten op is a random sample (dropout's ``bernoulli`` mask, ``rand_like``): its
+    output depends on the random generator and carries no gradient."""
+    return (
+        isinstance(target, torch._ops.OpOverload)
+        and target.namespace == "aten"
+        and target._opname.rstrip("_") in _SAMPLERS
+    )
 
 
 def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -279,7 +402,12 @@ def _op_node(
     node.module_path = path
     node.is_view = target in VIEW_OPS
     is_float = any(getattr(torch, o.dtype).is_floating_point for o in outs)
-    node.requires_grad = is_float and any(by_name[a.name].requires_grad for a in tin)
+    # A random sample (dropout's bernoulli mask) carries no gradient to the tensor it is shaped like.
+    node.requires_grad = (
+        is_float
+        and not is_random(target)
+        and any(by_name[a.name].requires_grad for a in tin)
+    )
     used = sorted({p for a in tin for p in param_of.get(a.name, [])})
     node.params = used
     if node.is_view:
@@ -291,7 +419,10 @@ def _op_node(
         return node
     root[name] = name
     grad_mask = tuple(
-        by_name[a.name].requires_grad and a.meta["val"].is_floating_point() for a in tin
+        not is_random(target)
+        and by_name[a.name].requires_grad
+        and a.meta["val"].is_floating_point()
+        for a in tin
     )
     args, kwargs = tree_map(
         lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a,

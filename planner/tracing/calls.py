@@ -1,0 +1,100 @@
+"""How the tracer calls a model to get its training loss: the calling convention of a plain
+`nn.Module` (``model(*batch)`` returns the loss) and of a Hugging Face ``transformers`` model
+(``model(input_ids=..., labels=...).loss``), so that both are traced, planned and run unchanged.
+
+A Hugging Face model is recognised without importing ``transformers`` (it is an optional extra):
+a module with a ``config`` that has a ``model_type`` and a ``can_generate``/``base_model_prefix``
+attribute, i.e. a ``PreTrainedModel``. Its batch is ``(input_ids, labels[, attention_mask])``,
+all ``[batch, seq]`` integer tensors; the task head decides what ``labels`` mean (next tokens for
+a causal LM, which shifts them itself; masked tokens, -100 elsewhere, for a masked LM). The key/
+value cache is switched off: training does not use it, and a cache object is no loss. Without an
+``attention_mask`` in the batch the model gets an all-ones mask (no padding).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from cost_models.errors import MeshplanError
+
+# Class-name endings of the Hugging Face task heads meshplan trains, and their task names.
+HF_TASKS = {
+    "ForCausalLM": "causal-lm",
+    "LMHeadModel": "causal-lm",
+    "ForMaskedLM": "masked-lm",
+}
+HF_BATCH = ("input_ids", "labels", "attention_mask")
+
+
+def is_hf_model(model: Any) -> bool:
+    """Whether `model` is a Hugging Face ``PreTrainedModel`` (duck-typed, see the module docstring)."""
+    config = getattr(model, "config", None)
+    return (
+        isinstance(model, nn.Module)
+        and hasattr(config, "model_type")
+        and hasattr(model, "base_model_prefix")
+    )
+
+
+def hf_task(model: nn.Module) -> str:
+    """The training task of a Hugging Face model, from its head's class name."""
+    name = type(model).__name__
+    for suffix, task in HF_TASKS.items():
+        if name.endswith(suffix):
+            return task
+    raise MeshplanError(
+        f"{name} is a Hugging Face model without a language-modelling head meshplan can train; "
+        f"use a class ending in one of {sorted(HF_TASKS)} (e.g. AutoModelForCausalLM."
+        "from_config(config)), or wrap the model in an nn.Module whose forward returns the loss"
+    )
+
+
+def _hf_kwargs(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    hf_task(model)
+    if not 1 <= len(batch) <= len(HF_BATCH):
+        raise MeshplanError(
+            f"a Hugging Face model's batch is (input_ids[, labels[, attention_mask]]), "
+            f"got {len(batch)} tensors"
+        )
+    kwargs: dict[str, Any] = dict(zip(HF_BATCH, batch))
+    kwargs.setdefault("labels", batch[0])
+    # An explicit mask: without one, transformers checks position ids for packed sequences by
+    # reading a tensor's value, which a trace on fake tensors cannot do.
+    kwargs.setdefault("attention_mask", torch.ones_like(batch[0]))
+    params = inspect.signature(model.forward).parameters
+    if "use_cache" in params:
+        kwargs["use_cache"] = False
+    kwargs["return_dict"] = True
+    return kwargs
+
+
+def call_for_loss(
+    model: nn.Module, batch: tuple[torch.Tensor, ...], call: Any = None
+) -> torch.Tensor:
+    """The scalar training loss of `model` on `batch` under its calling convention (module
+    docstring). ``call(model, args, kwargs)`` replaces ``model(*args, **kwargs)`` (the tracer
+    passes `torch.func.functional_call` with its fake parameters)."""
+    call = call or (lambda m, a, k: m(*a, **k))
+    if is_hf_model(model):
+        out = call(model, (), _hf_kwargs(model, batch))
+        loss = getattr(out, "loss", None)
+        what = f"{type(model).__name__}(input_ids=..., labels=...).loss"
+    else:
+        loss = out = call(model, batch, {})
+        what = f"{type(model).__name__}.forward"
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else type(out).__name__
+        )
+        raise MeshplanError(
+            f"{what} returned {got}; meshplan trains a model whose forward returns the scalar "
+            "training loss: compute the loss inside forward (e.g. wrap the model in an nn.Module "
+            "that applies your loss function to its output and the batch's targets)"
+        )
+    return loss
