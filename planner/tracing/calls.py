@@ -13,7 +13,10 @@ value cache is switched off: training does not use it, and a cache object is no 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -98,3 +101,35 @@ def call_for_loss(
             "that applies your loss function to its output and the batch's targets)"
         )
     return loss
+
+
+@contextlib.contextmanager
+def tracing_patches(model: nn.Module) -> Iterator[None]:
+    """What a Hugging Face mixture of experts needs to be traced on fake tensors, for the length
+    of a trace:
+
+    * the experts run transformers' grouped matrix-product path: its ``eager`` path loops over
+      the experts that received tokens (data-dependent control flow); both compute the same;
+    * ``torch.nn.functional.grouped_mm`` is used only for bfloat16 weights: its fake kernel
+      rejects other dtypes (the CPU kernel accepts them), so other dtypes take transformers' own
+      fallback operator (``transformers::grouped_mm_fallback``, one matrix product per expert).
+
+    The runtime executes the traced graph, so it runs the same operators the planner priced."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    config = getattr(model, "config", None)
+    if not is_hf_model(model) or moe is None:
+        yield
+        return
+    original = moe._can_use_grouped_mm
+    implementation = getattr(config, "_experts_implementation", None)
+    moe._can_use_grouped_mm = lambda input, weight, offs: (
+        weight.dtype == torch.bfloat16 and original(input, weight, offs)
+    )
+    if implementation == "eager":
+        config._experts_implementation = "grouped_mm"
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+        if implementation == "eager":
+            config._experts_implementation = implementation

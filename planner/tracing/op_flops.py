@@ -74,10 +74,33 @@ def _sdpa_cpu_bwd(
     )
 
 
+def _grouped_mm_fwd(input_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    """``input[S, k] @ weight[E, k, n]`` by groups of rows: each row meets one expert's matrix."""
+    return 2 * input_shape[0] * input_shape[1] * weight_shape[-1]
+
+
+def _grouped_mm_bwd(input_shape, weight_shape, offs_shape, grad_shape, **kwargs) -> int:
+    """The input's and the weight's gradient: two grouped products of the forward's size."""
+    return 2 * _grouped_mm_fwd(input_shape, weight_shape)
+
+
 CUSTOM_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_fwd,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_bwd,
+    aten._grouped_mm: _grouped_mm_fwd,
 }
+
+
+def _custom_flops() -> dict:
+    """CUSTOM_FLOPS plus the grouped product that Hugging Face ``transformers`` registers
+    (``transformers::grouped_mm_fallback``) once it is imported. What PyTorch lacks: a FLOP
+    formula for grouped matrix products."""
+    ops = getattr(torch.ops, "transformers", None)
+    try:
+        fwd, bwd = ops.grouped_mm_fallback, ops.grouped_mm_fallback_backward
+    except AttributeError:
+        return CUSTOM_FLOPS
+    return {**CUSTOM_FLOPS, fwd: _grouped_mm_fwd, bwd: _grouped_mm_bwd}
 
 
 @dataclass(frozen=True)
@@ -152,7 +175,7 @@ def _measure(
                 saved.append(t)
             return t
 
-        fwd = fc.FlopCounterMode(display=False, custom_mapping=CUSTOM_FLOPS)
+        fwd = fc.FlopCounterMode(display=False, custom_mapping=_custom_flops())
         with fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = target(*f_args, **f_kwargs)
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
@@ -160,7 +183,7 @@ def _measure(
         grad_inputs = [t for t in inputs if t.requires_grad]
         bwd_flops = 0
         if diff_outs and grad_inputs:
-            bwd = fc.FlopCounterMode(display=False, custom_mapping=CUSTOM_FLOPS)
+            bwd = fc.FlopCounterMode(display=False, custom_mapping=_custom_flops())
             with bwd:
                 torch.autograd.grad(
                     diff_outs,

@@ -166,14 +166,17 @@ class OpGraph:
     def fingerprint(self) -> str:
         """Hash of the model's structure: parameter paths, shapes and dtypes, and the op sequence.
 
-        Independent of the batch size, so a plan made for one global batch is recognised as made
+        Independent of the batch size (copies made only for memory layout are left out), so a plan made for one global batch is recognised as made
         for this model (principle 5: the runtime refuses a plan made for another model).
         """
         h = hashlib.sha256()
         for path, m in self.params.items():
             h.update(f"{path}:{m.shape}:{m.dtype};".encode())
         for n in self.ops:
-            h.update(f"{n.target}|{n.module_path};".encode())
+            # A copy for layout only (``.contiguous()``) is traced or not depending on the shape:
+            # a slice of a batch of one row is already contiguous.
+            if n.target != "aten.clone.default":
+                h.update(f"{n.target}|{n.module_path};".encode())
         return h.hexdigest()[:16]
 
     def to_json(self) -> dict[str, Any]:

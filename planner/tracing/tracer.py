@@ -27,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from cost_models.errors import MeshplanError
-from planner.tracing.calls import call_for_loss
+from planner.tracing.calls import call_for_loss, tracing_patches
 from planner.tracing.op_flops import VIEW_OPS, measure_op
 from planner.tracing.opgraph import OpGraph, OpNode, TensorMeta
 
@@ -180,7 +180,7 @@ def _trace_fx(
     h1 = nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = nn.modules.module.register_module_forward_hook(post)
     try:
-        with fx_traceback.preserve_node_meta():
+        with fx_traceback.preserve_node_meta(), tracing_patches(model):
             gm = make_fx(loss_fn)(fake_params, fake_buffers, fake_batch)
     except Exception as exc:
         exc.meshplan_module = stack[-1] if stack else ""  # type: ignore[attr-defined]

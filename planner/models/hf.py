@@ -1,0 +1,159 @@
+"""Hugging Face ``transformers`` models from a config, without weights: the ``hf:`` model spec.
+
+    hf:MODEL_TYPE:key=value,...     e.g. hf:llama:hidden_size=4096,num_hidden_layers=32,...
+    hf:PATH/TO/config.json[,key=value,...]
+
+``MODEL_TYPE`` is a ``transformers`` model type (``gpt2``, ``llama``, ``mistral``, ``qwen2``,
+``bert``, ``mixtral``, ``qwen2_moe``, ...): the keys are its config's (``AutoConfig.for_model``);
+a ``config.json`` is one saved by ``transformers`` (a hub checkpoint's, no weights needed), and
+keys given after it override it. Three keys are meshplan's, not the config's:
+
+* ``task``: the head, ``causal-lm`` (``AutoModelForCausalLM``, the default) or ``masked-lm``
+  (``AutoModelForMaskedLM``); a config.json naming an ``...ForMaskedLM`` architecture defaults to
+  ``masked-lm``;
+* ``seq``: the example batch's sequence length (default the config's ``max_position_embeddings``,
+  at most 2048);
+* ``attn``: the attention implementation, ``sdpa`` (the default) or ``eager``.
+
+The model is built on the requested device with ``transformers``' own initialisation (seed the
+global generator for reproducible weights); its example batch is ``(input_ids, labels)`` of
+``[batch, seq]`` token ids (`planner.tracing.calls` says how it is called). ``transformers`` is an
+optional dependency: ``pip install meshplan[hf]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from cost_models.errors import MeshplanError
+
+TASKS = ("causal-lm", "masked-lm")
+ATTENTION = ("sdpa", "eager")
+_OURS = ("task", "seq", "attn")
+FORM = "hf:MODEL_TYPE:key=value,... or hf:PATH/config.json[,key=value,...]"
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise MeshplanError(
+            "hf: models need the transformers package: pip install 'meshplan[hf]'"
+        ) from None
+    return transformers
+
+
+def _value(raw: str) -> Any:
+    """A config value from its text: a JSON literal (number, true/false/null, list) or a string."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _items(body: str, name: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in filter(None, (i.strip() for i in body.split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip() or not raw.strip():
+            raise MeshplanError(
+                f"malformed item {item!r} in model spec {name!r}: expected key=value ({FORM})"
+            )
+        out[key.strip()] = _value(raw.strip())
+    return out
+
+
+def parse(name: str) -> tuple[Any, dict[str, Any]]:
+    """``(transformers config, meshplan options)`` of an ``hf:`` spec (module docstring)."""
+    tf = _transformers()
+    body = name.strip()[3:]
+    head, _, rest = body.partition(",")
+    if head.endswith(".json"):
+        if not os.path.isfile(head):
+            raise MeshplanError(f"model spec {name!r}: no config file {head!r}")
+        with open(head) as f:
+            saved = json.load(f)
+        items = _items(rest, name)
+        model_type = saved.get("model_type")
+        if not model_type:
+            raise MeshplanError(
+                f"{head} has no 'model_type'; is it a transformers config.json?"
+            )
+        archs = saved.get("architectures") or []
+        if any(a.endswith("ForMaskedLM") for a in archs):
+            items.setdefault("task", "masked-lm")
+        fields = {k: v for k, v in saved.items() if k != "model_type"}
+    else:
+        model_type, _, rest = body.partition(":")
+        items, fields = _items(rest, name), {}
+    options = {k: items.pop(k) for k in _OURS if k in items}
+    fields.update(items)
+    try:
+        config = tf.AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError) as exc:
+        raise MeshplanError(
+            f"model spec {name!r}: {' '.join(str(exc).split())[:300]}"
+        ) from None
+    unknown = [k for k in items if not hasattr(config, k)]
+    if unknown:
+        raise MeshplanError(
+            f"model spec {name!r}: {type(config).__name__} has no {', '.join(unknown)}"
+        )
+    task = options.get("task", "causal-lm")
+    attn = options.get("attn", "sdpa")
+    if task not in TASKS or attn not in ATTENTION:
+        raise MeshplanError(
+            f"model spec {name!r}: task must be one of {TASKS} and attn one of {ATTENTION}, "
+            f"got task={task!r}, attn={attn!r}"
+        )
+    seq = options.get("seq") or min(
+        getattr(config, "max_position_embeddings", 2048), 2048
+    )
+    if not isinstance(seq, int) or seq < 1:
+        raise MeshplanError(
+            f"model spec {name!r}: seq must be a positive integer, got {seq!r}"
+        )
+    return config, {"task": task, "seq": seq, "attn": attn}
+
+
+def build(
+    name: str, batch: int, device: torch.device, dtype: torch.dtype
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """The ``hf:`` spec's model (no weights loaded) and example batch, both on `device`."""
+    tf = _transformers()
+    config, options = parse(name)
+    config._attn_implementation = options["attn"]
+    auto = (
+        tf.AutoModelForCausalLM
+        if options["task"] == "causal-lm"
+        else tf.AutoModelForMaskedLM
+    )
+    try:
+        with torch.device(device):
+            model = auto.from_config(config, dtype=dtype)
+    except ValueError as exc:
+        raise MeshplanError(
+            f"model spec {name!r}: no {options['task']} head for this config: "
+            f"{' '.join(str(exc).split())[:300]}"
+        ) from None
+    model.train()
+    shape = (batch, options["seq"])
+    vocab = config.get_text_config().vocab_size
+    if device.type == "meta":
+        ids = torch.empty(shape, dtype=torch.int64, device=device)
+        return model, (ids, torch.empty_like(ids))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, shape, generator=gen)
+    labels = torch.randint(0, vocab, shape, generator=gen)
+    return model, (ids.to(device), labels.to(device))
+
+
+def param_count(name: str) -> int:
+    """Parameters of the ``hf:`` spec's model, counted on the meta device (tied weights once)."""
+    model, _ = build(name, 1, torch.device("meta"), torch.float32)
+    return sum(p.numel() for p in model.parameters())

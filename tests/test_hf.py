@@ -1,0 +1,122 @@
+"""Hugging Face ``transformers`` models as they are: built from small configs (no weights), traced,
+planned and trained on 4 gloo processes to the losses and parameters of one device."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import single_device
+import torch
+
+from cost_models.errors import MeshplanError
+from planner import plan, trace
+from planner.models import build_model, param_count
+from planner.plans.manual import manual_plan
+from runtime.launch import launch
+from runtime.train import _random_batches
+
+pytest.importorskip("transformers")
+
+_DENSE = "hidden_size=64,intermediate_size=96,num_hidden_layers=2,num_attention_heads=4"
+SPECS = {
+    "gpt2": "hf:gpt2:n_embd=64,n_layer=2,n_head=4,vocab_size=128,n_positions=16,seq=16,"
+    "resid_pdrop=0,embd_pdrop=0,attn_pdrop=0,bos_token_id=0,eos_token_id=0",
+    "llama": f"hf:llama:{_DENSE},num_key_value_heads=2,vocab_size=128,seq=16",
+    "qwen2": f"hf:qwen2:{_DENSE},num_key_value_heads=2,vocab_size=128,seq=16",
+    "bert": f"hf:bert:{_DENSE},vocab_size=128,task=masked-lm,seq=16,"
+    "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
+    "mixtral": f"hf:mixtral:{_DENSE},num_key_value_heads=2,vocab_size=128,seq=16,"
+    "num_local_experts=4",
+    "qwen2_moe": f"hf:qwen2_moe:{_DENSE},num_key_value_heads=2,vocab_size=128,seq=16,"
+    "moe_intermediate_size=32,shared_expert_intermediate_size=64,num_experts=4,"
+    "num_experts_per_tok=2",
+}
+LR = 0.1
+STEPS = 3
+BATCH = 8
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_traces_with_the_models_own_parameters(name: str) -> None:
+    model, batch = build_model(SPECS[name], batch=2, device="meta")
+    graph = trace(model, batch, model_name=name)
+    assert graph.num_params == param_count(SPECS[name])
+    assert set(graph.params) == {k for k, _ in model.named_parameters()}
+    assert graph.fwd_flops > 0 and graph.bwd_flops > graph.fwd_flops
+
+
+def test_fingerprint_does_not_depend_on_the_batch() -> None:
+    prints = set()
+    for b in (1, 2, 4):
+        model, batch = build_model(SPECS["gpt2"], batch=b, device="meta")
+        prints.add(trace(model, batch).fingerprint())
+    assert len(prints) == 1
+
+
+def test_bad_specs_are_named() -> None:
+    with pytest.raises(MeshplanError, match="no_such_key"):
+        build_model("hf:llama:hidden_size=64,no_such_key=3", batch=1)
+    with pytest.raises(MeshplanError, match="task must be one of"):
+        build_model("hf:llama:hidden_size=64,task=vision", batch=1)
+    with pytest.raises(MeshplanError, match="no config file"):
+        build_model("hf:/nonexistent/config.json", batch=1)
+    with pytest.raises(MeshplanError, match="notatype"):
+        build_model("hf:notatype:hidden_size=64", batch=1)
+
+
+@functools.cache
+def _plans(spec: str) -> dict[str, Any]:
+    kw = {"global_batch": BATCH, "dtype": "float32", "allow_oom": True}
+    one = "1x4xA100-80GB"
+    return {
+        "tp4": manual_plan(spec, one, dp=1, tp=4, pp=1, num_microbatches=1, **kw),
+        "dp4": manual_plan(spec, one, dp=4, tp=1, pp=1, num_microbatches=1, **kw),
+        "pp2_dp2": manual_plan(spec, one, dp=2, tp=1, pp=2, num_microbatches=2, **kw),
+        "auto": plan(spec, one, global_batch=BATCH, dtype="float32"),
+    }
+
+
+def _model_and_batches(spec: str) -> tuple[torch.nn.Module, list]:
+    torch.manual_seed(0)
+    model, b = build_model(spec, batch=BATCH, device="cpu")
+    return model, _random_batches(tuple(b), STEPS, seed=1)
+
+
+def _train(spec: str, plans: dict[str, Any]) -> dict[str, Any]:
+    """Body of every rank: each plan's losses and full parameters after `STEPS` SGD steps."""
+    import logging
+
+    from runtime.train import Trainer
+
+    logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
+    out = {}
+    for name, p in plans.items():
+        model, batches = _model_and_batches(spec)
+        tr = Trainer(p, model, batches[0], lr=LR)
+        losses = [tr.step(b) for b in batches]
+        out[name] = {
+            "losses": losses,
+            "params": {k: v.numpy().copy() for k, v in tr.full_params().items()},
+        }
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SPECS))
+def test_trains_like_one_device(name: str) -> None:
+    """Tensor-parallel (tp4), data-parallel (dp4), two pipeline stages of dp2 and the automatic
+    plan on 4 gloo processes: 3 SGD steps give one device's losses and parameters within 1e-5."""
+    spec = SPECS[name]
+    model, batches = _model_and_batches(spec)
+    ref_losses, ref_params = single_device.train(
+        model, batches, torch.optim.SGD(model.parameters(), lr=LR)
+    )
+    ranks = launch(_train, 4, args=(spec, _plans(spec)), timeout_s=600)
+    for plan_name in _plans(spec):
+        params = {}
+        for r in ranks:
+            assert r[plan_name]["losses"] == pytest.approx(ref_losses, rel=1e-5), plan_name
+            params |= {k: torch.from_numpy(v) for k, v in r[plan_name]["params"].items()}
+        single_device.assert_same_parameters(params, ref_params)
