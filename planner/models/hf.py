@@ -99,7 +99,10 @@ def parse(name: str) -> tuple[Any, dict[str, Any]]:
         raise MeshplanError(
             f"model spec {name!r}: {' '.join(str(exc).split())[:300]}"
         ) from None
-    unknown = [k for k in items if not hasattr(config, k)]
+    # transformers keeps unknown keys as attributes: compare with the type's own defaults.
+    known = set(tf.AutoConfig.for_model(model_type).to_dict())
+    known |= set(getattr(config, "attribute_map", {}))
+    unknown = [k for k in items if k not in known]
     if unknown:
         raise MeshplanError(
             f"model spec {name!r}: {type(config).__name__} has no {', '.join(unknown)}"
