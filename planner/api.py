@@ -21,6 +21,7 @@ Modes (Alpa's ablations): "auto"; "intra-only" (one stage on the whole cluster);
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -207,7 +208,15 @@ def plan(
         )
     best = min(found).spec
     best.planner_time_s = time.perf_counter() - t0
-    return assemble(best)
+    result = assemble(best)
+    if result.fallback_ops:
+        warnings.warn(
+            f"{len(result.fallback_ops)} ops of {name} have no DTensor sharding rule and are "
+            f"planned replicated (e.g. {result.fallback_ops[0]}); the plan runs, but these ops "
+            "gain nothing from the devices they share",
+            stacklevel=2,
+        )
+    return result
 
 
 @dataclass(frozen=True, order=True)

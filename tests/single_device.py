@@ -6,12 +6,16 @@ import torch
 
 
 def train(
-    model: torch.nn.Module, batches: list, optimizer: torch.optim.Optimizer
+    model: torch.nn.Module,
+    batches: list,
+    optimizer: torch.optim.Optimizer,
+    loss_of=lambda model, batch: model(*batch),
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Per-step losses and the parameters after training `model` on `batches` on one device."""
+    """Per-step losses and the parameters after training `model` on `batches` on one device
+    (``loss_of(model, batch)`` is the step's loss)."""
     losses = []
     for b in batches:
-        loss = model(*b)
+        loss = loss_of(model, b)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

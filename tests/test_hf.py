@@ -111,12 +111,19 @@ def test_trains_like_one_device(name: str) -> None:
     spec = SPECS[name]
     model, batches = _model_and_batches(spec)
     ref_losses, ref_params = single_device.train(
-        model, batches, torch.optim.SGD(model.parameters(), lr=LR)
+        model,
+        batches,
+        torch.optim.SGD(model.parameters(), lr=LR),
+        lambda m, b: m(input_ids=b[0], labels=b[1]).loss,  # transformers' own call
     )
     ranks = launch(_train, 4, args=(spec, _plans(spec)), timeout_s=600)
     for plan_name in _plans(spec):
         params = {}
         for r in ranks:
-            assert r[plan_name]["losses"] == pytest.approx(ref_losses, rel=1e-5), plan_name
-            params |= {k: torch.from_numpy(v) for k, v in r[plan_name]["params"].items()}
+            assert r[plan_name]["losses"] == pytest.approx(ref_losses, rel=1e-5), (
+                plan_name
+            )
+            params |= {
+                k: torch.from_numpy(v) for k, v in r[plan_name]["params"].items()
+            }
         single_device.assert_same_parameters(params, ref_params)

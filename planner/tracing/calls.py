@@ -56,6 +56,25 @@ def hf_task(model: nn.Module) -> str:
     )
 
 
+def batch_tuple(example: Any) -> Any:
+    """A Hugging Face style batch ``{"input_ids": ..., "labels": ...[, "attention_mask": ...]}``
+    as the tuple meshplan passes around; anything else unchanged."""
+    if not isinstance(example, dict):
+        return example
+    unknown = sorted(set(example) - set(HF_BATCH))
+    if unknown or "input_ids" not in example:
+        raise MeshplanError(
+            f"a batch given as a dict needs 'input_ids' and may have {list(HF_BATCH[1:])}; "
+            f"got keys {sorted(example)}"
+        )
+    keys = [k for k in HF_BATCH if k in example]
+    if keys != list(HF_BATCH[: len(keys)]):
+        raise MeshplanError(
+            "a batch with an attention_mask needs labels too (for a causal LM, the input_ids)"
+        )
+    return tuple(example[k] for k in keys)
+
+
 def _hf_kwargs(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str, Any]:
     hf_task(model)
     if not 1 <= len(batch) <= len(HF_BATCH):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from cost_models.errors import MeshplanError
+from planner.tracing.calls import batch_tuple
 
 
 def resolve_model(
@@ -34,6 +35,7 @@ def resolve_model(
         raise MeshplanError(
             "planning an nn.Module needs its example batch (a tensor or tuple of tensors)"
         )
+    example_batch = batch_tuple(example_batch)
     batch = (
         example_batch if isinstance(example_batch, (tuple, list)) else (example_batch,)
     )

@@ -27,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from cost_models.errors import MeshplanError
-from planner.tracing.calls import call_for_loss, tracing_patches
+from planner.tracing.calls import batch_tuple, call_for_loss, tracing_patches
 from planner.tracing.op_flops import VIEW_OPS, measure_op
 from planner.tracing.opgraph import OpGraph, OpNode, TensorMeta
 
@@ -77,6 +77,7 @@ def op_kind(target: Any) -> str:
 
 
 def _as_batch(example_batch: Any) -> tuple[torch.Tensor, ...]:
+    example_batch = batch_tuple(example_batch)
     batch = (
         tuple(example_batch)
         if isinstance(example_batch, (tuple, list))
