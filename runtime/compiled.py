@@ -24,6 +24,13 @@ work this overhead, not the arithmetic, sets the step time. `CompiledStage` remo
   (`runtime.comm_count.label_graph_sites`), so `runtime.comm_count.CommCounter` attributes the
   compiled graphs' collectives exactly as it does the eager executor's.
 
+Random ops (dropout): with `runtime.dropout.DropoutMasks` attached, the executor passes each
+random node's pre-drawn sample as an input of the traced function (`PlanExecutor._run_compiled`),
+so the graphs contain no random op and replay the single-device masks; the ops that only shaped
+the sample (``empty_like``) are dead and pruned. Without masks a random op stays in the forward
+graph and draws from the default generator at every replay (AOTAutograd's
+``functionalize_rng_ops`` is off), as the eager interpreter does.
+
 Why ``aot_function`` rather than ``torch.compile``: ``torch.compile`` puts Dynamo (Python
 bytecode capture of the interpreter, its dicts and hooks) in front of AOTAutograd and Inductor
 behind it; we need neither, only the piece in the middle that traces through the DTensor subclass

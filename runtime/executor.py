@@ -54,6 +54,13 @@ it): the interpretation above runs once per input signature, on fake tensors und
 functional collectives; later calls replay those graphs without DTensor dispatch or Python per
 node. Same ops, same collectives at the same sites, same gradients (``tests/test_compiled.py``).
 Layers under recomputation, and stages whose tracing fails, run eagerly as described above.
+
+Random ops (dropout): with a `runtime.dropout.DropoutMasks` attached (``masks``; `runtime.train.Trainer`
+attaches one when the graph samples), `run_outputs` pre-fills the random nodes with this rank's
+shards of the single-device samples of its micro-batch (``microbatch``) and skips the ops that only
+shape them (``empty_like``): the eager interpreter skips pre-filled nodes; under recomputation the
+sample is a segment input, so the recomputed forward reuses it; compiled, it is an input of the
+AOTAutograd graphs, which contain no random op. Without masks every rank draws its own samples.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -90,6 +97,9 @@ from runtime.device_ops import device_targets
 from runtime.grad_sync import sync_grads
 from runtime.meshes import device_mesh
 from runtime.redistribute import Edge, redistribute, unmask
+
+if TYPE_CHECKING:
+    from runtime.dropout import DropoutMasks
 
 __all__ = ["PlanExecutor", "make_mesh", "place_params", "run_graph"]
 
@@ -126,6 +136,9 @@ class PlanExecutor(torch.fx.Interpreter):
     Compilation: with ``compile=True`` `run_outputs` runs the stage through AOTAutograd-traced
     graphs (module docstring) unless ``recompute_layers`` is given; ``last_run_compiled`` tells
     whether the last call did.
+
+    Random ops: ``masks`` (set by `runtime.dropout.DropoutMasks.attach`) provides the random
+    nodes' values per micro-batch (module docstring).
     """
 
     def __init__(
@@ -177,6 +190,8 @@ class PlanExecutor(torch.fx.Interpreter):
         self.compile = compile and recompute_layers is None
         self._compiled: CompiledStage | None = None
         self.last_run_compiled = False
+        self.masks: DropoutMasks | None = None
+        self._shaping: dict[frozenset[str], list[torch.fx.Node]] = {}
         self._plans = {
             n: self._node_plan(n)
             for n in graph.gm.graph.nodes
@@ -300,11 +315,13 @@ class PlanExecutor(torch.fx.Interpreter):
         batch: Sequence[torch.Tensor],
         buffers: dict[str, torch.Tensor] | None = None,
         inputs: dict[str, DTensor] | None = None,
+        microbatch: int = 0,
     ) -> Any:
         """Forward pass returning the graph's outputs as they are (DTensors in their planned
         placements). ``inputs`` maps placeholder names to DTensors used as they are (a pipeline
         stage's received values: leaves that may require grad); the other placeholders are
-        parameters (by path), ``"batch[i]"`` or buffers, placed per the plan."""
+        parameters (by path), ``"batch[i]"`` or buffers, placed per the plan. ``microbatch``:
+        the index of `batch` in the step, whose random samples ``masks`` provides."""
         placed = self.place_params(params)
         buffers = buffers or {}
         inputs = inputs or {}
@@ -325,6 +342,8 @@ class PlanExecutor(torch.fx.Interpreter):
                 env[n] = self._place(buffers[path], self._planned_output(n.name))
             else:
                 raise MeshplanError(f"missing input {path}")
+        if self.masks is not None:
+            self._prefill(env, microbatch)
         if self.recompute_layers is not None:
             return self._run_checkpointed(env)
         self.last_run_compiled = False
@@ -335,23 +354,46 @@ class PlanExecutor(torch.fx.Interpreter):
                 return out
         return self.run(initial_env=env, enable_io_processing=False)
 
+    def _prefill(self, env: dict[torch.fx.Node, Any], microbatch: int) -> None:
+        """Put the random nodes' samples of micro-batch `microbatch` (from ``masks``) into `env`,
+        and None for the nodes that only feed them (never run)."""
+        assert self.masks is not None
+        got = self.masks.take(self, microbatch)
+        if not got:
+            return
+        key = frozenset(got)
+        if key not in self._shaping:
+            skip = {n for n in self.opgraph.gm.graph.nodes if n.name in key}
+            for n in reversed(self.opgraph.gm.graph.nodes):
+                only_shapes = n.users and all(u in skip for u in n.users)
+                if n.op == "call_function" and n not in skip and only_shapes:
+                    skip.add(n)
+            self._shaping[key] = [n for n in skip if n.name not in key]
+        for n in self.opgraph.gm.graph.nodes:
+            if n.name in got:
+                env[n] = got[n.name]
+        env.update(dict.fromkeys(self._shaping[key]))
+
     def _run_compiled(self, env: dict[torch.fx.Node, Any]) -> Any:
         """The graph's outputs from the stage traced once by AOTAutograd (`runtime.compiled`), or
-        `_NOT_COMPILED` when the stage cannot be traced (the caller runs it eagerly)."""
+        `_NOT_COMPILED` when the stage cannot be traced (the caller runs it eagerly). The graph's
+        inputs are its placeholders and the pre-filled random samples (`_prefill`); the nodes
+        pre-filled with None are skipped."""
+        nodes = [n for n, v in env.items() if v is not None]
+        skipped = [n for n, v in env.items() if v is None]
         if self._compiled is None:
-            placeholders = [
-                n for n in self.opgraph.gm.graph.nodes if n.op == "placeholder"
-            ]
 
             def interpret(*values: Any) -> Any:
-                return self.run(
-                    initial_env=dict(zip(placeholders, values)),
-                    enable_io_processing=False,
-                )
+                initial = dict(zip(self._inputs, values))
+                initial.update(dict.fromkeys(self._skipped))
+                return self.run(initial_env=initial, enable_io_processing=False)
 
-            self._placeholders = placeholders
             self._compiled = CompiledStage(interpret)
-        out = self._compiled([env[n] for n in self._placeholders])
+        self._inputs, self._skipped = (
+            nodes,
+            skipped,
+        )  # read by `interpret` when it traces
+        out = self._compiled([env[n] for n in nodes])
         return _NOT_COMPILED if out is None and self._compiled.error else out
 
     def _run_checkpointed(self, env: dict[torch.fx.Node, Any]) -> Any:
@@ -361,7 +403,9 @@ class PlanExecutor(torch.fx.Interpreter):
         layer_of = self.recompute_layers or {}
         segments: list[list[torch.fx.Node]] = []
         for n in self.opgraph.gm.graph.nodes:
-            if n.op in ("placeholder", "output"):
+            if (
+                n.op in ("placeholder", "output") or n in env
+            ):  # pre-filled samples: inputs
                 continue
             key = layer_of.get(n.name)
             last = segments[-1][-1] if segments else None

@@ -11,6 +11,14 @@ runs its stage with the runner `runtime.torch_pipeline.make_runner` picks (``tor
 when the stages' submeshes are equal, else `runtime.pipeline.PipelineRunner`; ``pipeline="ours"`` or
 ``MESHPLAN_PIPELINE=ours`` forces the latter); the optimizer (``torch.optim`` on the
 stage's DTensor parameters) updates each rank's shards locally after the gradient sync.
+
+Random ops (dropout in training mode) draw what one device draws: single-device training
+``torch.manual_seed(seed)`` followed by steps of ``model(*batch).backward(); opt.step()`` is
+reproduced by ``train(..., seed=seed)`` (`runtime.dropout.DropoutMasks`: a generator per rank, each
+step's samples drawn at the global batch's shapes in the forward's order, each rank keeping its
+shards). With ``seed=None`` the generator starts from the default generator's state when the
+`Trainer` is made (equal on every rank when the ranks seeded alike), which reproduces one device
+that goes on from that state without reseeding.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from torch import nn
 from cost_models.errors import MeshplanError
 from planner.tracing.tracer import trace
 from planner.vocab.plan_file import ParallelPlan
+from runtime.dropout import DropoutMasks, samples_randomly
 from runtime.pipeline import PipelineRunner
 from runtime.torch_pipeline import make_runner
 
@@ -45,7 +54,10 @@ def split_batch(batch: Sequence[torch.Tensor], n: int) -> list[Batch]:
 
 class Trainer:
     """One rank's share of training `model` under `plan` (module docstring). ``compile``: run
-    the stages through AOTAutograd-compiled graphs (`runtime.pipeline.PipelineRunner`)."""
+    the stages through AOTAutograd-compiled graphs (`runtime.pipeline.PipelineRunner`).
+    ``seed``: the random ops' samples are those of one device after ``torch.manual_seed(seed)``
+    (None: from the default generator's current state); ``masks`` holds them (None when the
+    model draws nothing)."""
 
     def __init__(
         self,
@@ -59,13 +71,23 @@ class Trainer:
         device_type: str = "cpu",
         pipeline: str | None = None,
         compile: bool = True,
+        seed: int | None = None,
     ) -> None:
         if optimizer not in OPTIMIZERS:
             raise MeshplanError(f"optimizer {optimizer!r}: use one of {OPTIMIZERS}")
         self.plan = plan
+        rng = torch.default_generator.get_state()
         micro = split_batch(example_batch, plan.num_microbatches)[0]
         graph = trace(model, micro, model_name=plan.model.get("name", ""))
         plan.check_model(graph.fingerprint(), graph.model_name)
+        self.masks: DropoutMasks | None = None
+        if samples_randomly(graph):
+            whole = graph
+            if plan.num_microbatches > 1:  # the samples' shapes at the global batch
+                whole = trace(model, example_batch, model_name=graph.model_name)
+            self.masks = DropoutMasks(
+                graph, whole, plan.num_microbatches, seed=seed, state=rng
+            )
         self.runner: PipelineRunner = make_runner(
             plan,
             graph,
@@ -77,6 +99,9 @@ class Trainer:
         full = {k: p.detach().clone() for k, p in model.named_parameters()}
         self.buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
         self.params = self.runner.place_params(full)
+        if self.masks is not None:
+            for ex in self.runner.executors.values():
+                self.masks.attach(ex)
         self.optimizer: torch.optim.Optimizer | None = None
         if self.params:
             cls = torch.optim.SGD if optimizer == "sgd" else torch.optim.Adam
@@ -88,6 +113,8 @@ class Trainer:
     def step(self, batch: Sequence[torch.Tensor]) -> float:
         """One training step on a global batch; its loss (the same on every rank)."""
         micro = split_batch(batch, self.plan.num_microbatches)
+        if self.masks is not None:
+            self.masks.draw()
         loss = self.runner.step(self.params, micro, self.buffers)
         if self.optimizer is not None:
             self.optimizer.step()
@@ -109,9 +136,13 @@ def train(
     steps: int | None = None,
     schedule: str | None = None,
     pipeline: str | None = None,
+    seed: int | None = None,
 ) -> list[float]:
     """Train for `steps` steps (default: one per batch; batches are reused cyclically) and return
-    the per-step losses. Runs inside every rank of an initialised default process group."""
+    the per-step losses. Runs inside every rank of an initialised default process group.
+    ``seed``: random ops (dropout) draw what one device draws after ``torch.manual_seed(seed)``
+    before its first step (None: from the default generator's state after `model_fn`; module
+    docstring)."""
     if not batches:
         raise MeshplanError("train needs at least one batch")
     trainer = Trainer(
@@ -122,6 +153,7 @@ def train(
         lr=lr,
         schedule=schedule,
         pipeline=pipeline,
+        seed=seed,
     )
     n = len(batches) if steps is None else steps
     return [trainer.step(batches[i % len(batches)]) for i in range(n)]
