@@ -11,6 +11,10 @@ parameters of its own stage and lets DCP read into them: DCP finds the saved chu
 local shard (resharding), so a checkpoint saved under tp=2 loads under pp=2, dp=2 under tp=2, etc.
 A parameter that the rank's stage does not hold is not in its state dict and is not read.
 
+Tied parameters (``plan.tied_params``): their copies are equal, so only the device group of the
+first stage holding one writes it (and its optimizer state: the copies took the same steps),
+under its one path; every stage holding a copy reads it on load.
+
 Stage membership: a rank belongs to the stage whose ``devices`` contains it; the stage's mesh is its
 ``devices`` laid out as its ``logical_mesh`` without the axes of size 1 (as `runtime.executor`
 squeezes them), and a parameter's placements are its ``param_placements`` strings on those axes.
@@ -141,7 +145,8 @@ def save_checkpoint(
     same on every rank of the stage). `optimizer_state` maps parameter paths to their per-parameter
     state (`optimizer_state` builds it from a ``torch.optim.Optimizer``).
     """
-    stage = plan.stages[stage_of(plan)]
+    own, groups = stage_of(plan), len(plan.stages) // plan.virtual_stages
+    stage = plan.stages[own]
     want = set(stage.param_placements)
     if set(params) != want:
         missing, extra = sorted(want - set(params)), sorted(set(params) - want)
@@ -149,12 +154,18 @@ def save_checkpoint(
             f"rank {dist.get_rank()} must save the parameters of its stage: "
             f"missing {missing[:5]}, not in its stage {extra[:5]}"
         )
-    sd: dict[str, Any] = {f"model/{k}": v.detach() for k, v in params.items()}
+    # a tied parameter's copies are equal: the first holding stage's group writes it
+    skip = {p for p, st in plan.tied_params.items() if st[0] % groups != own % groups}
+    sd: dict[str, Any] = {
+        f"model/{k}": v.detach() for k, v in params.items() if k not in skip
+    }
     for p, state in (optimizer_state or {}).items():
         if p not in want:
             raise MeshplanError(
                 f"optimizer state for {p!r}, not a parameter of this stage"
             )
+        if p in skip:
+            continue
         for name, value in state.items():
             if "/" in name:
                 raise MeshplanError(f"optimizer state name {name!r} contains '/'")

@@ -17,23 +17,44 @@ placements, so the buckets are made here:
 
 So a bucket pays one collective's latency however many gradients it holds, as the planner prices
 it (`planner.intra.prices.grad_buckets`).
+
+Tied parameters (`sync_tied`; ``ParallelPlan.tied_params``): a tensor read by several pipeline
+stages (an input embedding and the LM head sharing its weight) has one copy per stage (per device
+group) holding it, and each copy's gradient, once brought to its placement as above, holds only
+its stage's share. As Megatron-LM does for its tied embeddings (an all-reduce over the embedding
+group of the first and last stages) and ``torch.distributed.pipelining`` leaves to the user, the
+copies' gradients are summed across the stages, so the copies take the same step and stay equal:
+
+* copies that lie alike (`planner.vocab.strategy.tied_copies_align`: equal stage meshes,
+  placements and ZeRO) hold the same shard at the same mesh position: one all-reduce of the local
+  gradients, bucketed, over the group of the devices at this rank's position in every copy's
+  stage (a dimension of a DeviceMesh over the copies' stages, `runtime.pipeline`);
+* otherwise each copy's gradient is all-gathered within its stage, the first device of every
+  stage contributes it whole and the others zeros to an all-reduce over all the copies'
+  devices, and each device keeps its shard of the sum.
+
+What PyTorch lacks: DDP and FSDP sum one module's gradients over its replicas; nothing sums the
+gradients of one parameter held by two different pipeline stages on different meshes.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Partial, Placement
 
 from runtime import comm_count
 from runtime.redistribute import allreduce_axes, redistribute
 
-__all__ = ["scatter_axis", "sync_grads"]
+__all__ = ["TiedCopy", "scatter_axis", "sync_grads", "sync_tied"]
 
 
 def scatter_axis(
@@ -125,3 +146,64 @@ def sync_grads(params: dict[str, DTensor]) -> None:
             flat = _wait(g_pl[a]._reduce_shard_value(flat, mesh, a, Shard(0)))
         pieces = _split(flat, [c[0].shape for c in chunks])
         _set_grads(params, paths, pieces, mesh, p_pl)
+
+
+@dataclass(frozen=True)
+class TiedCopy:
+    """This rank's copy of a tied parameter and how its gradient is summed with the other
+    copies' (module docstring): over `group`, the devices holding the same shard in every copy's
+    stage when ``aligned``, else all the copies' devices, where this rank contributes its stage's
+    whole gradient when ``leader`` (the stage's first device) and zeros otherwise."""
+
+    path: str
+    group: dist.ProcessGroup
+    aligned: bool
+    leader: bool
+
+
+def _local_grad(p: DTensor) -> torch.Tensor:
+    g = p.grad
+    if g is None:  # the copy's stage did not use it this step
+        return torch.zeros_like(p._local_tensor)
+    return g._local_tensor
+
+
+def _like(
+    p: DTensor, local: torch.Tensor, placements: Sequence[Placement] | None = None
+) -> DTensor:
+    """`local` as a DTensor of `p`'s global shape on its mesh (in `placements`, default p's)."""
+    return DTensor.from_local(
+        local,
+        p.device_mesh,
+        p.placements if placements is None else placements,
+        run_check=False,
+        shape=p.shape,
+        stride=p.stride(),
+    )
+
+
+def sync_tied(params: dict[str, DTensor], copies: Sequence[TiedCopy]) -> None:
+    """Sum the gradients of this rank's tied-parameter copies with the other copies' (module
+    docstring); every gradient must already have its parameter's placements (`sync_grads`)."""
+    buckets: dict[tuple, list[TiedCopy]] = {}
+    for c in copies:
+        if c.aligned:
+            key = (id(c.group), params[c.path].dtype)
+            buckets.setdefault(key, []).append(c)
+            continue
+        p = params[c.path]
+        mesh, rep = p.device_mesh, [Replicate()] * p.device_mesh.ndim
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        with comm_count.site(f"bwd:tied:{c.path}"):
+            full = redistribute(g, rep).to_local()
+            mine = full.contiguous() if c.leader else torch.zeros_like(full)
+            total = _wait(funcol.all_reduce(mine, "sum", c.group))
+        # Replicate -> the copy's placements slices locally
+        p.grad = _like(p, total, rep).redistribute(mesh, p.placements)
+    for group in buckets.values():
+        locals_ = [_local_grad(params[c.path]) for c in group]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        with comm_count.site(f"bwd:tied:{group[0].path}"):
+            flat = _wait(funcol.all_reduce(flat, "sum", group[0].group))
+        for c, t in zip(group, _split(flat, [t.shape for t in locals_])):
+            params[c.path].grad = _like(params[c.path], t)

@@ -64,6 +64,15 @@ the last backward reduce-scatters that leaf's accumulated partial gradient onto 
 all-reduce of data parallelism split into its two halves, plus the parameter all-gather, as
 `planner.intra.prices` prices it.
 
+Tied parameters (``plan.tied_params``: one tensor read by several stages, such as an input
+embedding and the LM head sharing its weight): every stage reading it has it in its graph and its
+plan, so every device group holding one places its own copy (`place_params`, from the same full
+tensor: the copies start equal; chunks of one group share one copy). After the gradient sync of
+each step the copies' gradients are summed across the groups (`runtime.grad_sync.sync_tied`, over
+the process groups `_tied_copies` makes), so every copy takes the same optimizer step. The runner
+checks that the plan's ``tied_params`` are exactly the parameters its stages' graphs share
+(`runtime.stages.check_tied`).
+
 Losses: each micro-batch's loss is divided by the number of micro-batches before its backward, so
 the accumulated gradient is that of the mean loss over the global batch (single-device training on
 the whole batch). Parameters' gradients are synchronised once per step (`PlanExecutor.sync_grads`).
@@ -85,10 +94,11 @@ from planner.tracing.opgraph import OpGraph
 from planner.vocab.placements import device_mesh_shape
 from planner.vocab.plan_check import validate
 from planner.vocab.plan_file import ParallelPlan, StagePlan
-from planner.vocab.strategy import StageProgram
+from planner.vocab.strategy import StageProgram, tied_copies_align
 from runtime import boundary, comm_count
 from runtime.device_ops import run_device
 from runtime.executor import PlanExecutor
+from runtime.grad_sync import TiedCopy, sync_tied
 from runtime.meshes import device_mesh
 from runtime.redistribute import redistribute
 from runtime.schedules import (
@@ -98,7 +108,7 @@ from runtime.schedules import (
     interleaved_order,
     schedule_order,
 )
-from runtime.stages import StageGraph, split_stages, stage_program
+from runtime.stages import StageGraph, check_tied, split_stages, stage_program
 
 __all__ = ["PipelineRunner", "layer_of_nodes", "schedule_order", "stage_mesh"]
 
@@ -180,6 +190,8 @@ class PipelineRunner:
         self.meshes = self._build_meshes(device_type)
         # boundary values travel in pieces, gathered within each stage (`runtime.boundary`)
         self._groups = boundary.stage_groups([s.devices for s in plan.stages])
+        check_tied(self.stages, plan)
+        self.tied = self._tied_copies(device_type)
         self.chunks = [i for i, s in enumerate(plan.stages) if self.rank in s.devices]
         self.index: int | None = self.chunks[0] if self.chunks else None
         fallback = {f.split(":")[0] for f in plan.fallback_ops}
@@ -223,6 +235,41 @@ class PipelineRunner:
         return [
             meshes[tuple(s.devices), tuple(s.logical_mesh)] for s in self.plan.stages
         ]
+
+    def _tied_copies(self, device_type: str) -> list[TiedCopy]:
+        """This rank's copies of tied parameters and the process groups that sum their
+        gradients (`runtime.grad_sync.sync_tied`): when the copies lie alike, the ``"tied"``
+        dimension of a DeviceMesh shaped (copies, *stage mesh) over the holding stages' devices,
+        else one group over all their devices. A copy per device group (its first chunk holding
+        the parameter). Every rank creates every group, in the plan's order (collective over the
+        world)."""
+        out: list[TiedCopy] = []
+        for path, stages in self.plan.tied_params.items():
+            first: dict[int, int] = {}
+            for i in stages:
+                first.setdefault(i % self.groups, i)
+            held = [self.plan.stages[i] for i in first.values()]
+            if len(held) < 2:
+                continue  # the chunks of one device group share their copy
+            mine = next((s for s in held if self.rank in s.devices), None)
+            copies = [
+                (s.logical_mesh, s.param_placements[path], path in s.zero_params)
+                for s in held
+            ]
+            if tied_copies_align(copies):
+                shape = device_mesh_shape(tuple(held[0].logical_mesh))
+                ranks = torch.tensor([s.devices for s in held], dtype=torch.int64)
+                names = ("tied", *(f"stage{a}" for a in range(len(shape))))
+                mesh = device_mesh(device_type, ranks.view(len(held), *shape), names)
+                if mine is not None:
+                    out.append(TiedCopy(path, mesh.get_group("tied"), True, False))
+                continue
+            union = sorted({r for s in held for r in s.devices})
+            mesh = device_mesh(device_type, torch.tensor(union, dtype=torch.int64))
+            if mine is not None:
+                leader = self.rank == mine.devices[0]
+                out.append(TiedCopy(path, mesh.get_group(), False, leader))
+        return out
 
     def _program(self, c: int, fallback: set[str]) -> StageProgram:
         """The program chunk `c` runs (`runtime.stages.stage_program`)."""
@@ -281,8 +328,12 @@ class PipelineRunner:
         step."""
         out: dict[str, DTensor] = {}
         for c, ex in self.executors.items():
-            out.update(ex.place_params({p: params[p] for p in ex.opgraph.params}))
+            # a tied parameter another chunk of this rank placed already: one copy, shared
+            new = {p: params[p] for p in ex.opgraph.params if p not in out}
+            out.update(ex.place_params({**new, **out}))
             for path, places in self._zero[c].items():
+                if path not in new:
+                    continue
                 out[path] = redistribute(out[path].detach(), places).requires_grad_(
                     True
                 )
@@ -291,10 +342,13 @@ class PipelineRunner:
     def _gather_zero(self, params: dict[str, DTensor]) -> dict[str, DTensor]:
         """The parameters the chunks compute with: ZeRO shards all-gathered to their planned
         placements (new leaves, whose gradients accumulate over the micro-batches)."""
-        out = dict(params)
+        out, done = dict(params), set()
         for c, ex in self.executors.items():
             names = {v: k for k, v in ex.opgraph.placeholder_paths.items()}
             for path in self._zero[c]:
+                if path in done:  # tied, in an earlier chunk: gathered already
+                    continue
+                done.add(path)
                 want = ex.placements(ex._planned_output(names[path]))
                 with comm_count.site(f"fwd:zero:{path}"):
                     full = redistribute(params[path].detach(), want)
@@ -348,7 +402,8 @@ class PipelineRunner:
         self, params: dict[str, DTensor], used: dict[str, DTensor]
     ) -> None:
         """After the last backward of a step: reduce-scatter the ZeRO parameters' gradients
-        onto their shards, and synchronise the other parameters' accumulated gradients."""
+        onto their shards, synchronise the other parameters' accumulated gradients, then sum
+        the tied parameters' copies' gradients across their stages."""
         if self.zero_placements:
             self._scatter_zero(params, used)
         for ex in self.executors.values():
@@ -359,6 +414,8 @@ class PipelineRunner:
                     if k in params and k not in self.zero_placements
                 }
             )
+        if self.tied:  # tied parameters: sum the copies' gradients across the stages
+            sync_tied(params, self.tied)
 
     def _tag(self, m: int, value: str, dst: int, backward: bool) -> int:
         """The message tag of `value` of micro-batch `m` sent to (or, backward, from) chunk
@@ -411,7 +468,7 @@ class PipelineRunner:
                 buf = boundary.assemble(piece, meta.shape, self._group(c))
             x = ex._place(buf, ("R",) * ex.n_axes)
             inputs[v] = x.requires_grad_(True) if buf.is_floating_point() else x
-        out = ex.run_outputs(params, batch, buffers, inputs=inputs)
+        out = ex.run_outputs(params, batch, buffers, inputs=inputs, microbatch=m)
         state: dict[str, Any] = {"inputs": inputs}
         self._state[c, m] = state
         if st.is_last:

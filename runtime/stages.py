@@ -15,9 +15,13 @@ and returns, for a stage before the last, the values that later stages read (in
 
 `stage_program(stage_graph, stage_plan, fallback_nodes)` reads the plan's strings
 (``StagePlan.node_strategies``, ``param_placements``) as the `StageProgram` that
-`runtime.executor.PlanExecutor` runs, so the executor runs exactly the planned strategies. Leaves without a plan entry (batch inputs, buffers,
-received boundary values) are replicated: every rank of the stage holds the full tensor, and the
-edge to the first consumer only slices locally.
+`runtime.executor.PlanExecutor` runs, so the executor runs exactly the planned strategies. Leaves
+without a plan entry (batch inputs, buffers, received boundary values) are replicated: every rank
+of the stage holds the full tensor, and the edge to the first consumer only slices locally.
+
+A parameter read by the ops of several stages (tied weights: one placeholder in the traced graph,
+listed once by ``named_parameters``) is a placeholder of each of those stage graphs; the plan must
+list it in ``tied_params`` with exactly those stages (`check_tied`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,14 @@ from planner.tracing.opgraph import OpGraph, OpNode
 from planner.vocab.plan_file import ParallelPlan, StagePlan
 from planner.vocab.strategy import StageProgram
 
-__all__ = ["StageGraph", "split_stages", "stage_of_nodes", "stage_program"]
+__all__ = [
+    "StageGraph",
+    "check_tied",
+    "shared_params",
+    "split_stages",
+    "stage_of_nodes",
+    "stage_program",
+]
 
 INPUT_PREFIX = "stage_input:"
 
@@ -163,6 +174,36 @@ def _stage(
         model_name=graph.model_name,
     )
     return StageGraph(s, sub, inputs, outputs, s == S - 1)
+
+
+def shared_params(stages: list[StageGraph]) -> dict[str, list[int]]:
+    """Parameter path -> the stages (ascending) whose graphs read it, for the parameters read by
+    two or more stages (tied weights)."""
+    out: dict[str, list[int]] = {}
+    for st in stages:
+        for path in st.graph.params:
+            out.setdefault(path, []).append(st.index)
+    return {p: s for p, s in out.items() if len(s) > 1}
+
+
+def check_tied(stages: list[StageGraph], plan: ParallelPlan) -> None:
+    """The plan's ``tied_params`` must be the parameters its stage graphs share, each with the
+    stages that read it: a parameter in several stages is one tensor read by each of them."""
+    got = shared_params(stages)
+    if got != dict(plan.tied_params):
+        wrong = sorted(
+            p
+            for p in set(got) | set(plan.tied_params)
+            if got.get(p) != plan.tied_params.get(p)
+        )
+        p = wrong[0]
+        given = plan.tied_params.get(p)
+        said = f"give {p!r} to stages {given}" if given else f"do not list {p!r}"
+        raise MeshplanError(
+            f"the plan's tied_params {said}, but the plan's stages reading it in this model "
+            f"are {got.get(p) or 'only one'} (a tied parameter is one tensor read by several "
+            "stages, each holding a copy); plan it again with `meshplan plan`"
+        )
 
 
 def stage_program(

@@ -474,7 +474,11 @@ class _StageModule(nn.Module):
                     x = x.redistribute(ex.mesh, self.places[v])
             inputs[v] = x
         out = ex.run_outputs(
-            runner._used, runner._micro[m], runner._buffers, inputs=inputs
+            runner._used,
+            runner._micro[m],
+            runner._buffers,
+            inputs=inputs,
+            microbatch=m,
         )
         if self.st.is_last:
             loss = out[0] if isinstance(out, (list, tuple)) else out

@@ -11,27 +11,47 @@ submesh, intra-op solution, recomputation and `StageCost`. `assemble` turns it i
   its schedule keeps in flight (`cost_models.memory.microbatches_in_flight`, so GPipe holds all of
   them), summed over the stages (chunks) a device group runs;
 * iteration time: `cost_models.pipeline.iteration_time` of the stage times and the values crossing
-  each stage boundary (`predicted_iteration_time`, which the search also ranks candidates by).
+  each stage boundary (`predicted_iteration_time`, which the search also ranks candidates by);
+* tied parameters (one tensor read by the ops of several stages: an input embedding and the LM
+  head sharing its weight; `tied_params`): every stage reading one holds its own copy, placed
+  as that stage's solution places the parameter, listed in its ``param_placements`` and in the
+  plan's ``tied_params``. A copy beyond the first on a device group adds its parameter state
+  (the parameter's row of the stage solution's `node_costs`) to the stage's memory and its own
+  time to the stage's; summing the copies' gradients once per step (`tied_sync_seconds`) is a
+  fixed time per step of the iteration.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from cost_models.cluster import Cluster
+from cost_models.communication import LogicalMesh, MeshAxis, collective_time
+from cost_models.compute import step_overhead
 from cost_models.memory import microbatches_in_flight, stage_peak_bytes
 from cost_models.pipeline import iteration_time
 from planner.inter import stage_table as st
 from planner.intra.solve import StageSolution
 from planner.tracing.opgraph import OpGraph
+from planner.vocab.placements import shards
 from planner.vocab.plan_check import validate
 from planner.vocab.plan_file import Estimate, ParallelPlan, StagePlan
-from planner.vocab.strategy import strategy_to_json
+from planner.vocab.strategy import strategy_to_json, tied_copies_align
 
-__all__ = ["PlanSpec", "StageChoice", "StageCost", "assemble", "stage_from_profile"]
+__all__ = [
+    "PlanSpec",
+    "StageChoice",
+    "StageCost",
+    "assemble",
+    "param_readers",
+    "stage_from_profile",
+    "tied_params",
+    "tied_sync_seconds",
+]
 
 
 @dataclass(frozen=True)
@@ -121,32 +141,164 @@ def stage_devices(spec: PlanSpec) -> list[list[int]]:
     return [groups[c % p] for c in range(len(spec.stages))]
 
 
+# the last few graphs' parameter readers: the search prices many plans of one traced graph
+_READERS: list[tuple[OpGraph, dict[str, list[int]]]] = []
+
+
+def _param_ops(graph: OpGraph) -> dict[str, list[int]]:
+    """Parameter placeholder -> the indices (in ``graph.ops``) of the ops reading it."""
+    for g, table in _READERS:
+        if g is graph:
+            return table
+    table: dict[str, list[int]] = {}
+    for k, o in enumerate(graph.ops):
+        for u in dict.fromkeys(o.inputs):
+            if graph.node(u).op == "param":
+                table.setdefault(u, []).append(k)
+    _READERS.insert(0, (graph, table))
+    del _READERS[4:]
+    return table
+
+
+def param_readers(spec: PlanSpec) -> dict[str, list[int]]:
+    """Parameter placeholder -> the stages (ascending) whose ops read it; a parameter no op reads
+    is left out."""
+    starts = [a for a, _ in spec.layers]  # op index where each layer starts, ascending
+    stage_of = {
+        k: i
+        for i, s in enumerate(spec.stages)
+        for k in range(s.layers[0], s.layers[1] + 1)
+    }
+    return {
+        u: sorted({stage_of[bisect.bisect_right(starts, k) - 1] for k in ks})
+        for u, ks in _param_ops(spec.graph).items()
+    }
+
+
+def tied_params(spec: PlanSpec) -> dict[str, list[int]]:
+    """Parameter placeholder -> the stages reading it, for those read by two or more stages."""
+    return {u: s for u, s in param_readers(spec).items() if len(s) > 1}
+
+
+def _copies(spec: PlanSpec, stages: list[int]) -> list[int]:
+    """Of `stages` holding one tied parameter, those holding their own copy: the first chunk of
+    every device group (chunks of one group share the copy)."""
+    p = len(spec.stages) // spec.virtual_stages
+    first: dict[int, int] = {}
+    for i in stages:
+        first.setdefault(i % p, i)
+    return list(first.values())
+
+
+def _copy_costs(spec: PlanSpec) -> list[tuple[float, float]]:
+    """Per stage: (seconds per micro-batch, parameter-state bytes per device) of the tied
+    parameters' copies it holds beyond the first (whose cost the stage of the parameter's first
+    reader already has: `planner.inter.stage_table` attributes a parameter to that layer)."""
+    out = [(0.0, 0.0) for _ in spec.stages]
+    rows: dict[int, dict[str, np.ndarray]] = {}
+    for u, stages in tied_params(spec).items():
+        for i in _copies(spec, stages)[1:]:
+            sol = spec.stages[i].solution
+            if id(sol) not in rows:
+                names, table = sol.node_cost_table()
+                rows[id(sol)] = dict(zip(names, table))
+            row = rows[id(sol)][u]  # (time, forward time, parameter bytes, activations)
+            out[i] = (out[i][0] + float(row[0]), out[i][1] + float(row[2]))
+    return out
+
+
+def _ranks_axis(spec: PlanSpec, ranks: list[int]) -> MeshAxis:
+    """The devices `ranks` (global, host-major) as one collective's axis: inside a host (with
+    their stride when evenly spaced), evenly over hosts, or else one per host (the slowest)."""
+    M, k = spec.cluster.devices_per_host, len(ranks)
+    hosts: dict[int, int] = {}
+    for r in ranks:
+        hosts[r // M] = hosts.get(r // M, 0) + 1
+    if len(hosts) == 1:
+        gaps = {b - a for a, b in zip(sorted(ranks), sorted(ranks)[1:])}
+        return MeshAxis(k, k, 1, gaps.pop() if len(gaps) == 1 else 1)
+    if len(set(hosts.values())) == 1:
+        return MeshAxis(k, k // len(hosts), len(hosts))
+    return MeshAxis(k, 1, k)
+
+
+def tied_sync_seconds(spec: PlanSpec, devices: list[list[int]] | None = None) -> float:
+    """Seconds per step of summing the gradients of the tied parameters' copies across the
+    device groups holding them (after the last backward; `runtime.grad_sync.sync_tied`): when
+    the copies lie alike (`planner.vocab.strategy.tied_copies_align`), an all-reduce of one
+    device's gradient shard over the devices at one mesh position of every copy's stage (the
+    positions in parallel); otherwise every copy's gradient all-gathered within its stage, then
+    an all-reduce of the whole gradient over all the copies' devices."""
+    devices = devices or stage_devices(spec)
+    cluster, total = spec.cluster, 0.0
+    for u, stages in tied_params(spec).items():
+        held = _copies(spec, stages)
+        if len(held) < 2:
+            continue
+        nbytes = float(spec.graph.node(u).output_bytes)
+        choice = [spec.stages[i].solution.choice[u] for i in held]
+        meshes = [spec.stages[i].solution.mesh_shape for i in held]
+        places = [c.strategy.output[0] for c in choice]
+        if tied_copies_align(zip(meshes, places, (c.zero for c in choice))):
+            local = nbytes / shards(places[0], meshes[0])
+            if choice[0].zero:  # ZeRO shards it further over the replicating axes
+                local /= np.prod(
+                    [n for p, n in zip(places[0], meshes[0]) if p == "R"] or [1]
+                )
+            axis = _ranks_axis(spec, [devices[i][0] for i in held])
+            total += collective_time(cluster, "all_reduce", local, axis)
+            continue
+        gather = 0.0
+        for i, pl, mesh in zip(held, places, meshes):
+            logical = LogicalMesh(cluster, spec.stages[i].submesh, mesh)
+            gather = max(
+                gather,
+                sum(
+                    logical.all_gather(nbytes, a)
+                    for a, x in enumerate(pl)
+                    if x != "R" and mesh[a] > 1
+                ),
+            )
+        union = sorted({r for i in held for r in devices[i]})
+        total += gather + collective_time(
+            cluster, "all_reduce", nbytes, _ranks_axis(spec, union)
+        )
+    return total
+
+
 def predicted_iteration_time(
     spec: PlanSpec, devices: list[list[int]] | None = None
 ) -> float:
-    """The plan's iteration time (`cost_models.pipeline.iteration_time`)."""
+    """The plan's iteration time (`cost_models.pipeline.iteration_time`): the stages' times with
+    their tied copies' (`_copy_costs`), and the tied gradients' sum (`tied_sync_seconds`) with
+    the runtime's fixed time per step."""
+    devices = devices or stage_devices(spec)
+    copies = _copy_costs(spec)
     return iteration_time(
         spec.cluster,
-        [s.cost.time_s for s in spec.stages],
+        [s.cost.time_s + c[0] for s, c in zip(spec.stages, copies)],
         st.stage_boundary_bytes(
             spec.graph, spec.layers, [s.layers[1] for s in spec.stages]
         ),
-        devices or stage_devices(spec),
+        devices,
         spec.num_microbatches,
         spec.schedule,
         virtual_stages=spec.virtual_stages,
+        step_s=step_overhead(spec.cluster) + tied_sync_seconds(spec, devices),
     )
 
 
 def device_memory(spec: PlanSpec) -> list[float]:
     """Peak bytes per device of every stage's device group: each chunk's
-    `cost_models.memory.stage_peak_bytes` with the micro-batches the schedule keeps in flight on
-    its group, summed over the group's chunks."""
+    `cost_models.memory.stage_peak_bytes` (its parameter state with its tied copies'
+    (`_copy_costs`)) with the micro-batches the schedule keeps in flight on its group, summed
+    over the group's chunks."""
     S, v = len(spec.stages), spec.virtual_stages
     p = S // v
+    copies = _copy_costs(spec)
     chunk = [
         stage_peak_bytes(
-            s.cost.param_bytes,
+            s.cost.param_bytes + copies[c][1],
             s.cost.kept_bytes,
             s.cost.transient_bytes,
             microbatches_in_flight(
@@ -177,18 +329,24 @@ def _data_parallel_axes(
 
 def _stage_plan(
     spec: PlanSpec,
-    s: StageChoice,
+    i: int,
     layer_of: dict[str, int],
+    readers: dict[str, list[int]],
     devices: list[int],
     memory: float,
+    copy_s: float,
 ) -> StagePlan:
+    """Stage `i`'s plan: the parameters its ops read (a tied one in every reader; one no op reads
+    in the stage of its layer) and the strategies of its ops."""
+    s = spec.stages[i]
     graph, sol = spec.graph, s.solution
     k, j = s.layers
     mine = {n for n, layer in layer_of.items() if k <= layer <= j}
     params = {
         graph.placeholder_paths[n]: list(o.strategy.output[0])
         for n, o in sol.choice.items()
-        if n in mine and graph.node(n).op == "param"
+        if graph.node(n).op == "param"
+        and (i in readers[n] if n in readers else n in mine)
     }
     return StagePlan(
         layers=s.layers,
@@ -197,7 +355,7 @@ def _stage_plan(
         logical_mesh=sol.mesh_shape,
         recompute=s.recompute,
         param_placements=params,
-        time_s=s.cost.time_s,
+        time_s=s.cost.time_s + copy_s,
         memory_bytes=memory,
         compute_s=s.cost.compute_s,
         grad_sync_s=float(sol.grad_sync_s),
@@ -217,9 +375,11 @@ def assemble(spec: PlanSpec) -> ParallelPlan:
     devices = stage_devices(spec)
     memory = device_memory(spec)
     layer_of = st.layer_of_nodes(graph, spec.layers)
+    readers = param_readers(spec)
+    copies = _copy_costs(spec)
     stages = [
-        _stage_plan(spec, s, layer_of, devices[i], memory[i])
-        for i, s in enumerate(spec.stages)
+        _stage_plan(spec, i, layer_of, readers, devices[i], memory[i], copies[i][0])
+        for i in range(len(spec.stages))
     ]
     fallbacks = {
         f
@@ -255,6 +415,10 @@ def assemble(spec: PlanSpec) -> ParallelPlan:
         virtual_stages=spec.virtual_stages,
         fallback_ops=sorted(fallbacks),
         memory_budget_bytes=spec.memory_budget,
+        tied_params={
+            graph.placeholder_paths[u]: stages
+            for u, stages in tied_params(spec).items()
+        },
     )
     validate(plan, "the planner's plan")  # what the planner emits, the runtime can run
     return plan

@@ -390,6 +390,63 @@ def _placements(p: Plan) -> None:
                     check(pl, f"{path}.outputs[{k}]", n)
 
 
+def _tied(p: Plan) -> None:
+    """A parameter is in the param_placements of several stages only when it is one tensor read
+    by each of them (tied weights): then tied_params lists it with exactly those stages (two or
+    more, ascending). Chunks of one device group hold one copy: they place it alike."""
+    S = len(p.stages)
+    _expect(
+        isinstance(p.tied_params, dict),
+        "tied_params",
+        p.tied_params,
+        "an object (parameter path -> the stages holding it)",
+    )
+    holders: dict[str, list[int]] = {}
+    for i, s in enumerate(p.stages):
+        for name in s.param_placements:
+            holders.setdefault(name, []).append(i)
+    for name, stages in p.tied_params.items():
+        at = f"tied_params[{show(name)}]"
+        _expect(
+            isinstance(stages, list)
+            and len(stages) >= 2
+            and all(_is_int(i) and i < S for i in stages)
+            and stages == sorted(set(stages)),
+            at,
+            stages,
+            f"a list of two or more distinct stage indices (0..{S - 1}), ascending",
+        )
+        missing = next((i for i in stages if i not in holders.get(name, [])), None)
+        _need(
+            missing is None,
+            at,
+            f"names stages[{missing}], which has no placement for {show(name)} in its "
+            "param_placements (every stage holding a tied parameter places its copy)",
+        )
+    for name, stages in holders.items():
+        if len(stages) > 1 and p.tied_params.get(name) != stages:
+            raise Invalid(
+                f"stages[{stages[1]}].param_placements[{show(name)}]",
+                f"also a parameter of stages[{stages[0]}]; a parameter may be in several "
+                "stages only when it is one tensor read by each of them (tied weights), "
+                f"listed in tied_params as {show({name: stages})}",
+            )
+    groups = S // p.virtual_stages
+    for name, stages in p.tied_params.items():
+        first: dict[int, int] = {}
+        for i in stages:
+            j = first.setdefault(i % groups, i)
+            a, b = p.stages[j], p.stages[i]
+            _need(
+                a.param_placements[name] == b.param_placements[name]
+                and (name in a.zero_params) == (name in b.zero_params),
+                f"stages[{i}].param_placements[{show(name)}]",
+                f"{show(b.param_placements[name])} differs from stages[{j}]'s "
+                f"{show(a.param_placements[name])} (or only one shards it with ZeRO): chunks "
+                "of one device group hold one copy of a tied parameter",
+            )
+
+
 # In order: a rule may rely on the types the rules before it checked.
 _RULES = (
     _settings,
@@ -401,6 +458,7 @@ _RULES = (
     _devices,
     _meshes,
     _placements,
+    _tied,
 )
 
 

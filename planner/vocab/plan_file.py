@@ -91,6 +91,11 @@ class ParallelPlan:
     fallback_ops: list[str] = field(default_factory=list)
     memory_budget_bytes: float | None = None
     format_version: int = FORMAT_VERSION
+    # Tied parameters: path -> the stages (ascending) whose ops read this one tensor (an input
+    # embedding and the LM head sharing its weight). Each of them holds its own copy, placed as
+    # its param_placements say; the copies start equal, their gradients are summed across these
+    # stages after every step, and a checkpoint saves the first stage's copy.
+    tied_params: dict[str, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -133,3 +133,19 @@ def consumed_output(producer: torch.fx.Node, consumer: torch.fx.Node) -> int:
     """Index into ``Strategy.output`` of `producer` that `consumer` reads (its getitem index, else 0)."""
     src = getitem_source(consumer)
     return src[1] if src is not None and src[0] is producer else 0
+
+
+# ------------------------------------------------------------------------- tied parameters
+
+
+def tied_copies_align(
+    copies: Iterable[tuple[Iterable[int], Iterable[str], bool]],
+) -> bool:
+    """Whether the copies of a tied parameter, each given as (its stage's logical mesh shape, its
+    placements, whether ZeRO shards it), lie alike: equal meshes, placements and ZeRO. Then the
+    device at mesh position i of every copy's stage holds the same shard, and one all-reduce per
+    mesh position over those devices sums the copies' gradients. Otherwise each copy's gradient
+    is gathered whole within its stage and summed over all the copies' devices (the runtime's
+    `runtime.grad_sync.sync_tied` and the planner's price, `planner.plans.assemble`)."""
+    keys = {(tuple(m), tuple(p), bool(z)) for m, p, z in copies}
+    return len(keys) <= 1
