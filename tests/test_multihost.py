@@ -9,7 +9,7 @@ on one host, first or second) stops the other host's ranks at once, both launche
 non-zero, instead of leaving them in `init_process_group` until `--timeout`. The README's
 commands are the ones run here (`test_readme_gives_the_commands_run_here`).
 
-Joining (`runtime.commands.run.join_peers`) is also checked in-process against a store of our own:
+Joining (`runtime.torchrun.join_peers`) is also checked in-process against a store of our own:
 a failure reported by one rank, a rank that never comes, a rank given another plan; and a plan for
 another hosts x devices shape is refused before any process group forms.
 """
@@ -36,8 +36,8 @@ from cost_models.errors import MeshplanError
 from cost_models.profile import CollectiveFit, save_profile
 from planner.plans.manual import manual_plan
 from runtime.cli import main
-from runtime.commands.run import PeerFailed, join_peers, tell_peers
 from runtime.launch import free_port
+from runtime.torchrun import PeerFailed, join_peers, tell_peers
 from runtime.train import seeded_model_and_batches
 
 REPO = Path(__file__).resolve().parents[1]

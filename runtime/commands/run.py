@@ -13,19 +13,12 @@ MASTER_PORT: torchrun), this process is one rank and joins that group; otherwise
 starts one process per device of the plan here (gloo on CPU, NCCL when there is a GPU per rank),
 fails fast when any rank raises or dies (the error names the rank), and enforces ``--timeout``.
 
-Under torchrun, on one host or several: global rank r runs plan device r. Devices are numbered
-host-major and torchrun numbers ranks node by node, so the plan's host h is torchrun's node h
-(``--node-rank``) and its device d of that host is LOCAL_RANK d (the GPU of that index); the plan's
-hosts x devices per host must therefore equal ``--nnodes`` x ``--nproc-per-node``
-(`check_torchrun_shape`), or a mesh axis planned inside a host would run across hosts. torchrun
-starts every host's ranks only once all hosts' launchers have met, but a rank that fails before it
-joins the process group (a missing plan file on one host) would leave the others waiting in
-``init_process_group`` until ``--timeout``. So every rank first joins on the launchers' own store
-(`join_peers`): a rank that fails before joining writes its error there and every other rank stops
-within a second naming it (or, where host 0's launcher, which serves that store, has already
-exited with its failed ranks, saying the store is gone); a rank that never arrives (a host whose
-launcher died) stops the others after ``--join-timeout`` seconds. Ranks given different plans or
-options (`run_digest`) are refused there too.
+Under torchrun, on one host or several, global rank r runs plan device r (on LOCAL_RANK's GPU where
+there are GPUs). Before the process group forms, `runtime.torchrun` checks torchrun's nodes x
+processes per node against the plan's hosts x devices, and every rank meets the others on
+torchrun's store, so that a rank failing before the group forms, a rank that never comes, or ranks
+given different plans or options stop every rank at once (``--join-timeout``) instead of leaving
+them in ``init_process_group`` until ``--timeout``.
 
 Checks made before any process starts: the plan's model fingerprint against MODEL (traced on meta
 tensors in the plan's dtype), the process count against the plan's devices, and the dtype: CPU
@@ -38,7 +31,6 @@ the plan's dtype.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import signal
@@ -47,23 +39,19 @@ import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from cost_models.errors import MeshplanError
 from planner.vocab.plan_file import ParallelPlan
-
-if TYPE_CHECKING:
-    from torch.distributed import TCPStore
+from runtime.torchrun import (
+    agent_store,
+    check_torchrun_shape,
+    join_peers,
+    run_digest,
+    tell_peers,
+)
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 FAULT_KINDS = ("kill", "exit", "raise")
-JOIN_POLL_S = 0.25  # how often a joining rank looks for its peers and their failures
-# Seconds a rank tries to reach torchrun's store (connecting, and each request).
-STORE_TIMEOUT_S = 15.0
-
-
-class PeerFailed(MeshplanError):
-    """This rank stops because another rank failed before the group formed (not re-reported)."""
 
 
 @dataclass(frozen=True)
@@ -133,124 +121,6 @@ def plan_world_size(plan: ParallelPlan) -> int:
             f"plan places stages on devices {devices}; expected ranks 0..n-1 each used once"
         )
     return len(devices)
-
-
-def check_torchrun_shape(plan: ParallelPlan, env: Mapping[str, str]) -> None:
-    """The plan's hosts x devices per host against torchrun's nodes x processes per node
-    (GROUP_WORLD_SIZE, LOCAL_WORLD_SIZE); skipped where torchrun did not set them."""
-    hosts, per_host = plan.cluster.get("hosts"), plan.cluster.get("devices_per_host")
-    nodes, local = env.get("GROUP_WORLD_SIZE"), env.get("LOCAL_WORLD_SIZE")
-    if None in (hosts, per_host, nodes, local):
-        return
-    if (int(nodes), int(local)) != (hosts, per_host):
-        spec = plan.cluster.get("spec", f"{hosts}x{per_host}")
-        raise MeshplanError(
-            f"the plan is for {hosts} host(s) x {per_host} devices ({spec}), but torchrun "
-            f"started {nodes} node(s) x {local} processes; run torchrun with --nnodes {hosts} "
-            f"--nproc-per-node {per_host}, or plan for --cluster {nodes}x{local}x..."
-        )
-
-
-def _join_prefix(env: Mapping[str, str]) -> str:
-    """Keys of this launch attempt on torchrun's store (a restarted group starts afresh)."""
-    run_id = env.get("TORCHELASTIC_RUN_ID", "none")
-    return f"meshplan/join/{run_id}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-
-
-_STORES: dict[tuple[str, int], TCPStore] = {}
-
-
-def _agent_store(env: Mapping[str, str]) -> TCPStore | None:
-    """This process's client of the store torchrun's launchers share (MASTER_ADDR:MASTER_PORT),
-    or None when the ranks do not use it (TORCHELASTIC_USE_AGENT_STORE unset: rank 0 serves the
-    store itself once it initialises the process group, so there is nothing to join on before).
-    `run` connects at once: on a connection made before the first host's launcher exits, every
-    later request fails at once instead of retrying to connect for STORE_TIMEOUT_S."""
-    import datetime
-
-    import torch.distributed as dist
-
-    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
-        return None
-    key = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
-    if key not in _STORES:
-        _STORES[key] = dist.TCPStore(
-            *key,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
-        )
-    return _STORES[key]
-
-
-def tell_peers(exc: BaseException, env: Mapping[str, str] | None = None) -> None:
-    """Write this rank's failure where ranks that are joining (`join_peers`) look, so they stop
-    at once instead of waiting for it. Best effort: a store that cannot be reached is only
-    reported on stderr."""
-    if isinstance(exc, PeerFailed):
-        return
-    env = os.environ if env is None else env
-    text = " ".join(str(exc).split())[:300]
-    if not isinstance(exc, MeshplanError):
-        text = f"{type(exc).__name__}: {text}"
-    try:
-        store = _agent_store(env)
-        if store is not None:  # the first failure stays (set only where no key is yet)
-            store.compare_set(
-                _join_prefix(env) + "failed", "", f"rank {env['RANK']}: {text}"
-            )
-    except Exception as err:  # noqa: BLE001 - the failure being reported matters, not this one
-        print(f"meshplan run: could not tell the other ranks: {err}", file=sys.stderr)
-
-
-def run_digest(plan: ParallelPlan, cfg: RunConfig) -> str:
-    """What every rank must agree on: the plan (less its planning time) and the run's options."""
-    text = json.dumps(plan.to_json() | {"planner_time_s": None}, sort_keys=True)
-    return hashlib.sha256((text + repr(cfg)).encode()).hexdigest()[:16]
-
-
-def join_peers(
-    join_timeout_s: float, digest: str, env: Mapping[str, str] | None = None
-) -> None:
-    """Wait until every rank of the torchrun group has passed its checks (then the process group
-    can form without waiting on a rank that will never come); raise MeshplanError naming a rank
-    that failed first (`tell_peers`), a rank given another plan or options (`digest`, from
-    `run_digest`), or saying how many ranks came within `join_timeout_s`."""
-    env = os.environ if env is None else env
-    world, prefix = int(env["WORLD_SIZE"]), _join_prefix(env)
-    joined, done, failed = prefix + "joined", prefix + "done", prefix + "failed"
-    deadline = time.monotonic() + join_timeout_s
-    try:
-        store = _agent_store(env)
-        if store is None:
-            return
-        first = store.compare_set(prefix + "digest", "", f"{env['RANK']} {digest}")
-        other, theirs = first.decode().split(" ", 1)
-        if theirs != digest:
-            raise MeshplanError(
-                f"rank {env['RANK']} was given another plan or other options than rank "
-                f"{other}; run every host with the same plan file and `meshplan run` options"
-            )
-        if store.add(joined, 1) >= world:
-            store.set(done, "1")
-        while not store.check([done]):
-            if store.check([failed]):
-                raise PeerFailed(
-                    f"rank {env['RANK']} stops: {store.get(failed).decode()} (before every "
-                    "rank joined the process group)"
-                )
-            if time.monotonic() > deadline:
-                raise MeshplanError(
-                    f"only {store.add(joined, 0)} of {world} ranks joined within "
-                    f"{join_timeout_s:g} s (--join-timeout): a host's launcher failed or was "
-                    "not started; see every host's torchrun output"
-                )
-            time.sleep(JOIN_POLL_S)
-    except RuntimeError as exc:  # torch.distributed.DistError: the store went away
-        raise PeerFailed(
-            f"rank {env['RANK']} lost torchrun's store at {env['MASTER_ADDR']}:"
-            f"{env['MASTER_PORT']} while joining (did the first host's launcher stop?): "
-            + " ".join(str(exc).split())[:200]
-        ) from None
 
 
 def check_plan_model(plan: ParallelPlan, model: str) -> str:
@@ -418,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
     if launch_mode() != "torchrun":
         return _run(args)
     try:
-        _agent_store(os.environ)  # connect now (see `_agent_store`)
+        agent_store(os.environ)  # connect now (see `runtime.torchrun.agent_store`)
         return _run(args)
     except Exception as exc:
         tell_peers(exc)
