@@ -50,7 +50,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -60,8 +60,8 @@ from cost_models.errors import MeshplanError
 from planner.tracing.opgraph import OpGraph
 from planner.tracing.tracer import is_random
 
-if TYPE_CHECKING:
-    from runtime.executor import PlanExecutor
+# A `runtime.executor.PlanExecutor`; not imported, since the executor imports this module.
+PlanExecutor = Any
 
 __all__ = [
     "DropoutMasks",
