@@ -11,7 +11,11 @@ On the tensor-parallel axis (Megatron's rules, for the built-in GPT and MoE mode
     token embedding and LM head:                  split by vocabulary          S(0)
     MoE expert weights wi [E, h, f] / wo [E, f, h]: split by f                  S(2) / S(1)
     (Mixtral's w_gate and w_up [E, h, f] / w_down [E, f, h] alike)
-    everything else:                              replicated
+    everything else (norms, routers):             replicated
+
+DeepSeek-MoE (`planner.models.deepseek`) needs no rule of its own: its dense blocks are Llama's, and
+a mixture block holds its shared experts as ``mlp.gate``/``mlp.up``/``mlp.down`` (column, column,
+row, as Llama's MLP) and its routed experts as Mixtral's ``mlp.w_gate``/``w_up``/``w_down``.
 
 On an expert-parallel axis (GShard / DeepSpeed-MoE) the expert weights are also split by experts,
 S(0); every other parameter is replicated on every other axis (data parallelism, no ZeRO).

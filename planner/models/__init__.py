@@ -1,4 +1,5 @@
-"""Built-in models for demos, tests and benchmarks: GPT, GShard MoE, Wide-ResNet and a small MLP.
+"""Built-in models for demos, tests and benchmarks: GPT, Llama 3, Mixtral, DeepSeek-MoE, GShard MoE,
+Wide-ResNet and a small MLP.
 
 Every model's ``forward(*batch)`` returns the scalar training loss, builds on the meta device and
 traces with ``make_fx`` on fake tensors. ``build_model(name)`` turns a built-in name, a spec string

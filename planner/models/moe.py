@@ -13,6 +13,8 @@ gated mixture of ``E`` experts, in GShard's dense-dispatch formulation (Lepikhin
    tokens are dropped for that expert. The two kept gate values are renormalised to sum to one;
 4. ``dispatch[G, S, E, C]`` (0/1) and ``combine[G, S, E, C]`` (gate weights) are built from one-hot
    comparisons against ``arange`` (static shapes, no ``.item()``, traceable by ``make_fx``);
+   `topk_gating` is steps 2-4 for ``k`` choices (``top2_gating`` is its ``k = 2``; Mixtral and
+   DeepSeek-MoE route with it);
 5. ``x_e = einsum(dispatch, x) -> [E, G, C, h]``, the experts' FFN with stacked weights
    ``wi[E, h, f]``, ``wo[E, f, h]`` (GeLU in between, no biases, like Alpa's ``wi``/``wo``),
    and ``y = einsum(combine, expert_out) -> [G, S, h]``.
@@ -59,7 +61,18 @@ from planner.models.gpt import (
     lm_loss,
 )
 
-__all__ = ["MOE_CONFIGS", "MoE", "MoEBlock", "MoEConfig", "MoEMLP", "moe_param_count"]
+__all__ = [
+    "MOE_CONFIGS",
+    "MoE",
+    "MoEBlock",
+    "MoEConfig",
+    "MoEMLP",
+    "capacity",
+    "group_for",
+    "moe_param_count",
+    "top2_gating",
+    "topk_gating",
+]
 
 
 @dataclass(frozen=True)
@@ -131,9 +144,9 @@ def group_for(tokens: int, group_size: int) -> int:
     return s
 
 
-def capacity(group: int, experts: int, capacity_factor: float) -> int:
-    """Top-2 expert capacity of a group: ``min(S, ceil(2 S / E * capacity_factor))``."""
-    return min(group, math.ceil(2 * group / experts * capacity_factor))
+def capacity(group: int, experts: int, capacity_factor: float, k: int = 2) -> int:
+    """Top-`k` expert capacity of a group: ``min(S, ceil(k S / E * capacity_factor))``."""
+    return min(group, math.ceil(k * group / experts * capacity_factor))
 
 
 #: The MoE sizes of Alpa's end-to-end suite (seq 1024, vocab 32000, 16 heads, group 2048).
@@ -175,47 +188,83 @@ def _one_hot(index: torch.Tensor, n: int) -> torch.Tensor:
 def top2_gating(
     gates: torch.Tensor, capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GShard top-2 gating of float32 ``gates[G, S, E]`` (softmax outputs).
+    """GShard top-2 gating of float32 ``gates[G, S, E]`` (softmax outputs): `topk_gating` with
+    ``k = 2``. Returns ``combine[G, S, E, C]``, ``dispatch[G, S, E, C]`` (float32) and the scalar
+    auxiliary load-balancing loss."""
+    return topk_gating(gates, capacity, 2)
 
-    Returns ``combine[G, S, E, C]``, ``dispatch[G, S, E, C]`` (float32) and the scalar auxiliary
-    load-balancing loss.
+
+def topk_gating(
+    gates: torch.Tensor, capacity: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GShard's dense-dispatch gating generalised to top-`k`, for float32 ``gates[G, S, E]``.
+
+    Every token's choices are its ``k`` best experts (``argmax`` ``k`` times, ties to the lower
+    index). Each expert fills its ``capacity`` slots of a group in choice order, then token
+    order: all first choices of the group, then all second choices, ... (GShard's priority for
+    ``k = 2``); a choice that finds its expert full is dropped. The kept choices' gate values are
+    renormalised to sum to one per token. The auxiliary loss is GShard's, from the first choices
+    before capacity: ``E^2 * mean_{g,e}(density_e * mean_gate_e)`` (1 for uniform routing).
+
+    Returns ``combine[G, S, E, C]`` (gate weights), ``dispatch[G, S, E, C]`` (0/1), both float32,
+    and the scalar auxiliary loss. ``k = 2`` gives exactly what GShard's ``top2_gating`` gives.
     """
     e = gates.shape[-1]
-    index_1 = gates.argmax(dim=-1)
-    mask_1 = _one_hot(index_1, e)  # [G, S, E]
-    gate_1 = (gates * mask_1).sum(dim=-1)  # [G, S]
-    gates_without_1 = gates * (1.0 - mask_1)
-    index_2 = gates_without_1.argmax(dim=-1)
-    mask_2 = _one_hot(index_2, e)
-    gate_2 = (gates_without_1 * mask_2).sum(dim=-1)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= e:
+        raise MeshplanError(f"top-k gating needs 1 <= k <= experts={e}, got k={k!r}")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise MeshplanError(
+            f"gating capacity must be a positive integer, got {capacity!r}"
+        )
+    masks: list[torch.Tensor] = []  # [G, S, E] one-hot of each choice
+    values: list[torch.Tensor] = []  # [G, S] gate value of each choice
+    remaining = gates
+    for i in range(k):
+        mask = _one_hot(remaining.argmax(dim=-1), e)
+        masks.append(mask)
+        values.append((remaining * mask).sum(dim=-1))
+        if i < k - 1:
+            remaining = remaining * (1.0 - mask)
 
     # GShard's auxiliary loss, from the first choices before capacity is applied.
-    density = mask_1.mean(dim=1)  # [G, E]
+    density = masks[0].mean(dim=1)  # [G, E]
     density_proxy = gates.mean(dim=1)  # [G, E]
     aux = (density * density_proxy).mean() * float(e * e)
 
-    # Position of every token in its expert's buffer; drop tokens beyond the capacity.
-    pos_1 = torch.cumsum(mask_1, dim=1) - mask_1
-    mask_1 = mask_1 * (pos_1 < capacity).to(torch.float32)
-    pos_1 = (pos_1 * mask_1).sum(dim=-1)  # [G, S]
-    count_1 = mask_1.sum(dim=1, keepdim=True)  # [G, 1, E]
-    pos_2 = torch.cumsum(mask_2, dim=1) - mask_2 + count_1
-    mask_2 = mask_2 * (pos_2 < capacity).to(torch.float32)
-    pos_2 = (pos_2 * mask_2).sum(dim=-1)
+    # Position of every choice in its expert's buffer, after the earlier choices' kept tokens;
+    # drop the choices beyond the capacity.
+    positions: list[torch.Tensor] = []
+    offset: torch.Tensor | None = None  # [G, 1, E] slots taken by the earlier choices
+    for i in range(k):
+        mask = masks[i]
+        pos = torch.cumsum(mask, dim=1) - mask
+        if offset is not None:
+            pos = pos + offset
+        mask = mask * (pos < capacity).to(torch.float32)
+        masks[i] = mask
+        positions.append((pos * mask).sum(dim=-1))  # [G, S]
+        if i < k - 1:
+            count = mask.sum(dim=1, keepdim=True)
+            offset = count if offset is None else offset + count
 
-    gate_1 = gate_1 * mask_1.sum(dim=-1)
-    gate_2 = gate_2 * mask_2.sum(dim=-1)
-    denom = gate_1 + gate_2
+    values = [v * m.sum(dim=-1) for v, m in zip(values, masks)]
+    denom = values[0]
+    for v in values[1:]:
+        denom = denom + v
     denom = torch.where(denom > 0, denom, torch.ones_like(denom))
-    gate_1 = gate_1 / denom
-    gate_2 = gate_2 / denom
+    values = [v / denom for v in values]
 
-    slot_1 = mask_1.unsqueeze(-1) * _one_hot(pos_1, capacity).unsqueeze(
-        2
-    )  # [G, S, E, C]
-    slot_2 = mask_2.unsqueeze(-1) * _one_hot(pos_2, capacity).unsqueeze(2)
-    dispatch = slot_1 + slot_2
-    combine = gate_1[..., None, None] * slot_1 + gate_2[..., None, None] * slot_2
+    slots = [  # [G, S, E, C]: each kept choice's slot
+        mask.unsqueeze(-1) * _one_hot(pos, capacity).unsqueeze(2)
+        for mask, pos in zip(masks, positions)
+    ]
+    dispatch = slots[0]
+    for slot in slots[1:]:
+        dispatch = dispatch + slot
+    weighted = [v[..., None, None] * slot for v, slot in zip(values, slots)]
+    combine = weighted[0]
+    for w in weighted[1:]:
+        combine = combine + w
     return combine, dispatch, aux
 
 

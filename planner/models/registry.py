@@ -4,8 +4,9 @@ A name is one of
 
 * a built-in name (``list_models()``): the reference sizes ``gpt-125m`` ... ``gpt-76b``,
   ``llama3-8b``, ``llama3-70b``, ``llama3-405b``, ``mixtral-8x7b``, ``mixtral-8x22b``,
-  ``moe-380m`` ... ``moe-70b``, ``wresnet-250m`` ... ``wresnet-13b``, the small ``gpt-tiny``,
-  ``llama-tiny``, ``mixtral-tiny``, ``moe-tiny``, ``wresnet-tiny`` for tests and demos, and ``mlp``; case-insensitive;
+  ``deepseek-v3``, ``moe-380m`` ... ``moe-70b``, ``wresnet-250m`` ... ``wresnet-13b``, the small
+  ``gpt-tiny``, ``llama-tiny``, ``mixtral-tiny``, ``deepseek-tiny``, ``moe-tiny``,
+  ``wresnet-tiny`` for tests and demos, and ``mlp``; case-insensitive;
 * a spec string ``family:key=value,...`` (``SPEC_FORMS``), e.g.
   ``gpt:hidden=8192,layers=48,heads=64,seq=2048``; keys left out take the family's defaults;
 * a user's model ``package.module:factory``: the module is imported and ``factory`` called; it
@@ -15,7 +16,7 @@ A name is one of
   accepts ``device`` can build straight on the meta device. The returned module and batch are then
   moved to ``device`` (and floating tensors to ``dtype`` when one was given).
 
-Default batch sizes (``DEFAULT_BATCH``): 8 sequences for GPT and MoE (8 x seq tokens; enough for
+Default batch sizes (``DEFAULT_BATCH``): 8 sequences for the language models (8 x seq tokens; enough for
 data parallelism and micro-batching to be searched), 8 images for Wide-ResNet, 32 rows for the MLP.
 Benchmarks pass the reference global batch explicitly. On the meta device the example batch is meta
 too; elsewhere it is random but seeded (the same every call).
@@ -38,6 +39,12 @@ import torch
 from torch import nn
 
 from cost_models.errors import MeshplanError
+from planner.models.deepseek import (
+    DEEPSEEK_CONFIGS,
+    DeepSeek,
+    DeepSeekConfig,
+    deepseek_param_count,
+)
 from planner.models.gpt import GPT, GPT_CONFIGS, GPTConfig, gpt_param_count
 from planner.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, llama_param_count
 from planner.models.mixtral import (
@@ -168,6 +175,16 @@ _FAMILIES: dict[str, _Family] = {
         "mixtral:hidden=H,layers=L,heads=N,kv_heads=G,ffn=F[,experts=8,vocab=32000,seq=4096,"
         "group_size=4096,capacity_factor=1.0,aux_loss_coef=0.02,rope_theta=1e6,norm_eps=1e-5]",
     ),
+    "deepseek-moe": _Family(
+        DeepSeekConfig,
+        DeepSeek,
+        deepseek_param_count,
+        _token_batch,
+        8,
+        "deepseek-moe:hidden=H,layers=L,heads=N,kv_heads=G,ffn=F,experts=E,shared=S,top_k=K,"
+        "expert_ffn=FE,dense_layers=D[,vocab=129280,seq=4096,group_size=4096,"
+        "capacity_factor=1.0,aux_loss_coef=0.003,rope_theta=10000,norm_eps=1e-6]",
+    ),
     "moe": _Family(
         MoEConfig,
         MoE,
@@ -219,6 +236,24 @@ _NAMED: dict[str, tuple[str, Any]] = {
         "mixtral",
         MixtralConfig(
             hidden=64, layers=2, heads=4, kv_heads=2, ffn=96, vocab=512, seq=64
+        ),
+    ),
+    **{name: ("deepseek-moe", cfg) for name, cfg in DEEPSEEK_CONFIGS.items()},
+    "deepseek-tiny": (
+        "deepseek-moe",
+        DeepSeekConfig(
+            hidden=64,
+            layers=3,
+            heads=4,
+            kv_heads=2,
+            ffn=128,
+            experts=8,
+            shared=1,
+            top_k=3,
+            expert_ffn=16,
+            dense_layers=1,
+            vocab=512,
+            seq=64,
         ),
     ),
     **{name: ("moe", cfg) for name, cfg in MOE_CONFIGS.items()},
@@ -308,6 +343,10 @@ def _resolve(name: str) -> tuple[str, Any] | None:
     close = difflib.get_close_matches(key.lower(), list(_NAMED), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise MeshplanError(f"unknown model {key!r}{hint}; accepted: {_accepted_forms()}")
+
+
+def _is_hf(name: Any) -> bool:
+    return isinstance(name, str) and name.strip().lower().startswith("hf:")
 
 
 def get_config(name: str) -> Any:
@@ -446,6 +485,10 @@ def build_model(
         not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
     ):
         raise MeshplanError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if _is_hf(name):
+        from planner.models import hf
+
+        return hf.build(name, batch or 1, dev, dtype or torch.float32)
     resolved = _resolve(name)
     if resolved is None:
         return _call_factory(name, batch, dev, dtype)
@@ -460,6 +503,10 @@ def build_model(
 
 def param_count(name: str) -> int:
     """Number of parameters of ``name``: closed form for built-ins, counted on meta otherwise."""
+    if _is_hf(name):
+        from planner.models import hf
+
+        return hf.param_count(name)
     resolved = _resolve(name)
     if resolved is None:
         model, _ = _call_factory(name, None, torch.device("meta"), None)
