@@ -198,14 +198,9 @@ class DeepSeek(Llama):
     """DeepSeek-MoE language model; ``forward(tokens, targets)`` returns LM loss +
     ``aux_loss_coef`` times the mixture blocks' auxiliary losses."""
 
-    def __init__(
-        self, config: DeepSeekConfig, dtype: torch.dtype = torch.float32
-    ) -> None:
-        # Llama builds block i as `self.block_cls(config, dtype=dtype)`, for i = 0, 1, ... in
-        # order: the first `dense_layers` calls give Llama's dense blocks, the others `MoEBlock`s.
-        kinds = iter(
-            [llama.Block] * config.dense_layers + [MoEBlock] * config.moe_layers
-        )
-        self.block_cls = lambda c, dtype: next(kinds)(c, dtype=dtype)
-        super().__init__(config, dtype)
-        del self.block_cls  # the class attribute again: the instance holds no closure
+    def make_block(
+        self, c: DeepSeekConfig, index: int, dtype: torch.dtype
+    ) -> nn.Module:
+        """Llama's dense block for the first ``dense_layers``, then `MoEBlock`s."""
+        kind = llama.Block if index < c.dense_layers else MoEBlock
+        return kind(c, dtype=dtype)

@@ -216,7 +216,7 @@ class Llama(nn.Module):
         self.config = c = config
         self.wte = nn.Embedding(c.vocab, c.hidden, dtype=dtype)
         self.blocks = nn.ModuleList(
-            self.block_cls(c, dtype=dtype) for _ in range(c.layers)
+            self.make_block(c, i, dtype) for i in range(c.layers)
         )
         self.norm = RMSNorm(c.hidden, c.norm_eps, dtype=dtype)
         self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False, dtype=dtype)
@@ -226,6 +226,10 @@ class Llama(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def make_block(self, c: LlamaConfig, index: int, dtype: torch.dtype) -> nn.Module:
+        """Block `index` of the stack (a subclass may vary it by depth)."""
+        return self.block_cls(c, dtype=dtype)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of ``tokens`` (int64 ``[B, s]``) against ``targets``."""
