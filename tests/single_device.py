@@ -26,8 +26,11 @@ def train(
 def assert_same_parameters(
     got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], rel: float = 1e-5
 ) -> None:
-    """Every parameter present, each within `rel` relative (Frobenius) error of the reference."""
+    """Every parameter present, each within `rel` relative (Frobenius) error of the reference
+    (absolute `rel * 1e-3` for a reference of norm below 1e-3)."""
     assert set(got) == set(ref)
     for k, p in ref.items():
-        err = (got[k] - p).norm() / p.norm().clamp_min(1e-12)
+        # A parameter whose gradient is zero in exact arithmetic (attention's key bias) stays
+        # at a norm of rounding noise: measure it against 1e-3, not against that noise.
+        err = (got[k] - p).norm() / p.norm().clamp_min(1e-3)
         assert err < rel, (k, err.item())

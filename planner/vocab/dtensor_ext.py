@@ -6,7 +6,7 @@ What PyTorch lacks: no sharding strategy for ``aten._scaled_dot_product_flash_at
 decomposition cannot be traced by DTensor when ``is_causal`` (the mask is built by factory ops).
 `register_missing_rules` registers, in DTensor's own single-dim registry, the strategies PyTorch
 registers for the CUDA flash kernel: batch-sharded S(0) and head-sharded S(1) q/k/v/outputs
-(dropout_p == 0 only). The planner enumerates strategies after calling it; the runtime calls it
+(dropout_p == 0 only), and for the functional ``bernoulli.p`` of dropout. The planner enumerates strategies after calling it; the runtime calls it
 before running a plan, so that DTensor runs these ops exactly as planned.
 
 An op the planner could not shard (no DTensor strategy) is planned replicated ("fallback");
@@ -146,6 +146,20 @@ def register_missing_rules() -> None:
             # [grad_q, grad_k, grad_v, grad_out, q, k, v, out, logsumexp, (attn_mask)]
             return _sdpa_cpu_rules(args_schema, kwargs_schema, 1, 3, 6)
 
+    # A random sample shaped like its input (dropout's functional ``bernoulli.p``): any sharding
+    # of the input, the output alike (DTensor registers this for ``bernoulli_`` but not for the
+    # functional overload). Its values come from `runtime.dropout`, which slices one device's
+    # mask by the planned placement, so every sharding gives one device's numbers.
+    for op in (aten.bernoulli.p,):
+        if not _has_strategy(op):
+            _registered[0] += 1
+            register_single_dim_strategy(op, allow_uneven_sharding=True)(_like_input)
+
+
+def _like_input(op: Any, args_schema: tuple, kwargs_schema: dict) -> list:
+    """Output sharded as the input, along any of its dimensions; no Partial input."""
+    return [[_ShardingPlaceholder(d)] * 2 for d in range(len(args_schema[0].shape))]
+
 
 def register_fallback(op: torch._ops.OpOverload) -> bool:
     """Let DTensor run `op` replicated, as a plan's fallback assumes (DTensor's own
@@ -157,4 +171,12 @@ def register_fallback(op: torch._ops.OpOverload) -> bool:
         return False
     _propagator().register_op_strategy(op, replicate_op_strategy)
     _registered[0] += 1
+    # A custom op whose autograd formula calls a second custom op (transformers' grouped product
+    # and its ``..._backward``) meets that op on DTensors in backward: replicate it too.
+    if op.namespace != "aten":
+        packet = getattr(
+            getattr(torch.ops, op.namespace), f"{op._opname}_backward", None
+        )
+        for name in packet.overloads() if packet is not None else ():
+            register_fallback(getattr(packet, name))
     return True
