@@ -3,7 +3,7 @@
     meshplan bench --suite local [--gpus 2 4] [--json FILE]
     python -m benchmarks.local_suite [--procs 2 4] [--json FILE]
 
-For every case (a small GPT or MoE model on N local processes, `LOCAL_CASES`):
+For every case (a small GPT, GShard MoE or Mixtral model on N local processes, `LOCAL_CASES`):
 
 1. profile this machine with N ranks (`runtime.profiler`, `profile_options`): matrix products and
    memory bandwidth measured on every rank at once, the collectives on 2, 4, ... N ranks, and the
@@ -75,12 +75,17 @@ class LocalCase:
 
 GPT_SPEC = "gpt:hidden=128,layers=4,heads=4,seq=64,vocab=512"
 MOE_SPEC = "moe:hidden=64,layers=2,experts=4,heads=4,seq=32,vocab=256,group_size=32"
+MIXTRAL_SPEC = (
+    "mixtral:hidden=64,layers=2,heads=4,kv_heads=2,ffn=128,experts=4,seq=32,vocab=256,"
+    "group_size=32"
+)
 LOCAL_CASES = (
     LocalCase("gpt", GPT_SPEC, 2, 16),
     LocalCase("gpt", GPT_SPEC, 4, 16),
     LocalCase("gpt", GPT_SPEC, 8, 16),
     LocalCase("moe", MOE_SPEC, 2, 16),
     LocalCase("moe", MOE_SPEC, 4, 16),
+    LocalCase("mixtral", MIXTRAL_SPEC, 4, 16),
 )
 
 

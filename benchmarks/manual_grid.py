@@ -142,7 +142,7 @@ def grid(
     budget = cluster.device.memory_bytes
     groups: list[list[ManualConfig]] = []
     pruned = 0
-    eps = (False, True) if suite == "moe" else (False,)
+    eps = (False, True) if suite in ("moe", "mixtral") else (False,)
     for dp, tp, pp in parallel_degrees(
         cluster.num_devices,
         cluster.devices_per_host,

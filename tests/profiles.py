@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from cost_models.profile import PROFILE_VERSION, DeviceProfile, MatmulSample
+from cost_models.cluster import Cluster
+from cost_models.profile import (
+    PROFILE_VERSION,
+    CollectiveFit,
+    DeviceProfile,
+    MatmulSample,
+)
 
 
 def cpu_profile(**overrides: Any) -> DeviceProfile:
@@ -25,3 +31,18 @@ def cpu_profile(**overrides: Any) -> DeviceProfile:
         "host": "testhost",
     }
     return DeviceProfile(**(fields | overrides))
+
+
+def cpu_cluster(devices: int = 4) -> Cluster:
+    """`devices` CPU processes of one host with `cpu_profile`, collectives priced 20 us + 1 ns
+    per byte."""
+    fits = [
+        CollectiveFit(op, w, 20e-6, 1e-9)
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+        for w in (2, 4, 8, 16)
+        if w <= devices
+    ]
+    return Cluster.from_spec(
+        f"1x{devices}xCPU",
+        profile=cpu_profile(devices_per_host=devices, collectives=fits),
+    )

@@ -31,12 +31,10 @@ import pytest
 import single_device
 import torch
 import torch.nn.functional as F
-from profiles import cpu_profile
+from profiles import cpu_cluster
 from torch import nn
 
-from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
-from cost_models.profile import CollectiveFit
 from planner import plan, trace
 from planner.plans.manual import manual_plan
 from runtime.dropout import DropoutMasks, fused_dropout, random_sites
@@ -130,18 +128,6 @@ def _model_and_batches(name: str) -> tuple[nn.Module, list]:
     return model, _random_batches(example, STEPS, seed=1)
 
 
-def _cpu_cluster() -> Cluster:
-    """4 CPU devices of the test profile, with collectives priced 20 us + 1 ns per byte."""
-    fits = [
-        CollectiveFit(op, w, 20e-6, 1e-9)
-        for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
-        for w in (2, 4)
-    ]
-    return Cluster.from_spec(
-        "1x4xCPU", profile=cpu_profile(devices_per_host=4, collectives=fits)
-    )
-
-
 @functools.cache
 def _plans() -> dict[str, dict[str, tuple[Any, dict]]]:
     """model -> case -> (plan, Trainer keywords); ``own_draws``: every rank draws its own."""
@@ -160,7 +146,7 @@ def _plans() -> dict[str, dict[str, tuple[Any, dict]]]:
             "tp2_dp2": (manual(dp=2, tp=2, pp=1, num_microbatches=1), {}),
             "pp2_dp2": (manual(dp=2, tp=1, pp=2, num_microbatches=2), {}),
             "auto": (
-                plan(model, _cpu_cluster(), ex, global_batch=BATCH, dtype="float32"),
+                plan(model, cpu_cluster(4), ex, global_batch=BATCH, dtype="float32"),
                 {"seed": None},
             ),
         }

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import single_device
 import torch
+from profiles import cpu_cluster
 
 from cost_models.errors import MeshplanError
 from planner import plan, trace
@@ -68,14 +69,23 @@ def test_bad_specs_are_named() -> None:
 
 @functools.cache
 def _plans(spec: str) -> dict[str, Any]:
+    """Manual tp4, dp4 and pp2 x dp2 plans and the automatic plans for 4 A100s and for 4 CPU
+    processes (the one trained: the A100 plan is checked to be a valid plan of the model)."""
     kw = {"global_batch": BATCH, "dtype": "float32", "allow_oom": True}
     one = "1x4xA100-80GB"
+    a100 = plan(spec, one, global_batch=BATCH, dtype="float32")
+    a100.check_model(_fingerprint(spec), spec)
     return {
         "tp4": manual_plan(spec, one, dp=1, tp=4, pp=1, num_microbatches=1, **kw),
         "dp4": manual_plan(spec, one, dp=4, tp=1, pp=1, num_microbatches=1, **kw),
         "pp2_dp2": manual_plan(spec, one, dp=2, tp=1, pp=2, num_microbatches=2, **kw),
-        "auto": plan(spec, one, global_batch=BATCH, dtype="float32"),
+        "auto_cpu": plan(spec, cpu_cluster(4), global_batch=BATCH, dtype="float32"),
     }
+
+
+def _fingerprint(spec: str) -> str:
+    model, batch = build_model(spec, batch=1, device="meta")
+    return trace(model, batch).fingerprint()
 
 
 def _model_and_batches(spec: str) -> tuple[torch.nn.Module, list]:
@@ -84,46 +94,48 @@ def _model_and_batches(spec: str) -> tuple[torch.nn.Module, list]:
     return model, _random_batches(tuple(b), STEPS, seed=1)
 
 
-def _train(spec: str, plans: dict[str, Any]) -> dict[str, Any]:
-    """Body of every rank: each plan's losses and full parameters after `STEPS` SGD steps."""
+def _train(plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Body of every rank: per model, each plan's losses and full parameters after `STEPS` SGD
+    steps (one launch for every model: a launch costs several seconds)."""
     import logging
 
     from runtime.train import Trainer
 
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
-    out = {}
-    for name, p in plans.items():
-        model, batches = _model_and_batches(spec)
-        tr = Trainer(p, model, batches[0], lr=LR)
-        losses = [tr.step(b) for b in batches]
-        out[name] = {
-            "losses": losses,
-            "params": {k: v.numpy().copy() for k, v in tr.full_params().items()},
-        }
+    out: dict[str, Any] = {}
+    for spec, by_name in plans.items():
+        for name, p in by_name.items():
+            model, batches = _model_and_batches(spec)
+            tr = Trainer(p, model, batches[0], lr=LR)
+            losses = [tr.step(b) for b in batches]
+            out[spec, name] = {
+                "losses": losses,
+                "params": {k: v.numpy().copy() for k, v in tr.full_params().items()},
+            }
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SPECS))
-def test_trains_like_one_device(name: str) -> None:
-    """Tensor-parallel (tp4), data-parallel (dp4), two pipeline stages of dp2 and the automatic
-    plan on 4 gloo processes: 3 SGD steps give one device's losses and parameters within 1e-5."""
-    spec = SPECS[name]
-    model, batches = _model_and_batches(spec)
-    ref_losses, ref_params = single_device.train(
-        model,
-        batches,
-        torch.optim.SGD(model.parameters(), lr=LR),
-        lambda m, b: m(input_ids=b[0], labels=b[1]).loss,  # transformers' own call
-    )
-    ranks = launch(_train, 4, args=(spec, _plans(spec)), timeout_s=600)
-    for plan_name in _plans(spec):
-        params = {}
-        for r in ranks:
-            assert r[plan_name]["losses"] == pytest.approx(ref_losses, rel=1e-5), (
-                plan_name
-            )
-            params |= {
-                k: torch.from_numpy(v) for k, v in r[plan_name]["params"].items()
-            }
-        single_device.assert_same_parameters(params, ref_params)
+def test_trains_like_one_device() -> None:
+    """Every model of `SPECS` under tensor-parallel (tp4), data-parallel (dp4), two pipeline
+    stages of dp2 and the automatic plan for 4 CPU processes, on 4 gloo processes: 3 SGD steps
+    give one device's losses and parameters within 1e-5."""
+    plans = {SPECS[m]: _plans(SPECS[m]) for m in SPECS}
+    ranks = launch(_train, 4, args=(plans,), timeout_s=900)
+    for model_name, spec in SPECS.items():
+        model, batches = _model_and_batches(spec)
+        ref_losses, ref_params = single_device.train(
+            model,
+            batches,
+            torch.optim.SGD(model.parameters(), lr=LR),
+            lambda m, b: m(input_ids=b[0], labels=b[1]).loss,  # transformers' own call
+        )
+        for name in plans[spec]:
+            params = {}
+            for r in ranks:
+                got = r[spec, name]["losses"]
+                assert got == pytest.approx(ref_losses, rel=1e-5), (model_name, name)
+                params |= {
+                    k: torch.from_numpy(v) for k, v in r[spec, name]["params"].items()
+                }
+            single_device.assert_same_parameters(params, ref_params)
