@@ -47,13 +47,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cost_models.errors import MeshplanError
 from planner.models import llama, mixtral
 from planner.models.llama import Llama, LlamaConfig
-from planner.models.moe import capacity, group_for, topk_gating
 
 __all__ = [
     "DEEPSEEK_CONFIGS",
@@ -160,29 +158,14 @@ class DeepSeekMoE(llama.FeedForward):
     def __init__(self, c: DeepSeekConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(c.hidden, c.shared * c.expert_ffn, dtype=dtype)
         self.config = c
-        e, h, f = c.experts, c.hidden, c.expert_ffn
-        self.router = nn.Linear(h, e, bias=False, dtype=dtype)
-        self.w_gate = nn.Parameter(torch.empty(e, h, f, dtype=dtype))
-        self.w_up = nn.Parameter(torch.empty(e, h, f, dtype=dtype))
-        self.w_down = nn.Parameter(torch.empty(e, f, h, dtype=dtype))
-        for w in (self.w_gate, self.w_up, self.w_down):
-            nn.init.normal_(w, std=0.02)
+        mixtral.add_experts(self, c.experts, c.hidden, c.expert_ffn, dtype)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x[B, s, h] -> (shared(x) + routed(x), aux_loss)``."""
-        b, s, h = x.shape
         c = self.config
-        group = group_for(b * s, c.group_size)
-        xg = x.reshape(b * s // group, group, h)  # [G, S, h]
-        gates = F.softmax(self.router(xg).float(), dim=-1)  # [G, S, E]
-        slots = capacity(group, c.experts, c.capacity_factor, c.top_k)
-        combine, dispatch, aux = topk_gating(gates, slots, c.top_k)
-        combine, dispatch = combine.to(x.dtype), dispatch.to(x.dtype)
-        tokens = torch.einsum("gsec,gsm->egcm", dispatch, xg)
-        hidden = F.silu(torch.einsum("egcm,emf->egcf", tokens, self.w_gate))
-        hidden = hidden * torch.einsum("egcm,emf->egcf", tokens, self.w_up)
-        out = torch.einsum("egcf,efm->egcm", hidden, self.w_down)
-        routed = torch.einsum("gsec,egcm->gsm", combine, out).reshape(b, s, h)
+        routed, aux = mixtral.run_experts(
+            self, x, c.group_size, c.capacity_factor, c.top_k
+        )
         return super().forward(x) + routed, aux
 
 

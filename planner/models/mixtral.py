@@ -35,7 +35,7 @@ from torch import nn
 from cost_models.errors import MeshplanError
 from planner.models import llama
 from planner.models.llama import Llama, LlamaConfig
-from planner.models.moe import capacity, group_for, top2_gating
+from planner.models.moe import capacity, group_for, topk_gating
 
 __all__ = ["MIXTRAL_CONFIGS", "Mixtral", "MixtralConfig", "mixtral_param_count"]
 
@@ -90,37 +90,52 @@ def mixtral_param_count(c: MixtralConfig) -> int:
     return c.layers * block + 2 * c.vocab * h + h
 
 
+def add_experts(
+    m: nn.Module, experts: int, hidden: int, ffn: int, dtype: torch.dtype
+) -> None:
+    """Give `m` a router ``Linear(hidden, experts)`` and ``experts`` stacked SwiGLU experts of
+    width `ffn`: ``w_gate``, ``w_up`` ``[E, h, f]`` and ``w_down`` ``[E, f, h]``."""
+    m.router = nn.Linear(hidden, experts, bias=False, dtype=dtype)
+    m.w_gate = nn.Parameter(torch.empty(experts, hidden, ffn, dtype=dtype))
+    m.w_up = nn.Parameter(torch.empty(experts, hidden, ffn, dtype=dtype))
+    m.w_down = nn.Parameter(torch.empty(experts, ffn, hidden, dtype=dtype))
+    for w in (m.w_gate, m.w_up, m.w_down):
+        nn.init.normal_(w, std=0.02)
+
+
+def run_experts(
+    m: nn.Module, x: torch.Tensor, group_size: int, capacity_factor: float, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x[B, s, h] -> (y[B, s, h], aux_loss)``: top-`top_k` routing of each group's tokens to
+    the experts `add_experts` gave `m`, GShard's dense dispatch and combine (module docstring)."""
+    b, s, h = x.shape
+    group = group_for(b * s, group_size)
+    xg = x.reshape(b * s // group, group, h)  # [G, S, h]
+    gates = F.softmax(m.router(xg).float(), dim=-1)  # [G, S, E]
+    experts = gates.shape[-1]
+    slots = capacity(group, experts, capacity_factor, top_k)
+    combine, dispatch, aux = topk_gating(gates, slots, top_k)
+    combine, dispatch = combine.to(x.dtype), dispatch.to(x.dtype)
+    tokens = torch.einsum("gsec,gsm->egcm", dispatch, xg)
+    hidden = F.silu(torch.einsum("egcm,emf->egcf", tokens, m.w_gate))
+    hidden = hidden * torch.einsum("egcm,emf->egcf", tokens, m.w_up)
+    out = torch.einsum("egcf,efm->egcm", hidden, m.w_down)
+    y = torch.einsum("gsec,egcm->gsm", combine, out)
+    return y.reshape(b, s, h), aux
+
+
 class SparseMoE(nn.Module):
     """Top-2 routing to ``experts`` SwiGLU experts (module docstring)."""
 
     def __init__(self, c: MixtralConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = c
-        e, h, f = c.experts, c.hidden, c.ffn
-        self.router = nn.Linear(h, e, bias=False, dtype=dtype)
-        self.w_gate = nn.Parameter(torch.empty(e, h, f, dtype=dtype))
-        self.w_up = nn.Parameter(torch.empty(e, h, f, dtype=dtype))
-        self.w_down = nn.Parameter(torch.empty(e, f, h, dtype=dtype))
-        for w in (self.w_gate, self.w_up, self.w_down):
-            nn.init.normal_(w, std=0.02)
+        add_experts(self, c.experts, c.hidden, c.ffn, dtype)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x[B, s, h] -> (y[B, s, h], aux_loss)``."""
-        b, s, h = x.shape
         c = self.config
-        group = group_for(b * s, c.group_size)
-        xg = x.reshape(b * s // group, group, h)  # [G, S, h]
-        gates = F.softmax(self.router(xg).float(), dim=-1)  # [G, S, E]
-        combine, dispatch, aux = top2_gating(
-            gates, capacity(group, c.experts, c.capacity_factor)
-        )
-        combine, dispatch = combine.to(x.dtype), dispatch.to(x.dtype)
-        tokens = torch.einsum("gsec,gsm->egcm", dispatch, xg)
-        hidden = F.silu(torch.einsum("egcm,emf->egcf", tokens, self.w_gate))
-        hidden = hidden * torch.einsum("egcm,emf->egcf", tokens, self.w_up)
-        out = torch.einsum("egcf,efm->egcm", hidden, self.w_down)
-        y = torch.einsum("gsec,egcm->gsm", combine, out)
-        return y.reshape(b, s, h), aux
+        return run_experts(self, x, c.group_size, c.capacity_factor, 2)
 
 
 class Block(llama.Block):
