@@ -22,8 +22,10 @@ import sys
 from typing import Any
 
 from benchmarks.records import RESULTS, machine, write_results
+from cost_models.memory import param_state_bytes
 from planner.api import plan
 from planner.commands.plan import summary
+from planner.models import param_count
 from planner.vocab.plan_file import ParallelPlan
 
 MODEL, CLUSTER = "llama3-8b", "1x8xH100-80GB"
@@ -51,23 +53,45 @@ def _block_weights(p: ParallelPlan) -> dict[str, list[str]]:
 def weights_split(p: ParallelPlan) -> tuple[bool, str]:
     """Whether every attention and MLP weight of block 0 is sharded on some mesh axis."""
     weights = _block_weights(p)
-    replicated = [k for k, v in weights.items() if not any(x.startswith("S") for x in v)]
+    replicated = [
+        k for k, v in weights.items() if not any(x.startswith("S") for x in v)
+    ]
     ok = bool(weights) and not replicated
-    return ok, f"{len(weights) - len(replicated)} of {len(weights)} block weights split" + (
-        f"; replicated: {', '.join(replicated)}" if replicated else ""
+    return (
+        ok,
+        f"{len(weights) - len(replicated)} of {len(weights)} block weights split"
+        + (f"; replicated: {', '.join(replicated)}" if replicated else ""),
     )
+
+
+def replicated_state_gib(p: ParallelPlan) -> float:
+    """GiB per device that plain data parallelism needs before any activation: every device
+    holds all weights, gradients and optimizer state (`cost_models.memory.param_state_bytes`)."""
+    params = param_count(MODEL)
+    return param_state_bytes(params, p.optimizer, shards=1) / 2**30
 
 
 def data_parallel(p: ParallelPlan) -> tuple[bool, str]:
     """Whether every stage splits the batch over all of its devices."""
-    parts = []
+    budget = p.memory_budget_bytes / 2**30
+    bound = (
+        f"plain data parallelism needs {replicated_state_gib(p):.1f} GiB of weights, gradients "
+        f"and {p.optimizer} state per device, {budget:.1f} GiB available"
+    )
+    parts = [bound]
     ok = True
     for i, s in enumerate(p.stages):
         dp = math.prod(s.logical_mesh[a] for a in s.data_parallel_axes)
         devices = math.prod(s.logical_mesh)
         ok &= dp == devices
-        sharded = "weights sharded over them (FSDP-like)" if s.zero_params else "weights replicated"
-        parts.append(f"stage {i}: data-parallel over {dp} of {devices} devices, {sharded}")
+        sharded = (
+            "weights sharded over them (FSDP-like)"
+            if s.zero_params
+            else "weights replicated"
+        )
+        parts.append(
+            f"stage {i}: data-parallel over {dp} of {devices} devices, {sharded}"
+        )
     return ok, "; ".join(parts)
 
 
