@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_local(args: argparse.Namespace) -> int:
     """The local measured suite (`benchmarks.local_suite`)."""
     from benchmarks import local_suite as ls
-    from benchmarks.records import RESULTS, write_results
+    from benchmarks.records import RESULTS, merge_results, write_results
     from benchmarks.report import write_report
     from cost_models.errors import MeshplanError
 
@@ -127,6 +127,10 @@ def _run_local(args: argparse.Namespace) -> int:
         on_case=lambda case: print(ls.format_row(case), flush=True),
     )
     path = Path(args.json or RESULTS / f"local-{ls.DEVICE}.json")
+    # as for the predicted suites, a re-run of some process counts keeps the file's other cases
+    if args.gpus and path.exists():
+        results = merge_results(json.loads(path.read_text()), results)
+        results["summary"] = ls.summary(results["cases"])
     write_results(results, path)
     s = results["summary"]
     print(
