@@ -73,13 +73,15 @@ def _plans(spec: str) -> dict[str, Any]:
     processes (the one trained: the A100 plan is checked to be a valid plan of the model)."""
     kw = {"global_batch": BATCH, "dtype": "float32", "allow_oom": True}
     one = "1x4xA100-80GB"
-    a100 = plan(spec, one, global_batch=BATCH, dtype="float32")
+    # one micro-batch size (4 rows): the search over sizes is tested elsewhere (tests/test_plan.py)
+    auto = {"global_batch": BATCH, "dtype": "float32", "microbatch_size": 4}
+    a100 = plan(spec, one, **auto)
     a100.check_model(_fingerprint(spec), spec)
     return {
         "tp4": manual_plan(spec, one, dp=1, tp=4, pp=1, num_microbatches=1, **kw),
         "dp4": manual_plan(spec, one, dp=4, tp=1, pp=1, num_microbatches=1, **kw),
         "pp2_dp2": manual_plan(spec, one, dp=2, tp=1, pp=2, num_microbatches=2, **kw),
-        "auto_cpu": plan(spec, cpu_cluster(4), global_batch=BATCH, dtype="float32"),
+        "auto_cpu": plan(spec, cpu_cluster(4), **auto),
     }
 
 
