@@ -34,3 +34,16 @@ def assert_same_parameters(
         # at a norm of rounding noise: measure it against 1e-3, not against that noise.
         err = (got[k] - p).norm() / p.norm().clamp_min(1e-3)
         assert err < rel, (k, err.item())
+
+
+def train_plan(plan, model: torch.nn.Module, batches: list, lr: float) -> dict:
+    """In a rank of a launched group: the losses of SGD steps on `batches` under `plan` and this
+    rank's full parameters afterwards (numpy arrays, for the launcher to send back)."""
+    from runtime.train import Trainer
+
+    tr = Trainer(plan, model, batches[0], lr=lr)
+    losses = [tr.step(b) for b in batches]
+    return {
+        "losses": losses,
+        "params": {k: v.numpy().copy() for k, v in tr.full_params().items()},
+    }

@@ -101,19 +101,12 @@ def _train(plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
     steps (one launch for every model: a launch costs several seconds)."""
     import logging
 
-    from runtime.train import Trainer
-
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     out: dict[str, Any] = {}
     for spec, by_name in plans.items():
         for name, p in by_name.items():
             model, batches = _model_and_batches(spec)
-            tr = Trainer(p, model, batches[0], lr=LR)
-            losses = [tr.step(b) for b in batches]
-            out[spec, name] = {
-                "losses": losses,
-                "params": {k: v.numpy().copy() for k, v in tr.full_params().items()},
-            }
+            out[spec, name] = single_device.train_plan(p, model, batches, LR)
     return out
 
 

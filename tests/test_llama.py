@@ -145,18 +145,11 @@ def _train(spec: str, plans: dict[str, Any]) -> dict[str, Any]:
     """Body of every rank: each plan's losses and full parameters after `STEPS` SGD steps."""
     import logging
 
-    from runtime.train import Trainer
-
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     out = {}
     for name, p in plans.items():
         model, batches = _model_and_batches(spec)
-        tr = Trainer(p, model, batches[0], lr=LR)
-        losses = [tr.step(b) for b in batches]
-        out[name] = {
-            "losses": losses,
-            "params": {k: v.numpy().copy() for k, v in tr.full_params().items()},
-        }
+        out[name] = single_device.train_plan(p, model, batches, LR)
     return out
 
 
