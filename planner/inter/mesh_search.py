@@ -18,7 +18,7 @@ from cost_models.errors import MeshplanError
 from cost_models.memory import microbatches_in_flight
 from planner.inter import stage_table as st
 from planner.inter.stage_dp import stage_dp
-from planner.intra.ilp import solves_overlap
+from planner.intra.highs import solves_overlap
 from planner.intra.megatron import is_expert_weight, seed_filters
 from planner.intra.prices import Option
 from planner.tracing.opgraph import OpGraph
@@ -229,7 +229,7 @@ def search(
             )
 
     # The meshes' intra-op programs are independent: threads overlap one mesh's HiGHS solve with
-    # another's pricing (`planner.intra.ilp.solves_overlap`). Results are entered in job order, so the
+    # another's pricing (`planner.intra.highs.solves_overlap`). Results are entered in job order, so the
     # plan does not depend on the thread count. On an error or Ctrl-C the queued passes are
     # cancelled (the running ones finish first).
     pool = ThreadPoolExecutor(max_workers=_solver_threads())

@@ -22,31 +22,43 @@ Constraints
     sum_v sum_i m[v, i] * s[v, i] <= budget                        (per-device memory, bytes)
 
 Edges whose cost matrix is all zero add no variables. Nodes with one strategy are constants.
+Strategies another strategy of the same node dominates get no variable
+(`planner.intra.dominance`: exact, the optimum of every budget is kept).
 Solved with HiGHS when `highspy` is installed, CBC otherwise; a time limit returns the best
-solution found with a warning. Ties are broken deterministically by a tiny preference for lower
-strategy indices, so the same input always gives the same answer.
+solution found with a warning. Ties are broken by a tiny preference for lower strategy indices
+(`TIE`, relative to the largest cost); the solvers stop within a relative gap of 1e-7, above
+it, so among solutions that close the solver's path decides, the same for the same program.
 
-`ILPModel` builds the pulp model once (one dict per expression rather than term by term) and
-solves it under any budget: only the memory row changes, so the solves of a memory ladder share
-the build; `_BulkHiGHS` passes the model to highspy as arrays.
+`ILPModel` builds the program once (its columns and rows, no solver objects) and solves it under
+any budget: only the memory row changes, so the solves of a memory ladder share the build. HiGHS
+gets it as arrays (`planner.intra.highs`); CBC through pulp (`ILPModel.pulp_problem`, which
+`_BulkHiGHS` can also hand to HiGHS: the same arrays, tested).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import os
-import sys
-import threading
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 import pulp
 
 from cost_models.errors import MeshplanError, gib
+from planner.intra import dominance, highs
+from planner.intra.highs import solves_overlap
+
+__all__ = [
+    "ILPModel",
+    "ILPProblem",
+    "ILPSolution",
+    "brute_force",
+    "min_memory",
+    "solve",
+    "solves_overlap",
+]
 
 
 @dataclass
@@ -129,108 +141,161 @@ def _check_fits(problem: ILPProblem, budget: float | None) -> None:
 
 
 class ILPModel:
-    """The program of one `ILPProblem` as a pulp model, built once and solved under any memory
-    budget (the problem's own `memory_budget` is ignored: `solve` takes the budget). The memory
-    row is the model's last row, replaced for each budget, so a memory ladder builds the model
-    once.
+    """The program of one `ILPProblem`, built once and solved under any memory budget (the
+    problem's own `memory_budget` is ignored: `solve` takes the budget). The memory row is the
+    program's last row, replaced for each budget, so a memory ladder builds the program once.
 
-    The model is exactly the one a term-by-term build (``prob += lpSum(terms)``) gives: the same
-    variables and names (pulp orders the columns by name), the same rows in the same order, and
-    every coefficient summed from the same terms in the same order. Only the Python objects made
-    along the way are fewer: each expression is one `LpAffineExpression` built from a dict.
+    The program is held as columns (names; the binaries first, in the order of the nodes and
+    their strategies, then the edge variables), objective coefficients and equality rows, each
+    coefficient summed from the same terms in the same order as a term-by-term pulp build
+    (``prob += lpSum(terms)``) would. `pulp_problem` makes that pulp model (for CBC); HiGHS gets
+    the same program as arrays (`planner.intra.highs.highs_arrays`), without a pulp object per
+    variable. With `prune` (the default) the program has the strategies that
+    `planner.intra.dominance.undominated` keeps (`keep[v]`, original indices; names and
+    tie-breaks keep the original indices too), and `solve` returns original indices.
     """
 
-    def __init__(self, problem: ILPProblem) -> None:
+    def __init__(self, problem: ILPProblem, *, prune: bool = True) -> None:
         self.problem = problem
-        prob = pulp.LpProblem("intra_op", pulp.LpMinimize)
         self.scale = max(
             [float(np.abs(c).max()) for c in problem.node_costs]
             + [float(np.abs(r).max()) for *_, r in problem.edges]
             + [1e-30]
         )
-        tie = 1e-9  # relative tie-break towards lower strategy indices
-        new_var = _variable_factory(prob)
-        s = [
-            [new_var(f"s_{v}_{i}", cat="Binary") for i in range(c.size)]
-            if c.size > 1
-            else None
-            for v, c in enumerate(problem.node_costs)
+        # the options that get a variable (`undominated`; all of them without pruning)
+        self.keep = (
+            dominance.undominated(
+                [_objective_coefs(c, self.scale) for c in problem.node_costs],
+                problem.node_memory,
+                [(u, v, r / self.scale) for u, v, r in problem.edges],
+            )
+            if prune
+            else [np.arange(c.size) for c in problem.node_costs]
+        )
+        keep = self.keep
+        self.names: list[str] = []
+        # the binary columns of each node (None: one strategy left, a constant)
+        s: list[np.ndarray | None] = [
+            self._columns(f"s_{v}_{i}" for i in k.tolist()) if k.size > 1 else None
+            for v, k in enumerate(keep)
         ]
         self.s = s
-        objective: dict[pulp.LpVariable, float] = {}
-
-        def add(variables: list[pulp.LpVariable], coefs: np.ndarray) -> None:
-            # lpSum skips a zero term (its variable stays out of the objective), and accumulates
-            # the rest in order.
-            for x, a in zip(variables, coefs.tolist()):
-                if a:
-                    objective[x] = objective[x] + a if x in objective else a
-
-        eq = pulp.LpConstraintEQ
+        self.num_binary = len(self.names)
+        # objective coefficient per binary column, then per edge variable column (in chunks)
+        binary_coefs = np.zeros(self.num_binary)
+        edge_coefs: list[np.ndarray] = []
+        # (name, columns, coefficients, right-hand side) of each equality row, in order
+        rows: list[tuple[str, np.ndarray, np.ndarray, float]] = []
         for v, c in enumerate(problem.node_costs):
             if s[v] is not None:
-                prob.addConstraint(
-                    pulp.LpConstraint(
-                        pulp.LpAffineExpression(dict.fromkeys(s[v], 1)), eq, rhs=1
-                    ),
-                    f"one_{v}",
-                )
-                add(s[v], c / self.scale + tie * np.arange(c.size))
+                rows.append((f"one_{v}", s[v], np.ones(len(s[v])), 1.0))
+                binary_coefs[s[v]] += _objective_coefs(c, self.scale)[keep[v]]
         for n, (u, v, r) in enumerate(problem.edges):
-            r = r / self.scale
+            r = r[np.ix_(keep[u], keep[v])] / self.scale
             if not r.any():
                 continue
             if s[u] is None or s[v] is None:
-                # one side fixed: the edge is linear in the other side
+                # one side fixed: the edge is linear in the other side (terms added in order,
+                # as lpSum accumulates them)
                 if s[u] is None and s[v] is not None:
-                    add(s[v], r[0, :])
+                    binary_coefs[s[v]] += r[0, :]
                 elif s[u] is not None:
-                    add(s[u], r[:, 0])
+                    binary_coefs[s[u]] += r[:, 0]
                 continue
             # Rows (columns) that are equal give the same cost whichever of them is chosen, so the
             # edge variables range over groups of equal rows g and columns h; their marginals are
             # the sums of the node variables in the group. Exact, and far smaller: a cost usually
             # depends only on the producer's output placement and the consumer's input placement.
-            rows, row_of = np.unique(r, axis=0, return_inverse=True)
-            grouped, col_of = np.unique(rows, axis=1, return_inverse=True)
+            distinct, row_of = np.unique(r, axis=0, return_inverse=True)
+            grouped, col_of = np.unique(distinct, axis=1, return_inverse=True)
             row_of, col_of = row_of.ravel(), col_of.ravel()
             n_g, n_h = grouped.shape
-            e = [
-                [new_var(f"e_{n}_{g}_{h}", lowBound=0) for h in range(n_h)]
-                for g in range(n_g)
-            ]
+            e = self._columns(
+                f"e_{n}_{g}_{h}" for g in range(n_g) for h in range(n_h)
+            ).reshape(n_g, n_h)
             for g in range(n_g):
-                row = dict.fromkeys(e[g], 1)
-                row.update((s[u][i], -1) for i in np.flatnonzero(row_of == g))
-                prob.addConstraint(
-                    pulp.LpConstraint(pulp.LpAffineExpression(row), eq), f"eu_{n}_{g}"
-                )
+                members = s[u][row_of == g]
+                coefs = np.r_[np.ones(n_h), -np.ones(len(members))]
+                rows.append((f"eu_{n}_{g}", np.r_[e[g], members], coefs, 0.0))
             for h in range(n_h):
-                col = dict.fromkeys((e[g][h] for g in range(n_g)), 1)
-                col.update((s[v][j], -1) for j in np.flatnonzero(col_of == h))
-                prob.addConstraint(
-                    pulp.LpConstraint(pulp.LpAffineExpression(col), eq), f"ev_{n}_{h}"
-                )
-            add([x for row in e for x in row], grouped.ravel())
-        prob.setObjective(pulp.LpAffineExpression(objective))
-        self.prob = prob
+                members = s[v][col_of == h]
+                coefs = np.r_[np.ones(n_g), -np.ones(len(members))]
+                rows.append((f"ev_{n}_{h}", np.r_[e[:, h], members], coefs, 0.0))
+            edge_coefs.append(grouped.ravel())
+        self.objective = np.concatenate([binary_coefs, *edge_coefs])
+        self.rows = rows
         # The memory row in MiB: fixed nodes add constants, the others their variables.
-        self.memory_row: dict[pulp.LpVariable, float] = {}
+        self.memory_row: dict[int, float] = {}
         self.memory_constant = 0.0
         for v, m in enumerate(problem.node_memory or []):
-            mib = (m / 2**20).tolist()
+            mib = (m[keep[v]] / 2**20).tolist()
             if s[v] is None:
                 self.memory_constant += mib[0]
             else:
-                self.memory_row.update((x, a) for x, a in zip(s[v], mib) if a)
+                self.memory_row.update((x, a) for x, a in zip(s[v].tolist(), mib) if a)
+        self._pulp: pulp.LpProblem | None = None
+        self._pulp_vars: list[pulp.LpVariable] = []
+
+    def _columns(self, names: Iterable[str]) -> np.ndarray:
+        """Add columns of these names; their indices."""
+        first = len(self.names)
+        self.names.extend(names)
+        return np.arange(first, len(self.names))
+
+    @functools.cached_property
+    def _arrays(self) -> highs.HighsArrays:
+        return highs.highs_arrays(
+            self.names,
+            self.num_binary,
+            self.objective,
+            [(cols, coefs, rhs) for _, cols, coefs, rhs in self.rows],
+        )
+
+    def highs_arrays(self, budget: float | None) -> highs.HighsArrays:
+        """The program under `budget` bytes per device (None: no memory row) as HiGHS takes it:
+        the arrays `_BulkHiGHS` makes of `pulp_problem(budget)`."""
+        if budget is None or self.problem.node_memory is None:
+            return self._arrays
+        # pulp keeps the expression's constant on the left: upper bound -(constant - budget)
+        return self._arrays.with_row(
+            list(self.memory_row),
+            list(self.memory_row.values()),
+            -np.inf,
+            -(self.memory_constant - budget / 2**20),
+        )
 
     def pulp_problem(self, budget: float | None) -> pulp.LpProblem:
-        """The model with the memory row for `budget` bytes per device last (a copy sharing the
-        expressions), or without one when `budget` is None or there is no memory."""
+        """The program as a pulp model, with the memory row for `budget` bytes per device last (a
+        copy sharing the expressions), or without one when `budget` is None or there is no
+        memory. The model without the memory row is built on the first call."""
+        if self._pulp is None:
+            prob = pulp.LpProblem("intra_op", pulp.LpMinimize)
+            new_var = _variable_factory(prob)
+            x = [
+                new_var(name, cat="Binary")
+                if k < self.num_binary
+                else new_var(name, lowBound=0)
+                for k, name in enumerate(self.names)
+            ]
+            for name, cols, coefs, rhs in self.rows:
+                terms = zip((x[c] for c in cols.tolist()), coefs.tolist())
+                row = pulp.LpAffineExpression(dict(terms))
+                prob.addConstraint(
+                    pulp.LpConstraint(row, pulp.LpConstraintEQ, rhs=rhs or None), name
+                )
+            prob.setObjective(
+                pulp.LpAffineExpression(
+                    {x[c]: a for c, a in enumerate(self.objective.tolist()) if a}
+                )
+            )
+            self._pulp, self._pulp_vars = prob, x
         if budget is None or self.problem.node_memory is None:
-            return self.prob
-        prob = self.prob.copy()
-        row = pulp.LpAffineExpression(self.memory_row, self.memory_constant)
+            return self._pulp
+        prob = self._pulp.copy()
+        x = self._pulp_vars
+        row = pulp.LpAffineExpression(
+            {x[c]: a for c, a in self.memory_row.items()}, self.memory_constant
+        )
         prob.addConstraint(
             pulp.LpConstraint(row, pulp.LpConstraintLE, rhs=budget / 2**20), "memory"
         )
@@ -243,24 +308,47 @@ class ILPModel:
         time_limit: float | None = None,
         msg: bool = False,
         solver: str | None = None,
+        via_pulp: bool = False,
     ) -> ILPSolution:
         """The best choice within `budget` bytes per device (None: no memory row). Raises
-        MeshplanError if no choice fits."""
-        problem, s = self.problem, self.s
+        MeshplanError if no choice fits. `via_pulp` hands HiGHS the pulp model (`_BulkHiGHS`)
+        instead of the arrays: the same program, a slower route (for tests)."""
+        problem = self.problem
         _check_fits(problem, budget)
-        prob = self.pulp_problem(budget)
-        status = prob.solve(_solver(time_limit, msg, solver))
-        state = pulp.LpStatus[status]
-        if state == "Infeasible":
+        name = _solver_name(solver)
+        if name == "highs" and not via_pulp:
+            state, values = highs.run_highs(
+                self.highs_arrays(budget), time_limit=time_limit, msg=msg
+            )
+            if state == "failed":
+                raise MeshplanError("HiGHS found no solution of the intra-op program")
+            binaries = None if values is None else values[self._arrays.binaries]
+        else:
+            prob = self.pulp_problem(budget)
+            status = prob.solve(_solver(time_limit, msg, name))
+            state = {
+                "Optimal": "optimal"
+                if prob.sol_status == pulp.LpSolutionOptimal
+                else "stopped",
+                "Infeasible": "infeasible",
+            }.get(pulp.LpStatus[status], "failed")
+            if state == "failed":
+                raise MeshplanError(
+                    f"the ILP solver found no solution ({pulp.LpStatus[status]})"
+                )
+            binaries = np.array(
+                [self._pulp_vars[c].value() or 0 for c in range(self.num_binary)]
+            )
+        if state == "infeasible":
             raise MeshplanError(
                 f"no sharding fits in memory: budget {budget / 2**30:.2f} GiB per device is below what any "
                 f"consistent choice needs (at least {min_memory(problem) / 2**30:.2f} GiB)"
             )
         choice = [
-            0 if s[v] is None else int(np.argmax([x.value() or 0 for x in s[v]]))
-            for v in range(len(s))
+            int(k[0 if cols is None else np.argmax(binaries[cols])])
+            for k, cols in zip(self.keep, self.s)
         ]
-        optimal = state == "Optimal" and prob.sol_status == pulp.LpSolutionOptimal
+        optimal = state == "optimal"
         if not optimal:
             warnings.warn(
                 f"intra-op ILP stopped at its time limit ({time_limit} s): returning the best solution found"
@@ -268,6 +356,15 @@ class ILPModel:
         return ILPSolution(
             choice, problem.objective(choice), problem.memory(choice), optimal
         )
+
+
+#: Relative tie-break towards lower strategy indices, added to each node's objective coefficients.
+TIE = 1e-9
+
+
+def _objective_coefs(c: np.ndarray, scale: float) -> np.ndarray:
+    """A node's objective coefficients in the model: its costs over `scale`, plus the tie-break."""
+    return c / scale + TIE * np.arange(c.size)
 
 
 def _variable_factory(prob: pulp.LpProblem):
@@ -280,70 +377,32 @@ def _variable_factory(prob: pulp.LpProblem):
 SOLVERS = ("highs", "cbc")
 
 
-def _solver(time_limit: float | None, msg: bool, name: str | None) -> pulp.LpSolver:
-    kwargs = {"msg": msg, "timeLimit": time_limit, "gapRel": 1e-7}
-    has_highs = "HiGHS" in _available_solvers()
+def _solver_name(name: str | None) -> str:
+    """ "highs" or "cbc": the one asked for (checked), else HiGHS when highspy is installed."""
     if name not in (None, *SOLVERS):
         raise MeshplanError(
             f"unknown ILP solver {name!r}; expected one of {', '.join(SOLVERS)}"
         )
-    if name == "highs" and not has_highs:
-        raise MeshplanError(
-            "the HiGHS solver needs the highspy package (pip install highspy)"
-        )
-    if name == "highs" or (name is None and has_highs):
-        with _banner_lock:
-            _silence_highs_banner()
-        return _BulkHiGHS(threads=1, random_seed=0, **kwargs)
+    if name == "highs":
+        highs.check_highs()
+        return name
+    if name is None:
+        return "highs" if "HiGHS" in _available_solvers() else "cbc"
+    return name
+
+
+def _solver(time_limit: float | None, msg: bool, name: str) -> pulp.LpSolver:
+    """The pulp solver of the pulp route, with the options of the array route."""
+    kwargs = {"msg": msg, "timeLimit": time_limit, "gapRel": highs.GAP_REL}
+    if name == "highs":
+        highs.silence_banner()
+        return _BulkHiGHS(**highs.HIGHS_OPTIONS, **kwargs)
     return pulp.PULP_CBC_CMD(threads=1, options=["randomSeed 0"], **kwargs)
-
-
-_banner_lock = threading.Lock()
-
-
-@functools.cache
-def _silence_highs_banner() -> None:
-    """HiGHS prints its banner ("Running HiGHS ...: Copyright ...") on the process's standard
-    output (file descriptor 1, not Python's `sys.stdout`) when the process makes its first `Highs`
-    object, whatever the options say (highspy 1.16). Make that first object here, once, with
-    descriptor 1 pointed at /dev/null, so that the banner never reaches a user's output."""
-    import highspy
-
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            highspy.Highs()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 @functools.cache
 def _available_solvers() -> tuple[str, ...]:
     return tuple(pulp.listSolvers(onlyAvailable=True))
-
-
-_python_lock = threading.Lock()
-_holds = threading.local()
-
-
-@contextmanager
-def solves_overlap() -> Iterator[None]:
-    """Run the block holding the planner's lock except while HiGHS solves.
-
-    Threads that each run an intra-op pass inside this block overlap one thread's solve with
-    another's Python work (pricing, building the program), and their Python work never
-    interleaves: it runs as it would on one thread (the strategy enumeration traces DTensor's
-    decompositions with torch.fx, which patches module globals while it traces)."""
-    _python_lock.acquire()
-    _holds.on = True
-    try:
-        yield
-    finally:
-        _holds.on = False
-        _python_lock.release()
 
 
 class _BulkHiGHS(pulp.HiGHS):
@@ -355,13 +414,8 @@ class _BulkHiGHS(pulp.HiGHS):
 
     def callSolver(self, lp: pulp.LpProblem) -> None:
         # highspy releases the GIL while it solves; let the other planner threads run meanwhile
-        if not getattr(_holds, "on", False):
+        with highs.released():
             return super().callSolver(lp)
-        _python_lock.release()
-        try:
-            return super().callSolver(lp)
-        finally:
-            _python_lock.acquire()
 
     def buildSolverModel(self, lp: pulp.LpProblem) -> None:
         import highspy

@@ -223,10 +223,18 @@ def _reshard(
 ) -> float:
     if src == dst:
         return 0.0
-    key = (shape, dtype_bytes, src, dst)
+    key = (_size_key(shape, dtype_bytes), src, dst)
     if key not in s.cache:
         s.cache[key] = reshard_cost(s.mesh, shape, dtype_bytes, src, dst)
     return s.cache[key]
+
+
+def _size_key(shape: tuple[int, ...], dtype_bytes: float) -> tuple[int, float]:
+    """What `cost_models.resharding.reshard_steps` reads of a tensor: its number of dims (for
+    the placements' dims) and its bytes (the product of the dims times the element's bytes,
+    exact in floating point for integer sizes below 2**53, whatever the order of the factors).
+    Tensors of equal keys (a value and its views, say) reshard at equal prices."""
+    return len(shape), float(dtype_bytes) * math.prod(shape)
 
 
 def _unique(items: list) -> tuple[list, np.ndarray]:
@@ -246,7 +254,9 @@ def edge_matrices(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(forward + activation-gradient seconds, parameter-gradient seconds) for every (i, j).
 
-    Priced once per distinct (u's output placement, v's input placement and gradient placement).
+    Priced once per distinct (u's output placement, v's input placement and gradient placement),
+    and the matrices of those once per pricing for every edge with the same tensor size
+    (`_size_key`), placements and gradient kind.
     """
     k = consumer_fx.all_input_nodes.index(producer_fx)
     o = consumed_output(producer_fx, consumer_fx)
@@ -267,25 +277,52 @@ def edge_matrices(
             for vo in v_opts
         ]
     )
+    key = (
+        "edge",
+        _size_key(meta.shape, dtype_bytes),
+        with_grad,
+        param_derived,
+        tuple(srcs),
+        tuple(dsts),
+    )
+    if key not in s.cache:
+        s.cache[key] = _placement_matrices(
+            s, meta.shape, dtype_bytes, srcs, dsts, with_grad, param_derived
+        )
+    act, grad = s.cache[key]
+    return act[np.ix_(src_of, dst_of)], grad[np.ix_(src_of, dst_of)]
+
+
+def _placement_matrices(
+    s: StageSettings,
+    shape: tuple[int, ...],
+    dtype_bytes: float,
+    srcs: list,
+    dsts: list,
+    with_grad: bool,
+    param_derived: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`edge_matrices` per distinct source placement (rows) and distinct (input placement,
+    gradient placement) of the consumer (columns); None: no placement (no tensor)."""
     act = np.zeros((len(srcs), len(dsts)))
     grad = np.zeros_like(act)
     for a, src in enumerate(srcs):
         for b, dst in enumerate(dsts):
             if src is None or dst is None:
                 continue
-            act[a, b] = _reshard(s, meta.shape, dtype_bytes, src, dst[0])
+            act[a, b] = _reshard(s, shape, dtype_bytes, src, dst[0])
             if with_grad:
-                back = _reshard(s, meta.shape, dtype_bytes, dst[1], expected_grad(src))
+                back = _reshard(s, shape, dtype_bytes, dst[1], expected_grad(src))
                 if param_derived:
                     if bucketed_axes(dst[1], expected_grad(src)):
                         # bandwidth only: the latency is charged per bucket (`grad_buckets`)
                         back = _bucket_bandwidth(
-                            s, meta.shape, dtype_bytes, dst[1], expected_grad(src)
+                            s, shape, dtype_bytes, dst[1], expected_grad(src)
                         )
                     grad[a, b] = back / s.num_microbatches
                 else:
                     act[a, b] += back
-    return act[np.ix_(src_of, dst_of)], grad[np.ix_(src_of, dst_of)]
+    return act, grad
 
 
 # A bucket's all-reduce is priced on the line through its prices at 1 byte and at this size: the
@@ -314,7 +351,7 @@ def _bucket_bandwidth(
 ) -> float:
     """A bucketed gradient's share of its bucket's all-reduces: their seconds per byte times the
     bytes each axis's all-reduce moves for it (`cost_models.resharding.reshard_steps`)."""
-    key = ("bucket", shape, dtype_bytes, grad, want)
+    key = ("bucket", _size_key(shape, dtype_bytes), grad, want)
     if key not in s.cache:
         steps = reshard_steps(s.mesh, shape, dtype_bytes, grad, want)
         s.cache[key] = sum(

@@ -21,14 +21,12 @@ placement of every parameter, the cost broken down, and `explain(node)` for debu
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from cost_models.communication import LogicalMesh
 from cost_models.compute import microbatch_overhead
@@ -38,6 +36,7 @@ from planner.intra import prices as sc
 from planner.intra.batch_split import batch_split_options
 from planner.intra.cost_graph import CostGraph, Reduction, identity, merge_followers
 from planner.intra.ilp import ILPModel
+from planner.intra.priced_stage import PricedStage
 from planner.intra.prices import Option, StageSettings
 from planner.intra.strategies import leaf_strategies
 from planner.tracing.blocks import block_of, representatives
@@ -73,13 +72,16 @@ class StageSolution:
     )
     # the runtime's fixed seconds per stage and micro-batch (`cost_models.compute`), once a stage
     overhead_s: float = 0.0
-    _ctx: _Context | None = field(default=None, repr=False, compare=False)
+    _ctx: PricedStage | None = field(default=None, repr=False, compare=False)
     _cost_table: tuple[list[str], np.ndarray] | None = field(
         default=None, repr=False, compare=False
     )
     _index: dict[str, int] | None = field(
         default=None, repr=False, compare=False
     )  # node -> index of its choice in _ctx.options (equal options price alike)
+    _values: dict[str, tuple[float, float, float]] | None = field(
+        default=None, repr=False, compare=False
+    )  # node -> `PricedStage.values` of its choice, forward time included
 
     def _chosen(self) -> dict[str, int]:
         if self._index is None:
@@ -112,9 +114,13 @@ class StageSolution:
         parameter-state bytes, activation bytes per in-flight micro-batch). Sums to the stage totals."""
         ctx = self._ctx
         index = self._chosen()
+        if self._values is None:
+            self._values = {
+                n: ctx.values(n, index[n], forward=True) for n in self.choice
+            }
         out = {}
         for n in self.choice:
-            t, mem, fwd = ctx.values(n, index[n], forward=True)
+            t, mem, fwd = self._values[n]
             is_param = ctx.graph.node(n).op == "param"
             out[n] = (
                 t,
@@ -122,11 +128,10 @@ class StageSolution:
                 mem if is_param else 0.0,
                 0.0 if is_param else mem / ctx.settings.in_flight,
             )
-        for u, v in ctx.edges:
-            act, grad = ctx.edge(u, v)
-            i, j = index[u], index[v]
+        acts, grads = ctx.edge_terms(index)
+        for (_, v), a, g in zip(ctx.edges, acts, grads):
             t, fwd, pm, am = out[v]
-            out[v] = (t + act[i, j] + grad[i, j], fwd, pm, am)
+            out[v] = (t + a + g, fwd, pm, am)
         return out
 
     def node_cost_table(self) -> tuple[list[str], np.ndarray]:
@@ -176,153 +181,11 @@ class StageSolution:
 
 
 @dataclass
-class _Context:
-    graph: OpGraph
-    settings: StageSettings
-    fx: dict[str, torch.fx.Node]
-    options: dict[str, list[Option]]
-    edges: list[tuple[str, str]]  # (producer, consumer)
-    param_derived: set[str]
-    saved: set[str]
-
-    @functools.cached_property
-    def param_grad_edges(self) -> list[tuple[str, str, int, int, sc.TensorMeta]]:
-        return sc.param_grad_edges(self.graph, self.param_derived)
-
-    def node_cost(self, name: str, opt: Option) -> float:
-        node = self.graph.node(name)
-        if name in self.graph.placeholder_paths and node.op == "param":
-            return sc.zero_cost(node.outputs[0], opt, self.settings)
-        return sc.compute_time(node, opt, self.settings)
-
-    def node_memory(self, name: str, opt: Option) -> float:
-        node = self.graph.node(name)
-        if node.op == "param":
-            return sc.param_state_bytes(node.outputs[0], opt, self.settings)
-        return sc.activation_bytes(node, opt, name in self.saved, self.settings)
-
-    rep: dict[str, str] = field(default_factory=dict)
-    _edges: dict[tuple[str, str, int], tuple[np.ndarray, np.ndarray]] = field(
-        default_factory=dict
-    )  # priced over `full_options`; shared by the restrictions of one pricing
-    full_options: dict[str, list[Option]] | None = None  # None: same as `options`
-    keep: dict[str, np.ndarray] = field(
-        default_factory=dict
-    )  # node -> indices of its options in full_options, for nodes a filter restricted
-    _sliced: dict[tuple[str, str, int], tuple[np.ndarray, np.ndarray]] = field(
-        default_factory=dict
-    )
-    _values: dict[tuple[str, int], list[float]] = field(
-        default_factory=dict
-    )  # (node, index in full_options) -> [cost, memory, forward time]; shared like _edges
-    _keys: dict[tuple[str, str], tuple[str, str, int]] = field(
-        default_factory=dict
-    )  # edge -> edge_key; shared like _edges
-
-    def values(
-        self, name: str, i: int, forward: bool = False
-    ) -> tuple[float, float] | tuple[float, float, float]:
-        """(node_cost, node_memory) of option i of node `name`, and its forward compute time
-        when `forward`; computed once per pricing."""
-        keep = self.keep.get(name)
-        key = (name, i if keep is None else int(keep[i]))
-        hit = self._values.get(key)
-        if hit is None:
-            opt = self.options[name][i]
-            hit = self._values[key] = [
-                self.node_cost(name, opt),
-                self.node_memory(name, opt),
-            ]
-        if not forward:
-            return hit[0], hit[1]
-        if len(hit) == 2:
-            opt = self.options[name][i]
-            hit.append(sc.forward_time(self.graph.node(name), opt, self.settings))
-        return hit[0], hit[1], hit[2]
-
-    def restricted(self, options: dict[str, list[Option]]) -> _Context:
-        """The same stage with fewer options for some nodes; prices already computed are shared."""
-        full = self.full_options or self.options
-        keep = {}
-        for n, opts in options.items():
-            if opts is not full[n]:
-                where = {id(o): i for i, o in enumerate(full[n])}
-                keep[n] = np.array([where[id(o)] for o in opts], dtype=int)
-        out = _Context(
-            self.graph,
-            self.settings,
-            self.fx,
-            options,
-            self.edges,
-            self.param_derived,
-            self.saved,
-            self.rep,
-            self._edges,
-            full,
-            keep,
-            _values=self._values,
-            _keys=self._keys,
-        )
-        out.__dict__["param_grad_edges"] = self.param_grad_edges  # the same graph's
-        return out
-
-    def edge_key(self, u: str, v: str) -> tuple[str, str, int]:
-        key = self._keys.get((u, v))
-        if key is None:
-            key = self._keys[u, v] = (
-                self.rep.get(u, u),
-                self.rep.get(v, v),
-                self.fx[v].all_input_nodes.index(self.fx[u]),
-            )
-        return key
-
-    def edge(self, u: str, v: str) -> tuple[np.ndarray, np.ndarray]:
-        """Prices of edge u -> v; identical for every copy of a repeated block, so cached per copy class."""
-        key = self.edge_key(u, v)
-        if key not in self._edges:
-            full = self.full_options or self.options
-            self._edges[key] = sc.edge_matrices(
-                self.graph.node(u),
-                self.fx[v],
-                self.fx[u],
-                full[u],
-                full[v],
-                self.settings,
-                u in self.param_derived,
-            )
-        if u not in self.keep and v not in self.keep:
-            return self._edges[key]
-        if key not in self._sliced:
-            rows = self.keep.get(u, slice(None))
-            cols = self.keep.get(v, slice(None))
-            self._sliced[key] = tuple(m[rows][:, cols] for m in self._edges[key])
-        return self._sliced[key]
-
-    def explain(self, name: str, choice: dict[str, Option]) -> str:
-        lines = [
-            f"{name} ({self.graph.node(name).target}, module {self.graph.node(name).module_path or '-'}):"
-        ]
-        producers = [u for u, v in self.edges if v == name]
-        for j, opt in enumerate(self.options[name]):
-            resh = 0.0
-            for u in producers:
-                act, grad = self.edge(u, name)
-                i = self.options[u].index(choice[u])
-                resh += act[i, j] + grad[i, j]
-            mark = "*" if choice[name] == opt else " "
-            lines.append(
-                f" {mark} {opt}: compute {self.node_cost(name, opt) * 1e3:.4f} ms, resharding in {resh * 1e3:.4f} ms, "
-                f"memory {self.node_memory(name, opt) / 2**20:.2f} MiB"
-            )
-        return "\n".join(lines)
-
-
-@dataclass
 class StagePricing:
     """The options and prices of one stage on one mesh (`price_stage`), reusable by several solves
     of it: other memory budgets, other parameter filters (prices are computed lazily and kept)."""
 
-    ctx: _Context
+    ctx: PricedStage
     ops: list[str]
     names: list[str]
     nodes: list[str] | None
@@ -381,7 +244,7 @@ def price_stage(
         if u in options
     ]
     param_derived = graph.param_derived(names)
-    ctx = _Context(
+    ctx = PricedStage(
         graph,
         settings,
         fx,
@@ -481,7 +344,7 @@ def solve_stage(
 def _reduce(
     graph: OpGraph,
     pricing: StagePricing,
-    ctx: _Context,
+    ctx: PricedStage,
     options: dict[str, list[Option]],
 ) -> Reduction:
     """The cost graph of the stage's representatives under ctx's options (repeated blocks
@@ -533,7 +396,7 @@ def _leaders(
 
 
 def _summarise(
-    ctx: _Context,
+    ctx: PricedStage,
     choice: dict[str, Option],
     index: dict[str, int],
     ops: list[str],
@@ -544,15 +407,14 @@ def _summarise(
     """The StageSolution of `choice` (option `index[n]` of every node n in ctx.options)."""
     g, s = ctx.graph, ctx.settings
     is_param = {n: g.node(n).op == "param" for n in choice}
-    values = {n: ctx.values(n, index[n]) for n in choice}  # (cost, memory)
+    # (cost, memory, forward time), kept for `StageSolution.node_costs`
+    values = {n: ctx.values(n, index[n], forward=True) for n in choice}
     compute = sum(values[n][0] for n in choice if not is_param[n])
     zero = sum(values[n][0] for n in choice if is_param[n])
     comm, grad_sync = 0.0, zero * s.num_microbatches
-    for u, v in ctx.edges:
-        act, grad = ctx.edge(u, v)
-        i, j = index[u], index[v]
-        comm += act[i, j]
-        grad_sync += grad[i, j] * s.num_microbatches
+    for act, grad in zip(*ctx.edge_terms(index)):
+        comm += act
+        grad_sync += grad * s.num_microbatches
     buckets = sc.grad_buckets(
         g, choice, s.mesh, ctx.param_derived, ctx.param_grad_edges
     )
@@ -584,4 +446,5 @@ def _summarise(
         overhead_s=microbatch_overhead(s.mesh.cluster),
         _ctx=ctx,
         _index=index,
+        _values=values,
     )

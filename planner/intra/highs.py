@@ -1,0 +1,247 @@
+"""The intra-op program handed to HiGHS (highspy) as arrays, and the planner's solver lock.
+
+`HighsArrays` is the program of `planner.intra.ilp.ILPModel` in the form pulp's HiGHS interface
+would pass it (`planner.intra.ilp._BulkHiGHS` on `ILPModel.pulp_problem`): columns in pulp's order
+(sorted by variable name) with the objective's coefficients, bounds and integrality, then the rows
+in the order they were added as a CSR matrix without zero coefficients, the memory row last. It
+is built from the model's columns and rows without making a pulp object per variable, so a
+program of 30,000 edge variables is passed in a few milliseconds; `tests/test_planning_speed.py`
+checks the arrays against pulp's. HiGHS then runs with the options the pulp route sets.
+
+`solves_overlap`: the planner's threads (`planner.inter.mesh_search`) hold one lock for their
+Python work and release it only while HiGHS runs (highspy releases the GIL).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from cost_models.errors import MeshplanError
+
+#: Relative optimality gap at which HiGHS stops (both routes).
+GAP_REL = 1e-7
+#: HiGHS's `presolve_rule_off` bit of probing (rule 15). Probing tentatively fixes each binary
+#: and propagates; on these programs (one binary per strategy, tens of thousands of continuous
+#: edge variables) it finds almost nothing and took about two thirds of a solve, mostly when the
+#: branch-and-bound restarts after fixing columns (llama3-70b on 8x8 H100s, micro-batch 8: the
+#: (8, 8) mesh's memory-limited solve took 7.6 s of CPU with it, 0.8 s without). Presolve
+#: reductions do not change what is optimal: HiGHS still proves the optimum within `GAP_REL`.
+HIGHS_NO_PROBING = 1 << 15
+#: Options both routes give HiGHS besides the gap, the time limit and the log.
+HIGHS_OPTIONS = {"threads": 1, "random_seed": 0, "presolve_rule_off": HIGHS_NO_PROBING}
+
+
+@dataclass
+class HighsArrays:
+    """A program as highspy takes it (module docstring). `position[c]`: the HiGHS column of the
+    model's column c (pulp's order); `binaries`: the positions of the model's binary columns."""
+
+    cost: np.ndarray
+    upper: np.ndarray  # lower bounds are all 0
+    integer: np.ndarray  # columns that are integral, ascending
+    row_lower: np.ndarray
+    row_upper: np.ndarray
+    starts: np.ndarray
+    index: np.ndarray
+    value: np.ndarray
+    position: np.ndarray
+    binaries: np.ndarray
+
+    def with_row(
+        self, columns: list[int], coefs: list[float], lower: float, upper: float
+    ) -> HighsArrays:
+        """These arrays with one more row (the model's columns, their coefficients, bounds)."""
+        kept = [(c, a) for c, a in zip(columns, coefs) if a != 0]
+        index = self.position[np.array([c for c, _ in kept], dtype=np.int64)]
+        return replace(
+            self,
+            row_lower=np.append(self.row_lower, lower),
+            row_upper=np.append(self.row_upper, upper),
+            starts=np.append(self.starts, len(self.index)).astype(np.int32),
+            index=np.concatenate([self.index, index.astype(np.int32)]),
+            value=np.concatenate([self.value, [a for _, a in kept]]),
+        )
+
+
+def highs_arrays(
+    names: list[str],
+    num_binary: int,
+    objective: np.ndarray,
+    rows: list[tuple[np.ndarray, np.ndarray, float]],
+) -> HighsArrays:
+    """The arrays of a program whose columns are `names` (the first `num_binary` binary in [0, 1],
+    the others continuous in [0, inf)), with `objective` (a coefficient per column) and the
+    equality `rows` (columns, coefficients, right-hand side), columns in pulp's order (by name)
+    and zero coefficients left out as pulp's interface does."""
+    order = sorted(range(len(names)), key=names.__getitem__)
+    pos = np.empty(len(names), dtype=np.int64)
+    pos[order] = np.arange(len(names))
+    cost = np.zeros(len(names))
+    cost[pos] = objective
+    upper = np.full(len(names), np.inf)
+    binaries = pos[:num_binary]
+    upper[binaries] = 1.0
+    if rows:
+        cols = np.concatenate([c for c, _, _ in rows]).astype(np.int64)
+        coefs = np.concatenate([a for _, a, _ in rows]).astype(float)
+        row_of = np.repeat(np.arange(len(rows)), [len(c) for c, _, _ in rows])
+    else:
+        cols, coefs, row_of = (
+            np.zeros(0, dtype=np.int64),
+            np.zeros(0),
+            np.zeros(0, int),
+        )
+    nonzero = coefs != 0
+    counts = np.bincount(row_of[nonzero], minlength=len(rows))
+    rhs = np.array([r[2] for r in rows], dtype=float)
+    return HighsArrays(
+        cost,
+        upper,
+        np.sort(binaries).astype(np.int32),
+        rhs,
+        rhs.copy(),
+        (np.cumsum(counts) - counts).astype(np.int32),
+        pos[cols[nonzero]].astype(np.int32),
+        coefs[nonzero],
+        pos,
+        binaries,
+    )
+
+
+def run_highs(
+    arrays: HighsArrays, *, time_limit: float | None, msg: bool
+) -> tuple[str, np.ndarray | None]:
+    """Solve the program with HiGHS: ("optimal" | "stopped" | "infeasible" | "failed", column
+    values or None). "stopped": a time limit left a feasible, maybe not optimal, solution."""
+    import highspy
+
+    if not len(arrays.cost):  # every node has one strategy: nothing to choose
+        return "optimal", np.zeros(0)
+    silence_banner()
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", bool(msg))
+    h.setOptionValue("mip_rel_gap", GAP_REL)
+    if time_limit is not None:
+        h.setOptionValue("time_limit", float(time_limit))
+    for key, val in HIGHS_OPTIONS.items():
+        h.setOptionValue(key, val)
+    inf = highspy.kHighsInf
+    n = len(arrays.cost)
+    h.addCols(
+        n,
+        arrays.cost,
+        np.zeros(n),
+        arrays.upper,
+        0,
+        np.zeros(0, dtype=np.int32),
+        np.zeros(0, dtype=np.int32),
+        np.zeros(0, dtype=float),
+    )
+    if len(arrays.integer):
+        h.changeColsIntegrality(
+            len(arrays.integer),
+            arrays.integer,
+            np.full(len(arrays.integer), highspy.HighsVarType.kInteger.value, np.uint8),
+        )
+    if len(arrays.starts):
+        h.addRows(
+            len(arrays.starts),
+            arrays.row_lower,
+            arrays.row_upper,
+            len(arrays.index),
+            arrays.starts,
+            arrays.index,
+            arrays.value,
+        )
+    with released():
+        h.run()
+    status = h.getModelStatus()
+    states = highspy.HighsModelStatus
+    if status == states.kOptimal:
+        return "optimal", np.array(h.getSolution().col_value)
+    if status in (states.kInfeasible, states.kUnboundedOrInfeasible):
+        return "infeasible", None
+    if status == states.kTimeLimit and h.getInfo().objective_function_value < inf:
+        return "stopped", np.array(h.getSolution().col_value)
+    return "failed", None
+
+
+def check_highs() -> None:
+    """Raise MeshplanError when highspy is missing."""
+    try:
+        import highspy  # noqa: F401
+    except ImportError as exc:
+        raise MeshplanError(
+            "the HiGHS solver needs the highspy package (pip install highspy)"
+        ) from exc
+
+
+_banner_lock = threading.Lock()
+
+
+def silence_banner() -> None:
+    """Make sure HiGHS's banner never reaches the output (`_silence_highs_banner`), once per
+    process, whichever thread asks first."""
+    with _banner_lock:
+        _silence_highs_banner()
+
+
+@functools.cache
+def _silence_highs_banner() -> None:
+    """HiGHS prints its banner ("Running HiGHS ...: Copyright ...") on the process's standard
+    output (file descriptor 1, not Python's `sys.stdout`) when the process makes its first `Highs`
+    object, whatever the options say (highspy 1.16). Make that first object here, once, with
+    descriptor 1 pointed at /dev/null, so that the banner never reaches a user's output."""
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+_python_lock = threading.Lock()
+_holds = threading.local()
+
+
+@contextmanager
+def solves_overlap() -> Iterator[None]:
+    """Run the block holding the planner's lock except while HiGHS solves.
+
+    Threads that each run an intra-op pass inside this block overlap one thread's solve with
+    another's Python work (pricing, building the program), and their Python work never
+    interleaves: it runs as it would on one thread (the strategy enumeration traces DTensor's
+    decompositions with torch.fx, which patches module globals while it traces)."""
+    _python_lock.acquire()
+    _holds.on = True
+    try:
+        yield
+    finally:
+        _holds.on = False
+        _python_lock.release()
+
+
+@contextmanager
+def released() -> Iterator[None]:
+    """Release the planner's lock for the block when this thread holds it (`solves_overlap`)."""
+    if not getattr(_holds, "on", False):
+        yield
+        return
+    _python_lock.release()
+    try:
+        yield
+    finally:
+        _python_lock.acquire()

@@ -1,0 +1,216 @@
+"""The prices of one stage's intra-op program, computed lazily and shared (`planner.intra.solve`).
+
+`PricedStage` holds one stage's graph on one logical mesh with every node's options, and prices
+on demand: a node's cost and memory per option (`planner.intra.prices`), an edge's resharding
+matrices. Prices are computed once per pricing and shared between nodes and edges that read the
+same things: the copies of a repeated block (`price_key`), edges of equal tensor size and
+placements (`edge_key`). `restricted` gives the same stage with fewer options per node, sharing
+the prices already computed.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from planner.intra import prices as sc
+from planner.intra.prices import Option, StageSettings
+from planner.tracing.opgraph import OpGraph
+
+
+@dataclass
+class PricedStage:
+    graph: OpGraph
+    settings: StageSettings
+    fx: dict[str, torch.fx.Node]
+    options: dict[str, list[Option]]
+    edges: list[tuple[str, str]]  # (producer, consumer)
+    param_derived: set[str]
+    saved: set[str]
+
+    @functools.cached_property
+    def param_grad_edges(self) -> list[tuple[str, str, int, int, sc.TensorMeta]]:
+        return sc.param_grad_edges(self.graph, self.param_derived)
+
+    def node_cost(self, name: str, opt: Option) -> float:
+        node = self.graph.node(name)
+        if name in self.graph.placeholder_paths and node.op == "param":
+            return sc.zero_cost(node.outputs[0], opt, self.settings)
+        return sc.compute_time(node, opt, self.settings)
+
+    def node_memory(self, name: str, opt: Option) -> float:
+        node = self.graph.node(name)
+        if node.op == "param":
+            return sc.param_state_bytes(node.outputs[0], opt, self.settings)
+        return sc.activation_bytes(node, opt, name in self.saved, self.settings)
+
+    rep: dict[str, str] = field(default_factory=dict)
+    _edges: dict[tuple[str, str, int], tuple[np.ndarray, np.ndarray]] = field(
+        default_factory=dict
+    )  # priced over `full_options`; shared by the restrictions of one pricing
+    full_options: dict[str, list[Option]] | None = None  # None: same as `options`
+    keep: dict[str, np.ndarray] = field(
+        default_factory=dict
+    )  # node -> indices of its options in full_options, for nodes a filter restricted
+    _sliced: dict[tuple[str, str, int], tuple[np.ndarray, np.ndarray]] = field(
+        default_factory=dict
+    )
+    _values: dict[tuple[int, int], list[float]] = field(
+        default_factory=dict
+    )  # (price_key, index in full_options) -> [cost, memory, forward time]; shared like _edges
+    _price_keys: dict[str, int] = field(default_factory=dict)  # shared like _edges
+    _price_ids: dict[tuple, int] = field(default_factory=dict)  # shared like _edges
+    _keys: dict[tuple[str, str], tuple[str, str, int]] = field(
+        default_factory=dict
+    )  # edge -> edge_key; shared like _edges
+    # positions in `edges` of each edge key (`edge_terms`)
+    _edge_groups: list[np.ndarray] | None = None
+
+    def price_key(self, name: str) -> int:
+        """The number of what `node_cost`, `node_memory` and `sc.forward_time` read of node
+        `name` besides the option and the settings: the node's attributes, whether it is a
+        parameter and whether its output is saved, and its list of options (one list object for
+        every copy of a repeated block). Nodes with equal keys have equal prices option by
+        option, so the copies of a transformer block are priced once."""
+        key = self._price_keys.get(name)
+        if key is None:
+            n = self.graph.node(name)
+            full = self.full_options or self.options
+            what = (
+                n.op,
+                n.target,
+                n.kind,
+                tuple(n.outputs),
+                n.fwd_flops,
+                n.bwd_flops,
+                n.bytes_read,
+                n.bytes_written,
+                n.saved_extra_bytes,
+                n.requires_grad,
+                n.is_view,
+                name in self.graph.placeholder_paths,
+                name in self.saved,
+                id(full[name]),
+            )
+            key = self._price_keys[name] = self._price_ids.setdefault(
+                what, len(self._price_ids)
+            )
+        return key
+
+    def values(
+        self, name: str, i: int, forward: bool = False
+    ) -> tuple[float, float] | tuple[float, float, float]:
+        """(node_cost, node_memory) of option i of node `name`, and its forward compute time
+        when `forward`; computed once per pricing and `price_key`."""
+        keep = self.keep.get(name)
+        key = (self.price_key(name), i if keep is None else int(keep[i]))
+        hit = self._values.get(key)
+        if hit is None:
+            opt = self.options[name][i]
+            hit = self._values[key] = [
+                self.node_cost(name, opt),
+                self.node_memory(name, opt),
+            ]
+        if not forward:
+            return hit[0], hit[1]
+        if len(hit) == 2:
+            opt = self.options[name][i]
+            hit.append(sc.forward_time(self.graph.node(name), opt, self.settings))
+        return hit[0], hit[1], hit[2]
+
+    def restricted(self, options: dict[str, list[Option]]) -> PricedStage:
+        """The same stage with fewer options for some nodes; prices already computed are shared."""
+        full = self.full_options or self.options
+        keep = {}
+        for n, opts in options.items():
+            if opts is not full[n]:
+                where = {id(o): i for i, o in enumerate(full[n])}
+                keep[n] = np.array([where[id(o)] for o in opts], dtype=int)
+        out = PricedStage(
+            self.graph,
+            self.settings,
+            self.fx,
+            options,
+            self.edges,
+            self.param_derived,
+            self.saved,
+            self.rep,
+            self._edges,
+            full,
+            keep,
+            _values=self._values,
+            _price_keys=self._price_keys,
+            _price_ids=self._price_ids,
+            _keys=self._keys,
+        )
+        out.__dict__["param_grad_edges"] = self.param_grad_edges  # the same graph's
+        return out
+
+    def edge_key(self, u: str, v: str) -> tuple[str, str, int]:
+        key = self._keys.get((u, v))
+        if key is None:
+            key = self._keys[u, v] = (
+                self.rep.get(u, u),
+                self.rep.get(v, v),
+                self.fx[v].all_input_nodes.index(self.fx[u]),
+            )
+        return key
+
+    def edge(self, u: str, v: str) -> tuple[np.ndarray, np.ndarray]:
+        """Prices of edge u -> v; identical for every copy of a repeated block, so cached per copy class."""
+        key = self.edge_key(u, v)
+        if key not in self._edges:
+            full = self.full_options or self.options
+            self._edges[key] = sc.edge_matrices(
+                self.graph.node(u),
+                self.fx[v],
+                self.fx[u],
+                full[u],
+                full[v],
+                self.settings,
+                u in self.param_derived,
+            )
+        if u not in self.keep and v not in self.keep:
+            return self._edges[key]
+        if key not in self._sliced:
+            rows = self.keep.get(u, slice(None))
+            cols = self.keep.get(v, slice(None))
+            self._sliced[key] = tuple(m[rows][:, cols] for m in self._edges[key])
+        return self._sliced[key]
+
+    def edge_terms(self, index: dict[str, int]) -> tuple[list[float], list[float]]:
+        """(act[i, j], grad[i, j]) of `edge` for every edge of `edges`, in order, when every
+        node n chooses its option index[n]; gathered per edge key, one lookup per distinct edge."""
+        if self._edge_groups is None:
+            groups: dict[tuple, list[int]] = {}
+            for e, (u, v) in enumerate(self.edges):
+                groups.setdefault(self.edge_key(u, v), []).append(e)
+            self._edge_groups = [np.array(g) for g in groups.values()]
+        acts, grads = np.empty(len(self.edges)), np.empty(len(self.edges))
+        for group in self._edge_groups:
+            act, grad = self.edge(*self.edges[group[0]])
+            i = [index[self.edges[e][0]] for e in group.tolist()]
+            j = [index[self.edges[e][1]] for e in group.tolist()]
+            acts[group], grads[group] = act[i, j], grad[i, j]
+        return acts.tolist(), grads.tolist()
+
+    def explain(self, name: str, choice: dict[str, Option]) -> str:
+        lines = [
+            f"{name} ({self.graph.node(name).target}, module {self.graph.node(name).module_path or '-'}):"
+        ]
+        producers = [u for u, v in self.edges if v == name]
+        for j, opt in enumerate(self.options[name]):
+            resh = 0.0
+            for u in producers:
+                act, grad = self.edge(u, name)
+                i = self.options[u].index(choice[u])
+                resh += act[i, j] + grad[i, j]
+            mark = "*" if choice[name] == opt else " "
+            lines.append(
+                f" {mark} {opt}: compute {self.node_cost(name, opt) * 1e3:.4f} ms, resharding in {resh * 1e3:.4f} ms, "
+                f"memory {self.node_memory(name, opt) / 2**20:.2f} MiB"
+            )
+        return "\n".join(lines)

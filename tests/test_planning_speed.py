@@ -1,0 +1,191 @@
+"""The planner's fast paths give what the slower ones give: the intra-op program without dominated
+strategies (`planner.intra.dominance`) has the brute-force optimum of every budget; the
+program handed to HiGHS as arrays is the one pulp's interface builds; node prices shared by the
+copies of a repeated block are those each copy is priced at on its own; plans with and without
+the pruning agree."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cost_models.cluster import Cluster
+from cost_models.communication import LogicalMesh
+from planner import plan, trace
+from planner.intra import dominance, ilp
+from planner.intra import prices as sc
+from planner.intra.ilp import ILPModel, ILPProblem, _BulkHiGHS, brute_force
+from planner.intra.solve import solve_stage
+from planner.models import build_model
+
+
+def _problem(rng: np.random.Generator, budget_at: float | None) -> ILPProblem:
+    """A random program whose nodes have duplicated and worsened strategies, so that some are
+    dominated (a copy of a strategy, or one at least as costly everywhere) and some are not."""
+    n = int(rng.integers(2, 5))
+    k = [int(rng.integers(2, 4)) for _ in range(n)]
+    costs = [rng.uniform(0, 10, size=kv) for kv in k]
+    memory = [rng.uniform(1, 100, size=kv) for kv in k]
+    edges = [
+        (
+            u,
+            v,
+            rng.uniform(0, 10, size=(k[u], k[v]))
+            * (rng.uniform(size=(k[u], k[v])) < 0.7),
+        )
+        for v in range(1, n)
+        for u in sorted(set(rng.integers(0, v, size=int(rng.integers(1, 3))).tolist()))
+    ]
+    # append to every node a worsened copy of its option 0 and an exact copy of its option 1
+    extra = {v: [0, 1] for v in range(n)}
+    costs = [np.r_[c, c[0] + rng.uniform(0, 1), c[1]] for c in costs]
+    memory = [np.r_[m, m[0] + rng.choice([0.0, 5.0]), m[1]] for m in memory]
+    grown = []
+    for u, v, r in edges:
+        r = np.vstack([r, r[extra[u]] + [[rng.uniform(0, 1)], [0.0]]])
+        r = np.hstack([r, r[:, extra[v]] + [[rng.uniform(0, 1), 0.0]]])
+        grown.append((u, v, r))
+    budget = None
+    if budget_at is not None:
+        lo, hi = sum(m.min() for m in memory), sum(m.max() for m in memory)
+        budget = float(lo + budget_at * (hi - lo))
+    return ILPProblem(costs, grown, memory, budget)
+
+
+def _kept(p: ILPProblem) -> list[np.ndarray]:
+    """`dominance.undominated` of a program at scale 1."""
+    coefs = [ilp._objective_coefs(c, 1.0) for c in p.node_costs]
+    return dominance.undominated(coefs, p.node_memory, p.edges)
+
+
+def test_dominated_rows() -> None:
+    x = np.array([[1.0, 2.0], [1.0, 3.0], [0.5, 2.0], [1.0, 2.0], [2.0, 0.0]])
+    # row 1 by row 0, row 0 by row 2, row 3 (a copy of row 0) by rows 0 and 2; row 4 stays
+    assert dominance._rows_dominated(x).tolist() == [True, True, False, True, False]
+
+
+def test_goldstein_drops_what_componentwise_keeps() -> None:
+    """Option 1 of node 0 costs 5 more than option 0 and saves at most 2 on its edge: neither
+    is componentwise below the other, but switching 1 for 0 always gains at least 3."""
+    p = ILPProblem(
+        [np.array([0.0, 5.0]), np.array([0.0, 0.0])],
+        [(0, 1, np.array([[0.0, 2.0], [1.0, 0.0]]))],
+        [np.array([1.0, 1.0]), np.array([1.0, 2.0])],
+    )
+    coefs = ilp._objective_coefs(p.node_costs[0], 1.0)
+    edge = [p.edges[0][2]]
+    assert not dominance._dominated(coefs, p.node_memory[0], edge).any()
+    assert dominance._goldstein_dominated(coefs, p.node_memory[0], edge).tolist() == [
+        False,
+        True,
+    ]
+    assert _kept(p)[0].tolist() == [0]
+    # with more memory, option 0 no longer dominates
+    heavier = [np.array([2.0, 1.0]), p.node_memory[1]]
+    assert _kept(ILPProblem(p.node_costs, p.edges, heavier))[0].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("budget_at", [None, 0.2, 0.6])
+def test_pruned_program_keeps_the_optimum_of_every_budget(budget_at) -> None:
+    rng = np.random.default_rng(20 + int((budget_at or 0) * 10))
+    dropped = 0
+    for _ in range(20):
+        p = _problem(rng, budget_at)
+        model = ILPModel(p)
+        dropped += sum(c.size - k.size for c, k in zip(p.node_costs, model.keep))
+        want = brute_force(p)
+        got = model.solve(p.memory_budget)
+        assert got.objective == pytest.approx(want.objective, rel=1e-6, abs=1e-9)
+        assert got.choice == ILPModel(p, prune=False).solve(p.memory_budget).choice
+        if p.memory_budget is not None:
+            assert got.memory <= p.memory_budget + 1e-6
+
+    assert dropped > 20  # the copies at least
+
+
+def test_kept_strategies_are_not_dominated_and_copies_go() -> None:
+    c = np.array([1.0, 1.0, 0.5])
+    r = np.array([[0.0, 0.5], [0.0, 0.5], [0.0, 2.0]])
+    p = ILPProblem([c, np.array([1.0, 0.0])], [(0, 1, r)])
+    # node 0: option 1 is option 0 with a higher tie-break; option 2 is cheaper but costs more
+    # on the edge towards node 1's option 1, which is cheaper than its option 0 unless node 0
+    # takes option 2
+    assert [k.tolist() for k in _kept(p)] == [[0, 2], [0, 1]]
+    # memory where option 1 is lighter keeps it
+    heavy = [np.array([5.0, 1.0, 5.0]), np.zeros(2)]
+    assert _kept(ILPProblem(p.node_costs, p.edges, heavy))[0].tolist() == [0, 1, 2]
+    # sweeps repeat: once node 1 keeps only option 0, node 0's edge costs are all 0 and its
+    # option 2 (the cheapest) dominates the others
+    q = ILPProblem([c, np.array([0.0, 1.0])], [(0, 1, r)])
+    assert [k.tolist() for k in _kept(q)] == [[2], [0]]
+
+
+@pytest.mark.parametrize("budget_at", [None, 0.3])
+def test_highs_arrays_are_pulps_model(budget_at) -> None:
+    """`ILPModel.highs_arrays` equals what `_BulkHiGHS` (checked against pulp's own HiGHS
+    interface in test_ilp) hands highspy for `ILPModel.pulp_problem`, and both routes choose
+    alike."""
+    rng = np.random.default_rng(5)
+    for _ in range(10):
+        p = _problem(rng, budget_at)
+        model = ILPModel(p, prune=False)
+        prob = model.pulp_problem(p.memory_budget)
+        bulk = _BulkHiGHS(msg=False)
+        bulk.createAndConfigureSolver(prob)
+        bulk.buildSolverModel(prob)
+        lp = prob.solverModel.getLp()
+        a = model.highs_arrays(p.memory_budget)
+        assert np.array_equal(lp.col_cost_, a.cost)
+        assert np.array_equal(lp.col_lower_, np.zeros_like(a.cost))
+        assert np.array_equal(lp.col_upper_, a.upper)
+        assert np.array_equal(lp.row_lower_, a.row_lower)
+        assert np.array_equal(lp.row_upper_, a.row_upper)
+        assert np.array_equal(lp.a_matrix_.start_, np.r_[a.starts, len(a.index)])
+        assert np.array_equal(lp.a_matrix_.index_, a.index)
+        assert np.array_equal(lp.a_matrix_.value_, a.value)
+        integer = [i for i, t in enumerate(lp.integrality_) if t.value]
+        assert integer == a.integer.tolist()
+        direct = model.solve(p.memory_budget)
+        assert direct.choice == model.solve(p.memory_budget, via_pulp=True).choice
+
+
+def test_copies_of_a_block_are_priced_as_each_alone() -> None:
+    """`PricedStage.values` shares prices between nodes with equal `price_key` (the copies of a
+    transformer block): every node's cost, memory and forward time equal its own pricing."""
+    model, batch = build_model("llama-tiny", batch=2, dtype=torch.float16)
+    graph = trace(model, batch)
+    cluster = Cluster.from_spec("1x4xA100-80GB")
+    sol = solve_stage(
+        graph, LogicalMesh(cluster, cluster.shape, (2, 2)), num_microbatches=2
+    )
+    ctx = sol._ctx
+    shared = 0
+    for n, opt in sol.choice.items():
+        i = ctx.options[n].index(opt)
+        node = graph.node(n)
+        alone = (
+            ctx.node_cost(n, opt),
+            ctx.node_memory(n, opt),
+            sc.forward_time(node, opt, ctx.settings),
+        )
+        assert ctx.values(n, i, forward=True) == alone
+        shared += ctx.rep.get(n, n) != n
+    assert shared > 10  # the second block's nodes, priced as the first's
+
+
+@pytest.mark.slow
+def test_plans_with_and_without_pruning_agree(monkeypatch) -> None:
+    """A whole plan (every mesh, memory ladder, seeds, stage DP) is the same with the pruned
+    programs as with the full ones."""
+    kw = {"global_batch": 8, "microbatch_size": [2, 4]}
+    fast = plan("llama-tiny", "2x2xA100-80GB", **kw)
+    monkeypatch.setattr(
+        dominance,
+        "undominated",
+        lambda coefs, memory, edges: [np.arange(c.size) for c in coefs],
+    )
+    full = plan("llama-tiny", "2x2xA100-80GB", **kw)
+    a, b = fast.to_json(), full.to_json()
+    a.pop("planner_time_s"), b.pop("planner_time_s")
+    assert a == b
