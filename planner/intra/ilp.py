@@ -359,6 +359,9 @@ class ILPModel:
 
 
 #: Relative tie-break towards lower strategy indices, added to each node's objective coefficients.
+#: A preference, not a guarantee: it lies below HiGHS's tolerances (1e-7 on reduced costs), so
+#: HiGHS may return any of several tied optima; it returns the same one for the same program
+#: (one thread, a fixed seed).
 TIE = 1e-9
 
 
