@@ -8,9 +8,12 @@ Model state per parameter (ZeRO, Rajbhandari et al. 2020, section 3.1)::
     sgd               4        4     0                                         8
     sgd_momentum      4        4     4 (momentum)                             12
 
-A parameter's placement divides all three by its shard count; ZeRO (as the planner offers it:
-stage 2) divides the gradients and optimizer state further over the devices that replicate the
-parameter (``param_state_bytes``).
+A parameter's placement divides all three by its shard count; ZeRO stage 2 divides the gradients
+and optimizer state further over the devices that replicate the parameter, ZeRO stage 3 (FSDP) the
+weights too (``param_state_bytes``). An FSDP parameter is gathered whole (its planned placement)
+only while it is used: ``gathered_bytes`` per element of that live copy (weights, and the gradient
+before it is reduce-scattered), which the stage's memory adds for its largest layer
+(`planner.inter.stage_table`).
 
 Activations: a stage keeps, per micro-batch in flight, what autograd saved for the backward pass
 (with recomputation only each layer's input, plus one layer's full set live while it is
@@ -63,19 +66,32 @@ def param_state_bytes(
     *,
     shards: float = 1,
     zero_shards: float = 1,
+    zero_stage: int = 2,
 ) -> float:
     """Weights + gradients + optimizer state on one device of a parameter of `numel` elements.
 
     ``numel / shards * (param + (grad + optimizer) / zero_shards)``: the parameter's placement
     splits all three into `shards` pieces; ZeRO (stage 2: gradients and optimizer state) splits
     the gradient and optimizer state further over the `zero_shards` devices that replicate it.
+    With ``zero_stage=3`` (FSDP) the weights too: ``numel / shards / zero_shards * total``.
     """
+    if zero_stage not in (2, 3):
+        raise MeshplanError(f"ZeRO stage must be 2 or 3, got {zero_stage}")
     if shards <= 0 or zero_shards <= 0:
         raise MeshplanError(
             f"shard counts must be positive, got shards={shards}, zero_shards={zero_shards}"
         )
     s = state_bytes_per_param(optimizer)
+    if zero_stage == 3:
+        return numel / shards / zero_shards * s.total
     return numel / shards * (s.param + (s.grad + s.optimizer) / zero_shards)
+
+
+def gathered_bytes(optimizer: str = "adam_mixed") -> float:
+    """Bytes per element of an FSDP parameter's gathered copy while it is live: its weights and
+    its unsharded gradient (before the reduce-scatter)."""
+    s = state_bytes_per_param(optimizer)
+    return s.param + s.grad
 
 
 def stage_peak_bytes(

@@ -56,7 +56,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
 from planner.vocab.dtensor_ext import str_to_placement
-from planner.vocab.placements import mesh_axes
+from planner.vocab.placements import mesh_axes, norm, zero_shard
 from planner.vocab.plan_file import ParallelPlan, StagePlan
 from runtime.meshes import device_mesh
 
@@ -259,7 +259,8 @@ def load_checkpoint(
     """Load this rank's stage of `plan` from a checkpoint saved under any plan of the same model.
 
     Collective over the default group. Returns (parameters of this rank's stage as DTensors with
-    the plan's placements on the stage mesh, their optimizer state as saved (param-shaped tensors
+    the plan's placements on the stage mesh (an FSDP parameter's: its shard,
+    `planner.vocab.placements.zero_shard`), their optimizer state as saved (param-shaped tensors
     as DTensors placed like the parameter), step). `like` (optional: parameter path -> tensor,
     meta tensors will do) gives the dtype to load into and checks the shapes; by default the saved
     shapes and dtypes are used. `mesh`: this rank's stage mesh when the caller has built it
@@ -290,6 +291,14 @@ def load_checkpoint(
                 )
             dtype = like[p].dtype
         shapes[p] = meta.size
+        if p in stage.fsdp_params:  # held as its shard, as the runtime keeps it
+            strs = list(
+                zero_shard(
+                    tuple(meta.size),
+                    tuple(norm(x) for x in strs),
+                    tuple(stage.logical_mesh),
+                )
+            )
         sd[f"model/{p}"] = dtensor_empty(
             meta.size,
             dtype=dtype,

@@ -94,6 +94,7 @@ from planner.vocab.strategy import StageProgram, consumed_output
 from runtime import comm_count
 from runtime.compiled import CompiledStage
 from runtime.device_ops import device_targets
+from runtime.fsdp import FsdpParams
 from runtime.grad_sync import sync_grads
 from runtime.meshes import device_mesh
 from runtime.redistribute import Edge, redistribute, unmask
@@ -151,6 +152,7 @@ class PlanExecutor(torch.fx.Interpreter):
         sync_param_grads: bool = True,
         recompute_layers: dict[str, int] | None = None,
         compile: bool = False,
+        fsdp: dict[str, tuple[Placement, ...]] | None = None,
     ) -> None:
         if graph.gm is None:
             raise MeshplanError("the op graph has no fx GraphModule to execute")
@@ -187,7 +189,13 @@ class PlanExecutor(torch.fx.Interpreter):
             ):
                 register_fallback(n.target)
         self._parsed: dict[Strs, tuple[Placement, ...]] = {}
-        self.compile = compile and recompute_layers is None
+        # FSDP parameters (placeholder name -> shard placements; `runtime.fsdp`): eager only
+        self.fsdp = FsdpParams(self, fsdp) if fsdp else None
+        if self.fsdp is not None and recompute_layers is not None:
+            raise MeshplanError(
+                "FSDP parameters with activation recomputation are not supported"
+            )
+        self.compile = compile and recompute_layers is None and self.fsdp is None
         self._compiled: CompiledStage | None = None
         self.last_run_compiled = False
         self.masks: DropoutMasks | None = None
@@ -352,6 +360,9 @@ class PlanExecutor(torch.fx.Interpreter):
             if out is not _NOT_COMPILED:
                 self.last_run_compiled = True
                 return out
+        if self.fsdp is not None:
+            with self.fsdp.forward(microbatch, env):
+                return self.run(initial_env=env, enable_io_processing=False)
         return self.run(initial_env=env, enable_io_processing=False)
 
     def _prefill(self, env: dict[torch.fx.Node, Any], microbatch: int) -> None:
@@ -463,11 +474,13 @@ class PlanExecutor(torch.fx.Interpreter):
                 ):
                     value = self._edge(value, getitem)
                 return value
+            fsdp = self._fsdp_inputs(n)
             moved = {}
             for u, plan in edges:
-                value = env[u]
+                value = fsdp[u] if u in fsdp else env[u]
                 if isinstance(value, DTensor):
                     moved[u] = self._edge(value, plan)
+            moved = {**fsdp, **moved}
             if moved:
                 args, kwargs = map_arg(
                     (n.args, n.kwargs), lambda a: moved.get(a, env[a])
@@ -475,9 +488,21 @@ class PlanExecutor(torch.fx.Interpreter):
             else:
                 args, kwargs = map_arg((n.args, n.kwargs), lambda a: env[a])
             out = self._targets.get(n, n.target)(*args, **kwargs)
+            for u in fsdp:
+                self.fsdp.done(u.name)
             return self._check_outputs(n, out, outputs, bwd_label)
         finally:
             comm_count.pop_site()
+
+    def _fsdp_inputs(self, n: torch.fx.Node) -> dict[torch.fx.Node, DTensor]:
+        """The gathered copies of the FSDP parameters node `n` reads (`runtime.fsdp`)."""
+        if self.fsdp is None:
+            return {}
+        return {
+            u: self.fsdp.value(u.name)
+            for u in dict.fromkeys(n.all_input_nodes)
+            if u.name in self.fsdp.shards
+        }
 
     def _edge(self, x: DTensor, plan: tuple) -> DTensor:
         dst, grad_dst, label, skip = plan

@@ -57,6 +57,10 @@ the torch-pipelining subclass.
 Recomputation (``StagePlan.recompute``): the stage's executor runs each layer under a
 non-reentrant ``torch.utils.checkpoint`` (`runtime.executor.PlanExecutor`, ``recompute_layers``).
 
+FSDP (``StagePlan.fsdp_params``, ZeRO stage 3): the parameter's leaf is its shard
+(`fsdp_shards`); the stage's executor gathers it around its use in every micro-batch and
+reduce-scatters its gradient onto the shard in backward (`runtime.fsdp`).
+
 ZeRO (``StagePlan.zero_params``): such a parameter's leaf, the one the optimizer updates (and keeps
 its state for), is sharded over the mesh axes where the plan replicates it (`place_params`). A step
 all-gathers it once to its planned placement (a new leaf the micro-batches compute with), and after
@@ -91,7 +95,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
 from planner.tracing.opgraph import OpGraph
-from planner.vocab.placements import device_mesh_shape
+from planner.vocab.dtensor_ext import str_to_placement
+from planner.vocab.placements import device_mesh_shape, mesh_axes, norm, zero_shard
 from planner.vocab.plan_check import validate
 from planner.vocab.plan_file import ParallelPlan, StagePlan
 from planner.vocab.strategy import StageProgram, tied_copies_align
@@ -124,6 +129,26 @@ def stage_mesh(stage: StagePlan, device_type: str = "cpu") -> DeviceMesh:
             f"logical mesh {tuple(stage.logical_mesh)}"
         )
     return device_mesh(device_type, ranks.view(shape))
+
+
+def fsdp_shards(graph: OpGraph, stage: StagePlan) -> dict[str, tuple[Placement, ...]]:
+    """Placeholder name -> the placements of the shard an FSDP parameter (``stage.fsdp_params``)
+    keeps (`planner.vocab.placements.zero_shard`, as the planner prices it), on the stage's
+    squeezed mesh; parameters the rule leaves whole are not listed."""
+    names = {v: k for k, v in graph.placeholder_paths.items()}
+    axes = mesh_axes(tuple(stage.logical_mesh))
+    out: dict[str, tuple[Placement, ...]] = {}
+    for path in stage.fsdp_params:
+        if path not in names or path not in graph.params:
+            continue
+        planned = tuple(norm(p) for p in stage.param_placements[path])
+        meta = graph.node(names[path]).outputs[0]
+        held = zero_shard(tuple(meta.shape), planned, tuple(stage.logical_mesh))
+        if held != planned:
+            out[names[path]] = tuple(str_to_placement(held[a]) for a in axes) or (
+                Replicate(),
+            )
+    return out
 
 
 def layer_of_nodes(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:
@@ -207,6 +232,7 @@ class PipelineRunner:
                 sync_param_grads=False,
                 recompute_layers=recompute if stage_plan.recompute else None,
                 compile=compile,
+                fsdp=fsdp_shards(st.graph, stage_plan),
             )
             self._zero[c] = self._zero_placements(self.executors[c], stage_plan)
         self.executor: PlanExecutor | None = (
@@ -331,7 +357,12 @@ class PipelineRunner:
             # a tied parameter another chunk of this rank placed already: one copy, shared
             new = {p: params[p] for p in ex.opgraph.params if p not in out}
             out.update(ex.place_params({**new, **out}))
-            for path, places in self._zero[c].items():
+            shards = dict(self._zero[c])
+            if ex.fsdp is not None:
+                shards.update(
+                    (ex.fsdp.paths[n], pl) for n, pl in ex.fsdp.shards.items()
+                )
+            for path, places in shards.items():
                 if path not in new:
                     continue
                 out[path] = redistribute(out[path].detach(), places).requires_grad_(
@@ -407,11 +438,15 @@ class PipelineRunner:
         if self.zero_placements:
             self._scatter_zero(params, used)
         for ex in self.executors.values():
+            # FSDP gradients were reduce-scattered onto their shards in backward
+            fsdp = set(ex.fsdp.paths.values()) if ex.fsdp is not None else set()
+            if ex.fsdp is not None:
+                ex.fsdp.finish()
             ex.sync_grads(
                 {
                     k: params[k]
                     for k in ex.opgraph.params
-                    if k in params and k not in self.zero_placements
+                    if k in params and k not in self.zero_placements and k not in fsdp
                 }
             )
         if self.tied:  # tied parameters: sum the copies' gradients across the stages

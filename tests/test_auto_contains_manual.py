@@ -44,14 +44,24 @@ def test_auto_plan_beats_manual_at_its_memory(dp: int, tp: int, pp: int) -> None
 
 def test_seed_filters_cover_megatron_layouts() -> None:
     assert seed_filters((1, 1), False, {2, 4}) == []
-    assert len(seed_filters((1, 4), False, {2, 4})) == 2  # tp on axis 1, pure dp
-    assert len(seed_filters((1, 4), True, {2, 4})) == 3  # + dp with experts on axis 1
-    assert len(seed_filters((2, 8), True, {2, 4})) == 2  # tp 8 spans hosts: not a seed
+    # tp on axis 1, pure dp, pure dp with every parameter FSDP-sharded
+    assert len(seed_filters((1, 4), False, {2, 4})) == 3
+    assert len(seed_filters((1, 4), True, {2, 4})) == 4  # + dp with experts on axis 1
+    assert len(seed_filters((2, 8), True, {2, 4})) == 3  # tp 8 spans hosts: not a seed
     with pytest.raises(ValueError):
         axes_filter(1, 1)
     # activations split the batch on every data-parallel axis, never for models with experts
-    assert [s.batch_axes for s in seed_filters((2, 4), False, {2, 4})] == [(0,), (0, 1)]
-    assert [s.batch_axes for s in seed_filters((1, 4), True, {2, 4})] == [(), (), ()]
+    assert [s.batch_axes for s in seed_filters((2, 4), False, {2, 4})] == [
+        (0,),
+        (0, 1),
+        (0, 1),
+    ]
+    assert [s.batch_axes for s in seed_filters((1, 4), True, {2, 4})] == [
+        (),
+        (),
+        (),
+        (),
+    ]
     assert batch_axes((4, 1), None, False) == (0,)
 
 

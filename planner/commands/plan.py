@@ -10,7 +10,7 @@ from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from cost_models.memory import OPTIMIZERS
 from planner.commands.fmt import nbytes, table
-from planner.vocab.plan_file import ParallelPlan
+from planner.vocab.plan_file import ParallelPlan, StagePlan
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -222,6 +222,17 @@ def _write(result: ParallelPlan, path: str | None) -> None:
         print(f"wrote {path}", file=sys.stderr)
 
 
+def _sharded_state(s: StagePlan) -> str:
+    """How many of the stage's parameters are FSDP- (ZeRO-3) or ZeRO-2-sharded, or "-"."""
+    n = len(s.param_placements)
+    parts = [
+        f"{name} {len(ps)}/{n}"
+        for name, ps in (("FSDP", s.fsdp_params), ("ZeRO-2", s.zero_params))
+        if ps
+    ]
+    return ", ".join(parts) or "-"
+
+
 def summary(p: ParallelPlan) -> str:
     """The plan as a readable table."""
     head = (
@@ -237,6 +248,7 @@ def summary(p: ParallelPlan) -> str:
             f"{s.logical_mesh[0]}x{s.logical_mesh[1]}",
             s.dp_tp,
             "yes" if s.recompute else "no",
+            _sharded_state(s),
             f"{s.time_s * 1e3:.2f}",
             nbytes(s.memory_bytes),
         ]
@@ -251,6 +263,7 @@ def summary(p: ParallelPlan) -> str:
             "logical mesh",
             "dp x tp",
             "recompute",
+            "sharded state",
             "ms / micro-batch",
             "memory / device",
         ],
@@ -287,7 +300,13 @@ def run_explain(args: argparse.Namespace) -> int:
         items = list(s.param_placements.items())
         shown = items if args.params == 0 else items[: args.params]
         for path, pl in shown:
-            zero = " +ZeRO" if path in s.zero_params else ""
+            zero = (
+                " +ZeRO"
+                if path in s.zero_params
+                else " +FSDP"
+                if path in s.fsdp_params
+                else ""
+            )
             print(f"    {path:<48} [{', '.join(pl)}]{zero}")
         if len(shown) < len(items):
             print(f"    ... {len(items) - len(shown)} more (--params 0 lists all)")

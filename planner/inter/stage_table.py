@@ -13,7 +13,11 @@ keeps there, `cost_models.memory.microbatches_in_flight`: min(B, s) for 1F1B, B 
     without recomputation: params[k..j] + inflight * activations[k..j]
     with recomputation:    params[k..j] + inflight * layer_inputs[k..j] + max activations of one layer
 
-and recomputation adds the layers' forward compute to the time. The latency of the gradient
+and recomputation adds the layers' forward compute to the time. FSDP parameters
+(`planner.intra.prices`, ZeRO stage 3) add twice the largest layer's gathered bytes to the
+transient term (the layer running and the next one gathered), and their collectives count per layer
+only by the part that layer's compute does not hide: their all-gathers (forward and backward,
+which the runtime prefetches) count max(0, gathers_l - compute_l), the reduce-scatter in full. The latency of the gradient
 all-reduce buckets a range holds is added once per bucket (`planner.intra.prices.grad_buckets`),
 and the runtime's overhead per stage and micro-batch once.
 A range's cost is the fastest option (logical mesh, memory level, recomputation) that fits the
@@ -31,6 +35,7 @@ import numpy as np
 from cost_models.communication import LogicalMesh, boundary_send_times
 from cost_models.errors import MeshplanError
 from cost_models.memory import stage_peak_bytes
+from planner.intra import prices as sc
 from planner.intra.batch_split import batch_split_options
 from planner.intra.megatron import ParamFilter, Seed
 from planner.intra.prices import Option
@@ -51,6 +56,8 @@ class LayerProfile:
     # holds: the latency of its gradient buckets (`planner.intra.prices.grad_buckets`; `time` has
     # their bandwidth only) and the runtime's per-micro-batch overhead (`StageSolution.overhead_s`)
     fixed: np.ndarray
+    # bytes per layer of its FSDP parameters' gathered copies (`prices.fsdp_gathered_bytes`)
+    gathered: np.ndarray | None = None
 
     def range_time(self, k: int, j: int, recompute: bool) -> float:
         """Per-micro-batch time of a stage holding layers k..j (recomputation adds their forward)."""
@@ -150,7 +157,32 @@ def profile(
         held = np.zeros(L)
         held[[layer_of.get(n, 0) for n in bucket.consumers]] = 1.0
         fixed += (_range_sums(held) > 0) * (bucket.latency_s / sol.num_microbatches)
-    return LayerProfile(sol, *arr.T.copy(), inputs, fixed)
+    time, fwd, params, acts = arr.T.copy()
+    gathered = None
+    if sol.fsdp_params:
+        comm, compute, gathered = _fsdp_layers(sol, graph, layer_of, L)
+        time -= np.minimum(comm, compute)  # the part of the layer's compute hides
+    return LayerProfile(sol, time, fwd, params, acts, inputs, fixed, gathered)
+
+
+def _fsdp_layers(
+    sol: StageSolution, graph: OpGraph, layer_of: dict[str, int], L: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per layer: seconds of its FSDP parameters' all-gathers (`prices.fsdp_gather`: what the
+    runtime prefetches; the reduce-scatter is not hidden), seconds of
+    its ops' compute (forward + backward) and bytes of its FSDP parameters' gathered copies; a
+    parameter counts in the layer of its first consumer."""
+    ctx, s, index = sol._ctx, sol._ctx.settings, sol._chosen()
+    comm, compute, gathered = np.zeros(L), np.zeros(L), np.zeros(L)
+    for n, opt in sol.choice.items():
+        node = graph.node(n)
+        k = layer_of.get(n, 0)
+        if node.op == "call":
+            compute[k] += ctx.values(n, index[n])[0]
+        elif opt.zero == 3:
+            comm[k] += sc.fsdp_gather(node.outputs[0], opt, s)
+            gathered[k] += sc.fsdp_gathered_bytes(node.outputs[0], opt, s)
+    return comm, compute, gathered
 
 
 def profiles_for(
@@ -225,7 +257,11 @@ def profiles_for(
             )
         except MeshplanError:  # the seed leaves a parameter no placement on this mesh
             continue
-        if sol.param_placements != first.param_placements:
+        if (sol.param_placements, sol.zero_params, sol.fsdp_params) != (
+            first.param_placements,
+            first.zero_params,
+            first.fsdp_params,
+        ):
             out.append(profile(sol, graph, layer_of, bounds, num_layers))
     return out
 
@@ -277,12 +313,15 @@ def range_footprint(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[k, j] arrays for a stage holding layers k..j: its parameter-state bytes, the activation
     bytes it keeps per micro-batch in flight, and the bytes live only while one layer is
-    recomputed (module docstring); `cost_models.memory.stage_peak_bytes` adds them up."""
+    recomputed or its FSDP parameters are gathered (module docstring); `cost_models.memory.stage_peak_bytes` adds them up."""
     L = len(prof.time)
     params = _range_sums(prof.params)
+    gathered = (
+        np.zeros((L, L)) if prof.gathered is None else 2 * _range_max(prof.gathered)
+    )
     if recompute:
-        return params, _range_sums(prof.inputs), _range_max(prof.acts)
-    return params, _range_sums(prof.acts), np.zeros((L, L))
+        return params, _range_sums(prof.inputs), _range_max(prof.acts) + gathered
+    return params, _range_sums(prof.acts), gathered
 
 
 def range_costs(
@@ -305,6 +344,8 @@ def range_costs(
         inflight[None, None, :],
     )
     valid = np.triu(np.ones((L, L), dtype=bool))[:, :, None]
+    if recompute and prof.gathered is not None:
+        valid = np.zeros_like(valid)  # the runtime does not recompute FSDP stages (`runtime.fsdp`)
     cost = np.where(valid & (mem <= budget), (time + send[None, :])[:, :, None], np.inf)
     return np.broadcast_to(cost, mem.shape).copy(), mem
 

@@ -69,15 +69,17 @@ def is_expert_weight(path: str) -> bool:
     return path.endswith(_EXPERT)
 
 
-def axes_filter(tp_axis: int | None, ep_axis: int | None) -> ParamFilter:
+def axes_filter(
+    tp_axis: int | None, ep_axis: int | None, fsdp: bool = False
+) -> ParamFilter:
     """Parameters placed by Megatron's rules on mesh axis `tp_axis` (None: no tensor parallelism),
     expert weights split by experts on `ep_axis` (None: no expert parallelism), replicated on the
-    other axes, never ZeRO-sharded."""
+    other axes, never ZeRO-sharded; with `fsdp`, always FSDP-sharded (ZeRO stage 3) instead."""
     if tp_axis is not None and tp_axis == ep_axis:
         raise ValueError(f"tensor and expert parallelism on the same axis {tp_axis}")
 
     def allowed(path: str, option: Option) -> bool:
-        if option.zero:
+        if option.zero != (3 if fsdp else 0):
             return False
         for axis, placement in enumerate(option.strategy.output[0]):
             if axis == tp_axis:
@@ -121,6 +123,10 @@ def seed_filters(
     * for models with experts, each of those with the expert weights also split on the other axis
       of size > 1 (expert parallelism).
 
+    * pure data parallelism with every parameter FSDP-sharded (ZeRO stage 3, as torchtitan runs
+      FSDP over all devices; a model with a parameter the runtime cannot shard has no solution
+      under it, and the search skips it).
+
     Activations split the batch on the data-parallel axes (`batch_axes`). None on a single
     device (replication is then the only placement)."""
     a, b = mesh_shape
@@ -131,6 +137,8 @@ def seed_filters(
     for tp in tps:
         axes = batch_axes(mesh_shape, tp, has_experts)
         out.append(Seed(axes_filter(tp, None), axes))
+        if tp is None:
+            out.append(Seed(axes_filter(None, None, fsdp=True), axes))
         if has_experts:
             free = [ax for ax, n in enumerate(mesh_shape) if n > 1 and ax != tp]
             if free:

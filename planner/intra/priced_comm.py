@@ -8,26 +8,36 @@ that the collectives the runtime issues can be compared with what was priced.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from cost_models.communication import LogicalMesh
 from cost_models.resharding import reshard_steps
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.grads import expected_grad, grad_from_consumer
-from planner.vocab.placements import norm
+from planner.vocab.placements import norm, zero_shard
 from planner.vocab.strategy import StageProgram, consumed_output
 
 
 def predicted_collectives(
-    graph: OpGraph, program: StageProgram, mesh: LogicalMesh
+    graph: OpGraph,
+    program: StageProgram,
+    mesh: LogicalMesh,
+    fsdp: Collection[str] = (),
 ) -> dict[str, list[tuple[str, float]]]:
     """What the planner prices, per site of the executor: ``"fwd:u->v"`` -> [(kind, bytes)] for the
     forward redistribution of every edge u -> v of the chosen strategies, and ``"bwd:u->v"`` for its
     gradient (`planner.intra.prices`: from ``grad_from_consumer(dst, v's strategy)`` to
     ``expected_grad(src)``), both from `cost_models.resharding.reshard_steps`. One micro-batch,
-    forward + backward (the parameter-gradient part is not divided by the micro-batches)."""
+    forward + backward (the parameter-gradient part is not divided by the micro-batches).
+
+    `fsdp`: paths of FSDP parameters (`planner.intra.prices`): ``"fwd:fsdp:<path>"`` their
+    all-gather, ``"bwd:fsdp:<path>"`` the all-gather again and the gradient's reduce-scatter,
+    and no collective for the gradients on the edges leaving them or their views."""
     out: dict[str, list[tuple[str, float]]] = {}
     nodes = {n.name: n for n in graph.gm.graph.nodes}
+    roots = _fsdp_derived(graph, program, mesh, fsdp, out)
     for fx_v in graph.gm.graph.nodes:
         if (
             fx_v.op != "call_function"
@@ -51,6 +61,7 @@ def predicted_collectives(
             if (
                 graph.node(u).requires_grad
                 and getattr(torch, meta.dtype).is_floating_point
+                and u not in roots
             ):
                 grad = grad_from_consumer(dst, vs, mesh.shape)
                 steps.append((f"bwd:{u}->{v.name}", grad, expected_grad(src)))
@@ -65,3 +76,53 @@ def predicted_collectives(
                 if colls:
                     out[label] = colls
     return out
+
+
+def _fsdp_derived(
+    graph: OpGraph,
+    program: StageProgram,
+    mesh: LogicalMesh,
+    fsdp: Collection[str],
+    out: dict[str, list[tuple[str, float]]],
+) -> set[str]:
+    """Adds the FSDP parameters' sites to `out`; returns the nodes derived from them (the
+    parameters and their views), whose gradients the runtime leaves to the reduce-scatter."""
+    if not fsdp:
+        return set()
+    derived = graph.param_derived()
+    names = {p: n for n, p in graph.placeholder_paths.items()}
+    found: set[str] = set()
+    for path in fsdp:
+        n = names[path]
+        meta = graph.node(n).outputs[0]
+        planned = tuple(map(norm, program.strategies[n].output[0]))
+        held = zero_shard(tuple(meta.shape), planned, mesh.shape)
+        if held == planned:
+            continue
+        found.add(n)
+        grad = tuple("P" if h != p else p for p, h in zip(planned, held))
+        width = meta.nbytes / max(meta.numel(), 1)
+
+        gather = _collectives(mesh, meta.shape, width, held, planned)
+        out[f"fwd:fsdp:{path}"] = gather
+        out[f"bwd:fsdp:{path}"] = gather + _collectives(
+            mesh, meta.shape, width, grad, held
+        )
+    for fx in graph.gm.graph.nodes:  # topological: a view after what it views
+        if fx.name in derived and any(u.name in found for u in fx.all_input_nodes):
+            found.add(fx.name)
+    return found
+
+
+def _collectives(
+    mesh: LogicalMesh,
+    shape: tuple[int, ...],
+    width: float,
+    src: tuple[str, ...],
+    dst: tuple[str, ...],
+) -> list[tuple[str, float]]:
+    return [
+        (st.collective, st.nbytes)
+        for st in reshard_steps(mesh, shape, width, src, dst)
+        if st.collective
+    ]

@@ -23,6 +23,30 @@ All prices come from `cost_models` (principle 2) and cover forward and backward:
   sharded over those axes ("zero" option). Reduce-scatter + all-gather cost what the all-reduce
   would, and we charge one more all-gather of the parameter per iteration (an upper bound), so the
   solver picks it only when memory demands.
+* FSDP (ZeRO stage 3, ``Option.zero == 3``): weights, gradients and optimizer state all sharded
+  over the replicating axes (`planner.vocab.placements.zero_shard`: the shard the runtime keeps),
+  so memory is ``numel / shards / zero_shards * (param + grad + optimizer)``
+  (`cost_models.memory.param_state_bytes`). The runtime (`runtime.fsdp`) gathers the weight
+  before its first use in every micro-batch's forward, drops it after its last, gathers it again
+  in backward, and reduce-scatters its gradient onto the shard once per micro-batch (FSDP's
+  default: no unsharded gradient is kept across micro-batches). Per micro-batch:
+
+      fsdp_comm = 2 * reshard(shard -> planned) + reshard(grad -> shard)
+
+  with grad = the planned placement with P on the sharded axes (the consumers are split there,
+  as data parallelism splits them). The consumers' edges still charge this gradient's all-reduce
+  (its bandwidth per micro-batch, `_bucket_bandwidth` / B), which the runtime does not run for an
+  FSDP parameter, so the node cost is ``fsdp_comm - that all-reduce share`` (`zero_cost`):
+  node + edges = what runs. The ILP sees ``fsdp_comm`` unhidden (linear, an upper bound: it picks
+  FSDP when memory demands); the stage's price (`planner.inter.stage_table.profile`) then hides
+  the all-gathers that overlap compute, per layer l (its parameters' `fsdp_gather`, forward and
+  backward; the runtime prefetches the next parameter's gather while the current one computes):
+
+      exposed_l = max(0, gathers_l - compute_l) + reduce_scatters_l
+
+  (with equal layers the neighbour's compute is the layer's own; the reduce-scatter, which the
+  runtime waits for, is charged in full). The gathered copy (`fsdp_gathered_bytes`) is live only around its use: a stage adds
+  twice its largest layer's gathered bytes (the layer running and the one gathered next).
 """
 
 from __future__ import annotations
@@ -35,24 +59,26 @@ import torch
 
 from cost_models.communication import LogicalMesh
 from cost_models.compute import measured_op_time, op_overhead, op_time
+from cost_models.memory import gathered_bytes
 from cost_models.memory import param_state_bytes as state_bytes
 from cost_models.resharding import reshard_cost, reshard_steps
 from planner.intra.strategies import node_strategies
 from planner.tracing.opgraph import OpGraph, OpNode, TensorMeta
 from planner.vocab.grads import bucketed_axes, expected_grad, grad_from_consumer
-from planner.vocab.placements import norm, shards
+from planner.vocab.placements import norm, shards, zero_shard
 from planner.vocab.strategy import Strategy, consumed_output
 
 
 @dataclass(frozen=True)
 class Option:
-    """One choice for a node: a DTensor strategy, plus ZeRO sharding for parameters."""
+    """One choice for a node: a DTensor strategy, plus ZeRO sharding for parameters: ``zero``
+    is 0 (none), 2 (gradients and optimizer state sharded) or 3 (FSDP: weights too)."""
 
     strategy: Strategy
-    zero: bool = False
+    zero: int = 0
 
     def __str__(self) -> str:
-        return f"{self.strategy}{' +ZeRO' if self.zero else ''}"
+        return f"{self.strategy}{ {0: '', 2: ' +ZeRO', 3: ' +FSDP'}[self.zero] }"
 
 
 @dataclass(frozen=True)
@@ -86,7 +112,11 @@ def node_options(
     if node.op == "param":
         for s in strategies:
             if any(p == "R" and size > 1 for p, size in zip(s.output[0], mesh_shape)):
-                opts.append(Option(s, zero=True))
+                opts.append(Option(s, zero=2))
+        for s in strategies:
+            planned = tuple(map(norm, s.output[0]))
+            if zero_shard(node.outputs[0].shape, planned, mesh_shape) != planned:
+                opts.append(Option(s, zero=3))
     return opts
 
 
@@ -186,6 +216,16 @@ def param_state_bytes(meta: TensorMeta, option: Option, s: StageSettings) -> flo
     """Weights + gradients + optimizer state of one parameter on one device
     (`cost_models.memory.param_state_bytes`; ZeRO over the axes that replicate it)."""
     placements = option.strategy.output[0]
+    if option.zero == 3:
+        planned = tuple(map(norm, placements))
+        held = zero_shard(meta.shape, planned, s.mesh.shape)
+        return state_bytes(
+            meta.numel(),
+            s.optimizer,
+            shards=shards(planned, s.mesh.shape),
+            zero_shards=shards(held, s.mesh.shape) / shards(planned, s.mesh.shape),
+            zero_stage=3,
+        )
     zero = (
         math.prod(size for p, size in zip(placements, s.mesh.shape) if p == "R")
         if option.zero
@@ -199,9 +239,60 @@ def param_state_bytes(meta: TensorMeta, option: Option, s: StageSettings) -> flo
     )
 
 
+def fsdp_placements(
+    meta: TensorMeta, option: Option, s: StageSettings
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(planned, shard, gradient) placements of an FSDP parameter: the placement its consumers
+    read, the shard the runtime keeps (`zero_shard`), and its gradient as the consumers hand it
+    back (partial on the sharded axes)."""
+    planned = tuple(map(norm, option.strategy.output[0]))
+    held = zero_shard(meta.shape, planned, s.mesh.shape)
+    grad = tuple("P" if h != p else p for p, h in zip(planned, held))
+    return planned, held, grad
+
+
+def fsdp_gather(meta: TensorMeta, option: Option, s: StageSettings) -> float:
+    """Seconds per micro-batch of an FSDP parameter's all-gathers: in forward and again in
+    backward (the part `planner.inter.stage_table` hides behind compute)."""
+    if option.zero != 3:
+        return 0.0
+    planned, held, _ = fsdp_placements(meta, option, s)
+    width = meta.nbytes / max(meta.numel(), 1)
+    return 2 * _reshard(s, meta.shape, width, held, planned)
+
+
+def fsdp_comm(meta: TensorMeta, option: Option, s: StageSettings) -> float:
+    """Seconds per micro-batch of an FSDP parameter's collectives (module docstring): the
+    all-gather in forward and again in backward (`fsdp_gather`), and the gradient's
+    reduce-scatter."""
+    if option.zero != 3:
+        return 0.0
+    _, held, grad = fsdp_placements(meta, option, s)
+    width = meta.nbytes / max(meta.numel(), 1)
+    return fsdp_gather(meta, option, s) + _reshard(s, meta.shape, width, grad, held)
+
+
+def fsdp_gathered_bytes(meta: TensorMeta, option: Option, s: StageSettings) -> float:
+    """Bytes of an FSDP parameter's gathered copy (weights and unsharded gradient, planned
+    placement) while it is live; 0 for other options."""
+    if option.zero != 3:
+        return 0.0
+    planned = tuple(map(norm, option.strategy.output[0]))
+    return meta.numel() / shards(planned, s.mesh.shape) * gathered_bytes(s.optimizer)
+
+
 def zero_cost(meta: TensorMeta, option: Option, s: StageSettings) -> float:
-    """The extra all-gather of a ZeRO-sharded parameter over its replicated axes, once per iteration
-    (returned as its share per micro-batch)."""
+    """ZeRO-2: the extra all-gather of a ZeRO-sharded parameter over its replicated axes, once per
+    iteration (returned as its share per micro-batch). FSDP: `fsdp_comm` less the gradient
+    all-reduce its consumers' edges charge and the runtime does not run (module docstring)."""
+    if option.zero == 3:
+        planned, _, grad = fsdp_placements(meta, option, s)
+        width = meta.nbytes / max(meta.numel(), 1)
+        if bucketed_axes(grad, planned):
+            charged = _bucket_bandwidth(s, meta.shape, width, grad, planned)
+        else:
+            charged = _reshard(s, meta.shape, width, grad, planned)
+        return fsdp_comm(meta, option, s) - charged / s.num_microbatches
     if not option.zero:
         return 0.0
     placements = option.strategy.output[0]

@@ -72,6 +72,8 @@ class StageSolution:
     )
     # the runtime's fixed seconds per stage and micro-batch (`cost_models.compute`), once a stage
     overhead_s: float = 0.0
+    # parameters fully sharded (FSDP, ZeRO stage 3; `planner.intra.prices`), by path
+    fsdp_params: list[str] = field(default_factory=list)
     _ctx: PricedStage | None = field(default=None, repr=False, compare=False)
     _cost_table: tuple[list[str], np.ndarray] | None = field(
         default=None, repr=False, compare=False
@@ -431,7 +433,8 @@ def _summarise(
         mesh_shape=s.mesh.shape,
         choice=choice,
         param_placements={p: o.strategy.output[0] for p, o in params.items()},
-        zero_params=[p for p, o in params.items() if o.zero],
+        zero_params=[p for p, o in params.items() if o.zero == 2],
+        fsdp_params=[p for p, o in params.items() if o.zero == 3],
         compute_s=compute,
         comm_s=comm,
         grad_sync_s=grad_sync,

@@ -360,6 +360,7 @@ def _stage_plan(
         compute_s=s.cost.compute_s,
         grad_sync_s=float(sol.grad_sync_s),
         zero_params=[p for p in sol.zero_params if p in params],
+        fsdp_params=[p for p in sol.fsdp_params if p in params],
         node_strategies={
             n: strategy_to_json(o.strategy)
             for n, o in sol.choice.items()

@@ -55,3 +55,26 @@ def device_mesh_shape(mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of the DeviceMesh a logical mesh runs on: its size-1 axes dropped ((1,) when
     all are)."""
     return tuple(mesh_shape[a] for a in mesh_axes(mesh_shape)) or (1,)
+
+
+def zero_shard(
+    shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...]
+) -> Placements:
+    """Where a ZeRO / FSDP parameter keeps its optimizer-side shard: `placements` with every
+    replicated axis of size > 1 turned into ``S(d)``, d the largest dimension that the axis
+    divides after the planned sharding (the first such on ties); an axis with no such dimension
+    stays replicated. The runtime shards by this rule and the planner prices it."""
+    local = list(shape)
+    for p, n in zip(placements, mesh_shape):
+        if p.startswith("S"):
+            local[int(p[2:-1])] //= n
+    out = list(placements)
+    for a, (p, n) in enumerate(zip(placements, mesh_shape)):
+        if p != "R" or n == 1:
+            continue
+        dims = [d for d in range(len(local)) if local[d] % n == 0 and local[d] >= n]
+        if dims:
+            d = max(dims, key=lambda d: local[d])
+            out[a] = f"S({d})"
+            local[d] //= n
+    return tuple(out)

@@ -367,6 +367,27 @@ def _placements(p: Plan) -> None:
                 "a parameter of the stage (a key of its param_placements)",
             )
         _expect(
+            isinstance(s.fsdp_params, list),
+            f"{at}.fsdp_params",
+            s.fsdp_params,
+            "a list",
+        )
+        _expect(
+            not (s.fsdp_params and s.recompute),
+            f"{at}.fsdp_params",
+            s.fsdp_params,
+            "empty on a stage with recomputation (the runtime does not combine them)",
+        )
+        for name in s.fsdp_params:
+            _expect(
+                isinstance(name, str)
+                and name in s.param_placements
+                and name not in s.zero_params,
+                f"{at}.fsdp_params",
+                name,
+                "a parameter of the stage (a key of its param_placements) not in zero_params",
+            )
+        _expect(
             isinstance(s.node_strategies, dict),
             f"{at}.node_strategies",
             s.node_strategies,

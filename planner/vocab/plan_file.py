@@ -46,6 +46,8 @@ class StagePlan:
     comm_s: float = 0.0
     grad_sync_s: float = 0.0  # per iteration
     zero_params: list[str] = field(default_factory=list)
+    # parameters fully sharded (FSDP, ZeRO stage 3) over the axes that replicate them
+    fsdp_params: list[str] = field(default_factory=list)
     node_strategies: dict[str, dict[str, list]] = field(
         default_factory=dict
     )  # node -> {"inputs", "outputs"}

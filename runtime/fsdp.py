@@ -1,0 +1,245 @@
+"""FSDP (ZeRO stage 3) parameters of one stage: gathered around their use, gradients
+reduce-scattered (``StagePlan.fsdp_params``; priced in `planner.intra.prices`).
+
+The optimizer's leaf of such a parameter is its shard (`planner.vocab.placements.zero_shard`,
+placed by `runtime.pipeline.PipelineRunner.place_params`). In every micro-batch:
+
+* forward: the executor asks `FsdpParams.value` for the parameter when the first node reading it
+  runs; that all-gathers the shard to the planned placement (site ``fwd:fsdp:<path>``) through
+  `_Gather`, an autograd function, and starts the all-gather of the next FSDP parameter in
+  first-use order (prefetch: on NCCL the functional collective runs on its own stream while this
+  parameter's ops compute; waited at its first use). After the last node reading it has run the
+  gathered copy is no longer referenced: what autograd saves of it (a matmul keeps its weight)
+  is replaced by a token (``torch.autograd.graph.saved_tensors_hooks``), so the storage is freed;
+* backward: unpacking a token gathers the parameter again (site ``bwd:fsdp:<path>``, once per
+  micro-batch, kept until its gradient is reduced) and starts the gather of the parameter before
+  it; `_Gather`'s backward reduce-scatters the gradient (partial on the sharded axes) onto the
+  shard (same site), where it accumulates over the micro-batches, and drops the gathered copy. A
+  parameter whose backward saved nothing of it is gathered there too, as FSDP unshards every
+  parameter before its module's backward: two all-gathers and one reduce-scatter per parameter
+  and micro-batch, as priced.
+
+What PyTorch's own pieces lack here: FSDP2's ``fully_shard`` wraps ``nn.Module`` forward calls
+(pre/post-forward hooks unshard and reshard a module's parameters), while a stage here is an fx
+graph of aten ops interpreted over DTensors (`runtime.executor`), with no module calls to hook;
+DTensor's ``redistribute`` (Shard -> Replicate, whose backward turns a Partial gradient into a
+reduce-scatter) and saved-tensor hooks are the pieces used. The executor runs such stages eagerly:
+AOTAutograd (`runtime.compiled`) would save the gathered weights for backward inside its graphs
+(where no hook replaces them). Stages with activation recomputation are refused
+(`planner.vocab.plan_check`): the recomputed forward would gather outside these hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
+
+from cost_models.errors import MeshplanError
+from runtime import comm_count
+from runtime.redistribute import redistribute
+
+__all__ = ["FsdpParams"]
+
+
+def _ready(x: DTensor) -> DTensor:
+    """`x` with its collective waited for (a plain local tensor)."""
+    local = x._local_tensor
+    if isinstance(local, AsyncCollectiveTensor):
+        local = local.wait()
+        x = DTensor.from_local(
+            local, x.device_mesh, x.placements, shape=x.shape, stride=x.stride()
+        )
+    return x
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+@dataclass(frozen=True)
+class _Token:
+    """A saved view of a gathered parameter, rebuilt from a new gather in backward."""
+
+    name: str
+    microbatch: int
+    offset: int  # storage offset relative to the gathered local tensor's
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    placements: tuple[Placement, ...] | None  # None: a plain local tensor was saved
+    shape: tuple[int, ...]
+    global_stride: tuple[int, ...]
+
+
+class _Gather(torch.autograd.Function):
+    """Forward: the gathered copy (gathered by the caller). Backward: reduce-scatter the
+    gradient onto the shard, after gathering again if nothing did in this backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, shard: DTensor, full: DTensor, owner: FsdpParams, name: str, mb: int
+    ) -> DTensor:
+        ctx.owner, ctx.name, ctx.mb, ctx.shard = owner, name, mb, shard.placements
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[Any, None, None, None, None]:
+        owner = ctx.owner
+        owner._regather(ctx.name, ctx.mb)  # FSDP gathers every parameter in backward
+        owner._regathered.pop((ctx.name, ctx.mb), None)
+        with comm_count.site(f"bwd:fsdp:{owner.paths[ctx.name]}"):
+            grad = redistribute(grad, ctx.shard)
+        return grad, None, None, None, None
+
+
+class FsdpParams:
+    """The FSDP parameters of one executor: placeholder name -> the placements of its shard
+    (module docstring). `value` and `done` are called by the executor around every node."""
+
+    def __init__(self, executor: Any, shards: dict[str, tuple[Placement, ...]]) -> None:
+        self.ex, self.shards = executor, shards
+        graph = executor.opgraph
+        self.paths = {n: graph.placeholder_paths[n] for n in shards}
+        self.planned = {
+            n: executor.placements(executor._planned_output(n)) for n in shards
+        }
+        order: list[str] = []
+        self.uses: dict[str, int] = dict.fromkeys(shards, 0)
+        for node in graph.gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            for u in dict.fromkeys(node.all_input_nodes):
+                if u.name in shards:
+                    self.uses[u.name] += 1
+                    if u.name not in order:
+                        order.append(u.name)
+        self.next = dict(itertools.pairwise(order))
+        self.prev = {b: a for a, b in itertools.pairwise(order)}
+        self._mb: int | None = None
+        self._shard_values: dict[str, DTensor] = {}
+        self._live: dict[str, DTensor] = {}
+        self._left: dict[str, int] = {}
+        self._fetched: dict[str, DTensor] = {}  # forward prefetches
+        self._saved: dict[int, tuple[str, Any, int, tuple[int, ...]]] = {}
+        self._regathered: dict[tuple[str, int], DTensor] = {}  # (name, mb) -> copy
+        self._shards_of: dict[int, dict[str, DTensor]] = {}  # mb -> its shards
+
+    def _gather(self, name: str, shard: DTensor, phase: str) -> DTensor:
+        with comm_count.site(f"{phase}:fsdp:{self.paths[name]}"):
+            return redistribute(shard.detach(), self.planned[name])
+
+    @contextlib.contextmanager
+    def forward(self, microbatch: int, env: dict[Any, Any]) -> Iterator[None]:
+        """The forward of one micro-batch: gathered copies are tracked and saved as tokens.
+        `env` holds the shards (placeholder nodes -> DTensor)."""
+        if self._mb is not None:
+            raise MeshplanError("an FSDP forward is already running on this executor")
+        shards = {
+            n.name: v for n, v in env.items() if getattr(n, "name", None) in self.shards
+        }
+        self._mb, self._shard_values = microbatch, shards
+        self._shards_of[microbatch] = shards
+        self._left = dict(self.uses)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._mb, self._live, self._fetched, self._saved = None, {}, {}, {}
+
+    def value(self, name: str) -> DTensor:
+        """The gathered copy of FSDP parameter `name` in the current forward."""
+        if name in self._live:
+            return self._live[name]
+        shard = self._shard_values[name]
+        full = self._fetched.pop(name, None)
+        if full is None:
+            full = self._gather(name, shard, "fwd")
+        nxt = self.next.get(name)
+        if nxt is not None and nxt not in self._fetched and nxt not in self._live:
+            self._fetched[nxt] = self._gather(nxt, self._shard_values[nxt], "fwd")
+        full = _ready(full)
+        y = _Gather.apply(shard, full, self, name, self._mb)
+        root = _root(y._local_tensor)
+        self._saved[root.untyped_storage().data_ptr()] = (
+            name,
+            weakref.ref(root),
+            root.storage_offset(),
+            tuple(root.stride()),
+        )
+        self._live[name] = y
+        return y
+
+    def done(self, name: str) -> None:
+        """A node reading `name` has run; after the last one the copy is no longer held."""
+        self._left[name] -= 1
+        if self._left[name] == 0:
+            self._live.pop(name, None)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if type(local) is not torch.Tensor or local.layout != torch.strided:
+            return t
+        try:
+            ptr = local.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return t
+        entry = self._saved.get(ptr)
+        if entry is None or entry[1]() is None:
+            return t
+        name, _, base_offset, _ = entry
+        is_d = isinstance(t, DTensor)
+        return _Token(
+            name,
+            self._mb,
+            local.storage_offset() - base_offset,
+            tuple(local.size()),
+            tuple(local.stride()),
+            tuple(t.placements) if is_d else None,
+            tuple(t.shape),
+            tuple(t.stride()),
+        )
+
+    def _regather(self, name: str, mb: int) -> DTensor:
+        key = (name, mb)
+        if key not in self._regathered:
+            shard = self._shards_of[mb][name]
+            self._regathered[key] = self._gather(name, shard, "bwd")
+            prev = self.prev.get(name)
+            if prev is not None and (prev, mb) not in self._regathered:
+                self._regathered[prev, mb] = self._gather(
+                    prev, self._shards_of[mb][prev], "bwd"
+                )
+        full = self._regathered[key] = _ready(self._regathered[key])
+        return full
+
+    def _unpack(self, saved: Any) -> Any:
+        if not isinstance(saved, _Token):
+            return saved
+        full = self._regather(saved.name, saved.microbatch)
+        base = _root(full._local_tensor)
+        local = base.as_strided(
+            saved.size, saved.stride, base.storage_offset() + saved.offset
+        )
+        if saved.placements is None:
+            return local
+        return DTensor.from_local(
+            local,
+            full.device_mesh,
+            saved.placements,
+            run_check=False,
+            shape=torch.Size(saved.shape),
+            stride=saved.global_stride,
+        )
+
+    def finish(self) -> None:
+        """After the step's last backward: forget the micro-batches' shards."""
+        self._shards_of.clear()
+        self._regathered.clear()
