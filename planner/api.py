@@ -1,6 +1,7 @@
 """`plan(model, cluster)`: the planner's front door.
 
-1. Trace the model on fake tensors for each candidate micro-batch size.
+1. Trace the model on fake tensors for each candidate micro-batch size (each size searched on its
+   own, in worker processes when the model is given by name: `planner.size_search`).
 2. Cluster its ops into layers (`planner.inter.layers`): the automatic count L, and also p layers for
    every divisor p < L of the device count (a p-stage manual pipeline's balanced split).
 3. For every submesh shape (1,1), (1,2), ..., (1,M), (2,M), ..., (N,M) and its logical meshes, solve
@@ -23,26 +24,18 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from cost_models.cluster import Cluster
 from cost_models.errors import DoesNotFitError, MeshplanError, gib
 from cost_models.memory import canonical_schedule, param_state_bytes
-from planner.inter.layers import graph_layerings
-from planner.inter.mesh_search import search, submesh_shapes
-from planner.plans.assemble import (
-    PlanSpec,
-    assemble,
-    predicted_iteration_time,
-    stage_from_profile,
-)
+from planner.inter.mesh_search import submesh_shapes
+from planner.plans.assemble import assemble
+from planner.size_search import SizeJob, SizeResult, evaluate, evaluate_all
 from planner.tracing.inputs import resolve_model
-from planner.tracing.tracer import trace
 from planner.vocab.plan_file import ParallelPlan
 
 MODES = ("auto", "intra-only", "inter-only")
@@ -140,75 +133,45 @@ def plan(
         if mode == "intra-only"
         else submesh_shapes(cluster)
     )
-    D = cluster.num_devices
     _check_state_fits(make(min(sizes_b))[0], name, cluster, optimizer, budget)
-    # per-device memory of the whole model as one stage on all devices, at best
-    least = np.inf
-    found: list[Ranked] = []
-    # micro-batch size -> why the model cannot be traced at it
-    untraceable: dict[int, MeshplanError] = {}
-
-    def evaluate(b: int) -> None:
-        nonlocal least
-        say(f"tracing {name} with micro-batch {b}")
-        module, batch = make(b)
-        try:
-            graph = trace(module, batch, model_name=name)
-        except MeshplanError as exc:  # e.g. BatchNorm over a single value per channel
-            say(f"micro-batch {b} skipped: {exc}")
-            untraceable[b] = exc
-            return
-        # per trace: the op count may depend on the micro-batch size (e.g. size-1 dims)
-        layers = graph_layerings(graph, num_layers, D if mode == "auto" else 1)
-        counts = ", ".join(str(len(x)) for x in layers)
-        say(f"{len(graph.ops)} ops in {counts} layers")
-        B = G // b
-        result = search(
-            graph, layers, cluster, subs, B, budget, optimizer, mode, schedule, say
-        )
-        least = min(least, result.least_whole_memory)
-        for cand in result.candidates:
-            stages = [
-                stage_from_profile(
-                    s.layers, s.submesh, s.option.profile, s.option.recompute
-                )
-                for s in cand.stages
-            ]
-            spec = PlanSpec(
-                model_name=name,
-                graph=graph,
-                layers=cand.layers,
-                cluster=cluster,
-                stages=stages,
-                num_microbatches=B,
-                global_batch=G,
-                schedule=schedule,
-                optimizer=optimizer,
-                kind=mode,
-                memory_budget=budget,
-            )
-            found.append(Ranked(predicted_iteration_time(spec), spec))
-
-    for b in sorted(sizes_b, reverse=True):
-        evaluate(b)
+    job = SizeJob(
+        model,
+        example_batch,
+        dtype,
+        name,
+        cluster,
+        G,
+        budget,
+        optimizer,
+        mode,
+        schedule,
+        num_layers,
+        subs,
+    )
+    results = evaluate_all(job, make, sorted(sizes_b, reverse=True), say)
     larger = [] if microbatch_size else larger_microbatch_sizes(G, cluster)
     tried = max(sizes_b)
     for b in larger:
-        if not found or min(found).spec.microbatch_size != tried:
+        if _best(results).size != tried:
             break  # the best plan so far runs smaller micro-batches than the largest tried
-        evaluate(tried := b)
-    if not found and len(untraceable) == len(sizes_b):
-        raise next(iter(untraceable.values()))
-    if not found:
-        needs, available = gib(least, budget)
+        results.append(evaluate(job, make, tried := b, say))
+    best = _best(results)
+    if not best.found:
+        untraceable = [r.untraceable for r in results if r.untraceable is not None]
+        if len(untraceable) == len(results):
+            raise untraceable[0]
+        needs, available = gib(min(r.least for r in results), budget)
         raise DoesNotFitError(
-            f"{name} does not fit on {cluster.spec}: even as one stage on all {D} devices it needs "
-            f"{needs} per device, {available} available "
+            f"{name} does not fit on {cluster.spec}: even as one stage on all "
+            f"{cluster.num_devices} devices it needs {needs} per device, {available} available "
             "(use more devices, a larger memory budget or a smaller batch)"
         )
-    best = min(found).spec
-    best.planner_time_s = time.perf_counter() - t0
-    result = assemble(best)
+    if best.best is not None:
+        best.best.spec.planner_time_s = time.perf_counter() - t0
+        result = assemble(best.best.spec)
+    else:  # assembled by a worker process
+        result = best.plan
+        result.planner_time_s = time.perf_counter() - t0
     if result.fallback_ops:
         warnings.warn(
             f"{len(result.fallback_ops)} ops of {name} have no DTensor sharding rule and are "
@@ -219,12 +182,9 @@ def plan(
     return result
 
 
-@dataclass(frozen=True, order=True)
-class Ranked:
-    """A searched plan and its predicted iteration time (ordered by the time)."""
-
-    seconds: float
-    spec: PlanSpec = field(compare=False)
+def _best(results: list[SizeResult]) -> SizeResult:
+    """The size whose best plan is fastest; the earliest of equals (the serial search's order)."""
+    return min(results, key=lambda r: r.seconds)
 
 
 def _check_state_fits(

@@ -1,0 +1,212 @@
+"""The search over micro-batch sizes behind `planner.api.plan`: each size is traced and searched on
+its own (`evaluate`), in this process or, for a model given by name or spec, in worker processes.
+
+Why processes: a size's search is mostly Python holding the GIL (tracing, DTensor's strategies,
+prices, building the programs; only HiGHS releases it, `planner.intra.highs.solves_overlap`), and
+the sizes are independent. Threads would take turns on one core; processes use them all. A
+worker rebuilds the model from its name (an `nn.Module` object is searched in this process: it
+need not be picklable), searches one size and returns that size's best plan, assembled. The
+results are those of the serial search: the sizes' best plans are compared in the order the
+serial search visits them (ties go to the earlier), so the plan does not depend on the process
+count. `MESHPLAN_PLANNER_PROCESSES` sets the count (1: everything in this process); by default
+one per core this process may use, at most one per size.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from cost_models.cluster import Cluster
+from cost_models.errors import MeshplanError
+from planner.inter.layers import graph_layerings
+from planner.inter.mesh_search import search
+from planner.plans.assemble import (
+    PlanSpec,
+    assemble,
+    predicted_iteration_time,
+    stage_from_profile,
+)
+from planner.tracing.inputs import resolve_model
+from planner.tracing.tracer import trace
+from planner.vocab.plan_file import ParallelPlan
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class SizeJob:
+    """What the search of one micro-batch size reads besides the size (picklable when `model`
+    is a name or spec)."""
+
+    model: Any  # name, spec or nn.Module, as `plan` got it
+    example_batch: Any
+    dtype: torch.dtype
+    model_name: str | None
+    cluster: Cluster
+    global_batch: int
+    budget: float
+    optimizer: str
+    mode: str
+    schedule: str
+    num_layers: int | None
+    submeshes: list[tuple[int, int]]
+
+
+@dataclass(frozen=True, order=True)
+class Ranked:
+    """A searched plan and its predicted iteration time (ordered by the time)."""
+
+    seconds: float
+    spec: PlanSpec = field(compare=False)
+
+
+@dataclass
+class SizeResult:
+    """The best plan of one micro-batch size: `best` (searched here) or `plan` (assembled by a
+    worker); neither when nothing fits or the model cannot be traced at the size (`untraceable`).
+    `least`: per-device memory of the whole model as one stage on all devices, at best."""
+
+    size: int
+    seconds: float = np.inf
+    best: Ranked | None = None
+    plan: ParallelPlan | None = None
+    least: float = np.inf
+    untraceable: MeshplanError | None = None
+
+    @property
+    def found(self) -> bool:
+        return self.best is not None or self.plan is not None
+
+
+def evaluate(job: SizeJob, make: Callable, b: int, say: Progress) -> SizeResult:
+    """Trace the model at micro-batch size `b` and search it (`planner.inter.mesh_search`)."""
+    name = job.model_name
+    say(f"tracing {name} with micro-batch {b}")
+    module, batch = make(b)
+    try:
+        graph = trace(module, batch, model_name=name)
+    except MeshplanError as exc:  # e.g. BatchNorm over a single value per channel
+        say(f"micro-batch {b} skipped: {exc}")
+        return SizeResult(b, untraceable=exc)
+    # per trace: the op count may depend on the micro-batch size (e.g. size-1 dims)
+    D = job.cluster.num_devices
+    layers = graph_layerings(graph, job.num_layers, D if job.mode == "auto" else 1)
+    counts = ", ".join(str(len(x)) for x in layers)
+    say(f"{len(graph.ops)} ops in {counts} layers")
+    B = job.global_batch // b
+    result = search(
+        graph,
+        layers,
+        job.cluster,
+        job.submeshes,
+        B,
+        job.budget,
+        job.optimizer,
+        job.mode,
+        job.schedule,
+        say,
+    )
+    found = []
+    for cand in result.candidates:
+        stages = [
+            stage_from_profile(
+                s.layers, s.submesh, s.option.profile, s.option.recompute
+            )
+            for s in cand.stages
+        ]
+        spec = PlanSpec(
+            model_name=name,
+            graph=graph,
+            layers=cand.layers,
+            cluster=job.cluster,
+            stages=stages,
+            num_microbatches=B,
+            global_batch=job.global_batch,
+            schedule=job.schedule,
+            optimizer=job.optimizer,
+            kind=job.mode,
+            memory_budget=job.budget,
+        )
+        found.append(Ranked(predicted_iteration_time(spec), spec))
+    best = min(found) if found else None
+    return SizeResult(
+        b,
+        seconds=best.seconds if best else np.inf,
+        best=best,
+        least=result.least_whole_memory,
+    )
+
+
+def processes(job: SizeJob, sizes: int) -> int:
+    """Worker processes for `sizes` micro-batch sizes (module docstring)."""
+    env = os.environ.get("MESHPLAN_PLANNER_PROCESSES")
+    if env is not None:
+        if not env.isdigit() or int(env) < 1:
+            raise MeshplanError(
+                f"MESHPLAN_PLANNER_PROCESSES must be a positive integer, got {env!r}"
+            )
+        wanted = int(env)
+    else:
+        wanted = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1
+        )
+    return min(wanted, sizes) if isinstance(job.model, str) else 1
+
+
+def evaluate_all(
+    job: SizeJob, make: Callable, sizes: list[int], say: Progress
+) -> list[SizeResult]:
+    """`evaluate` every size, in worker processes when `processes` says so; results in the
+    order of `sizes`."""
+    workers = processes(job, len(sizes))
+    if workers <= 1:
+        return [evaluate(job, make, b, say) for b in sizes]
+    context = multiprocessing.get_context("spawn")
+    messages = context.Queue()
+    relay = threading.Thread(target=_relay, args=(messages, say), daemon=True)
+    relay.start()
+    pool = ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_init_worker, initargs=(messages,)
+    )
+    try:
+        futures = [pool.submit(_evaluate_in_worker, job, b) for b in sizes]
+        return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        messages.put(None)
+        relay.join()
+
+
+def _relay(messages: Any, say: Progress) -> None:
+    """Pass the workers' progress messages on until None arrives."""
+    while (msg := messages.get()) is not None:
+        say(msg)
+
+
+_messages: Any = None  # a worker's queue of progress messages (`_init_worker`)
+
+
+def _init_worker(messages: Any) -> None:
+    global _messages
+    _messages = messages
+
+
+def _evaluate_in_worker(job: SizeJob, b: int) -> SizeResult:
+    """`evaluate` in a worker: the model rebuilt from its name, the best plan assembled (a
+    `PlanSpec` holds the traced graph, which does not cross processes)."""
+    _, make, _ = resolve_model(job.model, job.example_batch, job.dtype, job.model_name)
+    out = evaluate(job, make, b, _messages.put)
+    if out.best is not None:
+        out.plan, out.best = assemble(out.best.spec), None
+    return out

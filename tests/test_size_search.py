@@ -1,0 +1,39 @@
+"""The micro-batch sizes searched in worker processes give the serial search's plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from cost_models.errors import MeshplanError
+from planner.api import plan
+from planner.size_search import SizeJob, processes
+
+
+def _without_time(p) -> dict:
+    d = p.to_json()
+    d.pop("planner_time_s")
+    return d
+
+
+def test_worker_processes_give_the_serial_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    kw = {"global_batch": 8, "microbatch_size": [8, 4, 2, 1]}
+    serial = plan("gpt-tiny", "1x4xA100-80GB", **kw)
+    monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "2")
+    said: list[str] = []
+    parallel = plan("gpt-tiny", "1x4xA100-80GB", progress=said.append, **kw)
+    assert _without_time(parallel) == _without_time(serial)
+    # the workers' progress reaches the caller: every size traced
+    for b in (8, 4, 2, 1):
+        assert any(f"with micro-batch {b}" in m for m in said), said
+
+
+def test_process_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    job = SizeJob("gpt-tiny", *[None] * 11)
+    monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "3")
+    assert processes(job, 6) == 3
+    assert processes(job, 2) == 2  # at most one a size
+    # a model object is searched in this process
+    assert processes(SizeJob(object(), *[None] * 11), 6) == 1
+    monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "zero")
+    with pytest.raises(MeshplanError, match="MESHPLAN_PLANNER_PROCESSES"):
+        processes(job, 6)
