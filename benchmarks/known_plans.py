@@ -1,7 +1,10 @@
 """Plans where the answer is known, checked: llama3-8b on one host of 8 H100s.
 
 * At global batch 1 there is no batch to split: the attention and MLP weights must be split across
-  devices (Megatron's column-then-row split, or another sharding), not replicated.
+  devices, not replicated: no device holds one whole, either in the planned placement
+  (Megatron's column-then-row split, or another sharding) or in storage (FSDP: each device keeps
+  a shard and the weight is gathered only while its layer runs), and every matrix product of the
+  stage is split over all its devices (by the weights, or along the sequence).
 * At global batch 1024 the batch is what to split: every stage must be data-parallel over all its
   devices (its data-parallel axes cover its mesh), with the weights replicated or sharded over
   those axes (FSDP-like).
@@ -25,7 +28,8 @@ from benchmarks.records import RESULTS, machine, write_results
 from cost_models.memory import param_state_bytes
 from planner.api import plan
 from planner.commands.plan import summary
-from planner.models import param_count
+from planner.models import build_model, param_count
+from planner.vocab.placements import zero_shard
 from planner.vocab.plan_file import ParallelPlan
 
 MODEL, CLUSTER = "llama3-8b", "1x8xH100-80GB"
@@ -50,17 +54,50 @@ def _block_weights(p: ParallelPlan) -> dict[str, list[str]]:
     return out
 
 
+def _stored(p: ParallelPlan) -> dict[str, tuple[str, ...]]:
+    """Where block 0's attention and MLP weights are kept: the planned placement, or for an FSDP
+    parameter the shard each device stores (`planner.vocab.placements.zero_shard`)."""
+    module, _ = build_model(MODEL, batch=1, device="meta")
+    shapes = {k: tuple(v.shape) for k, v in module.named_parameters()}
+    out = {}
+    for s in p.stages:
+        for path, placement in s.param_placements.items():
+            if path in _block_weights(p):
+                out[path] = (
+                    zero_shard(shapes[path], tuple(placement), tuple(s.logical_mesh))
+                    if path in s.fsdp_params
+                    else tuple(placement)
+                )
+    return out
+
+
 def weights_split(p: ParallelPlan) -> tuple[bool, str]:
-    """Whether every attention and MLP weight of block 0 is sharded on some mesh axis."""
-    weights = _block_weights(p)
-    replicated = [
-        k for k, v in weights.items() if not any(x.startswith("S") for x in v)
+    """Whether every attention and MLP weight of block 0 is sharded on some mesh axis where it is
+    kept (`_stored`), and every matrix product splits its output over every mesh axis (sharded
+    or partial: no axis repeats the computation)."""
+    weights = _stored(p)
+    whole = [k for k, v in weights.items() if not any(x.startswith("S") for x in v)]
+    fsdp = [k for s in p.stages for k in weights if k in s.fsdp_params]
+    repeated = [
+        n
+        for s in p.stages
+        for n, st in s.node_strategies.items()
+        if n.split("_")[0] in ("mm", "bmm", "addmm")
+        and any(
+            x == "R" and size > 1 for x, size in zip(st["outputs"][0], s.logical_mesh)
+        )
     ]
-    ok = bool(weights) and not replicated
+    ok = bool(weights) and not whole and not repeated
     return (
         ok,
-        f"{len(weights) - len(replicated)} of {len(weights)} block weights split"
-        + (f"; replicated: {', '.join(replicated)}" if replicated else ""),
+        f"{len(weights) - len(whole)} of {len(weights)} block weights split"
+        + (f" ({len(fsdp)} stored sharded with FSDP)" if fsdp else "")
+        + (f"; held whole: {', '.join(whole)}" if whole else "")
+        + (
+            f"; {len(repeated)} matrix products repeated on some mesh axis"
+            if repeated
+            else "; every matrix product split over all devices"
+        ),
     )
 
 
@@ -85,7 +122,10 @@ def data_parallel(p: ParallelPlan) -> tuple[bool, str]:
         devices = math.prod(s.logical_mesh)
         ok &= dp == devices
         sharded = (
-            "weights sharded over them (FSDP-like)"
+            f"{len(s.fsdp_params)} of {len(s.param_placements)} parameters stored sharded "
+            "over them (FSDP)"
+            if s.fsdp_params
+            else "gradients and optimizer state sharded over them (ZeRO-2)"
             if s.zero_params
             else "weights replicated"
         )

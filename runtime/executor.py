@@ -134,6 +134,10 @@ class PlanExecutor(torch.fx.Interpreter):
     `sync_grads` once after the last backward (the planner prices this synchronisation once per
     iteration).
 
+    FSDP: ``fsdp`` (placeholder name -> the placements of its shard) are gathered around their
+    use and reduce-scattered in backward (`runtime.fsdp.FsdpParams`), the reduce-scatters waited
+    one layer of ``layers`` (op node name -> the plan's layer) later.
+
     Compilation: with ``compile=True`` `run_outputs` runs the stage through AOTAutograd-traced
     graphs (module docstring) unless ``recompute_layers`` is given; ``last_run_compiled`` tells
     whether the last call did.
@@ -153,6 +157,7 @@ class PlanExecutor(torch.fx.Interpreter):
         recompute_layers: dict[str, int] | None = None,
         compile: bool = False,
         fsdp: dict[str, tuple[Placement, ...]] | None = None,
+        layers: dict[str, int] | None = None,
     ) -> None:
         if graph.gm is None:
             raise MeshplanError("the op graph has no fx GraphModule to execute")
@@ -189,8 +194,9 @@ class PlanExecutor(torch.fx.Interpreter):
             ):
                 register_fallback(n.target)
         self._parsed: dict[Strs, tuple[Placement, ...]] = {}
-        # FSDP parameters (placeholder name -> shard placements; `runtime.fsdp`): eager only
-        self.fsdp = FsdpParams(self, fsdp) if fsdp else None
+        # FSDP parameters (placeholder name -> shard placements; `runtime.fsdp`): eager only;
+        # `layers` (op node name -> plan layer) paces their reduce-scatters
+        self.fsdp = FsdpParams(self, fsdp, layers) if fsdp else None
         if self.fsdp is not None and recompute_layers is not None:
             raise MeshplanError(
                 "FSDP parameters with activation recomputation are not supported"

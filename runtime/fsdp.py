@@ -13,17 +13,28 @@ placed by `runtime.pipeline.PipelineRunner.place_params`). In every micro-batch:
   is replaced by a token (``torch.autograd.graph.saved_tensors_hooks``), so the storage is freed;
 * backward: unpacking a token gathers the parameter again (site ``bwd:fsdp:<path>``, once per
   micro-batch, kept until its gradient is reduced) and starts the gather of the parameter before
-  it; `_Gather`'s backward reduce-scatters the gradient (partial on the sharded axes) onto the
-  shard (same site), where it accumulates over the micro-batches, and drops the gathered copy. A
-  parameter whose backward saved nothing of it is gathered there too, as FSDP unshards every
+  it. A parameter whose backward saved nothing of it is gathered there too, as FSDP unshards every
   parameter before its module's backward: two all-gathers and one reduce-scatter per parameter
-  and micro-batch, as priced.
+  and micro-batch, as priced. `_Gather`'s backward receives the parameter's gradient once it is
+  complete (partial on the sharded axes), drops the gathered copy and issues the gradient's
+  reduce-scatter onto the shard (same site) without waiting for it (``async_op``: a functional
+  collective, an ``AsyncCollectiveTensor``); it hands autograd no gradient for the shard.
+  Reduce-scatters are waited for one layer later, as FSDP2 waits for a module group's
+  reduce-scatter before the next group issues its own: before the first reduce-scatter of an
+  earlier layer (``layers``: the plan's layer of the parameter's first consumer; without them
+  every parameter is its own layer) is issued, and at the latest when that backward pass ends
+  (a callback queued on autograd's engine, as FSDP2 queues its final callback). Waited, each is
+  added into the shard's ``.grad``, as autograd would accumulate it: the gradient accumulates over
+  the micro-batches on the shard. So layer l's reduce-scatters run while the rest of layer l's
+  backward and the start of layer l-1's compute; the first layer's, issued last, are waited for
+  at the end of the backward (as `planner.inter.stage_table` prices them).
 
 What PyTorch's own pieces lack here: FSDP2's ``fully_shard`` wraps ``nn.Module`` forward calls
 (pre/post-forward hooks unshard and reshard a module's parameters), while a stage here is an fx
 graph of aten ops interpreted over DTensors (`runtime.executor`), with no module calls to hook;
-DTensor's ``redistribute`` (Shard -> Replicate, whose backward turns a Partial gradient into a
-reduce-scatter) and saved-tensor hooks are the pieces used. The executor runs such stages eagerly:
+DTensor's redistribution (``redistribute_local_tensor``, with ``async_op`` for the prefetched
+gathers and the reduce-scatters), saved-tensor hooks and autograd's ``queue_callback`` are the
+pieces used. The executor runs such stages eagerly:
 AOTAutograd (`runtime.compiled`) would save the gathered weights for backward inside its graphs
 (where no hook replaces them). Stages with activation recomputation are refused
 (`planner.vocab.plan_check`): the recomputed forward would gather outside these hooks.
@@ -34,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +77,15 @@ def _root(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class _Reduce:
+    """A gradient reduce-scatter in flight: its layer, the shard it adds into, its result."""
+
+    layer: int
+    shard: DTensor
+    grad: DTensor
+
+
+@dataclass(frozen=True)
 class _Token:
     """A saved view of a gathered parameter, rebuilt from a new gather in backward."""
 
@@ -80,14 +100,17 @@ class _Token:
 
 
 class _Gather(torch.autograd.Function):
-    """Forward: the gathered copy (gathered by the caller). Backward: reduce-scatter the
-    gradient onto the shard, after gathering again if nothing did in this backward."""
+    """Forward: the gathered copy (gathered by the caller). Backward: issue the gradient's
+    reduce-scatter onto the shard (`FsdpParams._reduce`, added into ``.grad`` once waited),
+    after gathering again if nothing did in this backward."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, shard: DTensor, full: DTensor, owner: FsdpParams, name: str, mb: int
     ) -> DTensor:
-        ctx.owner, ctx.name, ctx.mb, ctx.shard = owner, name, mb, shard.placements
+        # `shard` (requiring grad) is an input so that autograd records this node; its gradient
+        # is not returned but added into ``shard.grad`` once its reduce-scatter is waited for
+        ctx.owner, ctx.name, ctx.mb = owner, name, mb
         return full.view_as(full)
 
     @staticmethod
@@ -95,16 +118,21 @@ class _Gather(torch.autograd.Function):
         owner = ctx.owner
         owner._regather(ctx.name, ctx.mb)  # FSDP gathers every parameter in backward
         owner._regathered.pop((ctx.name, ctx.mb), None)
-        with comm_count.site(f"bwd:fsdp:{owner.paths[ctx.name]}"):
-            grad = redistribute(grad, ctx.shard)
-        return grad, None, None, None, None
+        owner._reduce(ctx.name, ctx.mb, grad)
+        return None, None, None, None, None
 
 
 class FsdpParams:
     """The FSDP parameters of one executor: placeholder name -> the placements of its shard
-    (module docstring). `value` and `done` are called by the executor around every node."""
+    (module docstring). `value` and `done` are called by the executor around every node.
+    ``layers``: op node name -> the plan's layer (a parameter's is its first consumer's)."""
 
-    def __init__(self, executor: Any, shards: dict[str, tuple[Placement, ...]]) -> None:
+    def __init__(
+        self,
+        executor: Any,
+        shards: dict[str, tuple[Placement, ...]],
+        layers: dict[str, int] | None = None,
+    ) -> None:
         self.ex, self.shards = executor, shards
         graph = executor.opgraph
         self.paths = {n: graph.placeholder_paths[n] for n in shards}
@@ -113,6 +141,8 @@ class FsdpParams:
         }
         order: list[str] = []
         self.uses: dict[str, int] = dict.fromkeys(shards, 0)
+        # name -> its layer: reduce-scatters are waited one layer later (module docstring)
+        self.layer: dict[str, int] = {}
         for node in graph.gm.graph.nodes:
             if node.op != "call_function":
                 continue
@@ -121,6 +151,10 @@ class FsdpParams:
                     self.uses[u.name] += 1
                     if u.name not in order:
                         order.append(u.name)
+                    if layers is None:
+                        self.layer.setdefault(u.name, len(order) - 1)
+                    elif node.name in layers:
+                        self.layer.setdefault(u.name, layers[node.name])
         self.next = dict(itertools.pairwise(order))
         self.prev = {b: a for a, b in itertools.pairwise(order)}
         self._mb: int | None = None
@@ -131,10 +165,51 @@ class FsdpParams:
         self._saved: dict[int, tuple[str, Any, int, tuple[int, ...]]] = {}
         self._regathered: dict[tuple[str, int], DTensor] = {}  # (name, mb) -> copy
         self._shards_of: dict[int, dict[str, DTensor]] = {}  # mb -> its shards
+        self._pending: list[_Reduce] = []  # reduce-scatters in flight
+        self._callback_queued = False
 
     def _gather(self, name: str, shard: DTensor, phase: str) -> DTensor:
+        """Start the all-gather of `name` (waited by `_ready` where it is used)."""
         with comm_count.site(f"{phase}:fsdp:{self.paths[name]}"):
-            return redistribute(shard.detach(), self.planned[name])
+            return redistribute(shard.detach(), self.planned[name], async_op=True)
+
+    def _reduce(self, name: str, mb: int, grad: DTensor) -> None:
+        """Issue the reduce-scatter of `name`'s complete gradient of micro-batch `mb` onto its
+        shard, after waiting for those of later layers (module docstring)."""
+        layer = self.layer.get(name, 0)
+        self._wait(lambda r: r.layer > layer)
+        shard = self._shards_of[mb][name]
+        if not shard.is_leaf:
+            raise MeshplanError(
+                f"the FSDP shard of {self.paths[name]} is not a leaf: its gradient has no home"
+            )
+        with comm_count.site(f"bwd:fsdp:{self.paths[name]}"):
+            out = redistribute(grad, self.shards[name], async_op=True)
+        self._pending.append(_Reduce(layer, shard, out))
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _wait(self, which: Callable[[_Reduce], bool] | None = None) -> None:
+        """Wait for the reduce-scatters in flight that `which` selects (all when None) and add
+        each into its shard's ``.grad``, in the order they were issued."""
+        keep = []
+        for r in self._pending:
+            if which is not None and not which(r):
+                keep.append(r)
+                continue
+            with torch.no_grad():
+                grad = _ready(r.grad)
+                if r.shard.grad is None:
+                    r.shard.grad = grad
+                else:
+                    r.shard.grad += grad
+        self._pending = keep
+
+    def _end_backward(self) -> None:
+        """Queued on autograd's engine: the backward pass ended; wait for what is in flight."""
+        self._callback_queued = False
+        self._wait()
 
     @contextlib.contextmanager
     def forward(self, microbatch: int, env: dict[Any, Any]) -> Iterator[None]:
@@ -240,6 +315,9 @@ class FsdpParams:
         )
 
     def finish(self) -> None:
-        """After the step's last backward: forget the micro-batches' shards."""
+        """After the step's last backward: forget the micro-batches' shards (and wait for any
+        reduce-scatter left in flight by a backward whose callback did not run)."""
+        self._wait()
+        self._callback_queued = False
         self._shards_of.clear()
         self._regathered.clear()

@@ -59,7 +59,8 @@ non-reentrant ``torch.utils.checkpoint`` (`runtime.executor.PlanExecutor`, ``rec
 
 FSDP (``StagePlan.fsdp_params``, ZeRO stage 3): the parameter's leaf is its shard
 (`fsdp_shards`); the stage's executor gathers it around its use in every micro-batch and
-reduce-scatters its gradient onto the shard in backward (`runtime.fsdp`).
+reduce-scatters its gradient onto the shard in backward, waited one layer of the plan later
+(`runtime.fsdp`).
 
 ZeRO (``StagePlan.zero_params``): such a parameter's leaf, the one the optimizer updates (and keeps
 its state for), is sharded over the mesh axes where the plan replicates it (`place_params`). A step
@@ -220,7 +221,7 @@ class PipelineRunner:
         self.chunks = [i for i, s in enumerate(plan.stages) if self.rank in s.devices]
         self.index: int | None = self.chunks[0] if self.chunks else None
         fallback = {f.split(":")[0] for f in plan.fallback_ops}
-        recompute = layer_of_nodes(graph, plan)
+        layer_of = layer_of_nodes(graph, plan)
         self.executors: dict[int, PlanExecutor] = {}
         self._zero: dict[int, dict[str, tuple[Placement, ...]]] = {}
         for c in self.chunks:
@@ -230,9 +231,10 @@ class PipelineRunner:
                 self._program(c, fallback),
                 self.meshes[c],
                 sync_param_grads=False,
-                recompute_layers=recompute if stage_plan.recompute else None,
+                recompute_layers=layer_of if stage_plan.recompute else None,
                 compile=compile,
                 fsdp=fsdp_shards(st.graph, stage_plan),
+                layers=layer_of,
             )
             self._zero[c] = self._zero_placements(self.executors[c], stage_plan)
         self.executor: PlanExecutor | None = (

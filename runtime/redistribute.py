@@ -74,13 +74,17 @@ _REPARTIAL = {
 }
 
 
-def redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
+def redistribute(
+    x: DTensor, dst: Sequence[Placement], *, async_op: bool = False
+) -> DTensor:
     """`x` redistributed to `dst`, without autograd (callers are `Edge`'s forward and backward, and
     tensors that need no gradient). Like ``DTensor.redistribute`` (DTensor's greedy plan,
     ``redistribute_local_tensor``) but also to Partial, which the public method reserves for
     DTensor's internal use: R -> P is local; S -> P, which DTensor refuses, goes S -> R -> P (as
     `cost_models.resharding.reshard_steps` prices it); partials of another kind are converted
-    locally where possible (`_repartial`), else through R."""
+    locally where possible (`_repartial`), else through R. With ``async_op`` the last collective
+    is left in flight: the local tensor is an ``AsyncCollectiveTensor``, waited by its first use
+    or its ``wait()``."""
     dst = tuple(dst)
     if tuple(x.placements) == dst:
         return x
@@ -94,7 +98,7 @@ def redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
         if target == spec.placements:
             continue
         new = DTensorSpec(spec.mesh, target, tensor_meta=spec.tensor_meta)
-        local = redistribute_local_tensor(local, spec, new)
+        local = redistribute_local_tensor(local, spec, new, async_op=async_op)
         spec = new
     return DTensor(local, spec, requires_grad=False)
 

@@ -4,8 +4,9 @@ demands, and executed as priced (`runtime.fsdp`).
 One gloo launch of 2 ranks trains a small Llama (hidden 64, 4 layers) data-parallel over both with
 every parameter FSDP-sharded, 2 micro-batches, Adam (lr 1e-3), 3 steps, and checks against one
 device (losses and parameters within 1e-5), the collectives of one step against the priced ones
-site by site, the bytes each rank holds (parameter, gradient and Adam state shards) against the
-price, and a checkpoint round trip of the sharded parameters and state.
+site by site, the reduce-scatters issued asynchronously and waited one plan layer later (the plan
+is cut into 4 layers), the bytes each rank holds (parameter, gradient and Adam state shards)
+against the price, and a checkpoint round trip of the sharded parameters and state.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import functools
 import tempfile
 from typing import Any
 
+import numpy as np
 import pytest
 import single_device
 import torch
@@ -71,6 +73,38 @@ def test_fsdp_price_follows_its_derivation() -> None:
     assert sc.zero_cost(meta, fsdp, s) == pytest.approx(3 * one - 1e-9 * 8192 / 2)
 
 
+def test_fsdp_overlap_follows_its_formula() -> None:
+    """Two layers, seconds by hand: forward compute F, backward compute K, all-gathers of one
+    pass G, reduce-scatters R. Exposed, for a stage of layers k..j:
+    sum_l [max(0, G_l - F_l) + max(0, G_l + R_{l+1} - K_l)] + R_k (R_{j+1} = 0)."""
+    from planner.inter.stage_table import fsdp_exposed
+
+    F, K = np.array([1.0, 2.0]), np.array([2.0, 4.0])
+    G, R = np.array([0.5, 3.0]), np.array([1.5, 2.5])
+    e, first = fsdp_exposed(F, K, G, R)
+    # layers 0..1: forward 0 + 1; backward: layer 0 hides its gather and layer 1's
+    # reduce-scatter behind 2 s (0.5 + 2.5 - 2 = 1 exposed), layer 1 its gather (0); + R_0
+    assert e[0:2].sum() + first[0] == pytest.approx(0 + 1 + 1 + 0 + 1.5)
+    # layer 1 alone: forward 1, backward 0, its reduce-scatter in full
+    assert e[1] + first[1] == pytest.approx(1 + 0 + 2.5)
+    # layer 0 alone: nothing exposed but its reduce-scatter
+    assert e[0] + first[0] == pytest.approx(1.5)
+    # reduce-scatters hidden by nothing: all of them exposed; compute that hides everything
+    _, none = fsdp_exposed(F, np.zeros(2), np.zeros(2), R)
+    assert fsdp_exposed(F, np.zeros(2), np.zeros(2), R)[0].sum() == pytest.approx(4.0)
+    assert none.sum() == 0
+    e, first = fsdp_exposed(F * 10, K * 10, G, R)
+    assert e[0:2].sum() + first[0] == pytest.approx(R[0])
+
+
+def _closed_form(F: Any, K: Any, G: Any, R: Any, k: int, j: int) -> float:
+    nxt = [R[l + 1] if l < j else 0.0 for l in range(k, j + 1)]
+    return R[k] + sum(
+        max(0.0, G[l] - F[l]) + max(0.0, G[l] + r - K[l])
+        for l, r in zip(range(k, j + 1), nxt)
+    )
+
+
 def test_search_picks_fsdp_when_memory_forces_it() -> None:
     """Data parallel over 2 devices with the weights' planned placement replicated (as Megatron's
     and torchtitan's data parallelism place them; the ILP may still shard their state): with
@@ -100,6 +134,26 @@ def test_search_picks_fsdp_when_memory_forces_it() -> None:
     mlp = [p for p in g.params if ".mlp." in p]
     assert tight.fsdp_params and set(mlp) <= set(tight.fsdp_params), tight.fsdp_params
 
+    # the stage table hides per layer what `fsdp_exposed` says, and the ranges add up to the
+    # closed form (4 layers of this solution)
+    from planner.inter import stage_table as stt
+    from planner.inter.layers import layers_in
+
+    L = 4
+    layer_of = stt.layer_of_nodes(g, layers_in(g, L))
+    prof = stt.profile(tight, g, layer_of, stt.boundary_values(g, layer_of, L), L)
+    F, K, G, R, _ = stt._fsdp_layers(tight, g, layer_of, L)
+    assert (G > 0).all() and (R > 0).all() and (K > F).all()
+    names, table = tight.node_cost_table()
+    full = np.zeros(L)
+    np.add.at(full, [layer_of.get(n, 0) for n in names], table[:, 0])
+    e, first = stt.fsdp_exposed(F, K, G, R)
+    assert prof.time == pytest.approx(full - (2 * G + R) + e)
+    for k in range(L):
+        for j in range(k, L):
+            got = e[k : j + 1].sum() + first[k]
+            assert got == pytest.approx(_closed_form(F, K, G, R, k, j)), (k, j)
+
 
 # ------------------------------------------------------------------ runtime
 
@@ -119,6 +173,12 @@ def _plan() -> ParallelPlan:
     )
     p = copy.deepcopy(base)
     p.stages[0].fsdp_params = sorted(p.stages[0].param_placements)
+    # 4 layers (the planner's clustering): the reduce-scatters are waited one layer later
+    from planner.inter.layers import layers_in
+
+    ops = _graph().ops
+    p.layer_nodes = [(ops[a].name, ops[b].name) for a, b in layers_in(_graph(), 4)]
+    p.stages[0].layers = (0, 3)
     return p
 
 
@@ -142,8 +202,12 @@ def _train(plan: ParallelPlan, ckpt: str) -> dict[str, Any]:
     model, batches = _model_and_batches()
     tr = Trainer(plan, model, batches[0], optimizer="adam", lr=LR)
     losses = [tr.step(batches[0])]
+    events = _watch_reduce_scatters(tr.runner.executor.fsdp)
     with CommCounter() as counter:
         losses.append(tr.step(batches[1]))
+    events = list(events)  # the counted step's; later steps are not recorded
+    for watched in ("_reduce", "_end_backward"):
+        del tr.runner.executor.fsdp.__dict__[watched]
     losses.append(tr.step(batches[2]))
     # what the runtime holds for the next step's update: after a backward, before the step
     micro = [batches[0]]
@@ -184,8 +248,36 @@ def _train(plan: ParallelPlan, ckpt: str) -> dict[str, Any]:
         "records": counter.records,
         "held": held,
         "checkpoint": (same, step),
+        "events": events,
+        "layers": dict(tr.runner.executor.fsdp.layer),
         "compiled": tr.runner.executor.compile,
     }
+
+
+def _watch_reduce_scatters(fs: Any) -> list[tuple[Any, ...]]:
+    """Record, at every reduce-scatter `runtime.fsdp` issues: (its layer, the layers in flight
+    before, the layers in flight after, whether its result is still in flight); and at every end
+    of a backward pass: ("end", the layers in flight)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    events: list[tuple[Any, ...]] = []
+    reduce, end = fs._reduce, fs._end_backward
+
+    def watched_reduce(name: str, mb: int, grad: Any) -> None:
+        before = [r.layer for r in fs._pending]
+        reduce(name, mb, grad)
+        local = fs._pending[-1].grad._local_tensor
+        after = [r.layer for r in fs._pending]
+        events.append(
+            (fs.layer[name], before, after, isinstance(local, AsyncCollectiveTensor))
+        )
+
+    def watched_end() -> None:
+        events.append(("end", [r.layer for r in fs._pending]))
+        end()
+
+    fs._reduce, fs._end_backward = watched_reduce, watched_end
+    return events
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +332,29 @@ def test_fsdp_communicates_what_was_priced(runs: list[dict[str, Any]]) -> None:
         totals, diffs = compare(predicted, measured)
         assert not diffs, "\n".join(diffs[:10])
         assert totals["reduce_scatter"][0] > 0 and "all_reduce" not in totals
+
+
+@pytest.mark.slow
+def test_fsdp_reduce_scatters_wait_one_layer_later(runs: list[dict[str, Any]]) -> None:
+    """Every gradient's reduce-scatter is issued in flight; before one of an earlier layer is
+    issued those of later layers are waited for (and only those); each micro-batch's backward
+    ends with only its first layer's in flight, waited there."""
+    for r in runs:
+        n = len(r["layers"])  # the FSDP parameters the runtime shards
+        assert sorted(set(r["layers"].values())) == [0, 1, 2, 3]
+        issued = [e for e in r["events"] if e[0] != "end"]
+        ends = [e for e in r["events"] if e[0] == "end"]
+        assert len(issued) == B * n and len(ends) == B
+        assert all(e[3] for e in issued)  # in flight when issued
+        for layer, before, after, _ in issued:
+            assert after == [x for x in before if x <= layer] + [layer]
+            assert all(x == layer for x in after)  # later layers were waited for
+        # layers arrive in backward order, and each wait found several in flight
+        assert any(
+            len(before) > 1 and before[0] > layer for layer, before, *_ in issued
+        )
+        first = min(r["layers"].values())
+        assert all(e[1] and set(e[1]) == {first} for e in ends)
 
 
 @pytest.mark.slow

@@ -15,9 +15,11 @@ keeps there, `cost_models.memory.microbatches_in_flight`: min(B, s) for 1F1B, B 
 
 and recomputation adds the layers' forward compute to the time. FSDP parameters
 (`planner.intra.prices`, ZeRO stage 3) add twice the largest layer's gathered bytes to the
-transient term (the layer running and the next one gathered), and their collectives count per layer
-only by the part that layer's compute does not hide: their all-gathers (forward and backward,
-which the runtime prefetches) count max(0, gathers_l - compute_l), the reduce-scatter in full. The latency of the gradient
+transient term (the layer running and the next one gathered), and their collectives count only by
+the part compute does not hide (`fsdp_exposed`, the overlap model of `planner.intra.prices`):
+forward gathers behind the layer's forward compute, backward gathers and the next layer's
+reduce-scatters behind its backward compute, the first layer's reduce-scatters in full (a range
+term in ``fixed``). The latency of the gradient
 all-reduce buckets a range holds is added once per bucket (`planner.intra.prices.grad_buckets`),
 and the runtime's overhead per stage and micro-batch once.
 A range's cost is the fastest option (logical mesh, memory level, recomputation) that fits the
@@ -54,7 +56,8 @@ class LayerProfile:
     inputs: np.ndarray  # bytes of each layer's input boundary (kept when recomputing)
     # [k, j]: seconds per micro-batch a stage of layers k..j pays once, however many layers it
     # holds: the latency of its gradient buckets (`planner.intra.prices.grad_buckets`; `time` has
-    # their bandwidth only) and the runtime's per-micro-batch overhead (`StageSolution.overhead_s`)
+    # their bandwidth only), the runtime's per-micro-batch overhead (`StageSolution.overhead_s`)
+    # and the part of its first layer's FSDP reduce-scatters no layer before hides (`fsdp_exposed`)
     fixed: np.ndarray
     # bytes per layer of its FSDP parameters' gathered copies (`prices.fsdp_gathered_bytes`)
     gathered: np.ndarray | None = None
@@ -160,29 +163,58 @@ def profile(
     time, fwd, params, acts = arr.T.copy()
     gathered = None
     if sol.fsdp_params:
-        comm, compute, gathered = _fsdp_layers(sol, graph, layer_of, L)
-        time -= np.minimum(comm, compute)  # the part of the layer's compute hides
+        F, K, G, R, gathered = _fsdp_layers(sol, graph, layer_of, L)
+        exposed, first = fsdp_exposed(F, K, G, R)
+        # `time` has the collectives in full (`prices.zero_cost` + edges)
+        time -= 2 * G + R - exposed
+        fixed += first[:, None]
     return LayerProfile(sol, time, fwd, params, acts, inputs, fixed, gathered)
+
+
+def fsdp_exposed(
+    F: np.ndarray, K: np.ndarray, G: np.ndarray, R: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The seconds per micro-batch of FSDP collectives that compute does not hide
+    (`planner.intra.prices`, module docstring), from per-layer forward compute F, backward
+    compute K, all-gathers of one pass G and reduce-scatters R: (e, first) with a stage of
+    layers k..j exposed for ``e[k..j].sum() + first[k]``. Per layer, with s_l = max(0, K_l - G_l)
+    the backward compute its gathers leave and s_{-1} = 0:
+
+        e_l = max(0, G_l - F_l) + max(0, G_l - K_l) + max(0, R_l - s_{l-1})
+        first_k = min(R_k, s_{k-1})   (layer k-1 is not in the stage: R_k is charged in full)
+
+    which equals sum_l [max(0, G_l - F_l) + max(0, G_l + R_{l+1} - K_l)] + R_k, R_{j+1} = 0."""
+    slack = np.maximum(0.0, K - G)
+    before = np.concatenate([[0.0], slack[:-1]])  # s_{l-1}
+    e = np.maximum(0.0, G - F) + np.maximum(0.0, G - K) + np.maximum(0.0, R - before)
+    return e, np.minimum(R, before)
 
 
 def _fsdp_layers(
     sol: StageSolution, graph: OpGraph, layer_of: dict[str, int], L: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per layer: seconds of its FSDP parameters' all-gathers (`prices.fsdp_gather`: what the
-    runtime prefetches; the reduce-scatter is not hidden), seconds of
-    its ops' compute (forward + backward) and bytes of its FSDP parameters' gathered copies; a
-    parameter counts in the layer of its first consumer."""
-    ctx, s, index = sol._ctx, sol._ctx.settings, sol._chosen()
-    comm, compute, gathered = np.zeros(L), np.zeros(L), np.zeros(L)
-    for n, opt in sol.choice.items():
-        node = graph.node(n)
-        k = layer_of.get(n, 0)
-        if node.op == "call":
-            compute[k] += ctx.values(n, index[n])[0]
-        elif opt.zero == 3:
-            comm[k] += sc.fsdp_gather(node.outputs[0], opt, s)
-            gathered[k] += sc.fsdp_gathered_bytes(node.outputs[0], opt, s)
-    return comm, compute, gathered
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per layer: its ops' forward compute and backward compute (forward + backward less
+    forward), its FSDP parameters' all-gathers of one pass (`prices.fsdp_gather` / 2, the same in
+    forward and backward) and reduce-scatters (`prices.fsdp_reduce_scatter`), in seconds, and
+    bytes of their gathered copies; a parameter counts in the layer of its first consumer."""
+    s = sol._ctx.settings
+    F, K, G, R, gathered = (np.zeros(L) for _ in range(5))
+    ops = [
+        (layer_of.get(n, 0), v[0], v[2])
+        for n, v in sol.node_values().items()
+        if graph.node(n).op == "call"
+    ]
+    if ops:
+        layer, both, forward = np.array(ops).T
+        layer = layer.astype(int)
+        np.add.at(F, layer, forward)
+        np.add.at(K, layer, both - forward)
+    for n in sol.fsdp_nodes:
+        node, opt, k = graph.node(n), sol.choice[n], layer_of.get(n, 0)
+        G[k] += sc.fsdp_gather(node.outputs[0], opt, s) / 2
+        R[k] += sc.fsdp_reduce_scatter(node.outputs[0], opt, s)
+        gathered[k] += sc.fsdp_gathered_bytes(node.outputs[0], opt, s)
+    return F, K, G, R, gathered
 
 
 def profiles_for(
@@ -345,7 +377,8 @@ def range_costs(
     )
     valid = np.triu(np.ones((L, L), dtype=bool))[:, :, None]
     if recompute and prof.gathered is not None:
-        valid = np.zeros_like(valid)  # the runtime does not recompute FSDP stages (`runtime.fsdp`)
+        # the runtime does not recompute FSDP stages (`runtime.fsdp`)
+        valid = np.zeros_like(valid)
     cost = np.where(valid & (mem <= budget), (time + send[None, :])[:, :, None], np.inf)
     return np.broadcast_to(cost, mem.shape).copy(), mem
 

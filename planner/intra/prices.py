@@ -38,15 +38,26 @@ All prices come from `cost_models` (principle 2) and cover forward and backward:
   (its bandwidth per micro-batch, `_bucket_bandwidth` / B), which the runtime does not run for an
   FSDP parameter, so the node cost is ``fsdp_comm - that all-reduce share`` (`zero_cost`):
   node + edges = what runs. The ILP sees ``fsdp_comm`` unhidden (linear, an upper bound: it picks
-  FSDP when memory demands); the stage's price (`planner.inter.stage_table.profile`) then hides
-  the all-gathers that overlap compute, per layer l (its parameters' `fsdp_gather`, forward and
-  backward; the runtime prefetches the next parameter's gather while the current one computes):
+  FSDP when memory demands); the stage's price (`planner.inter.stage_table.profile`,
+  `planner.inter.stage_table.fsdp_exposed`) then hides what the runtime overlaps with compute.
+  Per layer l of a stage holding layers k..j (a parameter in its first consumer's layer):
+  G_l = its parameters' all-gathers of one pass (`fsdp_gather` / 2: the same in forward and in
+  backward), R_l = their reduce-scatters (`fsdp_reduce_scatter`), F_l = the layer's forward
+  compute, K_l = its backward compute (forward + backward less forward). The forward gathers,
+  prefetched one parameter ahead, overlap forward compute; in backward the gathers (prefetched)
+  and the reduce-scatters (issued as each gradient is complete, waited one layer later: the
+  runtime waits for layer l's reduce-scatters when layer l-1 issues its first) share the
+  backward compute, so layer l's backward hides its own gathers and layer l+1's
+  reduce-scatters; the first layer's, issued last in backward, are waited for at its end:
 
-      exposed_l = max(0, gathers_l - compute_l) + reduce_scatters_l
+      exposed = sum_{l=k..j} [ max(0, G_l - F_l) + max(0, G_l + R_{l+1} - K_l) ] + R_k
+                (R_{j+1} = 0: the stage's last layer hides no reduce-scatter)
 
-  (with equal layers the neighbour's compute is the layer's own; the reduce-scatter, which the
-  runtime waits for, is charged in full). The gathered copy (`fsdp_gathered_bytes`) is live only around its use: a stage adds
-  twice its largest layer's gathered bytes (the layer running and the one gathered next).
+  With equal layers the neighbour's compute is the layer's own (a gather is prefetched while the
+  parameter before it computes; layer l's reduce-scatters run behind the rest of its backward and
+  the start of layer l-1's: about one layer's backward in all). The gathered copy
+  (`fsdp_gathered_bytes`) is live only around its use: a stage adds twice its largest layer's
+  gathered bytes (the layer running and the one gathered next, or its gradient being reduced).
 """
 
 from __future__ import annotations
@@ -261,15 +272,22 @@ def fsdp_gather(meta: TensorMeta, option: Option, s: StageSettings) -> float:
     return 2 * _reshard(s, meta.shape, width, held, planned)
 
 
-def fsdp_comm(meta: TensorMeta, option: Option, s: StageSettings) -> float:
-    """Seconds per micro-batch of an FSDP parameter's collectives (module docstring): the
-    all-gather in forward and again in backward (`fsdp_gather`), and the gradient's
-    reduce-scatter."""
+def fsdp_reduce_scatter(meta: TensorMeta, option: Option, s: StageSettings) -> float:
+    """Seconds per micro-batch of an FSDP parameter's gradient reduce-scatter onto its shard
+    (the runtime issues it asynchronously; `planner.inter.stage_table` hides it behind the next
+    layer's backward)."""
     if option.zero != 3:
         return 0.0
     _, held, grad = fsdp_placements(meta, option, s)
     width = meta.nbytes / max(meta.numel(), 1)
-    return fsdp_gather(meta, option, s) + _reshard(s, meta.shape, width, grad, held)
+    return _reshard(s, meta.shape, width, grad, held)
+
+
+def fsdp_comm(meta: TensorMeta, option: Option, s: StageSettings) -> float:
+    """Seconds per micro-batch of an FSDP parameter's collectives (module docstring): the
+    all-gather in forward and again in backward (`fsdp_gather`), and the gradient's
+    reduce-scatter (`fsdp_reduce_scatter`)."""
+    return fsdp_gather(meta, option, s) + fsdp_reduce_scatter(meta, option, s)
 
 
 def fsdp_gathered_bytes(meta: TensorMeta, option: Option, s: StageSettings) -> float:

@@ -111,18 +111,31 @@ class StageSolution:
             self.mesh_shape, {n: o.strategy for n, o in self.choice.items()}
         )
 
+    @property
+    def fsdp_nodes(self) -> list[str]:
+        """The parameter nodes chosen FSDP-sharded (ZeRO stage 3; `fsdp_params` has their paths)."""
+        return [n for n, o in self.choice.items() if o.zero == 3]
+
+    def node_values(self) -> dict[str, tuple[float, float, float]]:
+        """Per node: (its own time per micro-batch: compute forward and backward for an op, ZeRO's
+        collectives for a parameter; its memory; its forward compute time), resharding of its
+        inputs left out. Computed once."""
+        if self._values is None:
+            ctx, index = self._ctx, self._chosen()
+            self._values = {
+                n: ctx.values(n, index[n], forward=True) for n in self.choice
+            }
+        return self._values
+
     def node_costs(self) -> dict[str, tuple[float, float, float, float]]:
         """Per node: (time per micro-batch including resharding of its inputs, forward compute time,
         parameter-state bytes, activation bytes per in-flight micro-batch). Sums to the stage totals."""
         ctx = self._ctx
         index = self._chosen()
-        if self._values is None:
-            self._values = {
-                n: ctx.values(n, index[n], forward=True) for n in self.choice
-            }
+        values = self.node_values()
         out = {}
         for n in self.choice:
-            t, mem, fwd = self._values[n]
+            t, mem, fwd = values[n]
             is_param = ctx.graph.node(n).op == "param"
             out[n] = (
                 t,
