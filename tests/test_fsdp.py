@@ -142,7 +142,19 @@ def test_search_picks_fsdp_when_memory_forces_it() -> None:
     L = 4
     layer_of = stt.layer_of_nodes(g, layers_in(g, L))
     prof = stt.profile(tight, g, layer_of, stt.boundary_values(g, layer_of, L), L)
-    F, K, G, R, _ = stt._fsdp_layers(tight, g, layer_of, L)
+    # per layer, node by node: ops' forward (F) and backward (K) compute, FSDP parameters'
+    # all-gathers of one pass (G) and reduce-scatters (R)
+    F, K, G, R = (np.zeros(L) for _ in range(4))
+    values = tight.node_values()
+    for n, opt in tight.choice.items():
+        k, node = layer_of.get(n, 0), g.node(n)
+        if node.op == "call":
+            F[k] += values[n][2]
+            K[k] += values[n][0] - values[n][2]
+        elif opt.zero == 3:
+            s = tight._ctx.settings
+            G[k] += sc.fsdp_gather(node.outputs[0], opt, s) / 2
+            R[k] += sc.fsdp_reduce_scatter(node.outputs[0], opt, s)
     assert (G > 0).all() and (R > 0).all() and (K > F).all()
     names, table = tight.node_cost_table()
     full = np.zeros(L)

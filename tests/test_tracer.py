@@ -145,20 +145,3 @@ def test_fingerprint_ignores_batch_size_but_not_structure() -> None:
     a = trace(TinyLM(), _batch(b=2))
     assert a.fingerprint() == trace(TinyLM(), _batch(b=4)).fingerprint()
     assert a.fingerprint() != trace(TinyLM(h=64), _batch(b=2)).fingerprint()
-
-
-def test_dtype_casts_are_elementwise() -> None:
-    """A cast (`.float()`, `.to(dtype)`) is elementwise: the intra-op pass merges it into its
-    producer as it does other single-input elementwise ops (`planner.intra.solve._leaders`)."""
-
-    class Cast(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.lin(x).float().to(torch.bfloat16).float().sum()
-
-    g = trace(Cast().to(torch.bfloat16), (torch.randn(4, 8, dtype=torch.bfloat16),))
-    casts = [n for n in g.ops if n.target == "aten._to_copy.default"]
-    assert casts and all(n.kind == "elementwise" for n in casts)

@@ -37,7 +37,6 @@ import numpy as np
 from cost_models.communication import LogicalMesh, boundary_send_times
 from cost_models.errors import MeshplanError
 from cost_models.memory import stage_peak_bytes
-from planner.intra import prices as sc
 from planner.intra.batch_split import batch_split_options
 from planner.intra.megatron import ParamFilter, Seed
 from planner.intra.prices import Option
@@ -163,7 +162,13 @@ def profile(
     time, fwd, params, acts = arr.T.copy()
     gathered = None
     if sol.fsdp_params:
-        F, K, G, R, gathered = _fsdp_layers(sol, graph, layer_of, L)
+        # per layer: its ops' forward + backward and forward compute, its FSDP parameters'
+        # all-gathers of one pass, reduce-scatters and gathered bytes (`StageSolution.fsdp_table`;
+        # a parameter counts in the layer of its first consumer)
+        sums = np.zeros((L, 5))
+        np.add.at(sums, index, sol.fsdp_table())
+        both, F, G, R, gathered = sums.T
+        K = both - F  # backward compute
         exposed, first = fsdp_exposed(F, K, G, R)
         # `time` has the collectives in full (`prices.zero_cost` + edges)
         time -= 2 * G + R - exposed
@@ -188,33 +193,6 @@ def fsdp_exposed(
     before = np.concatenate([[0.0], slack[:-1]])  # s_{l-1}
     e = np.maximum(0.0, G - F) + np.maximum(0.0, G - K) + np.maximum(0.0, R - before)
     return e, np.minimum(R, before)
-
-
-def _fsdp_layers(
-    sol: StageSolution, graph: OpGraph, layer_of: dict[str, int], L: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per layer: its ops' forward compute and backward compute (forward + backward less
-    forward), its FSDP parameters' all-gathers of one pass (`prices.fsdp_gather` / 2, the same in
-    forward and backward) and reduce-scatters (`prices.fsdp_reduce_scatter`), in seconds, and
-    bytes of their gathered copies; a parameter counts in the layer of its first consumer."""
-    s = sol._ctx.settings
-    F, K, G, R, gathered = (np.zeros(L) for _ in range(5))
-    ops = [
-        (layer_of.get(n, 0), v[0], v[2])
-        for n, v in sol.node_values().items()
-        if graph.node(n).op == "call"
-    ]
-    if ops:
-        layer, both, forward = np.array(ops).T
-        layer = layer.astype(int)
-        np.add.at(F, layer, forward)
-        np.add.at(K, layer, both - forward)
-    for n in sol.fsdp_nodes:
-        node, opt, k = graph.node(n), sol.choice[n], layer_of.get(n, 0)
-        G[k] += sc.fsdp_gather(node.outputs[0], opt, s) / 2
-        R[k] += sc.fsdp_reduce_scatter(node.outputs[0], opt, s)
-        gathered[k] += sc.fsdp_gathered_bytes(node.outputs[0], opt, s)
-    return F, K, G, R, gathered
 
 
 def profiles_for(

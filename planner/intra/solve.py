@@ -44,6 +44,9 @@ from planner.tracing.opgraph import OpGraph
 from planner.vocab.placements import norm
 from planner.vocab.strategy import StageProgram, consumed_output
 
+# Not dtype casts (`_to_copy`, kind "other"): a widening cast's input moves half the bytes of its
+# output, so resharding before it can beat following it (merging them cost llama3-70b's plan on
+# 8x8 H100s 0.17%).
 FOLLOWER_KINDS = ("view", "elementwise")
 
 
@@ -75,6 +78,7 @@ class StageSolution:
     # parameters fully sharded (FSDP, ZeRO stage 3; `planner.intra.prices`), by path
     fsdp_params: list[str] = field(default_factory=list)
     _ctx: PricedStage | None = field(default=None, repr=False, compare=False)
+    _fsdp_table: np.ndarray | None = field(default=None, repr=False, compare=False)
     _cost_table: tuple[list[str], np.ndarray] | None = field(
         default=None, repr=False, compare=False
     )
@@ -111,11 +115,6 @@ class StageSolution:
             self.mesh_shape, {n: o.strategy for n, o in self.choice.items()}
         )
 
-    @property
-    def fsdp_nodes(self) -> list[str]:
-        """The parameter nodes chosen FSDP-sharded (ZeRO stage 3; `fsdp_params` has their paths)."""
-        return [n for n, o in self.choice.items() if o.zero == 3]
-
     def node_values(self) -> dict[str, tuple[float, float, float]]:
         """Per node: (its own time per micro-batch: compute forward and backward for an op, ZeRO's
         collectives for a parameter; its memory; its forward compute time), resharding of its
@@ -148,6 +147,29 @@ class StageSolution:
             t, fwd, pm, am = out[v]
             out[v] = (t + a + g, fwd, pm, am)
         return out
+
+    def fsdp_table(self) -> np.ndarray:
+        """Per node, in `node_cost_table`'s order (nodes, 5): an op's own compute forward and
+        backward and its forward compute; an FSDP parameter's all-gathers of one pass
+        (`prices.fsdp_gather` / 2), its reduce-scatter (`prices.fsdp_reduce_scatter`) and its
+        gathered bytes (`prices.fsdp_gathered_bytes`). Computed once."""
+        if self._fsdp_table is None:
+            names, _ = self.node_cost_table()
+            ctx, values = self._ctx, self.node_values()
+            table = np.zeros((len(names), 5))
+            for i, n in enumerate(names):
+                opt, node = self.choice[n], ctx.graph.node(n)
+                if node.op == "call":
+                    table[i, 0], table[i, 1] = values[n][0], values[n][2]
+                elif opt.zero == 3:
+                    meta, s = node.outputs[0], ctx.settings
+                    table[i, 2:] = (
+                        sc.fsdp_gather(meta, opt, s) / 2,
+                        sc.fsdp_reduce_scatter(meta, opt, s),
+                        sc.fsdp_gathered_bytes(meta, opt, s),
+                    )
+            self._fsdp_table = table
+        return self._fsdp_table
 
     def node_cost_table(self) -> tuple[list[str], np.ndarray]:
         """`node_costs` as (node names, array of shape (nodes, 4)), computed once and cached."""

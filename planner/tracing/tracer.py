@@ -73,10 +73,6 @@ def op_kind(target: Any) -> str:
         return "reduction"
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return "elementwise"
-    if target is torch.ops.aten._to_copy.default:
-        # `.to(dtype)` / `.float()`: elementwise, though aten does not tag it pointwise (it may also
-        # move devices, which a traced training step does not do)
-        return "elementwise"
     return "other"
 
 
