@@ -48,6 +48,17 @@ Megatron seeds). HiGHS gets the programs as arrays without probing
 (`planner.intra.highs`) after exact dominance pruning (`planner.intra.dominance`); node prices
 are shared by the copies of a block and edge prices by tensors of one size. What is left is
 repeated per micro-batch size: the trace and the strategies differ by the batch dimension.
+
+Since that table (same day, later commits): HiGHS runs without the feasibility-jump heuristic
+and symmetry detection (`planner.intra.highs`), the micro-batch sizes are searched in worker
+processes, one per core (`planner.size_search`), and FSDP joined the search (one more option
+per parameter, one more seed solve per mesh: more work). Median of 3 with these, on this
+machine (the load average counts the planner's own two processes): llama3-70b 75.3 s wall
+(144 s CPU; target 60 s), llama3-405b 116.3 s (223 s CPU; target 180 s), mixtral-8x7b 191.9 s
+(376 s CPU; target 90 s), llama3-8b 21.4 s, with the same predicted iteration times as before
+these changes except llama3-8b at global batch 8 (0.938 -> 0.874 s: FSDP). In mixtral-8x7b's
+plan HiGHS took 152 s of the 240 s of CPU of one process searching every size (339 programs;
+six memory-limited ones took 4-35 s each, mostly in sub-MIP heuristics and restarts).
 """
 
 from __future__ import annotations
