@@ -171,7 +171,10 @@ def evaluate_all(
     order of `sizes`."""
     workers = processes(job, len(sizes))
     if workers <= 1:
-        return [evaluate(job, make, b, say) for b in sizes]
+        return [
+            evaluate(job, make, b, _numbered(say, k, len(sizes)))
+            for k, b in enumerate(sizes)
+        ]
     context = multiprocessing.get_context("spawn")
     messages = context.Queue()
     relay = threading.Thread(target=_relay, args=(messages, say), daemon=True)
@@ -180,12 +183,20 @@ def evaluate_all(
         workers, mp_context=context, initializer=_init_worker, initargs=(messages,)
     )
     try:
-        futures = [pool.submit(_evaluate_in_worker, job, b) for b in sizes]
+        futures = [
+            pool.submit(_evaluate_in_worker, job, b, k, len(sizes))
+            for k, b in enumerate(sizes)
+        ]
         return [f.result() for f in futures]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         messages.put(None)
         relay.join()
+
+
+def _numbered(say: Progress, k: int, n: int) -> Progress:
+    """`say` with each message of the k-th of n sizes prefixed by its number."""
+    return lambda msg: say(f"[size {k + 1} of {n}] {msg}")
 
 
 def _relay(messages: Any, say: Progress) -> None:
@@ -202,11 +213,11 @@ def _init_worker(messages: Any) -> None:
     _messages = messages
 
 
-def _evaluate_in_worker(job: SizeJob, b: int) -> SizeResult:
-    """`evaluate` in a worker: the model rebuilt from its name, the best plan assembled (a
-    `PlanSpec` holds the traced graph, which does not cross processes)."""
+def _evaluate_in_worker(job: SizeJob, b: int, k: int, n: int) -> SizeResult:
+    """`evaluate` of the k-th of n sizes in a worker: the model rebuilt from its name, the best
+    plan assembled (a `PlanSpec` holds the traced graph, which does not cross processes)."""
     _, make, _ = resolve_model(job.model, job.example_batch, job.dtype, job.model_name)
-    out = evaluate(job, make, b, _messages.put)
+    out = evaluate(job, make, b, _numbered(_messages.put, k, n))
     if out.best is not None:
         out.plan, out.best = assemble(out.best.spec), None
     return out

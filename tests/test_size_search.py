@@ -37,3 +37,19 @@ def test_process_count(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "zero")
     with pytest.raises(MeshplanError, match="MESHPLAN_PLANNER_PROCESSES"):
         processes(job, 6)
+
+
+def test_cli_progress_and_quiet(capsys: pytest.CaptureFixture[str]) -> None:
+    """`meshplan plan` tells what it traces and solves, numbered; `--quiet` silences it."""
+    from runtime.cli import main
+
+    args = ["plan", "gpt-tiny", "--cluster", "1x2xA100-80GB", "--batch", "4"]
+    args += ["--microbatch-size", "4", "--microbatch-size", "2"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "[size 1 of 2] tracing gpt-tiny with micro-batch 4" in err, err
+    assert "[size 2 of 2] tracing gpt-tiny with micro-batch 2" in err, err
+    assert "logical mesh 1x2 (" in err and " of " in err, err
+    assert main([*args, "--quiet"]) == 0
+    out = capsys.readouterr()
+    assert out.err == "" and "auto plan for gpt-tiny" in out.out

@@ -74,6 +74,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["1f1b", "gpipe"],
         help="pipeline schedule (default 1f1b)",
     )
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress messages on stderr (what is being traced and solved)",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
         "--intra-only",
@@ -177,7 +182,9 @@ def run_plan(args: argparse.Namespace) -> int:
         microbatch_size=args.microbatch_size,
         num_layers=args.layers,
         mode=mode,
-        progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
+        progress=None
+        if args.quiet
+        else lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
     )
     print(summary(result))
     _write(result, args.json)

@@ -212,7 +212,8 @@ def search(
         shape = mesh.shape
         with solves_overlap():
             say(
-                f"micro-batches {B}: submesh {sub[0]}x{sub[1]}, logical mesh {shape[0]}x{shape[1]}"
+                f"micro-batches {B}: submesh {sub[0]}x{sub[1]}, logical mesh "
+                f"{shape[0]}x{shape[1]} ({jobs.index(job) + 1} of {len(jobs)})"
             )
             return st.profiles_for(
                 graph,
