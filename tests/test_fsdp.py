@@ -76,32 +76,42 @@ def test_fsdp_price_follows_its_derivation() -> None:
 def test_fsdp_overlap_follows_its_formula() -> None:
     """Two layers, seconds by hand: forward compute F, backward compute K, all-gathers of one
     pass G, reduce-scatters R. Exposed, for a stage of layers k..j:
-    sum_l [max(0, G_l - F_l) + max(0, G_l + R_{l+1} - K_l)] + R_k (R_{j+1} = 0)."""
+    sum_l [max(0, G_l - F_l) + max(0, G_l + R_{l+1} - K_l)] + R_k + min(G_k, F_k)
+    + min(G_j, K_j) (R_{j+1} = 0)."""
     from planner.inter.stage_table import fsdp_exposed
 
     F, K = np.array([1.0, 2.0]), np.array([2.0, 4.0])
     G, R = np.array([0.5, 3.0]), np.array([1.5, 2.5])
-    e, first = fsdp_exposed(F, K, G, R)
+    e, first, last = fsdp_exposed(F, K, G, R)
     # layers 0..1: forward 0 + 1; backward: layer 0 hides its gather and layer 1's
-    # reduce-scatter behind 2 s (0.5 + 2.5 - 2 = 1 exposed), layer 1 its gather (0); + R_0
-    assert e[0:2].sum() + first[0] == pytest.approx(0 + 1 + 1 + 0 + 1.5)
-    # layer 1 alone: forward 1, backward 0, its reduce-scatter in full
-    assert e[1] + first[1] == pytest.approx(1 + 0 + 2.5)
-    # layer 0 alone: nothing exposed but its reduce-scatter
-    assert e[0] + first[0] == pytest.approx(1.5)
+    # reduce-scatter behind 2 s (0.5 + 2.5 - 2 = 1 exposed), layer 1 its gather (0); + R_0;
+    # + the first gathers: layer 0's in forward (0.5), layer 1's in backward (3)
+    assert e[0:2].sum() + first[0] + last[1] == pytest.approx(
+        0 + 1 + 1 + 0 + 1.5 + 0.5 + 3
+    )
+    # layer 1 alone: both its gathers and its reduce-scatter in full
+    assert e[1] + first[1] + last[1] == pytest.approx(3 + 3 + 2.5)
+    # layer 0 alone: likewise
+    assert e[0] + first[0] + last[0] == pytest.approx(0.5 + 0.5 + 1.5)
     # reduce-scatters hidden by nothing: all of them exposed; compute that hides everything
-    _, none = fsdp_exposed(F, np.zeros(2), np.zeros(2), R)
+    # but the ends
+    _, none, none_last = fsdp_exposed(F, np.zeros(2), np.zeros(2), R)
     assert fsdp_exposed(F, np.zeros(2), np.zeros(2), R)[0].sum() == pytest.approx(4.0)
-    assert none.sum() == 0
-    e, first = fsdp_exposed(F * 10, K * 10, G, R)
-    assert e[0:2].sum() + first[0] == pytest.approx(R[0])
+    assert none.sum() == 0 and none_last.sum() == 0
+    e, first, last = fsdp_exposed(F * 10, K * 10, G, R)
+    assert e[0:2].sum() + first[0] + last[1] == pytest.approx(R[0] + G[0] + G[1])
 
 
 def _closed_form(F: Any, K: Any, G: Any, R: Any, k: int, j: int) -> float:
     nxt = [R[l + 1] if l < j else 0.0 for l in range(k, j + 1)]
-    return R[k] + sum(
-        max(0.0, G[l] - F[l]) + max(0.0, G[l] + r - K[l])
-        for l, r in zip(range(k, j + 1), nxt)
+    return (
+        R[k]
+        + min(G[k], F[k])
+        + min(G[j], K[j])
+        + sum(
+            max(0.0, G[l] - F[l]) + max(0.0, G[l] + r - K[l])
+            for l, r in zip(range(k, j + 1), nxt)
+        )
     )
 
 
@@ -159,11 +169,11 @@ def test_search_picks_fsdp_when_memory_forces_it() -> None:
     names, table = tight.node_cost_table()
     full = np.zeros(L)
     np.add.at(full, [layer_of.get(n, 0) for n in names], table[:, 0])
-    e, first = stt.fsdp_exposed(F, K, G, R)
+    e, first, last = stt.fsdp_exposed(F, K, G, R)
     assert prof.time == pytest.approx(full - (2 * G + R) + e)
     for k in range(L):
         for j in range(k, L):
-            got = e[k : j + 1].sum() + first[k]
+            got = e[k : j + 1].sum() + first[k] + last[j]
             assert got == pytest.approx(_closed_form(F, K, G, R, k, j)), (k, j)
 
 

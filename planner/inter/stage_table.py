@@ -18,8 +18,9 @@ and recomputation adds the layers' forward compute to the time. FSDP parameters
 transient term (the layer running and the next one gathered), and their collectives count only by
 the part compute does not hide (`fsdp_exposed`, the overlap model of `planner.intra.prices`):
 forward gathers behind the layer's forward compute, backward gathers and the next layer's
-reduce-scatters behind its backward compute, the first layer's reduce-scatters in full (a range
-term in ``fixed``). The latency of the gradient
+reduce-scatters behind its backward compute; the first layer's reduce-scatters and the first gather
+of each pass (the first layer's in forward, the last layer's in backward) in full (range terms in
+``fixed``). The latency of the gradient
 all-reduce buckets a range holds is added once per bucket (`planner.intra.prices.grad_buckets`),
 and the runtime's overhead per stage and micro-batch once.
 A range's cost is the fastest option (logical mesh, memory level, recomputation) that fits the
@@ -56,7 +57,8 @@ class LayerProfile:
     # [k, j]: seconds per micro-batch a stage of layers k..j pays once, however many layers it
     # holds: the latency of its gradient buckets (`planner.intra.prices.grad_buckets`; `time` has
     # their bandwidth only), the runtime's per-micro-batch overhead (`StageSolution.overhead_s`)
-    # and the part of its first layer's FSDP reduce-scatters no layer before hides (`fsdp_exposed`)
+    # and what of its FSDP collectives only the range's ends decide (`fsdp_exposed`: the first
+    # layer's reduce-scatter, the first gather of each pass)
     fixed: np.ndarray
     # bytes per layer of its FSDP parameters' gathered copies (`prices.fsdp_gathered_bytes`)
     gathered: np.ndarray | None = None
@@ -169,30 +171,34 @@ def profile(
         np.add.at(sums, index, sol.fsdp_table())
         both, F, G, R, gathered = sums.T
         K = both - F  # backward compute
-        exposed, first = fsdp_exposed(F, K, G, R)
+        exposed, first, last = fsdp_exposed(F, K, G, R)
         # `time` has the collectives in full (`prices.zero_cost` + edges)
         time -= 2 * G + R - exposed
-        fixed += first[:, None]
+        fixed += first[:, None] + last[None, :]
     return LayerProfile(sol, time, fwd, params, acts, inputs, fixed, gathered)
 
 
 def fsdp_exposed(
     F: np.ndarray, K: np.ndarray, G: np.ndarray, R: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The seconds per micro-batch of FSDP collectives that compute does not hide
     (`planner.intra.prices`, module docstring), from per-layer forward compute F, backward
-    compute K, all-gathers of one pass G and reduce-scatters R: (e, first) with a stage of
-    layers k..j exposed for ``e[k..j].sum() + first[k]``. Per layer, with s_l = max(0, K_l - G_l)
-    the backward compute its gathers leave and s_{-1} = 0:
+    compute K, all-gathers of one pass G and reduce-scatters R: (e, first, last) with a stage of
+    layers k..j exposed for ``e[k..j].sum() + first[k] + last[j]``. Per layer, with
+    s_l = max(0, K_l - G_l) the backward compute its gathers leave and s_{-1} = 0:
 
         e_l = max(0, G_l - F_l) + max(0, G_l - K_l) + max(0, R_l - s_{l-1})
-        first_k = min(R_k, s_{k-1})   (layer k-1 is not in the stage: R_k is charged in full)
+        first_k = min(R_k, s_{k-1}) + min(G_k, F_k)
+        last_j = min(G_j, K_j)
 
-    which equals sum_l [max(0, G_l - F_l) + max(0, G_l + R_{l+1} - K_l)] + R_k, R_{j+1} = 0."""
+    which equals sum_l [max(0, G_l - F_l) + max(0, G_l + R_{l+1} - K_l)] + R_k (R_{j+1} = 0)
+    + min(G_k, F_k) + min(G_j, K_j): layer k's reduce-scatter, issued last in backward, and the
+    first gather of each pass (layer k's in forward, layer j's in backward: nothing computes
+    before them) in full."""
     slack = np.maximum(0.0, K - G)
     before = np.concatenate([[0.0], slack[:-1]])  # s_{l-1}
     e = np.maximum(0.0, G - F) + np.maximum(0.0, G - K) + np.maximum(0.0, R - before)
-    return e, np.minimum(R, before)
+    return e, np.minimum(R, before) + np.minimum(G, F), np.minimum(G, K)
 
 
 def profiles_for(

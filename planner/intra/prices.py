@@ -51,7 +51,11 @@ All prices come from `cost_models` (principle 2) and cover forward and backward:
   reduce-scatters; the first layer's, issued last in backward, are waited for at its end:
 
       exposed = sum_{l=k..j} [ max(0, G_l - F_l) + max(0, G_l + R_{l+1} - K_l) ] + R_k
+                + min(G_k, F_k) + min(G_j, K_j)
                 (R_{j+1} = 0: the stage's last layer hides no reduce-scatter)
+
+  The first gather of each pass has no compute before it to hide behind: layer k's in forward,
+  layer j's in backward, charged in full by the last two terms.
 
   With equal layers the neighbour's compute is the layer's own (a gather is prefetched while the
   parameter before it computes; layer l's reduce-scatters run behind the rest of its backward and
