@@ -59,10 +59,10 @@ def _stored(p: ParallelPlan) -> dict[str, tuple[str, ...]]:
     parameter the shard each device stores (`planner.vocab.placements.zero_shard`)."""
     module, _ = build_model(MODEL, batch=1, device="meta")
     shapes = {k: tuple(v.shape) for k, v in module.named_parameters()}
-    out = {}
+    weights, out = _block_weights(p), {}
     for s in p.stages:
         for path, placement in s.param_placements.items():
-            if path in _block_weights(p):
+            if path in weights:
                 out[path] = (
                     zero_shard(shapes[path], tuple(placement), tuple(s.logical_mesh))
                     if path in s.fsdp_params

@@ -58,7 +58,7 @@ Recomputation (``StagePlan.recompute``): the stage's executor runs each layer un
 non-reentrant ``torch.utils.checkpoint`` (`runtime.executor.PlanExecutor`, ``recompute_layers``).
 
 FSDP (``StagePlan.fsdp_params``, ZeRO stage 3): the parameter's leaf is its shard
-(`fsdp_shards`); the stage's executor gathers it around its use in every micro-batch and
+(`shard_placements`); the stage's executor gathers it around its use in every micro-batch and
 reduce-scatters its gradient onto the shard in backward, waited one layer of the plan later
 (`runtime.fsdp`).
 
@@ -91,7 +91,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
@@ -132,14 +132,17 @@ def stage_mesh(stage: StagePlan, device_type: str = "cpu") -> DeviceMesh:
     return device_mesh(device_type, ranks.view(shape))
 
 
-def fsdp_shards(graph: OpGraph, stage: StagePlan) -> dict[str, tuple[Placement, ...]]:
-    """Placeholder name -> the placements of the shard an FSDP parameter (``stage.fsdp_params``)
-    keeps (`planner.vocab.placements.zero_shard`, as the planner prices it), on the stage's
-    squeezed mesh; parameters the rule leaves whole are not listed."""
+def shard_placements(
+    graph: OpGraph, stage: StagePlan, paths: list[str]
+) -> dict[str, tuple[Placement, ...]]:
+    """Placeholder name -> the placements of the shard that a ZeRO or FSDP parameter among
+    `paths` (``stage.zero_params`` or ``stage.fsdp_params``) keeps
+    (`planner.vocab.placements.zero_shard`, as the planner prices it), on the stage's squeezed
+    mesh; parameters the rule leaves whole are not listed."""
     names = {v: k for k, v in graph.placeholder_paths.items()}
     axes = mesh_axes(tuple(stage.logical_mesh))
     out: dict[str, tuple[Placement, ...]] = {}
-    for path in stage.fsdp_params:
+    for path in paths:
         if path not in names or path not in graph.params:
             continue
         planned = tuple(norm(p) for p in stage.param_placements[path])
@@ -233,10 +236,15 @@ class PipelineRunner:
                 sync_param_grads=False,
                 recompute_layers=layer_of if stage_plan.recompute else None,
                 compile=compile,
-                fsdp=fsdp_shards(st.graph, stage_plan),
+                fsdp=shard_placements(st.graph, stage_plan, stage_plan.fsdp_params),
                 layers=layer_of,
             )
-            self._zero[c] = self._zero_placements(self.executors[c], stage_plan)
+            self._zero[c] = {
+                st.graph.placeholder_paths[n]: places
+                for n, places in shard_placements(
+                    st.graph, stage_plan, stage_plan.zero_params
+                ).items()
+            }
         self.executor: PlanExecutor | None = (
             None if self.index is None else self.executors[self.index]
         )
@@ -315,44 +323,10 @@ class PipelineRunner:
         """This rank's (first) stage (None for a rank outside the plan)."""
         return None if self.index is None else self.stages[self.index]
 
-    @staticmethod
-    def _zero_placements(
-        ex: PlanExecutor, stage: StagePlan
-    ) -> dict[str, tuple[Placement, ...]]:
-        """Path -> the placements that a ZeRO parameter (``stage.zero_params``) of the stage run
-        by `ex` keeps as its optimizer-side shard: its planned placements with every replicated
-        mesh axis of size > 1 turned into ``Shard(d)``, d the largest dimension that the axis
-        divides (after the planned sharding). Axes with no such dimension stay replicated."""
-        sizes = tuple(ex.mesh.shape)
-        names = {v: k for k, v in ex.opgraph.placeholder_paths.items()}
-        out: dict[str, tuple[Placement, ...]] = {}
-        for path in stage.zero_params:
-            if path not in names or path not in ex.opgraph.params:
-                continue
-            meta = ex.opgraph.node(names[path]).outputs[0]
-            shape = list(meta.shape)
-            places = list(ex.placements(ex._planned_output(names[path])))
-            for p, n in zip(places, sizes):
-                if p.is_shard():
-                    shape[p.dim] //= n
-            for a, (p, n) in enumerate(zip(places, sizes)):
-                if not p.is_replicate() or n == 1:
-                    continue
-                dims = [
-                    d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] >= n
-                ]
-                if dims:
-                    d = max(dims, key=lambda d: shape[d])
-                    places[a] = Shard(d)
-                    shape[d] //= n
-            if tuple(places) != ex.placements(ex._planned_output(names[path])):
-                out[path] = tuple(places)
-        return out
-
     def place_params(self, params: dict[str, torch.Tensor]) -> dict[str, DTensor]:
         """This rank's parameters (from full tensors by path; those of every chunk it runs) as
         DTensor leaves requiring grad: the optimizer's parameters. A ZeRO parameter is placed as
-        its shard (`_zero_placements`); `step` gathers it to the planned placement once per
+        its shard (`shard_placements`); `step` gathers it to the planned placement once per
         step."""
         out: dict[str, DTensor] = {}
         for c, ex in self.executors.items():

@@ -254,6 +254,11 @@ def param_state_bytes(meta: TensorMeta, option: Option, s: StageSettings) -> flo
     )
 
 
+def _element_bytes(meta: TensorMeta) -> float:
+    """Bytes of one element of `meta` (what `_reshard` takes)."""
+    return meta.nbytes / max(meta.numel(), 1)
+
+
 def fsdp_placements(
     meta: TensorMeta, option: Option, s: StageSettings
 ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
@@ -272,7 +277,7 @@ def fsdp_gather(meta: TensorMeta, option: Option, s: StageSettings) -> float:
     if option.zero != 3:
         return 0.0
     planned, held, _ = fsdp_placements(meta, option, s)
-    width = meta.nbytes / max(meta.numel(), 1)
+    width = _element_bytes(meta)
     return 2 * _reshard(s, meta.shape, width, held, planned)
 
 
@@ -283,7 +288,7 @@ def fsdp_reduce_scatter(meta: TensorMeta, option: Option, s: StageSettings) -> f
     if option.zero != 3:
         return 0.0
     _, held, grad = fsdp_placements(meta, option, s)
-    width = meta.nbytes / max(meta.numel(), 1)
+    width = _element_bytes(meta)
     return _reshard(s, meta.shape, width, grad, held)
 
 
@@ -309,7 +314,7 @@ def zero_cost(meta: TensorMeta, option: Option, s: StageSettings) -> float:
     all-reduce its consumers' edges charge and the runtime does not run (module docstring)."""
     if option.zero == 3:
         planned, _, grad = fsdp_placements(meta, option, s)
-        width = meta.nbytes / max(meta.numel(), 1)
+        width = _element_bytes(meta)
         if bucketed_axes(grad, planned):
             charged = _bucket_bandwidth(s, meta.shape, width, grad, planned)
         else:
@@ -374,7 +379,7 @@ def edge_matrices(
     k = consumer_fx.all_input_nodes.index(producer_fx)
     o = consumed_output(producer_fx, consumer_fx)
     meta = value.outputs[o] if o < len(value.outputs) else value.outputs[0]
-    dtype_bytes = meta.nbytes / max(meta.numel(), 1)
+    dtype_bytes = _element_bytes(meta)
     with_grad = value.requires_grad and getattr(torch, meta.dtype).is_floating_point
     srcs, src_of = _unique(
         [tuple(norm(p) for p in uo.strategy.output[o]) or None for uo in u_opts]
@@ -531,7 +536,7 @@ def grad_buckets(
         )
         if not axes:
             continue
-        key = (axes, want, meta.nbytes / max(meta.numel(), 1))
+        key = (axes, want, _element_bytes(meta))
         if key not in out:
             out[key] = Bucket(bucket_latency(mesh, axes), [])
         out[key].consumers.append(v)
