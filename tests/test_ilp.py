@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from cost_models.errors import MeshplanError
+from planner.intra import ilp
 from planner.intra.ilp import ILPModel, ILPProblem, _BulkHiGHS, brute_force, solve
 
 
@@ -134,3 +135,54 @@ def test_bulk_highs_passes_the_model_pulp_would() -> None:
                 getattr(a.a_matrix_, name), getattr(b.a_matrix_, name)
             ), name
         assert a.a_matrix_.format_ == b.a_matrix_.format_
+
+
+def test_relaxation_first_and_branch_and_bound_both_match_brute_force(
+    monkeypatch,
+) -> None:
+    """HiGHS's route (`ILPModel.solve`): the LP relaxation, kept when integral, else the
+    branch-and-bound on the pruned program. Random programs under tight budgets take both
+    routes; every answer is the brute-force optimum."""
+    from planner.intra import highs
+
+    calls = {"relaxation": 0, "branch_and_bound": 0}
+    relax, bnb = highs.solve_relaxation, highs.run_highs
+
+    def counted(name, fn):
+        def run(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+
+        return run
+
+    monkeypatch.setattr(highs, "solve_relaxation", counted("relaxation", relax))
+    monkeypatch.setattr(highs, "run_highs", counted("branch_and_bound", bnb))
+    rng = np.random.default_rng(4321)
+    for _ in range(30):
+        p = _random_problem(rng, with_memory=True)
+        got = ILPModel(p).solve(p.memory_budget)
+        want = brute_force(p)
+        assert got.objective == pytest.approx(want.objective, rel=1e-6, abs=1e-9)
+        assert got.memory <= p.memory_budget + 1e-6
+    assert calls["relaxation"] == 30
+    assert 0 < calls["branch_and_bound"] < 30
+
+
+def test_settle_takes_the_least_memory_then_the_lowest_index_among_ties() -> None:
+    """With node 0 on its option 0, node 1's options 0, 1 and 2 tie on local cost (2 = its own
+    plus its edge's) and option 3 is dearer (9); of the tied ones option 2 needs least memory.
+    Every starting choice among the tied settles on 2, and the objective is unchanged."""
+    p = ILPProblem(
+        [np.array([1.0, 3.0]), np.array([2.0, 1.0, 1.5, 0.0])],
+        [(0, 1, np.array([[0.0, 1.0, 0.5, 9.0], [0.0, 0.0, 0.0, 0.0]]))],
+        [np.array([1.0, 1.0]), np.array([4.0, 4.0, 3.0, 1.0])],
+    )
+    for start in ([0, 0], [0, 1], [0, 2]):
+        settled = ilp.settle(p, start, 1e-12)
+        assert settled == [0, 2]
+        assert p.objective(settled) == pytest.approx(p.objective(start))
+    # copies of equal memory: the lowest index
+    q = ILPProblem([np.array([1.0, 1.0, 1.0])], [], [np.array([2.0, 1.0, 1.0])])
+    assert ilp.settle(q, [2], 1e-12) == [1]
+    # never towards more memory, even at a lower cost
+    assert ilp.settle(p, [0, 3], 1e-12) == [0, 3]

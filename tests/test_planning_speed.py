@@ -93,7 +93,7 @@ def test_pruned_program_keeps_the_optimum_of_every_budget(budget_at) -> None:
     for _ in range(20):
         p = _problem(rng, budget_at)
         model = ILPModel(p)
-        dropped += sum(c.size - k.size for c, k in zip(p.node_costs, model.keep))
+        dropped += sum(c.size - k.size for c, k in zip(p.node_costs, model.pruned.keep))
         want = brute_force(p)
         got = model.solve(p.memory_budget)
         assert got.objective == pytest.approx(want.objective, rel=1e-6, abs=1e-9)

@@ -25,9 +25,12 @@ Edges whose cost matrix is all zero add no variables. Nodes with one strategy ar
 Strategies another strategy of the same node dominates get no variable
 (`planner.intra.dominance`: exact, the optimum of every budget is kept).
 Solved with HiGHS when `highspy` is installed, CBC otherwise; a time limit returns the best
-solution found with a warning. Ties are broken by a tiny preference for lower strategy indices
-(`TIE`, relative to the largest cost); the solvers stop within a relative gap of 1e-7, above
-it, so among solutions that close the solver's path decides, the same for the same program.
+solution found with a warning. HiGHS first solves the LP relaxation (s[v, i] in [0, 1]): on
+these programs its optimum is nearly always integral, and then it is the program's optimum
+(`ILPModel`); otherwise the branch-and-bound stops within a relative gap of 1e-7. Ties: the
+objective carries a tiny preference for lower strategy indices (`TIE`), below the solvers'
+tolerances, so `settle` breaks ties after the solve, the same way on every route: least memory,
+then lowest index.
 
 `ILPModel` builds the program once (its columns and rows, no solver objects) and solves it under
 any budget: only the memory row changes, so the solves of a memory ladder share the build. HiGHS
@@ -150,28 +153,33 @@ class ILPModel:
     coefficient summed from the same terms in the same order as a term-by-term pulp build
     (``prob += lpSum(terms)``) would. `pulp_problem` makes that pulp model (for CBC); HiGHS gets
     the same program as arrays (`planner.intra.highs.highs_arrays`), without a pulp object per
-    variable. With `prune` (the default) the program has the strategies that
-    `planner.intra.dominance.undominated` keeps (`keep[v]`, original indices; names and
-    tie-breaks keep the original indices too), and `solve` returns original indices.
+    variable. `keep[v]` are the strategies of node v that get a variable (original indices;
+    names and tie-breaks keep the original indices too; default: all), and `solve` returns
+    original indices.
+
+    How `solve` runs HiGHS: first the LP relaxation of this program
+    (`planner.intra.highs.solve_relaxation`); when its optimum is integral in the binaries, no
+    integral choice can beat it and it is the optimum. Otherwise (on these programs mostly
+    when the memory row binds) the branch-and-bound solves `pruned`: with `prune` (the default)
+    the program of the strategies `planner.intra.dominance.undominated` keeps, built then, else
+    this one. CBC always gets `pruned`. `settle` then breaks ties the same way on every route.
     """
 
-    def __init__(self, problem: ILPProblem, *, prune: bool = True) -> None:
+    def __init__(
+        self,
+        problem: ILPProblem,
+        *,
+        prune: bool = True,
+        keep: list[np.ndarray] | None = None,
+    ) -> None:
         self.problem = problem
+        self.prune = prune
         self.scale = max(
             [float(np.abs(c).max()) for c in problem.node_costs]
             + [float(np.abs(r).max()) for *_, r in problem.edges]
             + [1e-30]
         )
-        # the options that get a variable (`undominated`; all of them without pruning)
-        self.keep = (
-            dominance.undominated(
-                [_objective_coefs(c, self.scale) for c in problem.node_costs],
-                problem.node_memory,
-                [(u, v, r / self.scale) for u, v, r in problem.edges],
-            )
-            if prune
-            else [np.arange(c.size) for c in problem.node_costs]
-        )
+        self.keep = keep or [np.arange(c.size) for c in problem.node_costs]
         keep = self.keep
         self.names: list[str] = []
         # the binary columns of each node (None: one strategy left, a constant)
@@ -235,6 +243,19 @@ class ILPModel:
                 self.memory_row.update((x, a) for x, a in zip(s[v].tolist(), mib) if a)
         self._pulp: pulp.LpProblem | None = None
         self._pulp_vars: list[pulp.LpVariable] = []
+
+    @functools.cached_property
+    def pruned(self) -> ILPModel:
+        """The program of the strategies no other dominates (`planner.intra.dominance`: the
+        optimum of every budget is kept), or this one without `prune`."""
+        if not self.prune:
+            return self
+        keep = dominance.undominated(
+            [_objective_coefs(c, self.scale) for c in self.problem.node_costs],
+            self.problem.node_memory,
+            [(u, v, r / self.scale) for u, v, r in self.problem.edges],
+        )
+        return ILPModel(self.problem, prune=False, keep=keep)
 
     def _columns(self, names: Iterable[str]) -> np.ndarray:
         """Add columns of these names; their indices."""
@@ -316,15 +337,28 @@ class ILPModel:
         problem = self.problem
         _check_fits(problem, budget)
         name = _solver_name(solver)
+        model = self
         if name == "highs" and not via_pulp:
-            state, values = highs.run_highs(
+            state, values = highs.solve_relaxation(
                 self.highs_arrays(budget), time_limit=time_limit, msg=msg
             )
-            if state == "failed":
-                raise MeshplanError("HiGHS found no solution of the intra-op program")
-            binaries = None if values is None else values[self._arrays.binaries]
+            if state == "optimal" and highs.integral(values[self._arrays.integer]):
+                binaries = np.round(values[self._arrays.binaries])
+            elif state == "infeasible":  # no integral choice fits either
+                binaries = None
+            else:
+                model = self.pruned
+                state, values = highs.run_highs(
+                    model.highs_arrays(budget), time_limit=time_limit, msg=msg
+                )
+                if state == "failed":
+                    raise MeshplanError(
+                        "HiGHS found no solution of the intra-op program"
+                    )
+                binaries = None if values is None else values[model._arrays.binaries]
         else:
-            prob = self.pulp_problem(budget)
+            model = self.pruned
+            prob = model.pulp_problem(budget)
             status = prob.solve(_solver(time_limit, msg, name))
             state = {
                 "Optimal": "optimal"
@@ -337,17 +371,21 @@ class ILPModel:
                     f"the ILP solver found no solution ({pulp.LpStatus[status]})"
                 )
             binaries = np.array(
-                [self._pulp_vars[c].value() or 0 for c in range(self.num_binary)]
+                [model._pulp_vars[c].value() or 0 for c in range(model.num_binary)]
             )
         if state == "infeasible":
             raise MeshplanError(
                 f"no sharding fits in memory: budget {budget / 2**30:.2f} GiB per device is below what any "
                 f"consistent choice needs (at least {min_memory(problem) / 2**30:.2f} GiB)"
             )
-        choice = [
-            int(k[0 if cols is None else np.argmax(binaries[cols])])
-            for k, cols in zip(self.keep, self.s)
-        ]
+        choice = settle(
+            problem,
+            [
+                int(k[0 if cols is None else np.argmax(binaries[cols])])
+                for k, cols in zip(model.keep, model.s)
+            ],
+            SETTLE_TOL * self.scale,
+        )
         optimal = state == "optimal"
         if not optimal:
             warnings.warn(
@@ -356,6 +394,48 @@ class ILPModel:
         return ILPSolution(
             choice, problem.objective(choice), problem.memory(choice), optimal
         )
+
+
+#: Local costs within this much (relative to the largest cost) count as tied in `settle`: far
+#: below any difference of prices, above the rounding of sums of a few of them.
+SETTLE_TOL = 1e-12
+
+
+def settle(problem: ILPProblem, choice: list[int], tol: float) -> list[int]:
+    """The same optimum with ties broken the same way whatever the solver's path: each node in
+    turn takes, among its strategies whose local cost (its own plus its edges' under the
+    neighbours' current choices) is within `tol` of its current one's, the one of least memory,
+    then of lowest index, never more memory than it had; repeated until nothing changes.
+
+    Why: the relaxation's optimal vertex (`planner.intra.highs.run_highs`) is one of several when
+    strategies tie (copies that pruning removes in one program and keeps in another, or a view
+    whose output may be replicated or split at the same price), and the tie-break in the
+    objective (`TIE`) lies below the solvers' tolerances. A change keeps the objective (within
+    `tol`) and lowers (memory, index) at one node, so the passes end, and the budget still holds."""
+    choice = list(choice)
+    n = len(problem.node_costs)
+    memory = problem.node_memory or [np.zeros(c.size) for c in problem.node_costs]
+    incident: list[list[tuple[np.ndarray, int, bool]]] = [[] for _ in range(n)]
+    for u, v, r in problem.edges:
+        incident[u].append((r, v, True))
+        incident[v].append((r, u, False))
+    changed = True
+    while changed:
+        changed = False
+        for v in range(n):
+            c = problem.node_costs[v]
+            if c.size == 1:
+                continue
+            local = c.copy()
+            for r, w, out in incident[v]:
+                local += r[:, choice[w]] if out else r[choice[w]]
+            cur, m = choice[v], memory[v]
+            tied = np.flatnonzero((local <= local[cur] + tol) & (m <= m[cur]))
+            best = int(tied[np.lexsort((tied, m[tied]))[0]])
+            if best != cur and (m[best], best) < (m[cur], cur):
+                choice[v] = best
+                changed = True
+    return choice
 
 
 #: Relative tie-break towards lower strategy indices, added to each node's objective coefficients.
