@@ -214,21 +214,23 @@ class ILPModel:
             # edge variables range over groups of equal rows g and columns h; their marginals are
             # the sums of the node variables in the group. Exact, and far smaller: a cost usually
             # depends only on the producer's output placement and the consumer's input placement.
-            distinct, row_of = np.unique(r, axis=0, return_inverse=True)
-            grouped, col_of = np.unique(distinct, axis=1, return_inverse=True)
-            row_of, col_of = row_of.ravel(), col_of.ravel()
+            grouped, row_of, col_of = _groups(r.shape, r.tobytes())
             n_g, n_h = grouped.shape
             e = self._columns(
                 f"e_{n}_{g}_{h}" for g in range(n_g) for h in range(n_h)
             ).reshape(n_g, n_h)
             for g in range(n_g):
                 members = s[u][row_of == g]
-                coefs = np.r_[np.ones(n_h), -np.ones(len(members))]
-                rows.append((f"eu_{n}_{g}", np.r_[e[g], members], coefs, 0.0))
+                coefs = np.concatenate((np.ones(n_h), -np.ones(len(members))))
+                rows.append(
+                    (f"eu_{n}_{g}", np.concatenate((e[g], members)), coefs, 0.0)
+                )
             for h in range(n_h):
                 members = s[v][col_of == h]
-                coefs = np.r_[np.ones(n_g), -np.ones(len(members))]
-                rows.append((f"ev_{n}_{h}", np.r_[e[:, h], members], coefs, 0.0))
+                coefs = np.concatenate((np.ones(n_g), -np.ones(len(members))))
+                rows.append(
+                    (f"ev_{n}_{h}", np.concatenate((e[:, h], members)), coefs, 0.0)
+                )
             edge_coefs.append(grouped.ravel())
         self.objective = np.concatenate([binary_coefs, *edge_coefs])
         self.rows = rows
@@ -394,6 +396,19 @@ class ILPModel:
         return ILPSolution(
             choice, problem.objective(choice), problem.memory(choice), optimal
         )
+
+
+@functools.lru_cache(maxsize=4096)
+def _groups(
+    shape: tuple[int, int], data: bytes
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(grouped costs, row group of each row, column group of each column) of the edge cost
+    matrix `data` (float64 bytes of `shape`): its distinct rows, then their distinct columns.
+    Cached by content: the programs of one stage (time-optimal, seeds) share most edges."""
+    r = np.frombuffer(data).reshape(shape)
+    distinct, row_of = np.unique(r, axis=0, return_inverse=True)
+    grouped, col_of = np.unique(distinct, axis=1, return_inverse=True)
+    return grouped, row_of.ravel(), col_of.ravel()
 
 
 #: Local costs within this much (relative to the largest cost) count as tied in `settle`: far
