@@ -434,3 +434,25 @@ def test_holds_the_priced_bytes(runs: list[dict[str, Any]], name: str) -> None:
             priced = sc.param_state_bytes(meta, Option(strategy), s)
             assert param + grad + adam == priced, path
     assert np.isfinite(plan.estimate.peak_memory_bytes)
+
+
+def test_manual_command_flags(tmp_path: Any) -> None:
+    """`meshplan manual --recompute selective --sp` writes what `manual_plan` prices;
+    `--recompute` alone still means full."""
+    from runtime.cli import main
+
+    args = ["manual", SPEC, "--cluster", CLUSTER, "--dp", "1", "--tp", "2", "--pp", "1"]
+    args += ["--microbatches", str(B), "--batch", str(BATCH), "--dtype", "float32"]
+    args += ["--allow-oom", "--optimizer", "adam_fp32"]
+    for flags, mode, sp in (
+        (["--recompute", "selective", "--sp"], "selective", True),
+        (["--recompute"], "full", False),
+    ):
+        out = tmp_path / f"{mode}.json"
+        assert main([*args, *flags, "--json", str(out)]) == 0
+        p = ParallelPlan.load(out)
+        assert p.stages[0].recompute == mode
+        assert p.manual["sequence_parallel"] is sp
+    assert ParallelPlan.load(tmp_path / "selective.json").estimate == (
+        _plans()["sel"].estimate
+    )

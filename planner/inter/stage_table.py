@@ -44,7 +44,7 @@ from cost_models.errors import MeshplanError
 from cost_models.memory import stage_peak_bytes
 from planner.inter.selective import selective_table
 from planner.intra.batch_split import batch_split_options
-from planner.intra.megatron import ParamFilter, Seed
+from planner.intra.megatron import ParamFilter, Seed, sequence_filter
 from planner.intra.prices import Option
 from planner.intra.solve import StagePricing, StageSolution, price_stage, solve_stage
 from planner.tracing.attention import attention_cores
@@ -318,13 +318,22 @@ def profiles_for(
     paths = graph.placeholder_paths
     params = [n for n in first.choice if graph.node(n).op == "param"]
     names, rep = pricing.names, pricing.ctx.rep
-    for seed, seed_axes in seeds:
+    for seed, seed_axes, sequence_axis in seeds:
         axes = tuple(sorted(set(batch_axes) | set(seed_axes)))
+        acts = activation_filter
+        if sequence_axis is not None:
+            try:
+                sp = sequence_filter(graph, sequence_axis, mesh.shape[sequence_axis])
+            except MeshplanError:  # a sequence the tp axis does not divide
+                continue
+            acts = sp if acts is None else _both(acts, sp)
         split = batch_split_options(
             graph, names, pricing.ctx.options, rep, axes, mesh.shape
         )
-        if all(seed(paths[n], first.choice[n]) for n in params) and all(
-            first.choice[n] in allowed for n, allowed in split.items()
+        if (
+            all(seed(paths[n], first.choice[n]) for n in params)
+            and all(first.choice[n] in allowed for n, allowed in split.items())
+            and (acts is None or all(acts(n, o) for n, o in first.choice.items()))
         ):
             continue  # the time-optimal solution already obeys the seed: its optimum too
         if (
@@ -335,14 +344,23 @@ def profiles_for(
         both = seed if param_filter is None else _both(param_filter, seed)
         try:
             sol = solve_stage(
-                graph, mesh, **(kw | {"param_filter": both, "batch_axes": axes})
+                graph,
+                mesh,
+                **kw
+                | {"param_filter": both, "batch_axes": axes, "activation_filter": acts},
             )
         except MeshplanError:  # the seed leaves a parameter no placement on this mesh
             continue
-        if (sol.param_placements, sol.zero_params, sol.fsdp_params) != (
+        if (
+            sol.param_placements,
+            sol.zero_params,
+            sol.fsdp_params,
+            sequence_axis is not None and sol.activation_bytes,
+        ) != (
             first.param_placements,
             first.zero_params,
             first.fsdp_params,
+            sequence_axis is not None and first.activation_bytes,
         ):
             out.append(profile(sol, graph, layer_of, bounds, num_layers))
     return out

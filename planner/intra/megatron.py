@@ -62,6 +62,9 @@ class Seed(NamedTuple):
 
     params: ParamFilter
     batch_axes: tuple[int, ...]
+    # the tensor-parallel axis on which Megatron-SP splits the norms and residual adds along
+    # the sequence (`sequence_filter`), or None
+    sequence_axis: int | None = None
 
 
 def megatron_placement(path: str) -> str:
@@ -128,7 +131,9 @@ def seed_filters(
     """Megatron-style layouts worth solving on a logical mesh (a, b), one `Seed` each:
 
     * tensor parallelism on axis 1 (b devices, when b > 1 and b is in `tp_sizes`, the sizes that
-      fit in a host) with data parallelism on axis 0 - Megatron's (dp, tp) = (a, b);
+      fit in a host) with data parallelism on axis 0 - Megatron's (dp, tp) = (a, b); and the
+      same with sequence parallelism (Megatron-SP, `sequence_filter`; for models without
+      experts): its activations are leaner than the free activations' time optimum;
     * pure data parallelism (every parameter replicated) - Megatron's tp = 1 on all a * b devices;
     * for models with experts, each of those with the expert weights also split on the other axis
       of size > 1 (expert parallelism).
@@ -147,6 +152,8 @@ def seed_filters(
     for tp in tps:
         axes = batch_axes(mesh_shape, tp, has_experts)
         out.append(Seed(axes_filter(tp, None), axes))
+        if tp is not None and not has_experts:
+            out.append(Seed(axes_filter(tp, None), axes, tp))
         if tp is None:
             out.append(Seed(axes_filter(None, None, fsdp=True), axes))
         if has_experts:
