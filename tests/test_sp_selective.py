@@ -7,12 +7,13 @@ memory budget admits it but not "none"; Megatron-SP's placements split the norms
 adds along the sequence on the tensor-parallel axis.
 
 Runtime: one gloo launch of 2 ranks trains a small Llama (hidden 64, 4 layers) under two plans,
-tp2 with sequence parallelism (``sp``) and tp2 with sequence parallelism and selective
-recomputation (``sel``), 2 micro-batches, Adam (lr 1e-3), 3 steps each, against one device
+tp2 with sequence parallelism (``sp``), tp2 with sequence parallelism and selective
+recomputation (``sel``), and two pipeline stages with selective recomputation (``sel_pp2``),
+2 micro-batches, Adam (lr 1e-3), 3 steps each, against one device
 (losses and parameters within 1e-5); the collectives of one counted step against the priced ones
 site by site; the bytes of parameters, gradients and Adam state each rank holds against the
-price; and, under ``sel``, every attention-core op run twice per micro-batch (forward and
-recomputation), every other op once.
+price (``sp``, ``sel``); and, under ``sel`` and ``sel_pp2``, every attention-core op run twice
+per micro-batch (forward and recomputation), every other op once.
 """
 
 from __future__ import annotations
@@ -250,9 +251,11 @@ def _plans() -> dict[str, ParallelPlan]:
         "allow_oom": True,
         "sequence_parallel": True,
     }
+    pp2 = kw | {"tp": 1, "pp": 2, "sequence_parallel": False}
     return {
         "sp": manual_plan(SPEC, CLUSTER, **kw),
         "sel": manual_plan(SPEC, CLUSTER, recompute="selective", **kw),
+        "sel_pp2": manual_plan(SPEC, CLUSTER, recompute="selective", **pp2),
     }
 
 
@@ -283,18 +286,19 @@ def _train(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
         model, batches = _model_and_batches()
         tr = Trainer(plan, model, batches[0], optimizer="adam", lr=LR)
         losses = [tr.step(batches[0])]
-        ex = tr.runner.executor
+        executors = list(tr.runner.executors.values())
         runs: dict[str, int] = {}
-        run_node = ex.run_node
+        for ex in executors:
 
-        def counted(n: Any, run_node: Any = run_node, runs: dict = runs) -> Any:
-            runs[n.name] = runs.get(n.name, 0) + 1
-            return run_node(n)
+            def counted(n: Any, run_node: Any = ex.run_node, runs: dict = runs) -> Any:
+                runs[n.name] = runs.get(n.name, 0) + 1
+                return run_node(n)
 
-        ex.run_node = counted
+            ex.run_node = counted
         with CommCounter() as counter:
             losses.append(tr.step(batches[1]))
-        del ex.run_node
+        for ex in executors:
+            del ex.run_node
         losses.append(tr.step(batches[2]))
         tr.runner.step(tr.params, split_batch(batches[0], B), tr.buffers)
         state = tr.optimizer.state
@@ -318,7 +322,8 @@ def _train(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
             "records": counter.records,
             "held": held,
             "runs": runs,
-            "mismatches": list(ex.mismatches),
+            "stage": tr.runner.index,
+            "mismatches": [m for ex in executors for m in ex.mismatches],
         }
     return out
 
@@ -329,18 +334,21 @@ def runs() -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sp", "sel"])
+@pytest.mark.parametrize("name", ["sp", "sel", "sel_pp2"])
 def test_trains_like_one_device(runs: list[dict[str, Any]], name: str) -> None:
     model, batches = _model_and_batches()
     opt = torch.optim.Adam(model.parameters(), lr=LR, foreach=False)
     ref_losses, ref_params = single_device.train(model, batches, opt)
+    held: dict[str, torch.Tensor] = {}  # a pipeline rank has its stage's parameters
     for r in runs:
         got = r[name]
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-5)
-        single_device.assert_same_parameters(
-            {k: torch.from_numpy(v) for k, v in got["params"].items()}, ref_params
-        )
+        for k, v in got["params"].items():
+            if k in held:
+                assert torch.equal(held[k], torch.from_numpy(v)), k
+            held[k] = torch.from_numpy(v)
         assert not got["mismatches"], got["mismatches"][:3]
+    single_device.assert_same_parameters(held, ref_params)
 
 
 @pytest.mark.slow
@@ -401,15 +409,23 @@ def test_selective_recomputes_only_the_attention_cores(
     the saved tensors backward needs are back)."""
     g = _graph()
     cores = attention_cores(g)
+    plan = _plans()["sel_pp2"]
     for r in runs:
-        counts = r["sel"]["runs"]
-        assert set(cores) <= set(counts)
-        for n, c in counts.items():
-            if n in cores and g.node(n).is_view:
-                assert c in (B, 2 * B), (n, c)
-            else:
-                assert c == (2 * B if n in cores else B), (n, c)
-        assert sum(c == 2 * B for c in counts.values()) >= 4  # the 4 fused attentions
+        for name in ("sel", "sel_pp2"):
+            counts = r[name]["runs"]
+            if name == "sel":
+                assert set(cores) <= set(counts)
+            for n, c in counts.items():
+                if n in cores and g.node(n).is_view:
+                    assert c in (B, 2 * B), (n, c)
+                else:
+                    assert c == (2 * B if n in cores else B), (name, n, c)
+            # the fused attentions this rank runs (2 per pipeline stage)
+            want = 4 if name == "sel" else 2
+            assert sum(c == 2 * B for c in counts.values()) >= want
+    # each pipeline stage holds two of the four attention cores
+    assert {r["sel_pp2"]["stage"] for r in runs} == {0, 1}
+    assert all(s.recompute == "selective" for s in plan.stages)
 
 
 @pytest.mark.slow
