@@ -228,6 +228,21 @@ def test_manual_sequence_parallel_placements() -> None:
     assert sum(g.node(n).module_path.count(".") == 1 for n in region) == 8
     for n in region:
         assert s.node_strategies[n]["outputs"][0][1] == "S(1)", n
+    # without sequence parallelism (sequence_parallel=False) Megatron replicates them
+    plain = manual_plan(
+        SPEC,
+        CLUSTER,
+        dp=1,
+        tp=2,
+        pp=1,
+        num_microbatches=B,
+        global_batch=BATCH,
+        dtype="float32",
+        allow_oom=True,
+        sequence_parallel=False,
+    )
+    for n in region:
+        assert plain.stages[0].node_strategies[n]["outputs"][0][1] == "R", n
     with pytest.raises(MeshplanError, match="tensor-parallel"):
         manual_plan(
             SPEC, CLUSTER, dp=2, tp=1, pp=1, num_microbatches=1, sequence_parallel=True
@@ -251,7 +266,7 @@ def _plans() -> dict[str, ParallelPlan]:
         "allow_oom": True,
         "sequence_parallel": True,
     }
-    pp2 = kw | {"tp": 1, "pp": 2, "sequence_parallel": False}
+    pp2 = kw | {"tp": 1, "pp": 2, "sequence_parallel": None}
     return {
         "sp": manual_plan(SPEC, CLUSTER, **kw),
         "sel": manual_plan(SPEC, CLUSTER, recompute="selective", **kw),
@@ -454,7 +469,8 @@ def test_holds_the_priced_bytes(runs: list[dict[str, Any]], name: str) -> None:
 
 def test_manual_command_flags(tmp_path: Any) -> None:
     """`meshplan manual --recompute selective --sp` writes what `manual_plan` prices;
-    `--recompute` alone still means full."""
+    `--recompute` alone still means full; `--no-sp` replicates the norms on the tp axis, and
+    without either flag they are left to the least cost."""
     from runtime.cli import main
 
     args = ["manual", SPEC, "--cluster", CLUSTER, "--dp", "1", "--tp", "2", "--pp", "1"]
@@ -462,7 +478,8 @@ def test_manual_command_flags(tmp_path: Any) -> None:
     args += ["--allow-oom", "--optimizer", "adam_fp32"]
     for flags, mode, sp in (
         (["--recompute", "selective", "--sp"], "selective", True),
-        (["--recompute"], "full", False),
+        (["--recompute", "--no-sp"], "full", False),
+        ([], "none", None),
     ):
         out = tmp_path / f"{mode}.json"
         assert main([*args, *flags, "--json", str(out)]) == 0

@@ -125,11 +125,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="recompute activations in backward: none (default), selective (only the "
         "attention cores) or full (every transformer block); --recompute alone is full",
     )
-    m.add_argument(
+    sp = m.add_mutually_exclusive_group()
+    sp.add_argument(
         "--sp",
-        action="store_true",
+        dest="sp",
+        action="store_const",
+        const=True,
         help="sequence parallelism on the tensor-parallel axis (Megatron-SP: norms, dropouts "
         "and residual adds split along the sequence)",
+    )
+    sp.add_argument(
+        "--no-sp",
+        dest="sp",
+        action="store_const",
+        const=False,
+        help="norms, dropouts and residual adds replicated on the tensor-parallel axis, as "
+        "Megatron without sequence parallelism (default: placed at the least cost)",
     )
     m.add_argument(
         "--virtual-stages",

@@ -228,13 +228,16 @@ def sequence_parallel_nodes(graph: OpGraph) -> set[str]:
 
 
 def sequence_filter(
-    graph: OpGraph, tp_axis: int, tp: int
+    graph: OpGraph, tp_axis: int, tp: int, split: bool = True
 ) -> Callable[[str, Option], bool]:
     """Options of ops restricted to Megatron-SP on mesh axis `tp_axis` of `tp` devices: the
     `sequence_parallel_nodes` split by dim 1 there (their first output), every other op free.
-    Raises MeshplanError when such an op's sequence does not divide by `tp`."""
+    Raises MeshplanError when such an op's sequence does not divide by `tp`. With
+    ``split=False``, Megatron without sequence parallelism instead: those ops replicated on
+    `tp_axis` (the row-parallel output all-reduced)."""
     region = sequence_parallel_nodes(graph)
-    for n in sorted(region):
+    want = "S(1)" if split else "R"
+    for n in sorted(region) if split else ():
         shape = graph.node(n).outputs[0].shape
         if shape[1] % tp:
             raise MeshplanError(
@@ -243,6 +246,6 @@ def sequence_filter(
             )
 
     def allowed(name: str, option: Option) -> bool:
-        return name not in region or option.strategy.output[0][tp_axis] == "S(1)"
+        return name not in region or option.strategy.output[0][tp_axis] == want
 
     return allowed

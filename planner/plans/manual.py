@@ -26,7 +26,9 @@ all-reduce per sub-block forward). MoE activations are left to the least cost on
 With `sequence_parallel=True` (Megatron-SP) the norms, dropouts and residual adds between a
 row-parallel output and the next column-parallel input are split along the sequence on the tp
 axis (`planner.intra.megatron.sequence_filter`): reduce-scatter and all-gather around them
-instead of the all-reduce.
+instead of the all-reduce; with `sequence_parallel=False` they are replicated on the tp axis, as
+Megatron without sequence parallelism runs them; None (the default) leaves them to the least
+cost (which may split them by the sequence, or keep the residual stream partial).
 
 Recomputation: "full" checkpoints every transformer block (`planner.plans.recompute`),
 "selective" only the attention cores (`planner.tracing.attention`), priced by the stage DP's
@@ -77,7 +79,7 @@ def manual_plan(
     microbatch_size: int | None = None,
     global_batch: int | None = None,
     recompute: bool | str = "none",
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | None = None,
     virtual_stages: int = 1,
     dtype: torch.dtype | str = torch.float16,
     optimizer: str = "adam_mixed",
@@ -96,8 +98,9 @@ def manual_plan(
     same number of transformer blocks per chunk, the embedding in the first and the head and loss in
     the last (`block_chunks`). `recompute`: "none", "selective" (the attention cores) or "full"
     (each transformer block checkpointed on its own, Megatron's --checkpoint-activations;
-    `recompute_costs`); True and False mean full and none. `sequence_parallel`: Megatron-SP on
-    the tp axis (module docstring; needs tp > 1). `schedule`: "1f1b" (default), "gpipe",
+    `recompute_costs`); True and False mean full and none. `sequence_parallel`: True for
+    Megatron-SP on the tp axis, False for Megatron without it, None for the least cost (module
+    docstring; True and False need tp > 1). `schedule`: "1f1b" (default), "gpipe",
     or "interleaved" (the default when `virtual_stages` > 1)."""
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     recompute = recompute_mode(recompute)
@@ -105,9 +108,10 @@ def manual_plan(
         raise MeshplanError(
             f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
         )
-    if sequence_parallel and tp < 2:
+    if sequence_parallel is not None and tp < 2:
         raise MeshplanError(
-            f"sequence parallelism splits the sequence on the tensor-parallel axis; tp={tp}"
+            "sequence_parallel=True/False places norms on the tensor-parallel axis; "
+            f"tp={tp} has none (leave it None)"
         )
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     D, M = cluster.num_devices, cluster.devices_per_host
@@ -172,7 +176,9 @@ def manual_plan(
         budget=np.inf,
         optimizer=optimizer,
         param_filter=megatron_filter(tp, dp, expert_parallel),
-        activation_filter=sequence_filter(graph, 1, tp) if sequence_parallel else None,
+        activation_filter=None
+        if sequence_parallel is None
+        else sequence_filter(graph, 1, tp, split=sequence_parallel),
         batch_axes=batch_axes(
             mesh.shape,
             1 if tp > 1 else None,
