@@ -28,7 +28,7 @@ def _ms(x: float | None) -> str:
 def _stages(case: dict[str, Any]) -> str:
     return f"B={case['auto']['num_microbatches']}; " + " ".join(
         f"{s['layers'][0]}-{s['layers'][1]}@{s['logical_mesh'][0]}x{s['logical_mesh'][1]}"
-        + ("rc" if s["recompute"] else "")
+        + {True: "rc", "full": "rc", "selective": "sel"}.get(s["recompute"], "")
         for s in case["auto"]["stages"]
     )
 

@@ -144,7 +144,7 @@ def stage_corrections(
                     cluster, b * a, s, d, node.outputs[0].dtype, dropout=True
                 )
                 delta += fwd + bwd - compute_time(node, opt, settings)
-                if stage.recompute:
+                if stage.recompute != "none":  # selective re-runs the core too
                     delta += fwd - forward_time(node, opt, settings)
             elif _replicated_in_megatron(node):
                 whole = Option(_replicated(strategy))
@@ -152,7 +152,7 @@ def stage_corrections(
                     delta += compute_time(node, whole, settings) - compute_time(
                         node, opt, settings
                     )
-                    if stage.recompute:
+                    if stage.recompute == "full":
                         delta += forward_time(node, whole, settings) - forward_time(
                             node, opt, settings
                         )
@@ -165,7 +165,7 @@ def stage_corrections(
                         )
                     )
                     f, b = fused_dropout_time(cluster, elements, node.outputs[0].dtype)
-                    delta += f + b + (f if stage.recompute else 0.0)
+                    delta += f + b + (f if stage.recompute == "full" else 0.0)
             elif "_log_softmax" in node.target:
                 logits = float(local[0]) * local[-1]
                 f, b = fp32_cross_entropy_time(cluster, logits)

@@ -29,7 +29,7 @@ def _f(x: float | None, fmt: str = ".1f") -> str:
 def _stages(case: dict[str, Any]) -> str:
     return " ".join(
         f"{s['layers'][0]}-{s['layers'][1]}@{s['logical_mesh'][0]}x{s['logical_mesh'][1]}"
-        + ("rc" if s["recompute"] else "")
+        + {True: "rc", "full": "rc", "selective": "sel"}.get(s["recompute"], "")
         for s in case["auto"]["stages"]
     )
 

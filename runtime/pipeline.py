@@ -54,8 +54,11 @@ The hooks `_build_meshes` (the stage meshes), `_program` (each chunk's stage pro
 `_finish_grads` (ZeRO reduce-scatter and gradient sync after the last backward) are shared with
 the torch-pipelining subclass.
 
-Recomputation (``StagePlan.recompute``): the stage's executor runs each layer under a
-non-reentrant ``torch.utils.checkpoint`` (`runtime.executor.PlanExecutor`, ``recompute_layers``).
+Recomputation (``StagePlan.recompute``): "full" - the stage's executor runs each layer under a
+non-reentrant ``torch.utils.checkpoint`` (`runtime.executor.PlanExecutor`, ``recompute_layers``);
+"selective" - only each attention core (`planner.tracing.attention.attention_cores`: its ops form
+one checkpointed segment, every other op runs as usual and keeps its saved tensors), as
+`planner.inter.selective` prices it; a stage without an attention core has nothing to recompute.
 
 FSDP (``StagePlan.fsdp_params``, ZeRO stage 3): the parameter's leaf is its shard
 (`shard_placements`); the stage's executor gathers it around its use in every micro-batch and
@@ -95,6 +98,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
+from planner.tracing.attention import attention_cores
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.dtensor_ext import str_to_placement
 from planner.vocab.placements import device_mesh_shape, mesh_axes, norm, zero_shard
@@ -179,6 +183,19 @@ def _check_devices(plan: ParallelPlan, world: int) -> int:
     return p
 
 
+def recomputed(
+    graph: OpGraph, recompute: str, layer_of: dict[str, int]
+) -> dict[str, int] | None:
+    """The executor's ``recompute_layers`` for a stage's recomputation (module docstring): op ->
+    its checkpointed segment (the plan's layer for "full", the attention core for "selective"),
+    or None when nothing is recomputed."""
+    if recompute == "full":
+        return layer_of
+    if recompute == "selective":
+        return attention_cores(graph) or None
+    return None
+
+
 class PipelineRunner:
     """Runs training steps of `plan` on this rank (module docstring).
 
@@ -234,7 +251,7 @@ class PipelineRunner:
                 self._program(c, fallback),
                 self.meshes[c],
                 sync_param_grads=False,
-                recompute_layers=layer_of if stage_plan.recompute else None,
+                recompute_layers=recomputed(st.graph, stage_plan.recompute, layer_of),
                 compile=compile,
                 fsdp=shard_placements(st.graph, stage_plan, stage_plan.fsdp_params),
                 layers=layer_of,

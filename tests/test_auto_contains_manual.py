@@ -24,15 +24,25 @@ from planner.tracing.tracer import trace
 MODEL = "gpt:hidden=512,layers=4,heads=8,seq=256,vocab=16384"
 
 
-@pytest.mark.parametrize("dp,tp,pp", [(2, 1, 2), (1, 2, 2)])
-def test_auto_plan_beats_manual_at_its_memory(dp: int, tp: int, pp: int) -> None:
+@pytest.mark.parametrize(
+    "dp,tp,pp,extra",
+    [
+        (2, 1, 2, {}),
+        (1, 2, 2, {}),
+        (1, 2, 2, {"sequence_parallel": True, "recompute": "selective"}),
+    ],
+)
+def test_auto_plan_beats_manual_at_its_memory(
+    dp: int, tp: int, pp: int, extra: dict
+) -> None:
     """With the memory budget set to a manual configuration's own peak, the automatic plan is
     at least as fast. Before the seeds and extra clusterings the auto plan was 8% (dp2 pp2: its
     4 layers put the LM head's stage out of balance) and 21% (tp2 pp2: the memory ladder skipped
-    Megatron's memory level) slower here."""
+    Megatron's memory level) slower here. Megatron-SP with selective recomputation is a seed
+    (sequence-split activations) and a recomputation choice of the stage DP too."""
     spec, G = "1x4xV100-16GB", 16
     m = manual_plan(
-        MODEL, spec, dp=dp, tp=tp, pp=pp, num_microbatches=4, global_batch=G
+        MODEL, spec, dp=dp, tp=tp, pp=pp, num_microbatches=4, global_batch=G, **extra
     )
     budget = m.estimate.peak_memory_bytes * (1 + 1e-6)
     auto = plan(MODEL, spec, global_batch=G, microbatch_size=[4], memory_budget=budget)
@@ -44,14 +54,22 @@ def test_auto_plan_beats_manual_at_its_memory(dp: int, tp: int, pp: int) -> None
 
 def test_seed_filters_cover_megatron_layouts() -> None:
     assert seed_filters((1, 1), False, {2, 4}) == []
-    # tp on axis 1, pure dp, pure dp with every parameter FSDP-sharded
-    assert len(seed_filters((1, 4), False, {2, 4})) == 3
+    # tp on axis 1, the same with sequence parallelism, pure dp, pure dp with every parameter
+    # FSDP-sharded
+    assert len(seed_filters((1, 4), False, {2, 4})) == 4
+    assert [s.sequence_axis for s in seed_filters((1, 4), False, {2, 4})] == [
+        None,
+        1,
+        None,
+        None,
+    ]
     assert len(seed_filters((1, 4), True, {2, 4})) == 4  # + dp with experts on axis 1
     assert len(seed_filters((2, 8), True, {2, 4})) == 3  # tp 8 spans hosts: not a seed
     with pytest.raises(ValueError):
         axes_filter(1, 1)
     # activations split the batch on every data-parallel axis, never for models with experts
     assert [s.batch_axes for s in seed_filters((2, 4), False, {2, 4})] == [
+        (0,),
         (0,),
         (0, 1),
         (0, 1),

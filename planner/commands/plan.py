@@ -117,7 +117,30 @@ def register(sub: argparse._SubParsersAction) -> None:
         "use --microbatch-size (rows per micro-batch, = this times --dp)",
     )
     m.add_argument(
-        "--recompute", action="store_true", help="recompute activations in backward"
+        "--recompute",
+        nargs="?",
+        const="full",
+        default="none",
+        choices=("none", "selective", "full"),
+        help="recompute activations in backward: none (default), selective (only the "
+        "attention cores) or full (every transformer block); --recompute alone is full",
+    )
+    sp = m.add_mutually_exclusive_group()
+    sp.add_argument(
+        "--sp",
+        dest="sp",
+        action="store_const",
+        const=True,
+        help="sequence parallelism on the tensor-parallel axis (Megatron-SP: norms, dropouts "
+        "and residual adds split along the sequence)",
+    )
+    sp.add_argument(
+        "--no-sp",
+        dest="sp",
+        action="store_const",
+        const=False,
+        help="norms, dropouts and residual adds replicated on the tensor-parallel axis, as "
+        "Megatron without sequence parallelism (default: placed at the least cost)",
     )
     m.add_argument(
         "--virtual-stages",
@@ -212,6 +235,7 @@ def run_manual(args: argparse.Namespace) -> int:
         microbatch_size=args.microbatch_size,
         global_batch=args.batch,
         recompute=args.recompute,
+        sequence_parallel=args.sp,
         virtual_stages=args.virtual_stages,
         dtype=args.dtype,
         optimizer=args.optimizer,
@@ -254,7 +278,7 @@ def summary(p: ParallelPlan) -> str:
             f"{s.submesh[0]}x{s.submesh[1]}",
             f"{s.logical_mesh[0]}x{s.logical_mesh[1]}",
             s.dp_tp,
-            "yes" if s.recompute else "no",
+            s.recompute,
             _sharded_state(s),
             f"{s.time_s * 1e3:.2f}",
             nbytes(s.memory_bytes),
@@ -295,7 +319,7 @@ def run_explain(args: argparse.Namespace) -> int:
         )
         print(
             f"  time per micro-batch {s.time_s * 1e3:.3f} ms (compute and resharding; gradient sync {s.grad_sync_s * 1e3:.3f} ms per "
-            f"iteration{', recomputation on' if s.recompute else ''}); memory {nbytes(s.memory_bytes)} per device"
+            f"iteration{'' if s.recompute == 'none' else f', recomputation {s.recompute}'}); memory {nbytes(s.memory_bytes)} per device"
         )
         layers = [p.layer_nodes[k] for k in range(s.layers[0], s.layers[1] + 1)]
         print(f"  layers span ops {layers[0][0]} .. {layers[-1][1]}")

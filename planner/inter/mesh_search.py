@@ -22,16 +22,17 @@ from planner.intra.highs import solves_overlap
 from planner.intra.megatron import is_expert_weight, seed_filters
 from planner.intra.prices import Option
 from planner.tracing.opgraph import OpGraph
+from planner.vocab.plan_check import RECOMPUTE_MODES
 
 
 @dataclass(frozen=True)
 class StageOption:
     """How a stage DP table entry runs: the logical mesh, the intra-op solution attributed to the
-    layers (its profile) and whether the stage recomputes its activations."""
+    layers (its profile) and the stage's recomputation (none, selective or full)."""
 
     mesh: LogicalMesh
     profile: st.LayerProfile
-    recompute: bool
+    recompute: str
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,9 @@ class _Table:
         stage (for the error message when nothing fits) when `whole`, else inf."""
         send = st.send_times(mesh, self.boundary_bytes, crosses_hosts=crosses_hosts)
         least = np.inf
-        for rc in (False, True):
+        # selective only where the model has attention cores (`planner.tracing.attention`)
+        modes = RECOMPUTE_MODES if prof.core_time is not None else ("none", "full")
+        for rc in modes:
             c, mem = st.range_costs(prof, self.inflight, budget, send, rc)
             if whole:
                 least = min(least, float(mem[0, self.L - 1, 1]))

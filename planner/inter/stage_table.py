@@ -10,10 +10,13 @@ one solution serves several layer clusterings). A stage's cost for layers k..j i
 stages from it to the end (`cost_models.memory.stage_peak_bytes`; inflight is what the schedule
 keeps there, `cost_models.memory.microbatches_in_flight`: min(B, s) for 1F1B, B for GPipe):
 
-    without recomputation: params[k..j] + inflight * activations[k..j]
-    with recomputation:    params[k..j] + inflight * layer_inputs[k..j] + max activations of one layer
+    recompute none:      params[k..j] + inflight * activations[k..j]
+    recompute selective: params[k..j] + inflight * (activations - core bytes)[k..j]
+                         + max core bytes of one attention core
+    recompute full:      params[k..j] + inflight * layer_inputs[k..j] + max activations of one layer
 
-and recomputation adds the layers' forward compute to the time. FSDP parameters
+and recomputation adds to the time the layers' forward compute (full) or their attention cores'
+forward (selective; the core bytes and seconds are `planner.inter.selective`'s). FSDP parameters
 (`planner.intra.prices`, ZeRO stage 3) add twice the largest layer's gathered bytes to the
 transient term (the layer running and the next one gathered), and their collectives count only by
 the part compute does not hide (`fsdp_exposed`, the overlap model of `planner.intra.prices`):
@@ -23,7 +26,8 @@ of each pass (the first layer's in forward, the last layer's in backward) in ful
 ``fixed``). The latency of the gradient
 all-reduce buckets a range holds is added once per bucket (`planner.intra.prices.grad_buckets`),
 and the runtime's overhead per stage and micro-batch once.
-A range's cost is the fastest option (logical mesh, memory level, recomputation) that fits the
+A range's cost is the fastest option (logical mesh, memory level, recomputation none, selective
+or full; `RECOMPUTE_MODES`) that fits the
 budget, plus sending the boundary activations to the next stage and their gradient back; +inf if
 none fits.
 """
@@ -38,12 +42,15 @@ import numpy as np
 from cost_models.communication import LogicalMesh, boundary_send_times
 from cost_models.errors import MeshplanError
 from cost_models.memory import stage_peak_bytes
+from planner.inter.selective import selective_table
 from planner.intra.batch_split import batch_split_options
-from planner.intra.megatron import ParamFilter, Seed
+from planner.intra.megatron import ParamFilter, Seed, sequence_filter
 from planner.intra.prices import Option
 from planner.intra.solve import StagePricing, StageSolution, price_stage, solve_stage
+from planner.tracing.attention import attention_cores
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.placements import shards
+from planner.vocab.plan_check import RECOMPUTE_MODES, recompute_mode
 
 
 @dataclass
@@ -62,11 +69,37 @@ class LayerProfile:
     fixed: np.ndarray
     # bytes per layer of its FSDP parameters' gathered copies (`prices.fsdp_gathered_bytes`)
     gathered: np.ndarray | None = None
+    # selective recomputation (`planner.inter.selective`), per layer: the seconds it adds, the
+    # activation bytes per micro-batch it does not keep, and the largest core's (live while it
+    # is recomputed); None when the model has no attention core
+    core_time: np.ndarray | None = None
+    core_bytes: np.ndarray | None = None
+    core_peak: np.ndarray | None = None
 
-    def range_time(self, k: int, j: int, recompute: bool) -> float:
-        """Per-micro-batch time of a stage holding layers k..j (recomputation adds their forward)."""
+    def extra_time(self, recompute: str) -> np.ndarray | float:
+        """Per layer: the seconds per micro-batch recomputation `recompute` adds (True and
+        False read as full and none)."""
+        recompute = recompute_mode(recompute)
+        if recompute == "full":
+            return self.fwd
+        if recompute == "selective":
+            return _need_cores(self.core_time)
+        return 0.0
+
+    def range_time(self, k: int, j: int, recompute: str) -> float:
+        """Per-micro-batch time of a stage holding layers k..j (recomputation adds its forward)."""
         t = self.time[k : j + 1].sum() + self.fixed[k, j]
-        return float(t + (self.fwd[k : j + 1].sum() if recompute else 0.0))
+        extra = np.broadcast_to(self.extra_time(recompute), self.time.shape)
+        return float(t + extra[k : j + 1].sum())
+
+
+def _need_cores(x: np.ndarray | None) -> np.ndarray:
+    if x is None:
+        raise MeshplanError(
+            "selective recomputation needs an attention core (scaled_dot_product_attention, "
+            "or a softmax between two matrix products of activations); this model has none"
+        )
+    return x
 
 
 def layer_of_nodes(graph: OpGraph, layers: list[tuple[int, int]]) -> dict[str, int]:
@@ -175,7 +208,37 @@ def profile(
         # `time` has the collectives in full (`prices.zero_cost` + edges)
         time -= 2 * G + R - exposed
         fixed += first[:, None] + last[None, :]
-    return LayerProfile(sol, time, fwd, params, acts, inputs, fixed, gathered)
+    cores = _cores(graph)
+    selective: tuple[np.ndarray | None, ...] = (None, None, None)
+    if cores:
+        seconds, dropped, core = selective_table(sol, graph, cores)
+        per_core = np.zeros(max(cores.values()) + 1)
+        np.add.at(per_core, core[core >= 0], dropped[core >= 0])
+        peak = np.zeros(L)
+        for c in range(len(per_core)):
+            layer = index[core == c]
+            if len(layer):
+                peak[layer[0]] = max(peak[layer[0]], per_core[c])
+        core_time, core_bytes = np.zeros(L), np.zeros(L)
+        np.add.at(core_time, index, seconds)
+        np.add.at(core_bytes, index, dropped)
+        selective = (core_time, core_bytes, peak)
+    return LayerProfile(
+        sol, time, fwd, params, acts, inputs, fixed, gathered, *selective
+    )
+
+
+# the last few graphs' attention cores: the search profiles many solutions of one graph
+_CORES: list[tuple[OpGraph, dict[str, int]]] = []
+
+
+def _cores(graph: OpGraph) -> dict[str, int]:
+    for g, cores in _CORES:
+        if g is graph:
+            return cores
+    _CORES.insert(0, (graph, attention_cores(graph)))
+    del _CORES[4:]
+    return _CORES[0][1]
 
 
 def fsdp_exposed(
@@ -213,6 +276,7 @@ def profiles_for(
     optimizer: str,
     param_filter: ParamFilter | None = None,
     batch_axes: tuple[int, ...] = (),
+    activation_filter: ParamFilter | None = None,
     ladder: tuple[float, ...] = (0.35, 0.12, 0.04),
     seeds: Sequence[Seed] = (),
     lean_layers: tuple[dict[str, int], list[list[str]], int] | None = None,
@@ -224,7 +288,8 @@ def profiles_for(
     placements, `planner.intra.megatron.seed_filters`: their memory often lies between the ladder's
     rungs). A seed is not solved when the time-optimal solution already obeys it (its optimum
     then repeats that solution) or when its placements put more parameter state in every layer
-    than `budget` (no stage could use it). `param_filter` and `batch_axes` restrict every solve
+    than `budget` (no stage could use it). `param_filter`, `batch_axes` and `activation_filter`
+    restrict every solve
     (`planner.intra.solve.solve_stage`)."""
     pricing = price_stage(
         graph, mesh, num_microbatches=num_microbatches, optimizer=optimizer
@@ -234,6 +299,7 @@ def profiles_for(
         "optimizer": optimizer,
         "param_filter": param_filter,
         "batch_axes": batch_axes,
+        "activation_filter": activation_filter,
         "pricing": pricing,
     }
     first = solve_stage(graph, mesh, **kw)
@@ -252,13 +318,22 @@ def profiles_for(
     paths = graph.placeholder_paths
     params = [n for n in first.choice if graph.node(n).op == "param"]
     names, rep = pricing.names, pricing.ctx.rep
-    for seed, seed_axes in seeds:
+    for seed, seed_axes, sequence_axis in seeds:
         axes = tuple(sorted(set(batch_axes) | set(seed_axes)))
+        acts = activation_filter
+        if sequence_axis is not None:
+            try:
+                sp = sequence_filter(graph, sequence_axis, mesh.shape[sequence_axis])
+            except MeshplanError:  # a sequence the tp axis does not divide
+                continue
+            acts = sp if acts is None else _both(acts, sp)
         split = batch_split_options(
             graph, names, pricing.ctx.options, rep, axes, mesh.shape
         )
-        if all(seed(paths[n], first.choice[n]) for n in params) and all(
-            first.choice[n] in allowed for n, allowed in split.items()
+        if (
+            all(seed(paths[n], first.choice[n]) for n in params)
+            and all(first.choice[n] in allowed for n, allowed in split.items())
+            and (acts is None or all(acts(n, o) for n, o in first.choice.items()))
         ):
             continue  # the time-optimal solution already obeys the seed: its optimum too
         if (
@@ -269,14 +344,23 @@ def profiles_for(
         both = seed if param_filter is None else _both(param_filter, seed)
         try:
             sol = solve_stage(
-                graph, mesh, **(kw | {"param_filter": both, "batch_axes": axes})
+                graph,
+                mesh,
+                **kw
+                | {"param_filter": both, "batch_axes": axes, "activation_filter": acts},
             )
         except MeshplanError:  # the seed leaves a parameter no placement on this mesh
             continue
-        if (sol.param_placements, sol.zero_params, sol.fsdp_params) != (
+        if (
+            sol.param_placements,
+            sol.zero_params,
+            sol.fsdp_params,
+            sequence_axis is not None and sol.activation_bytes,
+        ) != (
             first.param_placements,
             first.zero_params,
             first.fsdp_params,
+            sequence_axis is not None and first.activation_bytes,
         ):
             out.append(profile(sol, graph, layer_of, bounds, num_layers))
     return out
@@ -325,18 +409,27 @@ def _range_max(x: np.ndarray) -> np.ndarray:
 
 
 def range_footprint(
-    prof: LayerProfile, recompute: bool
+    prof: LayerProfile, recompute: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[k, j] arrays for a stage holding layers k..j: its parameter-state bytes, the activation
-    bytes it keeps per micro-batch in flight, and the bytes live only while one layer is
-    recomputed or its FSDP parameters are gathered (module docstring); `cost_models.memory.stage_peak_bytes` adds them up."""
+    bytes it keeps per micro-batch in flight, and the bytes live only while one layer (one
+    attention core, selective) is recomputed or its FSDP parameters are gathered (module
+    docstring); `cost_models.memory.stage_peak_bytes` adds them up."""
+    recompute = recompute_mode(recompute)
     L = len(prof.time)
     params = _range_sums(prof.params)
     gathered = (
         np.zeros((L, L)) if prof.gathered is None else 2 * _range_max(prof.gathered)
     )
-    if recompute:
+    if recompute == "full":
         return params, _range_sums(prof.inputs), _range_max(prof.acts) + gathered
+    if recompute == "selective":
+        kept = _range_sums(prof.acts - _need_cores(prof.core_bytes))
+        return params, kept, _range_max(_need_cores(prof.core_peak)) + gathered
+    if recompute != "none":
+        raise MeshplanError(
+            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
+        )
     return params, _range_sums(prof.acts), gathered
 
 
@@ -345,13 +438,13 @@ def range_costs(
     inflight: np.ndarray,
     budget: float,
     send: np.ndarray,
-    recompute: bool,
+    recompute: str,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(cost[k, j, s], memory[k, j, s]) of one option, s indexing `inflight` (the micro-batches a
     stage with s - 1 stages after it keeps in flight); cost is inf where memory exceeds the
     budget."""
     L = len(prof.time)
-    time = _range_sums(prof.time + (prof.fwd if recompute else 0.0)) + prof.fixed
+    time = _range_sums(prof.time + prof.extra_time(recompute)) + prof.fixed
     params, kept, transient = range_footprint(prof, recompute)
     mem = stage_peak_bytes(
         params[:, :, None],
@@ -360,7 +453,7 @@ def range_costs(
         inflight[None, None, :],
     )
     valid = np.triu(np.ones((L, L), dtype=bool))[:, :, None]
-    if recompute and prof.gathered is not None:
+    if recompute_mode(recompute) != "none" and prof.gathered is not None:
         # the runtime does not recompute FSDP stages (`runtime.fsdp`)
         valid = np.zeros_like(valid)
     cost = np.where(valid & (mem <= budget), (time + send[None, :])[:, :, None], np.inf)

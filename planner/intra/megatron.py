@@ -25,6 +25,13 @@ runs the whole layer on its own samples (`batch_axes`; `planner.intra.solve.solv
 each value computed from the data S(0) on those axes). Left to itself the intra-op program may
 instead split a replicated-weight layer by sequence or hidden features on such an axis, which the
 cost model prices the same but which runs as extra redistributions.
+
+Sequence parallelism (Korthikanti et al. 2022, Megatron-SP; `sequence_filter`): on the
+tensor-parallel axis the ops between a row-parallel output (or the embedding) and the next
+column-parallel input - norms, dropouts, residual adds - are split along the sequence, dim 1 of
+their [batch, sequence, ...] outputs, S(1). The row-parallel output's partial sum then reaches
+them by a reduce-scatter (P -> S(1)) instead of an all-reduce, and the column-parallel input is
+all-gathered (S(1) -> R); the cost model prices those edges as it prices every other.
 """
 
 from __future__ import annotations
@@ -32,7 +39,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+from cost_models.errors import MeshplanError
+from planner.intra.batch_split import data_nodes
 from planner.intra.prices import Option
+from planner.tracing.opgraph import OpGraph
 
 _COLUMN = (
     *("attn.qkv.weight", "attn.qkv.bias", "mlp.fc.weight", "mlp.fc.bias"),
@@ -52,6 +62,9 @@ class Seed(NamedTuple):
 
     params: ParamFilter
     batch_axes: tuple[int, ...]
+    # the tensor-parallel axis on which Megatron-SP splits the norms and residual adds along
+    # the sequence (`sequence_filter`), or None
+    sequence_axis: int | None = None
 
 
 def megatron_placement(path: str) -> str:
@@ -118,7 +131,9 @@ def seed_filters(
     """Megatron-style layouts worth solving on a logical mesh (a, b), one `Seed` each:
 
     * tensor parallelism on axis 1 (b devices, when b > 1 and b is in `tp_sizes`, the sizes that
-      fit in a host) with data parallelism on axis 0 - Megatron's (dp, tp) = (a, b);
+      fit in a host) with data parallelism on axis 0 - Megatron's (dp, tp) = (a, b); and the
+      same with sequence parallelism (Megatron-SP, `sequence_filter`; for models without
+      experts): its activations are leaner than the free activations' time optimum;
     * pure data parallelism (every parameter replicated) - Megatron's tp = 1 on all a * b devices;
     * for models with experts, each of those with the expert weights also split on the other axis
       of size > 1 (expert parallelism).
@@ -137,6 +152,8 @@ def seed_filters(
     for tp in tps:
         axes = batch_axes(mesh_shape, tp, has_experts)
         out.append(Seed(axes_filter(tp, None), axes))
+        if tp is not None and not has_experts:
+            out.append(Seed(axes_filter(tp, None), axes, tp))
         if tp is None:
             out.append(Seed(axes_filter(None, None, fsdp=True), axes))
         if has_experts:
@@ -144,3 +161,91 @@ def seed_filters(
             if free:
                 out.append(Seed(axes_filter(tp, free[-1]), axes))
     return out
+
+
+def _weight_placements(graph: OpGraph) -> dict[str, str]:
+    """Op -> Megatron's tensor-parallel placement of the weight it reads ("R" ones left out):
+    the ops that are column-parallel (S(0), and the vocabulary-split embedding and LM head) or
+    row-parallel (S(1), S(2))."""
+    root: dict[str, str] = {}  # parameter-derived value -> its parameter's path
+    for n in graph.nodes:
+        if n.op == "param":
+            root[n.name] = graph.placeholder_paths[n.name]
+        elif n.is_view and n.inputs and n.inputs[0] in root:
+            root[n.name] = root[n.inputs[0]]
+    out = {}
+    for n in graph.ops:
+        if n.is_view:
+            continue
+        for u in n.inputs:
+            if u in root and megatron_placement(root[u]) != "R":
+                out[n.name] = megatron_placement(root[u])
+    return out
+
+
+def sequence_parallel_nodes(graph: OpGraph) -> set[str]:
+    """The ops sequence parallelism splits along the sequence (module docstring): ops computed
+    from the data that lead to a column-parallel op (the LM head included), neither a weight's
+    op nor inside a tensor-parallel region (reached from a column-parallel op before any
+    row-parallel one, and leading to a row-parallel one), no view (views follow their input), with an output of at least two dimensions."""
+    weights = _weight_placements(graph)
+    column = [
+        n
+        for n, p in weights.items()
+        if p == "S(0)" and "embedding" not in graph.node(n).target
+    ]
+    row = [n for n, p in weights.items() if p in ("S(1)", "S(2)")]
+    users: dict[str, list[str]] = {}
+    for n in graph.ops:
+        for u in n.inputs:
+            users.setdefault(u, []).append(n.name)
+
+    def closure(start: list[str], step) -> set[str]:
+        seen, todo = set(start), list(start)
+        while todo:
+            for w in step(todo.pop()):
+                if w not in seen:
+                    seen.add(w)
+                    todo.append(w)
+        return seen
+
+    rows = set(row)  # a tensor-parallel region ends at its row-parallel op
+    after_column = closure(column, lambda n: [] if n in rows else users.get(n, []))
+    before_row = closure(row, lambda n: graph.node(n).inputs) - set(row)
+    before_column = closure(column, lambda n: graph.node(n).inputs) - set(column)
+    data = data_nodes(graph)
+    return {
+        n.name
+        for n in graph.ops
+        if n.name in before_column
+        and n.name in data
+        and n.name not in weights
+        and not (n.name in after_column and n.name in before_row)
+        and not n.is_view
+        and n.outputs
+        and len(n.outputs[0].shape) >= 2
+    }
+
+
+def sequence_filter(
+    graph: OpGraph, tp_axis: int, tp: int, split: bool = True
+) -> Callable[[str, Option], bool]:
+    """Options of ops restricted to Megatron-SP on mesh axis `tp_axis` of `tp` devices: the
+    `sequence_parallel_nodes` split by dim 1 there (their first output), every other op free.
+    Raises MeshplanError when such an op's sequence does not divide by `tp`. With
+    ``split=False``, Megatron without sequence parallelism instead: those ops replicated on
+    `tp_axis` (the row-parallel output all-reduced)."""
+    region = sequence_parallel_nodes(graph)
+    want = "S(1)" if split else "R"
+    for n in sorted(region) if split else ():
+        shape = graph.node(n).outputs[0].shape
+        if shape[1] % tp:
+            raise MeshplanError(
+                f"sequence parallelism splits dim 1 of op {n} {tuple(shape)} over tp={tp}; "
+                "it does not divide"
+            )
+
+    def allowed(name: str, option: Option) -> bool:
+        return name not in region or option.strategy.output[0][tp_axis] == want
+
+    return allowed

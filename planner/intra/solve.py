@@ -301,6 +301,7 @@ def solve_stage(
     nodes: list[str] | None = None,
     param_filter: Callable[[str, Option], bool] | None = None,
     batch_axes: tuple[int, ...] = (),
+    activation_filter: Callable[[str, Option], bool] | None = None,
     num_microbatches: int = 1,
     in_flight: int = 1,
     optimizer: str = "adam_mixed",
@@ -315,6 +316,8 @@ def solve_stage(
     `batch_axes` are mesh axes on which every value computed from the data is split by its
     first (batch) dimension, as data parallelism in Megatron-LM and DDP runs
     (`planner.intra.batch_split.batch_split_options`).
+    `activation_filter(node, option)` restricts the options of ops (e.g. Megatron's sequence
+    parallelism, `planner.intra.megatron.sequence_filter`); every op must keep at least one.
     `pricing` (from `price_stage` with the same graph, mesh, nodes and settings) reuses prices
     computed by earlier solves of this stage.
     """
@@ -346,9 +349,18 @@ def solve_stage(
                     raise MeshplanError(
                         f"no allowed placement for parameter {path} {graph.node(n).outputs[0].shape} on mesh {mesh.shape}"
                     )
+    if activation_filter is not None:
+        for n in names:
+            if rep.get(n, n) == n and graph.node(n).op == "call":
+                options[n] = [o for o in options[n] if activation_filter(n, o)]
+                if not options[n]:
+                    raise MeshplanError(
+                        f"no allowed strategy for op {n} {graph.node(n).outputs[0].shape} "
+                        f"on mesh {mesh.shape}"
+                    )
     split = batch_split_options(graph, names, options, rep, batch_axes, mesh.shape)
     options.update(split)
-    if param_filter is not None or split:
+    if param_filter is not None or split or activation_filter is not None:
         for n in names:
             if rep.get(n, n) != n:
                 options[n] = options[rep[n]]

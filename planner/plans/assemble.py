@@ -76,7 +76,9 @@ class StageChoice:
     solution: (
         StageSolution  # the intra-op solution its layers take their strategies from
     )
-    recompute: bool
+    recompute: (
+        str  # none | selective | full (`planner.vocab.plan_check.RECOMPUTE_MODES`)
+    )
     cost: StageCost
 
 
@@ -108,7 +110,7 @@ def stage_from_profile(
     layers: tuple[int, int],
     submesh: tuple[int, int],
     profile: st.LayerProfile,
-    recompute: bool,
+    recompute: str,
 ) -> StageChoice:
     """A stage holding `layers` priced from a solution's per-layer profile
     (`planner.inter.stage_table`: the stage DP's own prices)."""

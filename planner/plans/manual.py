@@ -1,6 +1,7 @@
 """Manual (Megatron-LM style) plans, priced by the same cost models as automatic ones.
 
-A configuration (dp, tp, pp, micro-batches, recompute, interleaving) becomes a `ParallelPlan`:
+A configuration (dp, tp, pp, micro-batches, recompute, sequence parallelism, interleaving) becomes
+a `ParallelPlan`:
 the model's layers are split into pp balanced stages (pp * v chunks when interleaved), each stage
 runs on dp * tp devices as a (dp, tp) logical mesh with tensor parallelism inside a host (Megatron's
 recommendation), and the intra-op program is restricted to Megatron's parameter placements
@@ -22,6 +23,16 @@ Megatron and DDP run (`planner.intra.megatron.batch_axes`), unless some op canno
 (batch norm; `planner.intra.batch_split.batch_split_options`); the other activation placements follow
 from DTensor's strategies at the least cost, which reproduces Megatron's dataflow (one
 all-reduce per sub-block forward). MoE activations are left to the least cost on every axis.
+With `sequence_parallel=True` (Megatron-SP) the norms, dropouts and residual adds between a
+row-parallel output and the next column-parallel input are split along the sequence on the tp
+axis (`planner.intra.megatron.sequence_filter`): reduce-scatter and all-gather around them
+instead of the all-reduce; with `sequence_parallel=False` they are replicated on the tp axis, as
+Megatron without sequence parallelism runs them; None (the default) leaves them to the least
+cost (which may split them by the sequence, or keep the residual stream partial).
+
+Recomputation: "full" checkpoints every transformer block (`planner.plans.recompute`),
+"selective" only the attention cores (`planner.tracing.attention`), priced by the stage DP's
+own prices (`planner.inter.stage_table`, `planner.inter.selective`).
 """
 
 from __future__ import annotations
@@ -44,11 +55,13 @@ from planner.intra.megatron import (
     is_expert_weight,
     megatron_filter,
     megatron_placement,
+    sequence_filter,
 )
 from planner.plans.assemble import PlanSpec, assemble, stage_from_profile
 from planner.plans.recompute import block_chunks, recompute_costs
 from planner.tracing.inputs import resolve_model
 from planner.tracing.tracer import trace
+from planner.vocab.plan_check import RECOMPUTE_MODES, recompute_mode
 from planner.vocab.plan_file import ParallelPlan
 
 __all__ = ["manual_plan", "megatron_filter", "megatron_placement"]
@@ -65,7 +78,8 @@ def manual_plan(
     num_microbatches: int | None = None,
     microbatch_size: int | None = None,
     global_batch: int | None = None,
-    recompute: bool = False,
+    recompute: bool | str = "none",
+    sequence_parallel: bool | None = None,
     virtual_stages: int = 1,
     dtype: torch.dtype | str = torch.float16,
     optimizer: str = "adam_mixed",
@@ -82,10 +96,23 @@ def manual_plan(
     splits MoE expert weights by experts over the dp axis (module docstring). `split`: "balanced"
     cuts the layers into pp * v chunks of about equal FLOPs; "blocks" cuts as Megatron-LM does, the
     same number of transformer blocks per chunk, the embedding in the first and the head and loss in
-    the last (`block_chunks`). With `recompute`, each transformer block is checkpointed on its own
-    (Megatron's --checkpoint-activations; `recompute_costs`). `schedule`: "1f1b" (default), "gpipe",
+    the last (`block_chunks`). `recompute`: "none", "selective" (the attention cores) or "full"
+    (each transformer block checkpointed on its own, Megatron's --checkpoint-activations;
+    `recompute_costs`); True and False mean full and none. `sequence_parallel`: True for
+    Megatron-SP on the tp axis, False for Megatron without it, None for the least cost (module
+    docstring; True and False need tp > 1). `schedule`: "1f1b" (default), "gpipe",
     or "interleaved" (the default when `virtual_stages` > 1)."""
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
+    recompute = recompute_mode(recompute)
+    if recompute not in RECOMPUTE_MODES:
+        raise MeshplanError(
+            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
+        )
+    if sequence_parallel is not None and tp < 2:
+        raise MeshplanError(
+            "sequence_parallel=True/False places norms on the tensor-parallel axis; "
+            f"tp={tp} has none (leave it None)"
+        )
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     D, M = cluster.num_devices, cluster.devices_per_host
     for key, v in (
@@ -149,6 +176,9 @@ def manual_plan(
         budget=np.inf,
         optimizer=optimizer,
         param_filter=megatron_filter(tp, dp, expert_parallel),
+        activation_filter=None
+        if sequence_parallel is None
+        else sequence_filter(graph, 1, tp, split=sequence_parallel),
         batch_axes=batch_axes(
             mesh.shape,
             1 if tp > 1 else None,
@@ -164,7 +194,7 @@ def manual_plan(
         )
     block_costs = (
         recompute_costs(prof.solution, graph, layer_of, chunks)
-        if recompute
+        if recompute == "full"
         else [None] * chunks
     )
     stages = []
@@ -206,6 +236,7 @@ def manual_plan(
         "num_microbatches": B,
         "microbatch_size": b,
         "recompute": recompute,
+        "sequence_parallel": sequence_parallel,
         "virtual_stages": virtual_stages,
         "expert_parallel": expert_parallel,
         "fits": fits,

@@ -17,6 +17,21 @@ from cost_models.memory import OPTIMIZERS, SCHEDULES, canonical_schedule
 # A `planner.vocab.plan_file.ParallelPlan` (which reads through this module: not imported here).
 Plan = Any
 
+# Activation recomputation of a stage: none; selective (only the attention cores,
+# `planner.tracing.attention`); full (every layer checkpointed)
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def recompute_mode(value: object) -> object:
+    """A stage's recomputation as one of `RECOMPUTE_MODES`: plan files of before the three modes
+    say true (full) or false (none); anything else is returned as it is (for `validate` to name)."""
+    if value is True:
+        return "full"
+    if value is False:
+        return "none"
+    return value
+
+
 FORMAT_VERSION = 1
 KINDS = ("auto", "manual", "intra-only", "inter-only")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -211,10 +226,10 @@ def _stage_list(p: Plan) -> None:
     )
     for i, s in enumerate(p.stages):
         _expect(
-            isinstance(s.recompute, bool),
+            s.recompute in RECOMPUTE_MODES,
             f"stages[{i}].recompute",
             s.recompute,
-            "true or false",
+            f"one of {', '.join(RECOMPUTE_MODES)} (true and false read as full and none)",
         )
         for key in ("time_s", "memory_bytes", "compute_s", "comm_s", "grad_sync_s"):
             value = getattr(s, key)
@@ -373,7 +388,7 @@ def _placements(p: Plan) -> None:
             "a list",
         )
         _expect(
-            not (s.fsdp_params and s.recompute),
+            not (s.fsdp_params and s.recompute != "none"),
             f"{at}.fsdp_params",
             s.fsdp_params,
             "empty on a stage with recomputation (the runtime does not combine them)",

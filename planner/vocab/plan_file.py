@@ -25,6 +25,7 @@ from planner.vocab.plan_check import (
     as_list,
     check_version,
     fields_of,
+    recompute_mode,
     show,
     validate,
 )
@@ -36,7 +37,9 @@ class StagePlan:
     devices: list[int]  # global device ranks, host-major
     submesh: tuple[int, int]  # hosts, devices per host
     logical_mesh: tuple[int, int]
-    recompute: bool
+    recompute: (
+        str  # none | selective | full (`planner.vocab.plan_check.RECOMPUTE_MODES`)
+    )
     param_placements: dict[str, list[str]]  # parameter path -> placement per mesh axis
     time_s: (
         float  # forward + backward of one micro-batch, including gradient sync share
@@ -54,6 +57,9 @@ class StagePlan:
     # Mesh axes that replicate most of the stage's parameter bytes (data parallel); the other axes
     # split the model (tensor parallel, or fully sharded weights).
     data_parallel_axes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.recompute = recompute_mode(self.recompute)  # true/false: full/none
 
     @property
     def dp_tp(self) -> str:

@@ -1,0 +1,82 @@
+"""What selective recomputation changes in a solved stage, per node (`planner.inter.stage_table`
+sums it per layer, where a stage's time and memory are priced).
+
+Selective recomputation (`planner.tracing.attention`) runs every attention core under an
+activation checkpoint: the core's inputs are kept, its ops' saved tensors are not, and backward
+re-runs the core's forward first. With S the values the stage saves for backward (every op's
+``saved``) and S' those still saved - the values saved by an op outside every core, and the
+storage owners of the cores' inputs - a node n of the solution changes, per micro-batch, by
+
+    dropped bytes(n) = act(n, n in S) - act(n, n in S') - [n in a core] * extra(n)
+    added seconds(n) = [n in a core] * (forward(n) + 1/2 * sum of the resharding on edges into n)
+
+where act is `planner.intra.prices.activation_bytes` (its output if saved, plus its saved tensors
+that are no graph values, ``extra``), forward is `planner.intra.prices.forward_time`, and half an
+edge's price is its forward redistribution (the price covers it and its gradient, of equal size;
+the same convention as Megatron's per-block recomputation, `planner.plans.recompute`). While one
+core is recomputed and back-propagated its dropped bytes are live again (the stage's transient
+term: the largest core's).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from planner.intra import prices as sc
+from planner.intra.solve import StageSolution
+from planner.tracing.attention import storage_owner
+from planner.tracing.opgraph import OpGraph
+
+
+def selective_table(
+    sol: StageSolution, graph: OpGraph, cores: dict[str, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per node of ``sol.node_cost_table()``'s order: (added seconds, dropped bytes, core index or
+    -1) of selective recomputation (module docstring), one micro-batch; computed once per
+    solution."""
+    cached = getattr(sol, "_selective", None)
+    if cached is not None:
+        return cached
+    ctx = sol._ctx
+    s = ctx.settings
+    names, _ = sol.node_cost_table()
+    kept: set[str] = set()
+    for n in sol.choice:
+        node = graph.node(n)
+        if node.op != "call":
+            continue
+        if n in cores:
+            kept.update(
+                storage_owner(graph, u)
+                for u in node.inputs
+                if u not in cores and graph.node(u).op != "param"
+            )
+        else:
+            kept.update(node.saved)
+    seconds = np.zeros(len(names))
+    dropped = np.zeros(len(names))
+    core = np.full(len(names), -1)
+    index = {n: i for i, n in enumerate(names)}
+    for n, i in index.items():
+        node, opt = graph.node(n), sol.choice[n]
+        if node.op != "call":
+            continue
+        inner = n in cores
+        if not inner and (n not in ctx.saved or n in kept):
+            continue
+        was = sc.activation_bytes(node, opt, n in ctx.saved, s)
+        now = sc.activation_bytes(node, opt, n in kept, s)
+        if inner:
+            now -= sc.activation_bytes(node, opt, False, s)  # its extra saved tensors
+            seconds[i] = sc.forward_time(node, opt, s)
+            core[i] = cores[n]
+        dropped[i] = (was - now) / s.in_flight
+    for u, v in ctx.edges:
+        if v not in cores or u in ctx.param_derived:
+            continue
+        act, _ = ctx.edge(u, v)
+        a = ctx.options[u].index(sol.choice[u])
+        b = ctx.options[v].index(sol.choice[v])
+        seconds[index[v]] += 0.5 * float(act[a, b])
+    sol._selective = (seconds, dropped, core)
+    return sol._selective
