@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
+from planner.vocab.placements import reduce_midpoint
 from runtime import comm_count
 from runtime.redistribute import redistribute
 
@@ -183,8 +184,14 @@ class FsdpParams:
             raise MeshplanError(
                 f"the FSDP shard of {self.paths[name]} is not a leaf: its gradient has no home"
             )
+        held = self.shards[name]
+        mid = reduce_midpoint(self.planned[name], held, tuple(grad.placements))
         with comm_count.site(f"bwd:fsdp:{self.paths[name]}"):
-            out = redistribute(grad, self.shards[name], async_op=True)
+            # HSDP: reduce-scatter inside the host, then all-reduce the shard across hosts
+            # (issued at once: the second waits for the first on its stream, not here)
+            out = redistribute(grad, mid, async_op=True)
+            if tuple(mid) != tuple(held):
+                out = redistribute(out, held, async_op=True)
         self._pending.append(_Reduce(layer, shard, out))
         if not self._callback_queued:
             self._callback_queued = True

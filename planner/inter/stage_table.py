@@ -273,10 +273,11 @@ def profiles_for(
             )
         except MeshplanError:  # the seed leaves a parameter no placement on this mesh
             continue
-        if (sol.param_placements, sol.zero_params, sol.fsdp_params) != (
+        if (sol.param_placements, sol.zero_params, sol.fsdp_params, sol.fsdp_axes) != (
             first.param_placements,
             first.zero_params,
             first.fsdp_params,
+            first.fsdp_axes,
         ):
             out.append(profile(sol, graph, layer_of, bounds, num_layers))
     return out

@@ -70,16 +70,20 @@ def is_expert_weight(path: str) -> bool:
 
 
 def axes_filter(
-    tp_axis: int | None, ep_axis: int | None, fsdp: bool = False
+    tp_axis: int | None,
+    ep_axis: int | None,
+    fsdp: bool = False,
+    hybrid: tuple[int, ...] | None = None,
 ) -> ParamFilter:
     """Parameters placed by Megatron's rules on mesh axis `tp_axis` (None: no tensor parallelism),
     expert weights split by experts on `ep_axis` (None: no expert parallelism), replicated on the
-    other axes, never ZeRO-sharded; with `fsdp`, always FSDP-sharded (ZeRO stage 3) instead."""
+    other axes, never ZeRO-sharded; with `fsdp`, always FSDP-sharded (ZeRO stage 3) instead, over
+    every replicating axis, or with `hybrid` over those axes only (HSDP)."""
     if tp_axis is not None and tp_axis == ep_axis:
         raise ValueError(f"tensor and expert parallelism on the same axis {tp_axis}")
 
     def allowed(path: str, option: Option) -> bool:
-        if option.zero != (3 if fsdp else 0):
+        if option.zero != (3 if fsdp else 0) or option.shard_axes != hybrid:
             return False
         for axis, placement in enumerate(option.strategy.output[0]):
             if axis == tp_axis:
