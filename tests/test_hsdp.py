@@ -123,6 +123,13 @@ def test_hsdp_is_offered_where_the_mesh_spans_hosts() -> None:
     assert sc.hybrid_axes(LogicalMesh(cpu_cluster(4), (1, 4), (2, 2))) == ()
     assert sc.hybrid_axes(LogicalMesh(_slow_cluster(), (2, 2), (1, 4))) == ()
     assert sc.hybrid_axes(LogicalMesh(_slow_cluster(), (2, 2), (2, 2))) == (1,)
+    # the search also solves pure data parallelism with every parameter HSDP there (a seed)
+    from planner.intra.megatron import seed_filters
+
+    seeds = seed_filters((2, 2), False, {2}, (1,))
+    assert len(seeds) == len(seed_filters((2, 2), False, {2})) + 1
+    hsdp = Option(REPLICATED, zero=3, shard_axes=(1,))
+    assert [s.batch_axes for s in seeds if s.params("w", hsdp)] == [(0, 1)]
 
 
 def test_search_picks_hsdp_where_it_should() -> None:

@@ -117,7 +117,10 @@ def megatron_filter(tp: int, dp: int = 1, expert_parallel: bool = False) -> Para
 
 
 def seed_filters(
-    mesh_shape: tuple[int, int], has_experts: bool, tp_sizes: set[int]
+    mesh_shape: tuple[int, int],
+    has_experts: bool,
+    tp_sizes: set[int],
+    hybrid: tuple[int, ...] = (),
 ) -> list[Seed]:
     """Megatron-style layouts worth solving on a logical mesh (a, b), one `Seed` each:
 
@@ -129,7 +132,9 @@ def seed_filters(
 
     * pure data parallelism with every parameter FSDP-sharded (ZeRO stage 3, as torchtitan runs
       FSDP over all devices; a model with a parameter the runtime cannot shard has no solution
-      under it, and the search skips it).
+      under it, and the search skips it); and where the mesh spans hosts (`hybrid`: the axes
+      inside a host, `planner.intra.prices.hybrid_axes`) with every parameter HSDP-sharded
+      over those (torchtitan's HSDP).
 
     Activations split the batch on the data-parallel axes (`batch_axes`). None on a single
     device (replication is then the only placement)."""
@@ -143,6 +148,8 @@ def seed_filters(
         out.append(Seed(axes_filter(tp, None), axes))
         if tp is None:
             out.append(Seed(axes_filter(None, None, fsdp=True), axes))
+            if hybrid:
+                out.append(Seed(axes_filter(None, None, True, hybrid), axes))
         if has_experts:
             free = [ax for ax, n in enumerate(mesh_shape) if n > 1 and ax != tp]
             if free:
