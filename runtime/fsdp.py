@@ -17,7 +17,9 @@ placed by `runtime.pipeline.PipelineRunner.place_params`). In every micro-batch:
   parameter before its module's backward: two all-gathers and one reduce-scatter per parameter
   and micro-batch, as priced. `_Gather`'s backward receives the parameter's gradient once it is
   complete (partial on the sharded axes), drops the gathered copy and issues the gradient's
-  reduce-scatter onto the shard (same site) without waiting for it (``async_op``: a functional
+  reduce-scatter onto the shard (same site; for an HSDP parameter, ``StagePlan.fsdp_axes``,
+  the reduce-scatter inside the host and then the all-reduce of the shard across hosts,
+  `planner.vocab.placements.reduce_midpoint`, issued together) without waiting for it (``async_op``: a functional
   collective, an ``AsyncCollectiveTensor``); it hands autograd no gradient for the shard.
   Reduce-scatters are waited for one layer later, as FSDP2 waits for a module group's
   reduce-scatter before the next group issues its own: before the first reduce-scatter of an
