@@ -137,8 +137,9 @@ def test_search_picks_hsdp_where_it_should() -> None:
     replicated (as test_fsdp's search test): with memory for 8.5 bytes per parameter element
     (HSDP needs 16 / 2 = 8, ZeRO-2 4 + 12 / 4 = 7, FSDP 16 / 4 = 4, replication 16) and a slow
     inter-host link the largest weights go hybrid (sharded inside a host only); with the same
-    memory and the inter-host link as fast as the host's none does (ZeRO-2 and FSDP); with
-    memory to spare none is sharded; with 4.5 bytes per element FSDP over all 4 devices."""
+    memory and the inter-host link as fast as the host's none does (ZeRO-2 and FSDP), nor
+    where the data is not split on both axes; with memory to spare none is sharded; with 4.5
+    bytes per element FSDP over all 4 devices."""
     from planner.intra.solve import solve_stage
     from planner.tracing.tracer import trace
 
@@ -163,6 +164,14 @@ def test_search_picks_hsdp_where_it_should() -> None:
         hybrid.fsdp_params
     )
     assert all(a == [1] for a in hybrid.fsdp_axes.values())
+    # without the data split on both axes the gradient need not be partial across hosts as
+    # HSDP's price takes it: not offered (`prices.hsdp_holds`)
+    loose = solve_stage(
+        g, slow, memory_budget=budget, param_filter=replicated, optimizer="adam_fp32"
+    )
+    assert loose.memory_bytes <= budget and not loose.fsdp_axes
+    hsdp = Option(REPLICATED, zero=3, shard_axes=(1,))
+    assert sc.hsdp_holds(hsdp, (2, 2), (0, 1)) and not sc.hsdp_holds(hsdp, (2, 2), (1,))
     flat = solve_stage(g, fast, memory_budget=budget, **kw)
     assert flat.memory_bytes <= budget and not flat.fsdp_axes
     assert flat.zero_params or flat.fsdp_params

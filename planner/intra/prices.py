@@ -73,7 +73,10 @@ All prices come from `cost_models` (principle 2) and cover forward and backward:
                      = RS_intra(B) + AR_inter(B / m)      (mid = `reduce_midpoint`: the shard on
                                                            the intra axes, P across hosts)
 
-  per micro-batch, in `fsdp_comm`, `zero_cost` and the overlap model above exactly as FSDP's
+  HSDP is chosen only in solves that split the data on every axis replicating the parameter
+  (`hsdp_holds`: Megatron-style data parallelism, its seeds, `meshplan manual --fsdp hybrid`),
+  where the gradient is partial there as priced. Per micro-batch, in `fsdp_comm`, `zero_cost`
+  and the overlap model above exactly as FSDP's
   (G_l from the gathers, R_l from the reduce-scatter + all-reduce, which the runtime issues
   together and waits one layer later). For FSDP ``mid`` is the shard: the formulas above are
   this one with the second step empty.
@@ -153,6 +156,22 @@ def hybrid_axes(mesh: LogicalMesh) -> tuple[int, ...]:
     )
     across = any(n > 1 and mesh.axis(a).hosts > 1 for a, n in enumerate(mesh.shape))
     return inside if across else ()
+
+
+def hsdp_holds(
+    option: Option, mesh_shape: tuple[int, ...], batch_axes: tuple[int, ...]
+) -> bool:
+    """Whether `option` may be chosen in a solve splitting the data on `batch_axes`: any but
+    HSDP; HSDP where the data is split on every axis that replicates the parameter. Its price
+    takes the gradient as partial there (`fsdp_gradient`: the consumers split on those axes);
+    with a consumer computing whole on such an axis, a collective that the price counts (and
+    subtracts from the consumers' edges: the all-reduce across hosts) would not run."""
+    if option.shard_axes is None:
+        return True
+    planned = option.strategy.output[0]
+    return all(
+        a in batch_axes for a, n in enumerate(mesh_shape) if n > 1 and planned[a] == "R"
+    )
 
 
 def node_options(

@@ -348,6 +348,12 @@ def solve_stage(
         raise MeshplanError("the pricing given was made for another stage or mesh")
     base, names, rep = pricing.ctx, pricing.names, pricing.ctx.rep
     options = dict(base.options)
+    hsdp_dropped = False
+    for n in names:
+        if rep.get(n, n) == n and graph.node(n).op == "param":
+            kept = [o for o in options[n] if sc.hsdp_holds(o, mesh.shape, batch_axes)]
+            hsdp_dropped |= len(kept) < len(options[n])
+            options[n] = kept
     if param_filter is not None:
         for n in names:
             if rep.get(n, n) == n and graph.node(n).op == "param":
@@ -359,7 +365,7 @@ def solve_stage(
                     )
     split = batch_split_options(graph, names, options, rep, batch_axes, mesh.shape)
     options.update(split)
-    if param_filter is not None or split:
+    if param_filter is not None or split or hsdp_dropped:
         for n in names:
             if rep.get(n, n) != n:
                 options[n] = options[rep[n]]
