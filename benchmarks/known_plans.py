@@ -64,7 +64,12 @@ def _stored(p: ParallelPlan) -> dict[str, tuple[str, ...]]:
         for path, placement in s.param_placements.items():
             if path in weights:
                 out[path] = (
-                    zero_shard(shapes[path], tuple(placement), tuple(s.logical_mesh))
+                    zero_shard(
+                        shapes[path],
+                        tuple(placement),
+                        tuple(s.logical_mesh),
+                        s.shard_axes(path),
+                    )
                     if path in s.fsdp_params
                     else tuple(placement)
                 )

@@ -297,6 +297,7 @@ def load_checkpoint(
                     tuple(meta.size),
                     tuple(norm(x) for x in strs),
                     tuple(stage.logical_mesh),
+                    stage.shard_axes(p),
                 )
             )
         sd[f"model/{p}"] = dtensor_empty(

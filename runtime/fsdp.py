@@ -17,7 +17,9 @@ placed by `runtime.pipeline.PipelineRunner.place_params`). In every micro-batch:
   parameter before its module's backward: two all-gathers and one reduce-scatter per parameter
   and micro-batch, as priced. `_Gather`'s backward receives the parameter's gradient once it is
   complete (partial on the sharded axes), drops the gathered copy and issues the gradient's
-  reduce-scatter onto the shard (same site) without waiting for it (``async_op``: a functional
+  reduce-scatter onto the shard (same site; for an HSDP parameter, ``StagePlan.fsdp_axes``,
+  the reduce-scatter inside the host and then the all-reduce of the shard across hosts,
+  `planner.vocab.placements.reduce_midpoint`, issued together) without waiting for it (``async_op``: a functional
   collective, an ``AsyncCollectiveTensor``); it hands autograd no gradient for the shard.
   Reduce-scatters are waited for one layer later, as FSDP2 waits for a module group's
   reduce-scatter before the next group issues its own: before the first reduce-scatter of an
@@ -55,6 +57,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
+from planner.vocab.placements import reduce_midpoint
 from runtime import comm_count
 from runtime.redistribute import redistribute
 
@@ -183,8 +186,14 @@ class FsdpParams:
             raise MeshplanError(
                 f"the FSDP shard of {self.paths[name]} is not a leaf: its gradient has no home"
             )
+        held = self.shards[name]
+        mid = reduce_midpoint(self.planned[name], held, tuple(grad.placements))
         with comm_count.site(f"bwd:fsdp:{self.paths[name]}"):
-            out = redistribute(grad, self.shards[name], async_op=True)
+            # HSDP: reduce-scatter inside the host, then all-reduce the shard across hosts
+            # (issued at once: the second waits for the first on its stream, not here)
+            out = redistribute(grad, mid, async_op=True)
+            if tuple(mid) != tuple(held):
+                out = redistribute(out, held, async_op=True)
         self._pending.append(_Reduce(layer, shard, out))
         if not self._callback_queued:
             self._callback_queued = True

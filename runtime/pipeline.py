@@ -151,7 +151,12 @@ def shard_placements(
             continue
         planned = tuple(norm(p) for p in stage.param_placements[path])
         meta = graph.node(names[path]).outputs[0]
-        held = zero_shard(tuple(meta.shape), planned, tuple(stage.logical_mesh))
+        held = zero_shard(
+            tuple(meta.shape),
+            planned,
+            tuple(stage.logical_mesh),
+            stage.shard_axes(path),
+        )
         if held != planned:
             out[names[path]] = tuple(str_to_placement(held[a]) for a in axes) or (
                 Replicate(),

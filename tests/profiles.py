@@ -33,9 +33,9 @@ def cpu_profile(**overrides: Any) -> DeviceProfile:
     return DeviceProfile(**(fields | overrides))
 
 
-def cpu_cluster(devices: int = 4) -> Cluster:
-    """`devices` CPU processes of one host with `cpu_profile`, collectives priced 20 us + 1 ns
-    per byte."""
+def cpu_cluster(devices: int = 4, hosts: int = 1) -> Cluster:
+    """`hosts` hosts of `devices` CPU processes each with `cpu_profile`, collectives inside a
+    host priced 20 us + 1 ns per byte (across hosts: the link those fits give)."""
     fits = [
         CollectiveFit(op, w, 20e-6, 1e-9)
         for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
@@ -43,6 +43,6 @@ def cpu_cluster(devices: int = 4) -> Cluster:
         if w <= devices
     ]
     return Cluster.from_spec(
-        f"1x{devices}xCPU",
+        f"{hosts}x{devices}xCPU",
         profile=cpu_profile(devices_per_host=devices, collectives=fits),
     )

@@ -143,6 +143,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Megatron without sequence parallelism (default: placed at the least cost)",
     )
     m.add_argument(
+        "--fsdp",
+        choices=("none", "full", "hybrid"),
+        default="none",
+        help="shard parameters, gradients and optimizer state: full (FSDP over the data-"
+        "parallel devices) or hybrid (HSDP: inside each host, replicated across hosts; tp 1)",
+    )
+    m.add_argument(
         "--virtual-stages",
         type=int,
         default=1,
@@ -241,6 +248,7 @@ def run_manual(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         memory_budget=_budget(args),
         allow_oom=args.allow_oom,
+        fsdp=args.fsdp,
     )
     print(summary(result))
     _write(result, args.json)
@@ -258,7 +266,11 @@ def _sharded_state(s: StagePlan) -> str:
     n = len(s.param_placements)
     parts = [
         f"{name} {len(ps)}/{n}"
-        for name, ps in (("FSDP", s.fsdp_params), ("ZeRO-2", s.zero_params))
+        for name, ps in (
+            ("FSDP", [p for p in s.fsdp_params if p not in s.fsdp_axes]),
+            ("HSDP", list(s.fsdp_axes)),
+            ("ZeRO-2", s.zero_params),
+        )
         if ps
     ]
     return ", ".join(parts) or "-"
@@ -334,6 +346,8 @@ def run_explain(args: argparse.Namespace) -> int:
             zero = (
                 " +ZeRO"
                 if path in s.zero_params
+                else f" +HSDP{s.fsdp_axes[path]}"
+                if path in s.fsdp_axes
                 else " +FSDP"
                 if path in s.fsdp_params
                 else ""

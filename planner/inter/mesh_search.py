@@ -20,7 +20,7 @@ from planner.inter import stage_table as st
 from planner.inter.stage_dp import stage_dp
 from planner.intra.highs import solves_overlap
 from planner.intra.megatron import is_expert_weight, seed_filters
-from planner.intra.prices import Option
+from planner.intra.prices import Option, hybrid_axes
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.plan_check import RECOMPUTE_MODES
 
@@ -106,13 +106,15 @@ def _param_filter(mode: str) -> Callable[[str, Option], bool] | None:
     return None
 
 
-def _seeds(graph: OpGraph, cluster: Cluster, shape: tuple[int, int], mode: str):
-    """Megatron-style parameter placements solved as extra candidates (`planner.intra.megatron`)."""
+def _seeds(graph: OpGraph, mesh: LogicalMesh, mode: str):
+    """Megatron-style parameter placements solved as extra candidates (`planner.intra.megatron`);
+    on a mesh spanning hosts also HSDP over the axes inside a host."""
     if mode == "inter-only":
         return []
     experts = any(is_expert_weight(p) for p in graph.placeholder_paths.values())
-    M = cluster.devices_per_host
-    return seed_filters(shape, experts, {t for t in range(2, M + 1) if M % t == 0})
+    M = mesh.cluster.devices_per_host
+    tps = {t for t in range(2, M + 1) if M % t == 0}
+    return seed_filters(mesh.shape, experts, tps, hybrid_axes(mesh))
 
 
 class _Table:
@@ -228,7 +230,7 @@ def search(
                 budget=budget,
                 optimizer=optimizer,
                 param_filter=_param_filter(mode),
-                seeds=_seeds(graph, cluster, shape, mode),
+                seeds=_seeds(graph, mesh, mode),
                 lean_layers=_lean_layers(tables, sub, cluster.num_devices),
             )
 

@@ -355,11 +355,13 @@ def profiles_for(
             sol.param_placements,
             sol.zero_params,
             sol.fsdp_params,
+            sol.fsdp_axes,
             sequence_axis is not None and sol.activation_bytes,
         ) != (
             first.param_placements,
             first.zero_params,
             first.fsdp_params,
+            first.fsdp_axes,
             sequence_axis is not None and first.activation_bytes,
         ):
             out.append(profile(sol, graph, layer_of, bounds, num_layers))

@@ -83,16 +83,20 @@ def is_expert_weight(path: str) -> bool:
 
 
 def axes_filter(
-    tp_axis: int | None, ep_axis: int | None, fsdp: bool = False
+    tp_axis: int | None,
+    ep_axis: int | None,
+    fsdp: bool = False,
+    hybrid: tuple[int, ...] | None = None,
 ) -> ParamFilter:
     """Parameters placed by Megatron's rules on mesh axis `tp_axis` (None: no tensor parallelism),
     expert weights split by experts on `ep_axis` (None: no expert parallelism), replicated on the
-    other axes, never ZeRO-sharded; with `fsdp`, always FSDP-sharded (ZeRO stage 3) instead."""
+    other axes, never ZeRO-sharded; with `fsdp`, always FSDP-sharded (ZeRO stage 3) instead, over
+    every replicating axis, or with `hybrid` over those axes only (HSDP)."""
     if tp_axis is not None and tp_axis == ep_axis:
         raise ValueError(f"tensor and expert parallelism on the same axis {tp_axis}")
 
     def allowed(path: str, option: Option) -> bool:
-        if option.zero != (3 if fsdp else 0):
+        if option.zero != (3 if fsdp else 0) or option.shard_axes != hybrid:
             return False
         for axis, placement in enumerate(option.strategy.output[0]):
             if axis == tp_axis:
@@ -126,7 +130,10 @@ def megatron_filter(tp: int, dp: int = 1, expert_parallel: bool = False) -> Para
 
 
 def seed_filters(
-    mesh_shape: tuple[int, int], has_experts: bool, tp_sizes: set[int]
+    mesh_shape: tuple[int, int],
+    has_experts: bool,
+    tp_sizes: set[int],
+    hybrid: tuple[int, ...] = (),
 ) -> list[Seed]:
     """Megatron-style layouts worth solving on a logical mesh (a, b), one `Seed` each:
 
@@ -140,7 +147,9 @@ def seed_filters(
 
     * pure data parallelism with every parameter FSDP-sharded (ZeRO stage 3, as torchtitan runs
       FSDP over all devices; a model with a parameter the runtime cannot shard has no solution
-      under it, and the search skips it).
+      under it, and the search skips it); and where the mesh spans hosts (`hybrid`: the axes
+      inside a host, `planner.intra.prices.hybrid_axes`) with every parameter HSDP-sharded
+      over those (torchtitan's HSDP).
 
     Activations split the batch on the data-parallel axes (`batch_axes`). None on a single
     device (replication is then the only placement)."""
@@ -156,6 +165,8 @@ def seed_filters(
             out.append(Seed(axes_filter(tp, None), axes, tp))
         if tp is None:
             out.append(Seed(axes_filter(None, None, fsdp=True), axes))
+            if hybrid:
+                out.append(Seed(axes_filter(None, None, True, hybrid), axes))
         if has_experts:
             free = [ax for ax, n in enumerate(mesh_shape) if n > 1 and ax != tp]
             if free:

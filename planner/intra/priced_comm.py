@@ -8,7 +8,7 @@ that the collectives the runtime issues can be compared with what was priced.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
@@ -16,7 +16,7 @@ from cost_models.communication import LogicalMesh
 from cost_models.resharding import reshard_steps
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.grads import expected_grad, grad_from_consumer
-from planner.vocab.placements import norm, zero_shard
+from planner.vocab.placements import fsdp_gradient, norm, reduce_midpoint, zero_shard
 from planner.vocab.strategy import StageProgram, consumed_output
 
 
@@ -25,6 +25,7 @@ def predicted_collectives(
     program: StageProgram,
     mesh: LogicalMesh,
     fsdp: Collection[str] = (),
+    fsdp_axes: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, list[tuple[str, float]]]:
     """What the planner prices, per site of the executor: ``"fwd:u->v"`` -> [(kind, bytes)] for the
     forward redistribution of every edge u -> v of the chosen strategies, and ``"bwd:u->v"`` for its
@@ -34,10 +35,12 @@ def predicted_collectives(
 
     `fsdp`: paths of FSDP parameters (`planner.intra.prices`): ``"fwd:fsdp:<path>"`` their
     all-gather, ``"bwd:fsdp:<path>"`` the all-gather again and the gradient's reduce-scatter,
-    and no collective for the gradients on the edges leaving them or their views."""
+    and no collective for the gradients on the edges leaving them or their views.
+    `fsdp_axes`: the HSDP parameters' shard axes (``StagePlan.fsdp_axes``): their gradient's
+    reduce-scatter is followed by the all-reduce of the shard (`reduce_midpoint`)."""
     out: dict[str, list[tuple[str, float]]] = {}
     nodes = {n.name: n for n in graph.gm.graph.nodes}
-    roots = _fsdp_derived(graph, program, mesh, fsdp, out)
+    roots = _fsdp_derived(graph, program, mesh, fsdp, fsdp_axes or {}, out)
     for fx_v in graph.gm.graph.nodes:
         if (
             fx_v.op != "call_function"
@@ -83,6 +86,7 @@ def _fsdp_derived(
     program: StageProgram,
     mesh: LogicalMesh,
     fsdp: Collection[str],
+    fsdp_axes: Mapping[str, Sequence[int]],
     out: dict[str, list[tuple[str, float]]],
 ) -> set[str]:
     """Adds the FSDP parameters' sites to `out`; returns the nodes derived from them (the
@@ -96,17 +100,26 @@ def _fsdp_derived(
         n = names[path]
         meta = graph.node(n).outputs[0]
         planned = tuple(map(norm, program.strategies[n].output[0]))
-        held = zero_shard(tuple(meta.shape), planned, mesh.shape)
+        axes = fsdp_axes.get(path)
+        held = zero_shard(
+            tuple(meta.shape),
+            planned,
+            mesh.shape,
+            None if axes is None else tuple(axes),
+        )
         if held == planned:
             continue
         found.add(n)
-        grad = tuple("P" if h != p else p for p, h in zip(planned, held))
+        grad = fsdp_gradient(planned, mesh.shape)
+        mid = reduce_midpoint(planned, held, grad)
         width = meta.nbytes / max(meta.numel(), 1)
 
         gather = _collectives(mesh, meta.shape, width, held, planned)
         out[f"fwd:fsdp:{path}"] = gather
-        out[f"bwd:fsdp:{path}"] = gather + _collectives(
-            mesh, meta.shape, width, grad, held
+        out[f"bwd:fsdp:{path}"] = (
+            gather
+            + _collectives(mesh, meta.shape, width, grad, mid)
+            + _collectives(mesh, meta.shape, width, mid, held)
         )
     for fx in graph.gm.graph.nodes:  # topological: a view after what it views
         if fx.name in derived and any(u.name in found for u in fx.all_input_nodes):

@@ -62,6 +62,24 @@ All prices come from `cost_models` (principle 2) and cover forward and backward:
   the start of layer l-1's: about one layer's backward in all). The gathered copy
   (`fsdp_gathered_bytes`) is live only around its use: a stage adds twice its largest layer's
   gathered bytes (the layer running and the one gathered next, or its gradient being reduced).
+* HSDP (hybrid sharding, ``Option.shard_axes``; torch FSDP2's ``fully_shard`` on a 2D mesh):
+  FSDP over the axes inside a host only (`hybrid_axes`), replicated over an axis that spans
+  hosts (offered where a stage's mesh has both). With m the devices of the shard axes, and
+  grad = P on every replicating axis (`planner.vocab.placements.fsdp_gradient`):
+
+      memory         = numel / shards / m * (param + grad + optimizer)
+      gather         = reshard(shard -> planned)           (an all-gather inside the host)
+      reduce-scatter = reshard(grad -> mid) + reshard(mid -> shard)
+                     = RS_intra(B) + AR_inter(B / m)      (mid = `reduce_midpoint`: the shard on
+                                                           the intra axes, P across hosts)
+
+  HSDP is chosen only in solves that split the data on every axis replicating the parameter
+  (`hsdp_holds`: Megatron-style data parallelism, its seeds, `meshplan manual --fsdp hybrid`),
+  where the gradient is partial there as priced. Per micro-batch, in `fsdp_comm`, `zero_cost`
+  and the overlap model above exactly as FSDP's
+  (G_l from the gathers, R_l from the reduce-scatter + all-reduce, which the runtime issues
+  together and waits one layer later). For FSDP ``mid`` is the shard: the formulas above are
+  this one with the second step empty.
 """
 
 from __future__ import annotations
@@ -80,19 +98,30 @@ from cost_models.resharding import reshard_cost, reshard_steps
 from planner.intra.strategies import node_strategies
 from planner.tracing.opgraph import OpGraph, OpNode, TensorMeta
 from planner.vocab.grads import bucketed_axes, expected_grad, grad_from_consumer
-from planner.vocab.placements import norm, shards, zero_shard
+from planner.vocab.placements import (
+    fsdp_gradient,
+    norm,
+    reduce_midpoint,
+    shards,
+    zero_shard,
+)
 from planner.vocab.strategy import Strategy, consumed_output
 
 
 @dataclass(frozen=True)
 class Option:
     """One choice for a node: a DTensor strategy, plus ZeRO sharding for parameters: ``zero``
-    is 0 (none), 2 (gradients and optimizer state sharded) or 3 (FSDP: weights too)."""
+    is 0 (none), 2 (gradients and optimizer state sharded) or 3 (FSDP: weights too).
+    ``shard_axes`` (zero 3 only): the mesh axes sharded (HSDP: those inside a host); None: all
+    that replicate the parameter (FSDP)."""
 
     strategy: Strategy
     zero: int = 0
+    shard_axes: tuple[int, ...] | None = None
 
     def __str__(self) -> str:
+        if self.shard_axes is not None:
+            return f"{self.strategy} +HSDP{list(self.shard_axes)}"
         return f"{self.strategy}{ {0: '', 2: ' +ZeRO', 3: ' +FSDP'}[self.zero] }"
 
 
@@ -119,9 +148,40 @@ def split_factor(strategy: Strategy, mesh_shape: tuple[int, int]) -> int:
     return f
 
 
+def hybrid_axes(mesh: LogicalMesh) -> tuple[int, ...]:
+    """The axes HSDP may shard over on `mesh`: those of more than one device inside one host,
+    when another axis of more than one device spans hosts (else none: no hybrid to make)."""
+    inside = tuple(
+        a for a, n in enumerate(mesh.shape) if n > 1 and mesh.axis(a).hosts == 1
+    )
+    across = any(n > 1 and mesh.axis(a).hosts > 1 for a, n in enumerate(mesh.shape))
+    return inside if across else ()
+
+
+def hsdp_holds(
+    option: Option, mesh_shape: tuple[int, ...], batch_axes: tuple[int, ...]
+) -> bool:
+    """Whether `option` may be chosen in a solve splitting the data on `batch_axes`: any but
+    HSDP; HSDP where the data is split on every axis that replicates the parameter. Its price
+    takes the gradient as partial there (`fsdp_gradient`: the consumers split on those axes);
+    with a consumer computing whole on such an axis, a collective that the price counts (and
+    subtracts from the consumers' edges: the all-reduce across hosts) would not run."""
+    if option.shard_axes is None:
+        return True
+    planned = option.strategy.output[0]
+    return all(
+        a in batch_axes for a, n in enumerate(mesh_shape) if n > 1 and planned[a] == "R"
+    )
+
+
 def node_options(
-    fx_node: torch.fx.Node, node: OpNode, mesh_shape: tuple[int, int]
+    fx_node: torch.fx.Node,
+    node: OpNode,
+    mesh_shape: tuple[int, int],
+    hybrid: tuple[int, ...] = (),
 ) -> list[Option]:
+    """The DTensor strategies of a node; for a parameter also ZeRO-2, FSDP, and HSDP over the
+    axes of `hybrid` that replicate it (`hybrid_axes`) where that leaves an axis replicated."""
     strategies = node_strategies(fx_node, mesh_shape)
     opts = [Option(s) for s in strategies]
     if node.op == "param":
@@ -130,8 +190,14 @@ def node_options(
                 opts.append(Option(s, zero=2))
         for s in strategies:
             planned = tuple(map(norm, s.output[0]))
-            if zero_shard(node.outputs[0].shape, planned, mesh_shape) != planned:
+            full = zero_shard(node.outputs[0].shape, planned, mesh_shape)
+            if full != planned:
                 opts.append(Option(s, zero=3))
+            axes = tuple(a for a in hybrid if planned[a] == "R")
+            if axes:
+                held = zero_shard(node.outputs[0].shape, planned, mesh_shape, axes)
+                if held != planned and held != full:
+                    opts.append(Option(s, zero=3, shard_axes=axes))
     return opts
 
 
@@ -232,8 +298,7 @@ def param_state_bytes(meta: TensorMeta, option: Option, s: StageSettings) -> flo
     (`cost_models.memory.param_state_bytes`; ZeRO over the axes that replicate it)."""
     placements = option.strategy.output[0]
     if option.zero == 3:
-        planned = tuple(map(norm, placements))
-        held = zero_shard(meta.shape, planned, s.mesh.shape)
+        planned, held, _ = fsdp_placements(meta, option, s)
         return state_bytes(
             meta.numel(),
             s.optimizer,
@@ -262,13 +327,13 @@ def _element_bytes(meta: TensorMeta) -> float:
 def fsdp_placements(
     meta: TensorMeta, option: Option, s: StageSettings
 ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    """(planned, shard, gradient) placements of an FSDP parameter: the placement its consumers
-    read, the shard the runtime keeps (`zero_shard`), and its gradient as the consumers hand it
-    back (partial on the sharded axes)."""
+    """(planned, shard, gradient) placements of an FSDP / HSDP parameter: the placement its
+    consumers read, the shard the runtime keeps (`zero_shard` over ``option.shard_axes``), and
+    its gradient as the consumers hand it back (`fsdp_gradient`: partial on the replicating
+    axes)."""
     planned = tuple(map(norm, option.strategy.output[0]))
-    held = zero_shard(meta.shape, planned, s.mesh.shape)
-    grad = tuple("P" if h != p else p for p, h in zip(planned, held))
-    return planned, held, grad
+    held = zero_shard(meta.shape, planned, s.mesh.shape, option.shard_axes)
+    return planned, held, fsdp_gradient(planned, s.mesh.shape)
 
 
 def fsdp_gather(meta: TensorMeta, option: Option, s: StageSettings) -> float:
@@ -282,14 +347,18 @@ def fsdp_gather(meta: TensorMeta, option: Option, s: StageSettings) -> float:
 
 
 def fsdp_reduce_scatter(meta: TensorMeta, option: Option, s: StageSettings) -> float:
-    """Seconds per micro-batch of an FSDP parameter's gradient reduce-scatter onto its shard
-    (the runtime issues it asynchronously; `planner.inter.stage_table` hides it behind the next
-    layer's backward)."""
+    """Seconds per micro-batch of an FSDP parameter's gradient reduce-scatter onto its shard,
+    through `reduce_midpoint` (HSDP: reduce-scatter inside the host, then all-reduce of the
+    shard across hosts; module docstring). The runtime issues it asynchronously;
+    `planner.inter.stage_table` hides it behind the next layer's backward."""
     if option.zero != 3:
         return 0.0
-    _, held, grad = fsdp_placements(meta, option, s)
+    planned, held, grad = fsdp_placements(meta, option, s)
+    mid = reduce_midpoint(planned, held, grad)
     width = _element_bytes(meta)
-    return _reshard(s, meta.shape, width, grad, held)
+    return _reshard(s, meta.shape, width, grad, mid) + _reshard(
+        s, meta.shape, width, mid, held
+    )
 
 
 def fsdp_comm(meta: TensorMeta, option: Option, s: StageSettings) -> float:

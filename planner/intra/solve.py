@@ -89,6 +89,16 @@ class StageSolution:
         default=None, repr=False, compare=False
     )  # node -> `PricedStage.values` of its choice, forward time included
 
+    @property
+    def fsdp_axes(self) -> dict[str, list[int]]:
+        """HSDP parameters (path -> the axes they are sharded over; `StagePlan.fsdp_axes`)."""
+        paths = self._ctx.graph.placeholder_paths if self._ctx else {}
+        return {
+            paths[n]: list(o.shard_axes)
+            for n, o in self.choice.items()
+            if o.zero == 3 and o.shard_axes is not None and n in paths
+        }
+
     def _chosen(self) -> dict[str, int]:
         if self._index is None:
             options = self._ctx.options
@@ -262,6 +272,7 @@ def price_stage(
     names = [n.name for n in graph.nodes if n.name in in_scope or n.name in boundary]
     rep = representatives(graph, names)
     options: dict[str, list[Option]] = {}
+    hybrid = sc.hybrid_axes(mesh)  # HSDP's axes (none unless the mesh spans hosts)
     for n in names:
         node = graph.node(n)
         if (
@@ -269,7 +280,7 @@ def price_stage(
         ):  # a copy of a repeated block: the same options as its representative
             options[n] = options[rep[n]]
         elif n in in_scope or node.op in ("param", "buffer", "input"):
-            options[n] = sc.node_options(fx[n], node, mesh.shape)
+            options[n] = sc.node_options(fx[n], node, mesh.shape, hybrid)
         else:  # produced by an earlier stage: arrives in whatever placement we choose
             options[n] = [
                 Option(s) for s in leaf_strategies(node.outputs[0].shape, mesh.shape)
@@ -340,6 +351,12 @@ def solve_stage(
         raise MeshplanError("the pricing given was made for another stage or mesh")
     base, names, rep = pricing.ctx, pricing.names, pricing.ctx.rep
     options = dict(base.options)
+    hsdp_dropped = False
+    for n in names:
+        if rep.get(n, n) == n and graph.node(n).op == "param":
+            kept = [o for o in options[n] if sc.hsdp_holds(o, mesh.shape, batch_axes)]
+            hsdp_dropped |= len(kept) < len(options[n])
+            options[n] = kept
     if param_filter is not None:
         for n in names:
             if rep.get(n, n) == n and graph.node(n).op == "param":
@@ -360,7 +377,12 @@ def solve_stage(
                     )
     split = batch_split_options(graph, names, options, rep, batch_axes, mesh.shape)
     options.update(split)
-    if param_filter is not None or split or activation_filter is not None:
+    if (
+        param_filter is not None
+        or split
+        or activation_filter is not None
+        or hsdp_dropped
+    ):
         for n in names:
             if rep.get(n, n) != n:
                 options[n] = options[rep[n]]

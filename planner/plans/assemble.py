@@ -363,6 +363,7 @@ def _stage_plan(
         grad_sync_s=float(sol.grad_sync_s),
         zero_params=[p for p in sol.zero_params if p in params],
         fsdp_params=[p for p in sol.fsdp_params if p in params],
+        fsdp_axes={p: a for p, a in sol.fsdp_axes.items() if p in params},
         node_strategies={
             n: strategy_to_json(o.strategy)
             for n, o in sol.choice.items()

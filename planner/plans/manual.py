@@ -51,6 +51,7 @@ from cost_models.memory import canonical_schedule
 from planner.inter import stage_table as st
 from planner.inter.layers import layers_in
 from planner.intra.megatron import (
+    axes_filter,
     batch_axes,
     is_expert_weight,
     megatron_filter,
@@ -88,6 +89,7 @@ def manual_plan(
     expert_parallel: bool = False,
     split: str = "balanced",
     schedule: str | None = None,
+    fsdp: str = "none",
 ) -> ParallelPlan:
     """Price a Megatron configuration. `microbatch_size` is the rows of the global batch in one
     micro-batch, as in `plan` (global batch = microbatch_size * num_microbatches; each of the dp
@@ -101,7 +103,10 @@ def manual_plan(
     `recompute_costs`); True and False mean full and none. `sequence_parallel`: True for
     Megatron-SP on the tp axis, False for Megatron without it, None for the least cost (module
     docstring; True and False need tp > 1). `schedule`: "1f1b" (default), "gpipe",
-    or "interleaved" (the default when `virtual_stages` > 1)."""
+    or "interleaved" (the default when `virtual_stages` > 1). `fsdp`: "none" (Megatron's
+    replicas), "full" (every parameter FSDP-sharded over all the axes that replicate it,
+    torchtitan's FSDP) or "hybrid" (HSDP, tp = 1 only: the dp devices as a (hosts, devices per
+    host) mesh, every parameter sharded inside a host and replicated across hosts)."""
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     recompute = recompute_mode(recompute)
     if recompute not in RECOMPUTE_MODES:
@@ -130,6 +135,18 @@ def manual_plan(
     if M % tp:
         raise MeshplanError(
             f"tensor parallelism stays inside a host: tp={tp} must divide the {M} devices per host"
+        )
+    if fsdp not in ("none", "full", "hybrid"):
+        raise MeshplanError(f"fsdp must be none, full or hybrid, got {fsdp!r}")
+    if fsdp != "none" and recompute:
+        raise MeshplanError(
+            f"fsdp={fsdp} with recompute: the runtime does not combine them; drop one"
+        )
+    if fsdp == "hybrid" and (tp > 1 or expert_parallel or dp * tp <= M):
+        raise MeshplanError(
+            "fsdp=hybrid shards inside a host and replicates across hosts: it needs tp=1, no "
+            f"expert parallelism and a stage on several hosts (dp > {M} devices per host), "
+            f"got dp={dp} tp={tp}"
         )
     name, make, default_batch = resolve_model(model, example_batch, dtype, None)
     G = default_batch if global_batch is None else global_batch
@@ -162,7 +179,17 @@ def manual_plan(
         raise MeshplanError(f"{name} has too few ops for {chunks} pipeline chunks")
     n = dp * tp
     sub = (1, n) if n <= M else (n // M, M)
-    mesh = LogicalMesh(cluster, sub, (dp, tp))
+    experts = any(is_expert_weight(p) for p in graph.placeholder_paths.values())
+    param_filter = megatron_filter(tp, dp, expert_parallel)
+    if fsdp == "hybrid":
+        mesh = LogicalMesh(cluster, sub, sub)  # axis 0 across hosts, axis 1 inside one
+        param_filter = axes_filter(None, None, fsdp=True, hybrid=(1,))
+    else:
+        mesh = LogicalMesh(cluster, sub, (dp, tp))
+        if fsdp == "full":
+            param_filter = axes_filter(
+                1 if tp > 1 else None, 0 if expert_parallel and dp > 1 else None, True
+            )
     layer_of = st.layer_of_nodes(graph, layers)
     bounds = st.boundary_values(graph, layer_of, chunks)
     budget = float(memory_budget or cluster.device.memory_bytes)
@@ -175,15 +202,11 @@ def manual_plan(
         num_microbatches=B,
         budget=np.inf,
         optimizer=optimizer,
-        param_filter=megatron_filter(tp, dp, expert_parallel),
+        param_filter=param_filter,
         activation_filter=None
         if sequence_parallel is None
         else sequence_filter(graph, 1, tp, split=sequence_parallel),
-        batch_axes=batch_axes(
-            mesh.shape,
-            1 if tp > 1 else None,
-            any(is_expert_weight(p) for p in graph.placeholder_paths.values()),
-        ),
+        batch_axes=batch_axes(mesh.shape, 1 if tp > 1 else None, experts),
     )[0]
     schedule = canonical_schedule(
         schedule or ("interleaved" if virtual_stages > 1 else "1f1b")
@@ -239,6 +262,7 @@ def manual_plan(
         "sequence_parallel": sequence_parallel,
         "virtual_stages": virtual_stages,
         "expert_parallel": expert_parallel,
+        "fsdp": fsdp,
         "fits": fits,
     }
     if not fits and not allow_oom:

@@ -58,19 +58,24 @@ def device_mesh_shape(mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def zero_shard(
-    shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...]
+    shape: tuple[int, ...],
+    placements: Placements,
+    mesh_shape: tuple[int, ...],
+    axes: tuple[int, ...] | list[int] | None = None,
 ) -> Placements:
     """Where a ZeRO / FSDP parameter keeps its optimizer-side shard: `placements` with every
     replicated axis of size > 1 turned into ``S(d)``, d the largest dimension that the axis
     divides after the planned sharding (the first such on ties); an axis with no such dimension
-    stays replicated. The runtime shards by this rule and the planner prices it."""
+    stays replicated. `axes`: only these axes are sharded (hybrid sharding, HSDP: the axes
+    inside a host; ``StagePlan.fsdp_axes``), the others stay as planned; None: every axis. The
+    runtime shards by this rule and the planner prices it."""
     local = list(shape)
     for p, n in zip(placements, mesh_shape):
         if p.startswith("S"):
             local[int(p[2:-1])] //= n
     out = list(placements)
     for a, (p, n) in enumerate(zip(placements, mesh_shape)):
-        if p != "R" or n == 1:
+        if p != "R" or n == 1 or (axes is not None and a not in axes):
             continue
         dims = [d for d in range(len(local)) if local[d] % n == 0 and local[d] >= n]
         if dims:
@@ -78,3 +83,20 @@ def zero_shard(
             out[a] = f"S({d})"
             local[d] //= n
     return tuple(out)
+
+
+def fsdp_gradient(planned: Placements, mesh_shape: tuple[int, ...]) -> Placements:
+    """An FSDP / HSDP parameter's gradient as its consumers hand it back: partial on every
+    replicating axis of size > 1 (the consumers are split there, as data parallelism splits
+    them), as planned elsewhere."""
+    return tuple("P" if p == "R" and n > 1 else p for p, n in zip(planned, mesh_shape))
+
+
+def reduce_midpoint(planned: tuple, held: tuple, grad: tuple) -> tuple:
+    """Where an FSDP / HSDP gradient `grad` goes first on its way to the shard `held`: the
+    shard on the axes that shard it (reduce-scatter), `grad`'s placement on the others. From
+    there an all-reduce of the shard on the axes still partial reaches `held` (HSDP: inside the
+    host first, then across hosts on 1/m of the bytes, as torch's FSDP2 reduces; for FSDP the
+    midpoint is the shard itself). Elementwise on any placements that compare by value
+    (strings here, DTensor's placements in `runtime.fsdp`)."""
+    return tuple(h if h != p else g for p, h, g in zip(planned, held, grad))

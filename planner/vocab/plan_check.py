@@ -402,6 +402,7 @@ def _placements(p: Plan) -> None:
                 name,
                 "a parameter of the stage (a key of its param_placements) not in zero_params",
             )
+        _fsdp_axes(s, at)
         _expect(
             isinstance(s.node_strategies, dict),
             f"{at}.node_strategies",
@@ -481,6 +482,30 @@ def _tied(p: Plan) -> None:
                 f"{show(a.param_placements[name])} (or only one shards it with ZeRO): chunks "
                 "of one device group hold one copy of a tied parameter",
             )
+
+
+def _fsdp_axes(s: Any, at: str) -> None:
+    """fsdp_axes (hybrid sharding): parameters of fsdp_params -> a non-empty ascending list of
+    distinct logical mesh axes of more than one device on which the parameter is replicated,
+    leaving at least one such axis unsharded (sharded over all of them, it is plain FSDP)."""
+    _expect(isinstance(s.fsdp_axes, dict), f"{at}.fsdp_axes", s.fsdp_axes, "an object")
+    mesh = tuple(s.logical_mesh)
+    for name, axes in s.fsdp_axes.items():
+        path = f"{at}.fsdp_axes[{show(name)}]"
+        _expect(name in s.fsdp_params, path, name, "a parameter listed in fsdp_params")
+        pl = s.param_placements[name]
+        free = [a for a, n in enumerate(mesh) if n > 1 and pl[a] == "R"]
+        _expect(
+            isinstance(axes, list)
+            and axes
+            and all(_is_int(a) for a in axes)
+            and axes == sorted(set(axes))
+            and set(axes) < set(free),
+            path,
+            axes,
+            f"a non-empty ascending list of some but not all of the axes {free} (the mesh "
+            f"axes of more than one device that replicate {name})",
+        )
 
 
 # In order: a rule may rely on the types the rules before it checked.

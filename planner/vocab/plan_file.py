@@ -51,6 +51,10 @@ class StagePlan:
     zero_params: list[str] = field(default_factory=list)
     # parameters fully sharded (FSDP, ZeRO stage 3) over the axes that replicate them
     fsdp_params: list[str] = field(default_factory=list)
+    # hybrid sharding (HSDP): FSDP parameters sharded over these logical mesh axes only (those
+    # inside a host) and replicated over the others; one of fsdp_params not listed here is
+    # sharded over every axis that replicates it
+    fsdp_axes: dict[str, list[int]] = field(default_factory=dict)
     node_strategies: dict[str, dict[str, list]] = field(
         default_factory=dict
     )  # node -> {"inputs", "outputs"}
@@ -60,6 +64,12 @@ class StagePlan:
 
     def __post_init__(self) -> None:
         self.recompute = recompute_mode(self.recompute)  # true/false: full/none
+
+    def shard_axes(self, path: str) -> tuple[int, ...] | None:
+        """The mesh axes FSDP parameter `path` is sharded over (`fsdp_axes`); None: all that
+        replicate it (`planner.vocab.placements.zero_shard`'s `axes`)."""
+        axes = self.fsdp_axes.get(path)
+        return None if axes is None else tuple(axes)
 
     @property
     def dp_tp(self) -> str:
