@@ -138,7 +138,7 @@ def manual_plan(
         )
     if fsdp not in ("none", "full", "hybrid"):
         raise MeshplanError(f"fsdp must be none, full or hybrid, got {fsdp!r}")
-    if fsdp != "none" and recompute:
+    if fsdp != "none" and recompute != "none":
         raise MeshplanError(
             f"fsdp={fsdp} with recompute: the runtime does not combine them; drop one"
         )
