@@ -131,17 +131,21 @@ def highs_arrays(
 
 
 def run_highs(
-    arrays: HighsArrays, *, time_limit: float | None, msg: bool
+    arrays: HighsArrays,
+    *,
+    time_limit: float | None,
+    msg: bool,
+    gap: float = GAP_REL,
 ) -> tuple[str, np.ndarray | None]:
-    """Solve the program with HiGHS's branch-and-bound: ("optimal" | "stopped" | "infeasible" |
-    "failed", column values or None). "stopped": a time limit left a feasible, maybe not
-    optimal, solution."""
+    """Solve the program with HiGHS's branch-and-bound to the relative gap `gap`: ("optimal" |
+    "stopped" | "infeasible" | "failed", column values or None). "stopped": a time limit left a
+    feasible, maybe not optimal, solution."""
     if not len(arrays.cost):  # every node has one strategy: nothing to choose
         return "optimal", np.zeros(0)
     import highspy
 
     h = _highs(arrays, time_limit, msg)
-    h.setOptionValue("mip_rel_gap", GAP_REL)
+    h.setOptionValue("mip_rel_gap", gap)
     for key, val in HIGHS_OPTIONS.items():
         h.setOptionValue(key, val)
     if len(arrays.integer):

@@ -332,10 +332,12 @@ class ILPModel:
         msg: bool = False,
         solver: str | None = None,
         via_pulp: bool = False,
+        gap: float = highs.GAP_REL,
     ) -> ILPSolution:
         """The best choice within `budget` bytes per device (None: no memory row). Raises
         MeshplanError if no choice fits. `via_pulp` hands HiGHS the pulp model (`_BulkHiGHS`)
-        instead of the arrays: the same program, a slower route (for tests)."""
+        instead of the arrays: the same program, a slower route (for tests). `gap`: the relative
+        gap at which HiGHS's branch-and-bound stops (the relaxation, when integral, is exact)."""
         problem = self.problem
         _check_fits(problem, budget)
         name = _solver_name(solver)
@@ -351,7 +353,7 @@ class ILPModel:
             else:
                 model = self.pruned
                 state, values = highs.run_highs(
-                    model.highs_arrays(budget), time_limit=time_limit, msg=msg
+                    model.highs_arrays(budget), time_limit=time_limit, msg=msg, gap=gap
                 )
                 if state == "failed":
                     raise MeshplanError(

@@ -35,6 +35,7 @@ from cost_models.resharding import ReshardStep, reshard_steps
 from planner.intra import prices as sc
 from planner.intra.batch_split import batch_split_options
 from planner.intra.cost_graph import CostGraph, Reduction, identity, merge_followers
+from planner.intra.highs import GAP_REL
 from planner.intra.ilp import ILPModel
 from planner.intra.priced_stage import PricedStage
 from planner.intra.prices import Option, StageSettings
@@ -319,6 +320,7 @@ def solve_stage(
     memory_budget: float | None = None,
     time_limit: float | None = None,
     pricing: StagePricing | None = None,
+    gap: float = GAP_REL,
 ) -> StageSolution:
     """Solve the intra-op program for `nodes` (default: the whole graph) on `mesh`.
 
@@ -330,7 +332,8 @@ def solve_stage(
     `activation_filter(node, option)` restricts the options of ops (e.g. Megatron's sequence
     parallelism, `planner.intra.megatron.sequence_filter`); every op must keep at least one.
     `pricing` (from `price_stage` with the same graph, mesh, nodes and settings) reuses prices
-    computed by earlier solves of this stage.
+    computed by earlier solves of this stage. `gap`: the relative optimality gap of the
+    branch-and-bound when the relaxation is fractional (`planner.intra.ilp.ILPModel.solve`).
     """
     t0 = time.perf_counter()
     settings = StageSettings(mesh, num_microbatches, in_flight, optimizer)
@@ -397,7 +400,7 @@ def solve_stage(
         red = _reduce(graph, pricing, ctx, options)
         pricing._programs[key] = (red, ILPModel(red.graph.problem(None)))
     red, program = pricing._programs[key]
-    sol = program.solve(memory_budget, time_limit=time_limit)
+    sol = program.solve(memory_budget, time_limit=time_limit, gap=gap)
     picked = red.expand(sol.choice)
     index = {n: picked[rep.get(n, n)] for n in names}
     choice = {n: options[n][index[n]] for n in names}
