@@ -19,7 +19,17 @@ parameter counts are a little above the names of the reference table (which coun
 
 ``forward(tokens, targets)`` returns the mean next-token cross-entropy; it uses only ops DTensor can
 shard (embedding, linear, view/transpose, layer_norm, gelu, scaled_dot_product_attention,
-cross_entropy), has static shapes and no dropout.
+cross_entropy) and has static shapes.
+
+Attention (``GPTConfig.attn``): ``"fused"`` (the default) calls ``F.scaled_dot_product_attention``,
+which runs a flash / memory-efficient kernel that never writes the ``s x s`` scores; ``"explicit"``
+writes attention out as Megatron-LM's 2021-2022 runs computed it (``explicit_attention``): the
+score product ``q k^T``, the scaled causal-masked softmax, attention dropout and the product with
+``v``, so the ``s x s`` scores, probabilities and dropout mask are materialised, traced and priced
+as the separate ops they were. ``attn_dropout`` is the attention-dropout probability; it defaults
+to 0.0 (the models here have no other dropout, and a run with dropout trains like one device only
+through ``runtime.dropout``'s masks). Megatron-LM's GPT runs of 2021-2022 used 0.1
+(``--attention-dropout`` default), which ``benchmarks.published`` passes to price them.
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ __all__ = [
     "CausalSelfAttention",
     "FeedForward",
     "GPTConfig",
+    "check_attention",
+    "explicit_attention",
     "gpt_param_count",
 ]
 
@@ -53,6 +65,8 @@ class GPTConfig:
     heads: int
     seq: int = 1024
     vocab: int = 51200
+    attn: str = "fused"
+    attn_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("hidden", "layers", "heads", "seq", "vocab"):
@@ -65,6 +79,59 @@ class GPTConfig:
             raise MeshplanError(
                 f"GPT hidden={self.hidden} must be divisible by heads={self.heads}"
             )
+        check_attention("GPT", self.attn, self.attn_dropout)
+
+
+#: Attention kernels a built-in model can be traced with (module docstring).
+ATTENTION_KINDS = ("fused", "explicit")
+
+
+def check_attention(family: str, attn: str, dropout: float) -> None:
+    """Raise MeshplanError unless `attn` is one of ``ATTENTION_KINDS`` and `dropout` a probability
+    in [0, 1), non-zero only with ``attn="explicit"``."""
+    if attn not in ATTENTION_KINDS:
+        raise MeshplanError(
+            f"{family} attn must be one of {', '.join(ATTENTION_KINDS)}, got {attn!r}"
+        )
+    if not 0.0 <= dropout < 1.0:
+        raise MeshplanError(f"{family} attn_dropout must be in [0, 1), got {dropout!r}")
+    if dropout and attn != "explicit":
+        raise MeshplanError(
+            f"{family} attn_dropout={dropout} needs attn=explicit (the fused kernel is "
+            "planned without dropout)"
+        )
+
+
+def explicit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, training: bool
+) -> torch.Tensor:
+    """Causal attention of ``q, k, v [B, n, s, d]`` written out as Megatron-LM's 2021-2022 GPT runs
+    computed it: ``dropout(softmax(mask(q k^T / sqrt(d)))) v``.
+
+    The ops, as traced: the score product (``bmm``, ``B n s^2 d`` multiply-adds), the causal mask
+    (``masked_fill`` of the upper triangle with -inf), the softmax, dropout (``bernoulli`` keep-mask,
+    then the scaled product with it) when ``dropout > 0`` and ``training``, and the product with
+    ``v`` (``B n s^2 d`` multiply-adds). The ``1 / sqrt(d)`` scale is applied to ``q`` (``B n s d``
+    elements) where Megatron passes it to its score GEMM as ``alpha``: the same scores without a
+    pass over the ``s^2`` of them. Megatron fuses scale, mask and softmax into one kernel; PyTorch
+    has no sharded op for that (``aten._masked_softmax`` has no DTensor strategy), so the mask is
+    its own pass here.
+
+    The batched products run on ``[n, B, s, d]`` (heads before the batch), which
+    ``torch.matmul`` folds into ``[n B, s, d]``: a tensor-parallel split of the heads is then a
+    split of the folded dimension's leading part, a plain ``Shard`` that DTensor carries through
+    the fold, for any micro-batch size. A data-parallel split of ``B`` (the second folded
+    dimension) is not a plain ``Shard`` of the fold (DTensor's ``_StridedShard``, whose strategies
+    the planner drops), so with dp > 1 the planner reshards around these products; the fused
+    kernel has no fold and no such limit."""
+    s, d = q.shape[-2], q.shape[-1]
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [n, B, s, d]
+    scores = torch.matmul(q * (1.0 / math.sqrt(d)), k.transpose(-2, -1))
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    if dropout and training:
+        probs = F.dropout(probs, dropout, training=True)
+    return torch.matmul(probs, v).transpose(0, 1)
 
 
 #: The GPT sizes of Alpa's end-to-end suite (seq 1024, vocab 51200).
@@ -101,12 +168,20 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with a fused, head-major ``qkv`` projection."""
 
     def __init__(
-        self, hidden: int, heads: int, dtype: torch.dtype = torch.float32
+        self,
+        hidden: int,
+        heads: int,
+        dtype: torch.dtype = torch.float32,
+        *,
+        attn: str = "fused",
+        attn_dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        check_attention("GPT", attn, attn_dropout)
         self.hidden = hidden
         self.heads = heads
         self.head_dim = hidden // heads
+        self.attn, self.attn_dropout = attn, attn_dropout
         self.qkv = nn.Linear(hidden, 3 * hidden, dtype=dtype)
         self.proj = nn.Linear(hidden, hidden, dtype=dtype)
 
@@ -120,7 +195,10 @@ class CausalSelfAttention(nn.Module):
             k.transpose(1, 2),
             v.transpose(1, 2),
         )  # [B, n, s, d]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.attn == "explicit":
+            y = explicit_attention(q, k, v, self.attn_dropout, self.training)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(b, s, self.hidden)
         return self.proj(y)
 
@@ -144,11 +222,19 @@ class Block(nn.Module):
     """A pre-LayerNorm transformer block: ``ln_1``, ``attn``, ``ln_2``, ``mlp``."""
 
     def __init__(
-        self, hidden: int, heads: int, dtype: torch.dtype = torch.float32
+        self,
+        hidden: int,
+        heads: int,
+        dtype: torch.dtype = torch.float32,
+        *,
+        attn: str = "fused",
+        attn_dropout: float = 0.0,
     ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(hidden, dtype=dtype)
-        self.attn = CausalSelfAttention(hidden, heads, dtype=dtype)
+        self.attn = CausalSelfAttention(
+            hidden, heads, dtype=dtype, attn=attn, attn_dropout=attn_dropout
+        )
         self.ln_2 = nn.LayerNorm(hidden, dtype=dtype)
         self.mlp = FeedForward(hidden, 4, dtype=dtype)
 
@@ -197,7 +283,14 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab, h, dtype=dtype)
         self.wpe = nn.Embedding(config.seq, h, dtype=dtype)
         self.blocks = nn.ModuleList(
-            Block(h, config.heads, dtype=dtype) for _ in range(config.layers)
+            Block(
+                h,
+                config.heads,
+                dtype=dtype,
+                attn=config.attn,
+                attn_dropout=config.attn_dropout,
+            )
+            for _ in range(config.layers)
         )
         self.ln_f = nn.LayerNorm(h, dtype=dtype)
         self.lm_head = nn.Linear(h, config.vocab, bias=False, dtype=dtype)
