@@ -64,6 +64,10 @@ TENSOR_CORE_DTYPES = frozenset({"tfloat32", "float16", "bfloat16"})
 #: (E_max, d_half) per kind of unit; see the module docstring.
 TENSOR_CORE_CURVE = (0.80, 64.0)
 FP32_CURVE = (0.90, 16.0)
+#: Tensor-core E_max of the devices where it was fitted to measured training runs (device name ->
+#: E_max), replacing ``TENSOR_CORE_CURVE[0]``; ``benchmarks.published`` fits it (leave-one-out) and
+#: says which rows. A device without an entry keeps the guess above.
+TENSOR_CORE_E_MAX: dict[str, float] = {}
 MEMORY_EFFICIENCY = 0.85
 #: Fixed seconds per GPU kernel (datasheet pricing only): a CUDA kernel launch takes about 5-10 us
 #: on a V100, and each kernel ramps up and drains its waves of thread blocks; we charge the low end,
@@ -76,15 +80,26 @@ NEIGHBOURS = 3
 ShapeHint = tuple[int, int, int]
 
 
-def matmul_efficiency(dtype: object, m: int, n: int, k: int) -> float:
-    """Fraction of peak a (m x k) @ (k x n) product reaches: ``E_max * d / (d + d_half)``, d = min(m, n, k)."""
-    e_max, d_half = (
+def max_efficiency(dtype: object, device: str | None = None) -> float:
+    """``E_max`` of ``dtype``'s units on ``device``: its fitted ``TENSOR_CORE_E_MAX`` entry for
+    tensor-core dtypes, else the curve's."""
+    if canonical_dtype(dtype) in TENSOR_CORE_DTYPES:
+        return TENSOR_CORE_E_MAX.get(device or "", TENSOR_CORE_CURVE[0])
+    return FP32_CURVE[0]
+
+
+def matmul_efficiency(
+    dtype: object, m: int, n: int, k: int, device: str | None = None
+) -> float:
+    """Fraction of peak a (m x k) @ (k x n) product reaches: ``E_max * d / (d + d_half)``, d = min(m, n, k)
+    (``E_max`` from ``max_efficiency(dtype, device)``)."""
+    d_half = (
         TENSOR_CORE_CURVE
         if canonical_dtype(dtype) in TENSOR_CORE_DTYPES
         else FP32_CURVE
-    )
+    )[1]
     d = float(max(min(m, n, k), 1))
-    return e_max * d / (d + d_half)
+    return max_efficiency(dtype, device) * d / (d + d_half)
 
 
 def _sample_point(m: float, n: float, k: float) -> tuple[float, float]:
@@ -167,13 +182,11 @@ def op_time(
             rate = _measured_peak(cluster, name) or 0.0
     if rate <= 0:
         peak = cluster.device.peak(name)
+        device = cluster.device.name
         if shape_hint is not None:
-            rate = peak * matmul_efficiency(name, *shape_hint)
+            rate = peak * matmul_efficiency(name, *shape_hint, device=device)
         else:
-            rate = (
-                peak
-                * (TENSOR_CORE_CURVE if name in TENSOR_CORE_DTYPES else FP32_CURVE)[0]
-            )
+            rate = peak * max_efficiency(name, device)
     return max(flops / rate, memory) + overhead
 
 

@@ -106,32 +106,42 @@ def explicit_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, training: bool
 ) -> torch.Tensor:
     """Causal attention of ``q, k, v [B, n, s, d]`` written out as Megatron-LM's 2021-2022 GPT runs
-    computed it: ``dropout(softmax(mask(q k^T / sqrt(d)))) v``.
+    computed it: ``dropout(softmax(q k^T / sqrt(d) + causal mask)) v``, with ``N = B n s^2`` score
+    elements materialised.
 
-    The ops, as traced: the score product (``bmm``, ``B n s^2 d`` multiply-adds), the causal mask
-    (``masked_fill`` of the upper triangle with -inf), the softmax, dropout (``bernoulli`` keep-mask,
-    then the scaled product with it) when ``dropout > 0`` and ``training``, and the product with
-    ``v`` (``B n s^2 d`` multiply-adds). The ``1 / sqrt(d)`` scale is applied to ``q`` (``B n s d``
-    elements) where Megatron passes it to its score GEMM as ``alpha``: the same scores without a
-    pass over the ``s^2`` of them. Megatron fuses scale, mask and softmax into one kernel; PyTorch
-    has no sharded op for that (``aten._masked_softmax`` has no DTensor strategy), so the mask is
-    its own pass here.
+    The ops, as traced, and the Megatron-LM kernel each stands for:
 
-    The batched products run on ``[n, B, s, d]`` (heads before the batch), which
-    ``torch.matmul`` folds into ``[n B, s, d]``: a tensor-parallel split of the heads is then a
-    split of the folded dimension's leading part, a plain ``Shard`` that DTensor carries through
-    the fold, for any micro-batch size. A data-parallel split of ``B`` (the second folded
-    dimension) is not a plain ``Shard`` of the fold (DTensor's ``_StridedShard``, whose strategies
-    the planner drops), so with dp > 1 the planner reshards around these products; the fused
-    kernel has no fold and no such limit."""
-    s, d = q.shape[-2], q.shape[-1]
-    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [n, B, s, d]
-    scores = torch.matmul(q * (1.0 / math.sqrt(d)), k.transpose(-2, -1))
-    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    ==========================================  ===============================================
+    op                                          Megatron-LM
+    ==========================================  ===============================================
+    ``baddbmm(mask, q, k^T, alpha=1/sqrt(d))``  ``baddbmm(buffer, q, k^T, beta=0, alpha=...)``
+    ``softmax``                                 the fused scale-mask-softmax kernel
+    ``bernoulli`` (bool keep-mask, N bytes)     the fused dropout kernel (1-byte mask)
+    ``probs * keep``                            (same kernel)
+    ``bmm(probs, v / (1 - p))``                 ``bmm(probs, v)``
+    ==========================================  ===============================================
+
+    The causal mask is the score GEMM's additive ``[s, s]`` input (0 on and below the diagonal,
+    -inf above), so the scores are masked as they are written, with no pass of their own; the
+    dropout's ``1 / (1 - p)`` scales ``v`` (``B n s d`` elements) rather than the ``N``
+    probabilities: ``(P * keep / (1 - p)) v = (P * keep) (v / (1 - p))``.
+
+    The batched products run on ``[n B, s, d]`` (heads before the batch): a tensor-parallel split
+    of the heads is then a split of the folded dimension's leading part, a plain ``Shard`` that
+    DTensor carries through the fold for any micro-batch size. A data-parallel split of ``B`` (the
+    second folded dimension) is not a plain ``Shard`` of the fold (DTensor's ``_StridedShard``,
+    whose strategies the planner drops), so with dp > 1 the planner reshards around these
+    products; the fused kernel has no fold and no such limit."""
+    b, n, s, d = q.shape
+    q, k, v = (t.transpose(0, 1).reshape(n * b, s, d) for t in (q, k, v))
+    mask = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+    scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=1.0 / math.sqrt(d))
+    probs = torch.softmax(scores, dim=-1)
     if dropout and training:
-        probs = F.dropout(probs, dropout, training=True)
-    return torch.matmul(probs, v).transpose(0, 1)
+        keep = torch.empty_like(probs, dtype=torch.bool).bernoulli_(1.0 - dropout)
+        probs = probs * keep
+        v = v * (1.0 / (1.0 - dropout))
+    return torch.bmm(probs, v).view(n, b, s, d).transpose(0, 1)
 
 
 #: The GPT sizes of Alpa's end-to-end suite (seq 1024, vocab 51200).
