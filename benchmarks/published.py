@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -98,7 +96,12 @@ def _markdown_table(text: str, header_start: str) -> list[dict[str, str]]:
                 if not body.startswith("|"):
                     break
                 rows.append(
-                    dict(zip(head, (c.strip() for c in body.strip().strip("|").split("|"))))
+                    dict(
+                        zip(
+                            head,
+                            (c.strip() for c in body.strip().strip("|").split("|")),
+                        )
+                    )
                 )
             return rows
     raise MeshplanError(f"no table starting with {header_start!r} in the reference")
@@ -129,7 +132,9 @@ def korthikanti_rows(path: Path = PUBLISHED) -> list[Row]:
                 Row(
                     f"korthikanti-{mode}",
                     r["model"],
-                    _gpt(int(r["hidden"]), int(r["layers"]), int(r["heads"]), 2048, 51200),
+                    _gpt(
+                        int(r["hidden"]), int(r["layers"]), int(r["heads"]), 2048, 51200
+                    ),
                     _cluster(gpus, "A100-80GB"),
                     1,
                     int(r["tp"]),
@@ -152,9 +157,7 @@ def alpa_rows() -> list[Row]:
     for r in gpt_megatron_configs():
         c = get_config(str(r["model"]))
         gpus, G = int(r["gpus"]), int(r["global_batch"])
-        flops = alpa_gpt_flops(
-            G, c.seq, c.layers, c.hidden, c.vocab, recompute=True
-        )
+        flops = alpa_gpt_flops(G, c.seq, c.layers, c.hidden, c.vocab, recompute=True)
         out.append(
             Row(
                 "alpa-megatron",
@@ -223,7 +226,9 @@ def leave_one_out(points: Sequence[tuple[float, float, float]]) -> list[float]:
     """For each point, ``fit_u`` of the others (the held-out point is not in its fit)."""
     if len(points) < 2:
         raise MeshplanError("leave-one-out needs at least two rows")
-    return [fit_u([p for j, p in enumerate(points) if j != i]) for i in range(len(points))]
+    return [
+        fit_u([p for j, p in enumerate(points) if j != i]) for i in range(len(points))
+    ]
 
 
 def line(row: Row) -> tuple[float, float]:
@@ -329,7 +334,9 @@ def table(doc: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
-        pred = "not priced yet" if r["predicted_s"] is None else f"{r['predicted_s']:.2f}"
+        pred = (
+            "not priced yet" if r["predicted_s"] is None else f"{r['predicted_s']:.2f}"
+        )
         err = "" if r["error"] is None else f"{r['error']:+.1%}"
         e = f"{r['loo_e_max']:.3f} (LOO)" if r.get("fitted_on_it") else "preset"
         out.append(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from cost_models.errors import MeshplanError
 
+
 def reference_dir() -> Path:
     """``shared/reference`` beside the checkout (``/work/main`` -> ``/work/shared``), or beside its
     parent for a worktree one level deeper (``/work/wt/NAME`` -> ``/work/shared``)."""

@@ -11,7 +11,9 @@ Roofline (no profile)::
 
 - ``E_max`` is what a large GEMM reaches: cuBLAS sustains roughly 80-90 % of the datasheet peak on
   big square products; we use 0.80 on tensor cores (tfloat32, float16, bfloat16) and 0.90 on the
-  plain fp32 units, whose simpler pipeline gets closer to peak.
+  plain fp32 units, whose simpler pipeline gets closer to peak. Where a device's tensor-core
+  ``E_max`` was fitted to measured training runs (``TENSOR_CORE_E_MAX``: A100-80GB), the fit
+  replaces 0.80.
 - ``d_half`` is the size at which half of ``E_max`` is reached. GEMM kernels tile the output in
   blocks of about 128 x 128 (tensor cores) and step through k in slices of 32-64; a dimension much
   smaller than a tile leaves most of every tile idle, and a small k is dominated by loading and
@@ -65,9 +67,14 @@ TENSOR_CORE_DTYPES = frozenset({"tfloat32", "float16", "bfloat16"})
 TENSOR_CORE_CURVE = (0.80, 64.0)
 FP32_CURVE = (0.90, 16.0)
 #: Tensor-core E_max of the devices where it was fitted to measured training runs (device name ->
-#: E_max), replacing ``TENSOR_CORE_CURVE[0]``; ``benchmarks.published`` fits it (leave-one-out) and
-#: says which rows. A device without an entry keeps the guess above.
-TENSOR_CORE_E_MAX: dict[str, float] = {}
+#: E_max), replacing ``TENSOR_CORE_CURVE[0]``; a device without an entry keeps the guess above.
+#: A100-80GB: 0.7246, fitted by ``python -m benchmarks.published`` (benchmarks/results/published.json)
+#: to Korthikanti et al. 2022's four full-recomputation GPT runs on DGX A100-80GB (22B, 175B, 530B,
+#: 1T; ../shared/reference/published-measurements.md), least squares in the relative error of
+#: iteration time, every other constant at its datasheet value; leave-one-out it predicts each of
+#: the four within 8.3% (mean 5.3%). It is what fp16 GEMMs sustain in those runs (clocks under
+#: their power limit included), against the 312 TFLOP/s datasheet peak.
+TENSOR_CORE_E_MAX: dict[str, float] = {"A100-80GB": 0.7246}
 MEMORY_EFFICIENCY = 0.85
 #: Fixed seconds per GPU kernel (datasheet pricing only): a CUDA kernel launch takes about 5-10 us
 #: on a V100, and each kernel ramps up and drains its waves of thread blocks; we charge the low end,
