@@ -12,9 +12,12 @@
   (``benchmarks.megatron_gpt.alpa_gpt_flops``, Alpa's ``compute_gpt_tflops`` with recomputation:
   ``96 G s L h^2 (1 + s/(6h)) + 6 G s h V``), the count the TFLOP/s were computed with.
 
-Every row is priced for the computation it ran: the GPT with ``attn=explicit`` (scores, masked
+Every row is priced for the computation it ran: the GPT with explicit attention (scores, masked
 softmax, attention dropout, product with v) and ``attn_dropout=0.1``, Megatron-LM's default
-``--attention-dropout`` in these runs.
+``--attention-dropout`` in these runs; ``attn=explicit`` (batched products folded heads first)
+for the tensor-parallel runs, ``attn=explicit-batch`` (batch first) for the one data-parallel run,
+so that each device's products are the ones Megatron-LM ran (`planner.models.gpt.explicit_attention`;
+with the other fold that run's plan reshards around every attention and is priced 12% slower).
 
 The fit (one parameter): the tensor-core ``E_max`` of A100-80GB
 (``cost_models.compute.TENSOR_CORE_E_MAX``), the fraction of peak a large fp16 matrix product
@@ -107,10 +110,19 @@ def _markdown_table(text: str, header_start: str) -> list[dict[str, str]]:
     raise MeshplanError(f"no table starting with {header_start!r} in the reference")
 
 
-def _gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int) -> str:
+def _gpt(
+    hidden: int, layers: int, heads: int, seq: int, vocab: int, *, dp: int, tp: int
+) -> str:
+    """The GPT spec of a run: explicit attention folded heads first, or batch first when the
+    run splits the batch and not the heads (`planner.models.gpt.explicit_attention`)."""
+    if dp > 1 and tp > 1:
+        raise MeshplanError(
+            f"dp={dp} with tp={tp}: explicit attention carries one split through its fold"
+        )
+    attn = "explicit-batch" if dp > 1 else "explicit"
     return (
         f"gpt:hidden={hidden},layers={layers},heads={heads},seq={seq},vocab={vocab},"
-        f"attn=explicit,attn_dropout={ATTN_DROPOUT}"
+        f"attn={attn},attn_dropout={ATTN_DROPOUT}"
     )
 
 
@@ -133,7 +145,13 @@ def korthikanti_rows(path: Path = PUBLISHED) -> list[Row]:
                     f"korthikanti-{mode}",
                     r["model"],
                     _gpt(
-                        int(r["hidden"]), int(r["layers"]), int(r["heads"]), 2048, 51200
+                        int(r["hidden"]),
+                        int(r["layers"]),
+                        int(r["heads"]),
+                        2048,
+                        51200,
+                        dp=1,
+                        tp=int(r["tp"]),
                     ),
                     _cluster(gpus, "A100-80GB"),
                     1,
@@ -162,7 +180,15 @@ def alpa_rows() -> list[Row]:
             Row(
                 "alpa-megatron",
                 f"{r['model']} on {gpus}",
-                _gpt(c.hidden, c.layers, c.heads, c.seq, c.vocab),
+                _gpt(
+                    c.hidden,
+                    c.layers,
+                    c.heads,
+                    c.seq,
+                    c.vocab,
+                    dp=int(r["dp"]),
+                    tp=int(r["tp"]),
+                ),
                 _cluster(gpus, "V100-16GB"),
                 int(r["dp"]),
                 int(r["tp"]),
@@ -324,7 +350,7 @@ def table(doc: dict[str, Any]) -> list[str]:
         (
             f"File `published.json` (`python -m benchmarks.published`), {doc['date']}. Each row priced "
             "by `manual_plan` at its exact configuration with the GPT written out as these runs "
-            f"computed attention (`attn=explicit`, attention dropout {doc['attn_dropout']}). Fit: "
+            f"computed attention (`attn=explicit`, or `explicit-batch` for the data-parallel run; attention dropout {doc['attn_dropout']}). Fit: "
             f"{fit['parameter']} = {fit['e_max']:.4f} on {', '.join(fit['rows'])}; a row used in "
             "the fit is predicted leave-one-out (E_max fitted without it). Alpa rows: seconds = the "
             "suite's FLOP count / (measured TFLOP/s x GPUs); not used in the fit."

@@ -113,6 +113,7 @@ def test_wresnet_params_and_flops() -> None:
 
 EXPLICIT = [
     "gpt:hidden=64,layers=2,heads=4,seq=16,vocab=128,attn=explicit,attn_dropout=0.1",
+    "gpt:hidden=64,layers=2,heads=4,seq=16,vocab=128,attn=explicit-batch,attn_dropout=0.1",
     "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16,attn=explicit",
 ]
 
@@ -154,13 +155,14 @@ def test_explicit_attention_computes_what_the_fused_kernel_does(family: str) -> 
         else "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"
     )
     results = []
-    for attn in ("fused", "explicit"):
+    for attn in ("fused", "explicit", "explicit-batch"):
         torch.manual_seed(0)
         model, batch = build_model(f"{spec},attn={attn}", batch=2)
         loss = model(*batch)
         loss.backward()
         results.append((loss.detach(), [p.grad for p in model.parameters()]))
-    (l0, g0), (l1, g1) = results
-    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
-    for a, b in zip(g0, g1):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    (l0, g0), *others = results
+    for l1, g1 in others:
+        torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+        for a, b in zip(g0, g1):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)

@@ -23,7 +23,8 @@ cross_entropy) and has static shapes.
 
 Attention (``GPTConfig.attn``): ``"fused"`` (the default) calls ``F.scaled_dot_product_attention``,
 which runs a flash / memory-efficient kernel that never writes the ``s x s`` scores; ``"explicit"``
-writes attention out as Megatron-LM's 2021-2022 runs computed it (``explicit_attention``): the
+(and ``"explicit-batch"``) writes attention out as Megatron-LM's 2021-2022 runs computed it
+(``explicit_attention``): the
 score product ``q k^T``, the scaled causal-masked softmax, attention dropout and the product with
 ``v``, so the ``s x s`` scores, probabilities and dropout mask are materialised, traced and priced
 as the separate ops they were. ``attn_dropout`` is the attention-dropout probability; it defaults
@@ -83,19 +84,19 @@ class GPTConfig:
 
 
 #: Attention kernels a built-in model can be traced with (module docstring).
-ATTENTION_KINDS = ("fused", "explicit")
+ATTENTION_KINDS = ("fused", "explicit", "explicit-batch")
 
 
 def check_attention(family: str, attn: str, dropout: float) -> None:
     """Raise MeshplanError unless `attn` is one of ``ATTENTION_KINDS`` and `dropout` a probability
-    in [0, 1), non-zero only with ``attn="explicit"``."""
+    in [0, 1), non-zero only with an explicit ``attn``."""
     if attn not in ATTENTION_KINDS:
         raise MeshplanError(
             f"{family} attn must be one of {', '.join(ATTENTION_KINDS)}, got {attn!r}"
         )
     if not 0.0 <= dropout < 1.0:
         raise MeshplanError(f"{family} attn_dropout must be in [0, 1), got {dropout!r}")
-    if dropout and attn != "explicit":
+    if dropout and attn == "fused":
         raise MeshplanError(
             f"{family} attn_dropout={dropout} needs attn=explicit (the fused kernel is "
             "planned without dropout)"
@@ -103,7 +104,13 @@ def check_attention(family: str, attn: str, dropout: float) -> None:
 
 
 def explicit_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, training: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout: float,
+    training: bool,
+    *,
+    heads_first: bool = True,
 ) -> torch.Tensor:
     """Causal attention of ``q, k, v [B, n, s, d]`` written out as Megatron-LM's 2021-2022 GPT runs
     computed it: ``dropout(softmax(q k^T / sqrt(d) + causal mask)) v``, with ``N = B n s^2`` score
@@ -126,22 +133,41 @@ def explicit_attention(
     dropout's ``1 / (1 - p)`` scales ``v`` (``B n s d`` elements) rather than the ``N``
     probabilities: ``(P * keep / (1 - p)) v = (P * keep) (v / (1 - p))``.
 
-    The batched products run on ``[n B, s, d]`` (heads before the batch): a tensor-parallel split
-    of the heads is then a split of the folded dimension's leading part, a plain ``Shard`` that
-    DTensor carries through the fold for any micro-batch size. A data-parallel split of ``B`` (the
-    second folded dimension) is not a plain ``Shard`` of the fold (DTensor's ``_StridedShard``,
-    whose strategies the planner drops), so with dp > 1 the planner reshards around these
-    products; the fused kernel has no fold and no such limit."""
+    The batched products run on one folded batch dimension, ``[n B, s, d]`` with ``heads_first``
+    (``attn="explicit"``), ``[B n, s, d]`` without (``attn="explicit-batch"``). DTensor carries a
+    split through a fold as a plain ``Shard`` only when it splits the fold's leading dimension (a
+    split of the second is a ``_StridedShard``, whose strategies the planner drops, so it
+    reshards around the products instead). Heads first suits tensor parallelism (heads split) with
+    dp = 1, batch first data parallelism (batch split) with tp = 1: either way each device runs
+    what Megatron-LM's local ``[b n_local, s, d]`` fold runs. Neither carries both splits at once;
+    the fused kernel has no fold and no such limit."""
     b, n, s, d = q.shape
-    q, k, v = (t.transpose(0, 1).reshape(n * b, s, d) for t in (q, k, v))
+    if heads_first:
+        q, k, v = (t.transpose(0, 1).reshape(n * b, s, d) for t in (q, k, v))
+    else:
+        q, k, v = (t.reshape(b * n, s, d) for t in (q, k, v))
     mask = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
     scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=1.0 / math.sqrt(d))
     probs = torch.softmax(scores, dim=-1)
     if dropout and training:
-        keep = torch.empty_like(probs, dtype=torch.bool).bernoulli_(1.0 - dropout)
-        probs = probs * keep
+        # The keep-mask is drawn on the unfolded [B, n, s, s] view, whose batch dimension is
+        # its own (dimension 0), so `runtime.dropout` gives each micro-batch its rows of the
+        # mask one device draws for the whole batch.
+        unfolded = (
+            probs.view(n, b, s, s).transpose(0, 1)
+            if heads_first
+            else probs.view(b, n, s, s)
+        )
+        keep = torch.empty_like(unfolded, dtype=torch.bool).bernoulli_(1.0 - dropout)
+        dropped = unfolded * keep
+        probs = (
+            dropped.transpose(0, 1).reshape(n * b, s, s)
+            if heads_first
+            else dropped.reshape(b * n, s, s)
+        )
         v = v * (1.0 / (1.0 - dropout))
-    return torch.bmm(probs, v).view(n, b, s, d).transpose(0, 1)
+    out = torch.bmm(probs, v)
+    return out.view(n, b, s, d).transpose(0, 1) if heads_first else out.view(b, n, s, d)
 
 
 #: The GPT sizes of Alpa's end-to-end suite (seq 1024, vocab 51200).
@@ -205,8 +231,15 @@ class CausalSelfAttention(nn.Module):
             k.transpose(1, 2),
             v.transpose(1, 2),
         )  # [B, n, s, d]
-        if self.attn == "explicit":
-            y = explicit_attention(q, k, v, self.attn_dropout, self.training)
+        if self.attn != "fused":
+            y = explicit_attention(
+                q,
+                k,
+                v,
+                self.attn_dropout,
+                self.training,
+                heads_first=self.attn == "explicit",
+            )
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(b, s, self.hidden)

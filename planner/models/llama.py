@@ -9,7 +9,7 @@ One pre-norm ``Block`` (``h`` hidden, ``n`` query heads of ``d = h / n``, ``g`` 
 ``attn.q: h -> n d``, ``attn.k`` and ``attn.v: h -> g d``, ``attn.o: n d -> h``, ``mlp.gate`` and
 ``mlp.up: h -> f``, ``mlp.down: f -> h``, all without biases. Grouped-query attention repeats each
 key/value head for ``n / g`` query heads and runs ``F.scaled_dot_product_attention`` (causal), as
-Hugging Face's ``sdpa`` path does (``attn="explicit"``: the scores, masked softmax, optional
+Hugging Face's ``sdpa`` path does (``attn="explicit"`` or ``"explicit-batch"``: the scores, masked softmax, optional
 ``attn_dropout`` and product with v written out, `planner.models.gpt.explicit_attention`); sharding q, k, v by output features over ``t`` devices keeps
 whole heads on every device when ``t`` divides ``g``. Rotary embeddings (theta ``rope_theta``)
 use cos/sin tables kept as non-persistent buffers. The model ends with a final RMSNorm ``norm`` and
@@ -160,8 +160,15 @@ class Attention(nn.Module):
         if group > 1:  # each key/value head serves `group` query heads
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-        if self.attn == "explicit":
-            y = explicit_attention(q, k, v, self.attn_dropout, self.training)
+        if self.attn != "fused":
+            y = explicit_attention(
+                q,
+                k,
+                v,
+                self.attn_dropout,
+                self.training,
+                heads_first=self.attn == "explicit",
+            )
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(b, s, h))

@@ -155,7 +155,7 @@ _FAMILIES: dict[str, _Family] = {
         gpt_param_count,
         _token_batch,
         8,
-        "gpt:hidden=H,layers=L,heads=N[,seq=1024,vocab=51200,attn=fused|explicit,attn_dropout=0]",
+        "gpt:hidden=H,layers=L,heads=N[,seq=1024,vocab=51200,attn=fused|explicit|explicit-batch,attn_dropout=0]",
     ),
     "llama": _Family(
         LlamaConfig,
@@ -164,7 +164,7 @@ _FAMILIES: dict[str, _Family] = {
         _token_batch,
         8,
         "llama:hidden=H,layers=L,heads=N,kv_heads=G,ffn=F[,vocab=128256,seq=8192,"
-        "rope_theta=500000,norm_eps=1e-5,attn=fused|explicit,attn_dropout=0]",
+        "rope_theta=500000,norm_eps=1e-5,attn=fused|explicit|explicit-batch,attn_dropout=0]",
     ),
     "mixtral": _Family(
         MixtralConfig,
