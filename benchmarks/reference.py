@@ -9,12 +9,16 @@ from pathlib import Path
 
 from cost_models.errors import MeshplanError
 
-REFERENCE = (
-    Path(__file__).resolve().parents[2]
-    / "shared"
-    / "reference"
-    / "alpa-osdi22-suite.md"
-)
+
+def reference_dir() -> Path:
+    """``shared/reference`` beside the checkout (``/work/main`` -> ``/work/shared``), or beside its
+    parent for a worktree one level deeper (``/work/wt/NAME`` -> ``/work/shared``)."""
+    here = Path(__file__).resolve()
+    candidates = [here.parents[i] / "shared" / "reference" for i in (2, 3)]
+    return next((c for c in candidates if c.is_dir()), candidates[0])
+
+
+REFERENCE = reference_dir() / "alpa-osdi22-suite.md"
 
 
 @cache

@@ -6,7 +6,8 @@ configuration, ratio, measured numbers of the reference), a figure of TFLOP/s pe
 devices (automatic vs manual, predicted, and measured where the reference has them; needs matplotlib,
 the `bench` extra), and for GPT the cost model's error on Megatron's listed configurations. The
 local measured suite's section (predicted against measured step time) comes from
-`benchmarks.local_report`.
+`benchmarks.local_report`. The published measured runs' section (predicted against measured, with
+the fit kept apart) comes from `benchmarks.published`.
 
     python -m benchmarks.report [RESULTS_DIR]
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.local_report import local_section
+from benchmarks.published import section as published_section
 from benchmarks.records import RESULTS, TIE, load_results
 
 
@@ -295,6 +297,7 @@ def report(directory: str | Path = RESULTS) -> str:
                 *listed,
                 "",
             ]
+    out += published_section(directory)
     out += gpu_section(directory)
     return "\n".join(out)
 

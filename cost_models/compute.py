@@ -11,7 +11,9 @@ Roofline (no profile)::
 
 - ``E_max`` is what a large GEMM reaches: cuBLAS sustains roughly 80-90 % of the datasheet peak on
   big square products; we use 0.80 on tensor cores (tfloat32, float16, bfloat16) and 0.90 on the
-  plain fp32 units, whose simpler pipeline gets closer to peak.
+  plain fp32 units, whose simpler pipeline gets closer to peak. Where a device's tensor-core
+  ``E_max`` was fitted to measured training runs (``TENSOR_CORE_E_MAX``: A100-80GB), the fit
+  replaces 0.80.
 - ``d_half`` is the size at which half of ``E_max`` is reached. GEMM kernels tile the output in
   blocks of about 128 x 128 (tensor cores) and step through k in slices of 32-64; a dimension much
   smaller than a tile leaves most of every tile idle, and a small k is dominated by loading and
@@ -64,6 +66,17 @@ TENSOR_CORE_DTYPES = frozenset({"tfloat32", "float16", "bfloat16"})
 #: (E_max, d_half) per kind of unit; see the module docstring.
 TENSOR_CORE_CURVE = (0.80, 64.0)
 FP32_CURVE = (0.90, 16.0)
+#: Tensor-core E_max of the devices where it was fitted to measured training runs (device name ->
+#: E_max), replacing ``TENSOR_CORE_CURVE[0]``; a device without an entry keeps the guess above.
+#: A100-80GB: 0.7246, fitted by ``python -m benchmarks.published`` (benchmarks/results/published.json)
+#: to Korthikanti et al. 2022's four full-recomputation GPT runs on DGX A100-80GB (22B, 175B, 530B,
+#: 1T; ../shared/reference/published-measurements.md), least squares in the relative error of
+#: iteration time, every other constant at its datasheet value; leave-one-out it predicts each of
+#: the four within 8.3% (mean 5.3%). It stands for what fp16 GEMMs sustained in those runs
+#: against the 312 TFLOP/s datasheet peak, and also absorbs what the datasheet constants left at
+#: their values miss there (its leave-one-out errors trend from -7.8% at 22B to +8.3% at 1T: the
+#: smaller runs spend more of their time outside the products; benchmarks/results/REPORT.md).
+TENSOR_CORE_E_MAX: dict[str, float] = {"A100-80GB": 0.7246}
 MEMORY_EFFICIENCY = 0.85
 #: Fixed seconds per GPU kernel (datasheet pricing only): a CUDA kernel launch takes about 5-10 us
 #: on a V100, and each kernel ramps up and drains its waves of thread blocks; we charge the low end,
@@ -76,15 +89,26 @@ NEIGHBOURS = 3
 ShapeHint = tuple[int, int, int]
 
 
-def matmul_efficiency(dtype: object, m: int, n: int, k: int) -> float:
-    """Fraction of peak a (m x k) @ (k x n) product reaches: ``E_max * d / (d + d_half)``, d = min(m, n, k)."""
-    e_max, d_half = (
+def max_efficiency(dtype: object, device: str | None = None) -> float:
+    """``E_max`` of ``dtype``'s units on ``device``: its fitted ``TENSOR_CORE_E_MAX`` entry for
+    tensor-core dtypes, else the curve's."""
+    if canonical_dtype(dtype) in TENSOR_CORE_DTYPES:
+        return TENSOR_CORE_E_MAX.get(device or "", TENSOR_CORE_CURVE[0])
+    return FP32_CURVE[0]
+
+
+def matmul_efficiency(
+    dtype: object, m: int, n: int, k: int, device: str | None = None
+) -> float:
+    """Fraction of peak a (m x k) @ (k x n) product reaches: ``E_max * d / (d + d_half)``, d = min(m, n, k)
+    (``E_max`` from ``max_efficiency(dtype, device)``)."""
+    d_half = (
         TENSOR_CORE_CURVE
         if canonical_dtype(dtype) in TENSOR_CORE_DTYPES
         else FP32_CURVE
-    )
+    )[1]
     d = float(max(min(m, n, k), 1))
-    return e_max * d / (d + d_half)
+    return max_efficiency(dtype, device) * d / (d + d_half)
 
 
 def _sample_point(m: float, n: float, k: float) -> tuple[float, float]:
@@ -167,13 +191,11 @@ def op_time(
             rate = _measured_peak(cluster, name) or 0.0
     if rate <= 0:
         peak = cluster.device.peak(name)
+        device = cluster.device.name
         if shape_hint is not None:
-            rate = peak * matmul_efficiency(name, *shape_hint)
+            rate = peak * matmul_efficiency(name, *shape_hint, device=device)
         else:
-            rate = (
-                peak
-                * (TENSOR_CORE_CURVE if name in TENSOR_CORE_DTYPES else FP32_CURVE)[0]
-            )
+            rate = peak * max_efficiency(name, device)
     return max(flops / rate, memory) + overhead
 
 

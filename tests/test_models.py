@@ -205,6 +205,11 @@ def test_spec_strings_and_defaults() -> None:
     assert moe.capacity_factor == 1.5 and moe.vocab == 32000 and moe.ffn == 8
     assert get_config("mlp:batch_in=10").in_features == 10
     assert get_config("mlp") == MLPConfig()
+    explicit = get_config(
+        "gpt:hidden=64,layers=2,heads=4,attn=explicit,attn_dropout=0.1"
+    )
+    assert (explicit.attn, explicit.attn_dropout) == ("explicit", 0.1)
+    assert get_config("gpt-tiny").attn == "fused"
     wres = get_config("wresnet:layers=50,channels=160,width=2,image=224,classes=1000")
     assert wres == WRESNET_CONFIGS["wresnet-250m"]
 
@@ -222,6 +227,10 @@ def test_spec_strings_and_defaults() -> None:
         ("gpt:hidden=64,layers=2,heads=4,hidden=32", "given twice"),
         ("gpt:hidden=64,layers=2,heads", "malformed item 'heads'"),
         ("gpt:hidden=0,layers=2,heads=4", "hidden must be a positive integer"),
+        ("gpt:hidden=64,layers=2,heads=4,attn=flash2", "attn must be one of fused"),
+        ("gpt:hidden=64,layers=2,heads=4,attn_dropout=0.1", "needs attn=explicit"),
+        ("gpt:hidden=64,layers=2,heads=4,attn=explicit,attn_dropout=1", "[0, 1)"),
+        ("llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=8,attn=x", "attn must be"),
         ("moe:hidden=64,layers=2,experts=1,heads=4", "experts must be at least 2"),
         ("wresnet:layers=49,channels=8,width=2", "accepted depths: 14, 26, 50"),
         ("", "non-empty"),

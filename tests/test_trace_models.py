@@ -109,3 +109,60 @@ def test_wresnet_params_and_flops() -> None:
     # Backward: input and weight gradients (2x) everywhere but the stem, whose input (the images)
     # needs no gradient (1x).
     assert graph.bwd_flops == stem + 2 * (body + fc)
+
+
+EXPLICIT = [
+    "gpt:hidden=64,layers=2,heads=4,seq=16,vocab=128,attn=explicit,attn_dropout=0.1",
+    "gpt:hidden=64,layers=2,heads=4,seq=16,vocab=128,attn=explicit-batch,attn_dropout=0.1",
+    "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16,attn=explicit",
+]
+
+
+@pytest.mark.parametrize("name", EXPLICIT)
+def test_explicit_attention_flops_equal_the_closed_form(name: str) -> None:
+    """Explicit attention (``attn=explicit``: scores, masked softmax, dropout, product with v)
+    traces two batched products of ``2 B n s^2 d = 2 B s^2 h`` FLOPs each forward, over all s x s
+    positions as the fused op is counted; softmax, mask and dropout count no FLOPs. Backward is
+    twice the forward. GPT: ``24 T h^2`` per block in its four projections, Llama: q, k, v, o and
+    three SwiGLU products; then the head ``2 T h V``."""
+    batch = 3
+    model, b = build_model(name, batch=batch, device="meta")
+    graph = trace(model, b, model_name=name)
+    c = get_config(name)
+    T, s, h = batch * c.seq, c.seq, c.hidden
+    if name.startswith("gpt"):
+        projections = 24 * T * h * h
+    else:
+        kv = c.kv_heads * c.head_dim
+        projections = 2 * T * h * (2 * h + 2 * kv) + 2 * T * h * c.ffn * 3
+    forward = c.layers * (projections + 4 * batch * s * s * h) + 2 * T * h * c.vocab
+    assert graph.fwd_flops == forward
+    assert graph.bwd_flops == 2 * forward
+    targets = {n.target for n in graph.ops}
+    assert "aten.bmm.default" in targets and "aten._softmax.default" in targets
+    assert not any("scaled_dot_product" in t for t in targets)
+    assert ("aten.bernoulli.p" in targets) == name.startswith("gpt")  # dropout 0.1 / 0
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_explicit_attention_computes_what_the_fused_kernel_does(family: str) -> None:
+    """Without dropout, the written-out attention gives the fused kernel's loss and gradients."""
+    import torch
+
+    spec = (
+        "gpt:hidden=64,layers=2,heads=4,seq=16,vocab=128"
+        if family == "gpt"
+        else "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"
+    )
+    results = []
+    for attn in ("fused", "explicit", "explicit-batch"):
+        torch.manual_seed(0)
+        model, batch = build_model(f"{spec},attn={attn}", batch=2)
+        loss = model(*batch)
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    (l0, g0), *others = results
+    for l1, g1 in others:
+        torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+        for a, b in zip(g0, g1):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)

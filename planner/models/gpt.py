@@ -19,7 +19,18 @@ parameter counts are a little above the names of the reference table (which coun
 
 ``forward(tokens, targets)`` returns the mean next-token cross-entropy; it uses only ops DTensor can
 shard (embedding, linear, view/transpose, layer_norm, gelu, scaled_dot_product_attention,
-cross_entropy), has static shapes and no dropout.
+cross_entropy) and has static shapes.
+
+Attention (``GPTConfig.attn``): ``"fused"`` (the default) calls ``F.scaled_dot_product_attention``,
+which runs a flash / memory-efficient kernel that never writes the ``s x s`` scores; ``"explicit"``
+(and ``"explicit-batch"``) writes attention out as Megatron-LM's 2021-2022 runs computed it
+(``explicit_attention``): the
+score product ``q k^T``, the scaled causal-masked softmax, attention dropout and the product with
+``v``, so the ``s x s`` scores, probabilities and dropout mask are materialised, traced and priced
+as the separate ops they were. ``attn_dropout`` is the attention-dropout probability; it defaults
+to 0.0 (the models here have no other dropout, and a run with dropout trains like one device only
+through ``runtime.dropout``'s masks). Megatron-LM's GPT runs of 2021-2022 used 0.1
+(``--attention-dropout`` default), which ``benchmarks.published`` passes to price them.
 """
 
 from __future__ import annotations
@@ -40,6 +51,8 @@ __all__ = [
     "CausalSelfAttention",
     "FeedForward",
     "GPTConfig",
+    "check_attention",
+    "explicit_attention",
     "gpt_param_count",
 ]
 
@@ -53,6 +66,8 @@ class GPTConfig:
     heads: int
     seq: int = 1024
     vocab: int = 51200
+    attn: str = "fused"
+    attn_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("hidden", "layers", "heads", "seq", "vocab"):
@@ -65,6 +80,94 @@ class GPTConfig:
             raise MeshplanError(
                 f"GPT hidden={self.hidden} must be divisible by heads={self.heads}"
             )
+        check_attention("GPT", self.attn, self.attn_dropout)
+
+
+#: Attention kernels a built-in model can be traced with (module docstring).
+ATTENTION_KINDS = ("fused", "explicit", "explicit-batch")
+
+
+def check_attention(family: str, attn: str, dropout: float) -> None:
+    """Raise MeshplanError unless `attn` is one of ``ATTENTION_KINDS`` and `dropout` a probability
+    in [0, 1), non-zero only with an explicit ``attn``."""
+    if attn not in ATTENTION_KINDS:
+        raise MeshplanError(
+            f"{family} attn must be one of {', '.join(ATTENTION_KINDS)}, got {attn!r}"
+        )
+    if not 0.0 <= dropout < 1.0:
+        raise MeshplanError(f"{family} attn_dropout must be in [0, 1), got {dropout!r}")
+    if dropout and attn == "fused":
+        raise MeshplanError(
+            f"{family} attn_dropout={dropout} needs attn=explicit (the fused kernel is "
+            "planned without dropout)"
+        )
+
+
+def explicit_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout: float,
+    training: bool,
+    *,
+    heads_first: bool = True,
+) -> torch.Tensor:
+    """Causal attention of ``q, k, v [B, n, s, d]`` written out as Megatron-LM's 2021-2022 GPT runs
+    computed it: ``dropout(softmax(q k^T / sqrt(d) + causal mask)) v``, with ``N = B n s^2`` score
+    elements materialised.
+
+    The ops, as traced, and the Megatron-LM kernel each stands for:
+
+    ==========================================  ===============================================
+    op                                          Megatron-LM
+    ==========================================  ===============================================
+    ``baddbmm(mask, q, k^T, alpha=1/sqrt(d))``  ``baddbmm(buffer, q, k^T, beta=0, alpha=...)``
+    ``softmax``                                 the fused scale-mask-softmax kernel
+    ``bernoulli`` (bool keep-mask, N bytes)     the fused dropout kernel (1-byte mask)
+    ``probs * keep``                            (same kernel)
+    ``bmm(probs, v / (1 - p))``                 ``bmm(probs, v)``
+    ==========================================  ===============================================
+
+    The causal mask is the score GEMM's additive ``[s, s]`` input (0 on and below the diagonal,
+    -inf above), so the scores are masked as they are written, with no pass of their own; the
+    dropout's ``1 / (1 - p)`` scales ``v`` (``B n s d`` elements) rather than the ``N``
+    probabilities: ``(P * keep / (1 - p)) v = (P * keep) (v / (1 - p))``.
+
+    The batched products run on one folded batch dimension, ``[n B, s, d]`` with ``heads_first``
+    (``attn="explicit"``), ``[B n, s, d]`` without (``attn="explicit-batch"``). DTensor carries a
+    split through a fold as a plain ``Shard`` only when it splits the fold's leading dimension (a
+    split of the second is a ``_StridedShard``, whose strategies the planner drops, so it
+    reshards around the products instead). Heads first suits tensor parallelism (heads split) with
+    dp = 1, batch first data parallelism (batch split) with tp = 1: either way each device runs
+    what Megatron-LM's local ``[b n_local, s, d]`` fold runs. Neither carries both splits at once;
+    the fused kernel has no fold and no such limit."""
+    b, n, s, d = q.shape
+    if heads_first:
+        q, k, v = (t.transpose(0, 1).reshape(n * b, s, d) for t in (q, k, v))
+    else:
+        q, k, v = (t.reshape(b * n, s, d) for t in (q, k, v))
+    mask = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+    scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=1.0 / math.sqrt(d))
+    probs = torch.softmax(scores, dim=-1)
+    if dropout and training:
+        # The keep-mask is drawn on the unfolded [B, n, s, s] view, whose batch dimension is
+        # its own (dimension 0), so `runtime.dropout` gives each micro-batch its rows of the
+        # mask one device draws for the whole batch.
+        unfolded = (
+            probs.view(n, b, s, s).transpose(0, 1)
+            if heads_first
+            else probs.view(b, n, s, s)
+        )
+        keep = torch.empty_like(unfolded, dtype=torch.bool).bernoulli_(1.0 - dropout)
+        dropped = unfolded * keep
+        probs = (
+            dropped.transpose(0, 1).reshape(n * b, s, s)
+            if heads_first
+            else dropped.reshape(b * n, s, s)
+        )
+        v = v * (1.0 / (1.0 - dropout))
+    out = torch.bmm(probs, v)
+    return out.view(n, b, s, d).transpose(0, 1) if heads_first else out.view(b, n, s, d)
 
 
 #: The GPT sizes of Alpa's end-to-end suite (seq 1024, vocab 51200).
@@ -101,12 +204,20 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with a fused, head-major ``qkv`` projection."""
 
     def __init__(
-        self, hidden: int, heads: int, dtype: torch.dtype = torch.float32
+        self,
+        hidden: int,
+        heads: int,
+        dtype: torch.dtype = torch.float32,
+        *,
+        attn: str = "fused",
+        attn_dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        check_attention("GPT", attn, attn_dropout)
         self.hidden = hidden
         self.heads = heads
         self.head_dim = hidden // heads
+        self.attn, self.attn_dropout = attn, attn_dropout
         self.qkv = nn.Linear(hidden, 3 * hidden, dtype=dtype)
         self.proj = nn.Linear(hidden, hidden, dtype=dtype)
 
@@ -120,7 +231,17 @@ class CausalSelfAttention(nn.Module):
             k.transpose(1, 2),
             v.transpose(1, 2),
         )  # [B, n, s, d]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.attn != "fused":
+            y = explicit_attention(
+                q,
+                k,
+                v,
+                self.attn_dropout,
+                self.training,
+                heads_first=self.attn == "explicit",
+            )
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(b, s, self.hidden)
         return self.proj(y)
 
@@ -144,11 +265,19 @@ class Block(nn.Module):
     """A pre-LayerNorm transformer block: ``ln_1``, ``attn``, ``ln_2``, ``mlp``."""
 
     def __init__(
-        self, hidden: int, heads: int, dtype: torch.dtype = torch.float32
+        self,
+        hidden: int,
+        heads: int,
+        dtype: torch.dtype = torch.float32,
+        *,
+        attn: str = "fused",
+        attn_dropout: float = 0.0,
     ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(hidden, dtype=dtype)
-        self.attn = CausalSelfAttention(hidden, heads, dtype=dtype)
+        self.attn = CausalSelfAttention(
+            hidden, heads, dtype=dtype, attn=attn, attn_dropout=attn_dropout
+        )
         self.ln_2 = nn.LayerNorm(hidden, dtype=dtype)
         self.mlp = FeedForward(hidden, 4, dtype=dtype)
 
@@ -197,7 +326,14 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab, h, dtype=dtype)
         self.wpe = nn.Embedding(config.seq, h, dtype=dtype)
         self.blocks = nn.ModuleList(
-            Block(h, config.heads, dtype=dtype) for _ in range(config.layers)
+            Block(
+                h,
+                config.heads,
+                dtype=dtype,
+                attn=config.attn,
+                attn_dropout=config.attn_dropout,
+            )
+            for _ in range(config.layers)
         )
         self.ln_f = nn.LayerNorm(h, dtype=dtype)
         self.lm_head = nn.Linear(h, config.vocab, bias=False, dtype=dtype)

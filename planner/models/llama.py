@@ -9,7 +9,8 @@ One pre-norm ``Block`` (``h`` hidden, ``n`` query heads of ``d = h / n``, ``g`` 
 ``attn.q: h -> n d``, ``attn.k`` and ``attn.v: h -> g d``, ``attn.o: n d -> h``, ``mlp.gate`` and
 ``mlp.up: h -> f``, ``mlp.down: f -> h``, all without biases. Grouped-query attention repeats each
 key/value head for ``n / g`` query heads and runs ``F.scaled_dot_product_attention`` (causal), as
-Hugging Face's ``sdpa`` path does; sharding q, k, v by output features over ``t`` devices keeps
+Hugging Face's ``sdpa`` path does (``attn="explicit"`` or ``"explicit-batch"``: the scores, masked softmax, optional
+``attn_dropout`` and product with v written out, `planner.models.gpt.explicit_attention`); sharding q, k, v by output features over ``t`` devices keeps
 whole heads on every device when ``t`` divides ``g``. Rotary embeddings (theta ``rope_theta``)
 use cos/sin tables kept as non-persistent buffers. The model ends with a final RMSNorm ``norm`` and
 an untied ``lm_head`` (Llama 3 does not tie them), and returns the mean next-token cross-entropy.
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cost_models.errors import MeshplanError
-from planner.models.gpt import lm_loss
+from planner.models.gpt import check_attention, explicit_attention, lm_loss
 
 __all__ = ["LLAMA_CONFIGS", "Llama", "LlamaConfig", "llama_param_count"]
 
@@ -49,6 +50,8 @@ class LlamaConfig:
     seq: int = 8192
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
+    attn: str = "fused"
+    attn_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "seq"):
@@ -69,6 +72,7 @@ class LlamaConfig:
         for key in ("rope_theta", "norm_eps"):
             if not getattr(self, key) > 0:
                 raise MeshplanError(f"Llama {key} must be positive")
+        check_attention("Llama", self.attn, self.attn_dropout)
 
     @property
     def head_dim(self) -> int:
@@ -135,6 +139,7 @@ class Attention(nn.Module):
     def __init__(self, c: LlamaConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = c.heads, c.kv_heads, c.head_dim
+        self.attn, self.attn_dropout = c.attn, c.attn_dropout
         kv = c.kv_heads * c.head_dim
         self.q = nn.Linear(c.hidden, c.hidden, bias=False, dtype=dtype)
         self.k = nn.Linear(c.hidden, kv, bias=False, dtype=dtype)
@@ -155,7 +160,17 @@ class Attention(nn.Module):
         if group > 1:  # each key/value head serves `group` query heads
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.attn != "fused":
+            y = explicit_attention(
+                q,
+                k,
+                v,
+                self.attn_dropout,
+                self.training,
+                heads_first=self.attn == "explicit",
+            )
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(b, s, h))
 
 

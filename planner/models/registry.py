@@ -135,9 +135,9 @@ class _Family:
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def keys(self) -> dict[str, type]:
+        kinds = {"float": float, float: float, "str": str, str: str}
         return {
-            f.name: (float if f.type in ("float", float) else int)
-            for f in dataclasses.fields(self.config_cls)
+            f.name: kinds.get(f.type, int) for f in dataclasses.fields(self.config_cls)
         }
 
     def required(self) -> list[str]:
@@ -155,7 +155,7 @@ _FAMILIES: dict[str, _Family] = {
         gpt_param_count,
         _token_batch,
         8,
-        "gpt:hidden=H,layers=L,heads=N[,seq=1024,vocab=51200]",
+        "gpt:hidden=H,layers=L,heads=N[,seq=1024,vocab=51200,attn=fused|explicit|explicit-batch,attn_dropout=0]",
     ),
     "llama": _Family(
         LlamaConfig,
@@ -164,7 +164,7 @@ _FAMILIES: dict[str, _Family] = {
         _token_batch,
         8,
         "llama:hidden=H,layers=L,heads=N,kv_heads=G,ffn=F[,vocab=128256,seq=8192,"
-        "rope_theta=500000,norm_eps=1e-5]",
+        "rope_theta=500000,norm_eps=1e-5,attn=fused|explicit|explicit-batch,attn_dropout=0]",
     ),
     "mixtral": _Family(
         MixtralConfig,
