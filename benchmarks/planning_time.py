@@ -59,6 +59,25 @@ machine (the load average counts the planner's own two processes): llama3-70b 75
 these changes except llama3-8b at global batch 8 (0.938 -> 0.874 s: FSDP). In mixtral-8x7b's
 plan HiGHS took 152 s of the 240 s of CPU of one process searching every size (339 programs;
 six memory-limited ones took 4-35 s each, mostly in sub-MIP heuristics and restarts).
+
+2026-11-26: HiGHS first solves each program's LP relaxation without presolve and keeps it
+when it is integral (`planner.intra.ilp.ILPModel.solve`); the memory ladder's rungs, whose
+relaxation is fractional where the budget binds, stop at a relative gap of 1e-4
+(`planner.inter.stage_table.LADDER_GAP`). mixtral-8x7b at 16 rows per micro-batch, one
+process: 98 of 102 relaxations (16 and 4 rows) were integral; HiGHS 32.5 -> 3.2 s of CPU and
+the size's search 84.7 -> 45.1 s of CPU, with the same plan (6.797 s per iteration). The same
+day the search gained two seeds per mesh (Megatron-SP where a tensor-parallel axis exists,
+every parameter HSDP where the mesh spans hosts) and recomputation three ways (none,
+selective, full): llama3-70b at 4 rows per micro-batch, one process, 33.6-34.4 s of CPU with
+them against 29.5-29.6 s without (same plan). Single runs after all of it (2026-11-26
+08:22-08:31, load 1.4-2.2): llama3-8b 26.3 s, llama3-70b 100.5 s (191.5 s CPU), llama3-405b
+183.4 s (347.1 s CPU), mixtral-8x7b 194.7 s (381.4 s CPU): every target missed. This machine's
+speed moved by about a quarter within minutes that day: three runs of llama3-70b at
+08:17-08:21 took 83.6, 88.0 and 90.2 s (159.5-172.6 s CPU) with the same code, and one size
+of it 27 s of CPU at 08:21 and 34 s at 08:31. What is left per size (llama3-70b, 4 rows,
+py-spy): tracing 18%, interpreter start and imports 9%, DTensor strategies 12%, edge prices
+and the cost graph 12%, attributing solutions to layers and summing them (`profile`,
+`_summarise`) 18%; HiGHS 5%.
 """
 
 from __future__ import annotations
