@@ -154,20 +154,7 @@ def run_highs(
             arrays.integer,
             np.full(len(arrays.integer), highspy.HighsVarType.kInteger.value, np.uint8),
         )
-    with released():
-        h.run()
-    status = h.getModelStatus()
-    states = highspy.HighsModelStatus
-    if status == states.kOptimal:
-        return "optimal", np.array(h.getSolution().col_value)
-    if status in (states.kInfeasible, states.kUnboundedOrInfeasible):
-        return "infeasible", None
-    if (
-        status == states.kTimeLimit
-        and h.getInfo().objective_function_value < highspy.kHighsInf
-    ):
-        return "stopped", np.array(h.getSolution().col_value)
-    return "failed", None
+    return _run(h)
 
 
 #: How far from 0 or 1 a binary of the relaxation's optimum may lie and still count as integral:
@@ -194,10 +181,19 @@ def solve_relaxation(
     times the simplex itself. mixtral-8x7b on 8x8 H100s at 16 and 4 rows per micro-batch: 98 of
     102 programs had an integral relaxation; the relaxations took 7.0 s of CPU without presolve,
     where the branch-and-bound took 60.4 s to the same optima."""
-    import highspy
-
+    if not len(arrays.cost):  # every node has one strategy: nothing to choose
+        return "optimal", np.zeros(0)
     h = _highs(arrays, time_limit, msg)
     h.setOptionValue("presolve", "off")
+    state, values = _run(h)
+    return ("failed", None) if state == "stopped" else (state, values)
+
+
+def _run(h) -> tuple[str, np.ndarray | None]:
+    """Run `h` with the GIL released: ("optimal" | "stopped" | "infeasible" | "failed", column
+    values or None); "stopped": the time limit left a feasible solution."""
+    import highspy
+
     with released():
         h.run()
     status = h.getModelStatus()
@@ -206,6 +202,11 @@ def solve_relaxation(
         return "optimal", np.array(h.getSolution().col_value)
     if status in (states.kInfeasible, states.kUnboundedOrInfeasible):
         return "infeasible", None
+    if (
+        status == states.kTimeLimit
+        and h.getInfo().objective_function_value < highspy.kHighsInf
+    ):
+        return "stopped", np.array(h.getSolution().col_value)
     return "failed", None
 
 

@@ -103,6 +103,24 @@ def check_attention(family: str, attn: str, dropout: float) -> None:
         )
 
 
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn: str,
+    dropout: float,
+    training: bool,
+) -> torch.Tensor:
+    """Causal attention of ``q, k, v [B, n, s, d]`` as `attn` says: "fused"
+    (``scaled_dot_product_attention``), "explicit" or "explicit-batch" (`explicit_attention`,
+    heads or batch folded first)."""
+    if attn == "fused":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return explicit_attention(
+        q, k, v, dropout, training, heads_first=attn == "explicit"
+    )
+
+
 def explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -231,17 +249,7 @@ class CausalSelfAttention(nn.Module):
             k.transpose(1, 2),
             v.transpose(1, 2),
         )  # [B, n, s, d]
-        if self.attn != "fused":
-            y = explicit_attention(
-                q,
-                k,
-                v,
-                self.attn_dropout,
-                self.training,
-                heads_first=self.attn == "explicit",
-            )
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = attend(q, k, v, self.attn, self.attn_dropout, self.training)
         y = y.transpose(1, 2).reshape(b, s, self.hidden)
         return self.proj(y)
 

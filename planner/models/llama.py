@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cost_models.errors import MeshplanError
-from planner.models.gpt import check_attention, explicit_attention, lm_loss
+from planner.models.gpt import attend, check_attention, lm_loss
 
 __all__ = ["LLAMA_CONFIGS", "Llama", "LlamaConfig", "llama_param_count"]
 
@@ -160,17 +160,7 @@ class Attention(nn.Module):
         if group > 1:  # each key/value head serves `group` query heads
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-        if self.attn != "fused":
-            y = explicit_attention(
-                q,
-                k,
-                v,
-                self.attn_dropout,
-                self.training,
-                heads_first=self.attn == "explicit",
-            )
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = attend(q, k, v, self.attn, self.attn_dropout, self.training)
         return self.o(y.transpose(1, 2).reshape(b, s, h))
 
 
