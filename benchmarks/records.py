@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cost_models.errors import MeshplanError
+from planner.vocab.plan_check import recompute_mode
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Relative difference below which two predicted times are a tie: the same plan priced along two
@@ -102,6 +103,8 @@ def record_differences(new: dict[str, Any], old: dict[str, Any]) -> list[str]:
         a, b = new.get(side) or {}, old.get(side) or {}
         for key in sorted((set(a) | set(b)) - set(TIMINGS)):
             x, y = a.get(key), b.get(key)
+            if key == "stages":  # records before 2026-11-26 say recompute true/false
+                x, y = _modes(x), _modes(y)
             same = (
                 abs(x - y) <= 1e-9 * abs(y)
                 if isinstance(x, float) and isinstance(y, float)
@@ -110,3 +113,16 @@ def record_differences(new: dict[str, Any], old: dict[str, Any]) -> list[str]:
             if not same:
                 out.append(f"{side}.{key}: {y!r} -> {x!r}")
     return out
+
+
+def _modes(stages: Any) -> Any:
+    """Recorded stages with ``recompute`` as a mode (`planner.vocab.plan_check.recompute_mode`:
+    true and false are full and none)."""
+    if not isinstance(stages, list):
+        return stages
+    return [
+        {**s, "recompute": recompute_mode(s["recompute"])}
+        if isinstance(s, dict) and "recompute" in s
+        else s
+        for s in stages
+    ]
