@@ -68,15 +68,15 @@ TENSOR_CORE_CURVE = (0.80, 64.0)
 FP32_CURVE = (0.90, 16.0)
 #: Tensor-core E_max of the devices where it was fitted to measured training runs (device name ->
 #: E_max), replacing ``TENSOR_CORE_CURVE[0]``; a device without an entry keeps the guess above.
-#: A100-80GB: 0.7246, fitted by ``python -m benchmarks.published`` (benchmarks/results/published.json)
+#: A100-80GB: 0.7262, fitted by ``python -m benchmarks.published`` (benchmarks/results/published.json)
 #: to Korthikanti et al. 2022's four full-recomputation GPT runs on DGX A100-80GB (22B, 175B, 530B,
 #: 1T; ../shared/reference/published-measurements.md), least squares in the relative error of
 #: iteration time, every other constant at its datasheet value; leave-one-out it predicts each of
-#: the four within 8.3% (mean 5.3%). It stands for what fp16 GEMMs sustained in those runs
+#: the four within 8.6% (mean 5.5%; refitted 2026-11-26 on the merged search, 0.7246 before). It stands for what fp16 GEMMs sustained in those runs
 #: against the 312 TFLOP/s datasheet peak, and also absorbs what the datasheet constants left at
-#: their values miss there (its leave-one-out errors trend from -7.8% at 22B to +8.3% at 1T: the
+#: their values miss there (its leave-one-out errors trend from -7.9% at 22B to +8.6% at 1T: the
 #: smaller runs spend more of their time outside the products; benchmarks/results/REPORT.md).
-TENSOR_CORE_E_MAX: dict[str, float] = {"A100-80GB": 0.7246}
+TENSOR_CORE_E_MAX: dict[str, float] = {"A100-80GB": 0.7262}
 MEMORY_EFFICIENCY = 0.85
 #: Fixed seconds per GPU kernel (datasheet pricing only): a CUDA kernel launch takes about 5-10 us
 #: on a V100, and each kernel ramps up and drains its waves of thread blocks; we charge the low end,
