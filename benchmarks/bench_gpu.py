@@ -10,9 +10,14 @@ the same seeded model on the same seeded batches, steps alternating so both see 
 * **runtime**: `runtime.train.Trainer` (compiled stages) on that plan;
 * **reference**: the model in plain eager PyTorch, one forward and backward of the global batch.
 
-Both use Adam. Per model: the predicted iteration time, each one's median over the timed steps,
-the prediction's error ((predicted - measured) / measured, against the runtime) and the ratio
-runtime / reference. CI has no GPU: this runs where one is lent, and its results are committed.
+Both use Adam (``torch.optim.Adam`` on the bfloat16 parameters: planned as ``adam_16bit``). Per
+model: the predicted iteration time, each one's median over the timed steps, the prediction's
+error ((predicted - measured) / measured, against the runtime) and the ratio runtime /
+reference; and, before those steps, the runtime's peak memory in a training step
+(`runtime.train.measure_peak_memory`: ``torch.cuda.max_memory_allocated`` over a step after one
+warm step, less what was allocated before the trainer was built) against the plan's predicted
+peak per device (``memory``, `benchmarks.records.memory_record`). CI has no GPU: this runs where
+one is lent, and its results are committed.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ CASES = (
     ("gpt:hidden=2560,layers=8,heads=32", 16),
 )
 LR = 1e-4
+OPTIMIZER = "adam_16bit"  # what the ranks run: torch.optim.Adam on bfloat16 parameters
 
 
 def _timed(fn: Any, *args: Any) -> float:
@@ -48,11 +54,18 @@ def _timed(fn: Any, *args: Any) -> float:
 
 def _case(spec: str, batch: int, device: str, steps: int, warmup: int) -> dict:
     """One model on this rank's GPU: plan, then train runtime and reference side by side."""
+    from benchmarks.records import memory_record
     from planner.api import plan as make_plan
-    from runtime.train import Trainer, seeded_model_and_batches
+    from runtime.train import Trainer, measure_peak_memory, seeded_model_and_batches
 
     t0 = time.perf_counter()
-    p = make_plan(spec, f"1x1x{device}", global_batch=batch, dtype=torch.bfloat16)
+    p = make_plan(
+        spec,
+        f"1x1x{device}",
+        global_batch=batch,
+        dtype=torch.bfloat16,
+        optimizer=OPTIMIZER,
+    )
     planned_s = time.perf_counter() - t0
     dev = torch.device("cuda", torch.cuda.current_device())
     model, batches = seeded_model_and_batches(
@@ -60,6 +73,12 @@ def _case(spec: str, batch: int, device: str, steps: int, warmup: int) -> dict:
     )
     model = model.to(dev)
     batches = [tuple(t.to(dev) for t in b) for b in batches]
+    memory = memory_record(
+        p,
+        measure_peak_memory(
+            p, model, batches, device_type="cuda", optimizer="adam", lr=LR
+        ),
+    )
     trainer = Trainer(p, model, batches[0], optimizer="adam", lr=LR, device_type="cuda")
     opt = torch.optim.Adam(model.parameters(), lr=LR, foreach=True)
 
@@ -91,6 +110,7 @@ def _case(spec: str, batch: int, device: str, steps: int, warmup: int) -> dict:
             e.last_run_compiled for e in trainer.runner.executors.values()
         ),
         "step_times_s": times,
+        "memory": memory,
     }
 
 
@@ -104,15 +124,25 @@ def _rank(
     }
 
 
+def _memory(mem: dict | None) -> str:
+    if not mem:
+        return "-"
+    p, m = mem["predicted_bytes"], mem["measured_bytes"]
+    return f"{p / 2**30:.2f}/{m / 2**30:.2f} ({p / m - 1:+.0%})"
+
+
 def _table(res: dict) -> str:
-    head = "model                                 batch  mb  predicted  runtime  reference  error   rt/ref"
+    head = (
+        "model                                 batch  mb  predicted  runtime  reference  error   "
+        "rt/ref  memory pred/measured GiB"
+    )
     rows = [head, "-" * len(head)]
     for c in res["cases"]:
         rows.append(
             f"{c['model']:<37} {c['global_batch']:>5}  {c['num_microbatches']:>2}  "
             f"{c['predicted_s'] * 1e3:>7.1f} ms {c['runtime_s'] * 1e3:>6.1f} ms "
             f"{c['reference_s'] * 1e3:>7.1f} ms {c['prediction_error']:>+6.0%}  "
-            f"{c['runtime_over_reference']:>5.2f}"
+            f"{c['runtime_over_reference']:>5.2f}  {_memory(c.get('memory'))}"
         )
     return "\n".join(rows)
 

@@ -4,6 +4,7 @@ meshplan bench --suite gpt                          # 1..64 V100s; writes benchm
 meshplan bench --suite moe --gpus 1 2 4 --json moe.json
 meshplan bench --suite moe --gpus 16 --device H100-80GB   # re-run one case into the default file
 meshplan bench --suite wresnet --device A100-80GB
+meshplan bench --suite llama                        # Llama 3 / Mixtral on H100s vs torchtitan/Megatron-Core
 meshplan bench --report                             # regenerate benchmarks/results/REPORT.md only
 meshplan bench --suite local [--gpus 2 4] [--json FILE]   # measured on this machine's processes
 
@@ -32,8 +33,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "bench",
         help="benchmark suites: automatic plans vs the best manual Megatron configuration",
         description=(
-            "Run one of Alpa's weak-scaling suites (GPT, MoE, Wide-ResNet; 1 to 64 GPUs): plan each "
-            "case automatically, search a grid of Megatron configurations priced by the same cost "
+            "Run one of Alpa's weak-scaling suites (GPT, MoE, Wide-ResNet; 1 to 64 GPUs) or the "
+            "llama suite (Llama 3 8B to 405B and Mixtral 8x7B on 8 to 512 H100s): plan each "
+            "case automatically, search a grid of manual configurations (Megatron-LM's of 2021, "
+            "or torchtitan's and Megatron-Core's space for llama) priced by the same cost "
             "models, print a table, write the results as JSON and regenerate the markdown report. "
             "Progress goes to stderr."
         ),
@@ -54,8 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--device",
         choices=DEVICES,
-        default="V100-16GB",
-        help="device of the clusters (8 per host; default V100-16GB, as measured)",
+        help="device of the clusters (8 per host; default V100-16GB, as measured; H100-80GB "
+        "for the llama suite)",
     )
     p.add_argument(
         "--json",
@@ -82,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         raise MeshplanError("give --suite SUITE, or --report")
     if args.suite == "local":
         return _run_local(args)
+    if args.device is None:
+        args.device = "H100-80GB" if args.suite == "llama" else "V100-16GB"
     if args.suite:
         print(HEADER, flush=True)
         try:

@@ -4,7 +4,9 @@ suite is "local"; see `benchmarks.local_suite` for how the numbers are made).
 
 Targets (issue #7): the median |predicted / measured - 1| over both plans of every case is at most
 20%, and the plan predicted faster (automatic or manual) is the one measured faster in at least 4
-of 5 cases (the same fraction for another number of cases). The manual plan is the grid's best,
+of 5 cases (the same fraction for another number of cases). Issue #22: the predicted peak memory
+per device within 10% of the measured peak on every rank of both plans of every case
+(`memory_table`; records made before memory was measured have none). The manual plan is the grid's best,
 or its runner-up where the best is the automatic plan itself (`benchmarks.records.compared`).
 """
 
@@ -19,6 +21,8 @@ from benchmarks.records import compared
 
 MAX_MEDIAN_ERROR = 0.20
 AGREE_FRACTION = 4 / 5
+# issue #22: predicted peak memory within 10% of the measured peak in every case
+MAX_MEMORY_ERROR = 0.10
 
 
 def _ms(x: float | None) -> str:
@@ -112,6 +116,54 @@ def local_checks(doc: dict[str, Any]) -> list[str]:
     ]
 
 
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.2f}"
+
+
+def memory_table(doc: dict[str, Any]) -> list[str]:
+    """Markdown rows: per case and plan run, predicted against measured peak memory per stage
+    (the stage's largest measured rank); empty when the document has no memory records."""
+    rows = []
+    for c in doc["cases"]:
+        for name, part in (("auto", c["auto"]), (compared(c)["label"], compared(c))):
+            mem = part.get("memory")
+            if not mem:
+                continue
+            for s in mem["stages"]:
+                rows.append(
+                    f"| {c['num_devices']} | {c['suite']} | {name or 'auto'} | {s['stage']} | "
+                    f"{_mib(s['predicted_bytes'])} | {_mib(s['measured_bytes'])} | "
+                    f"{s['predicted_bytes'] / s['measured_bytes'] - 1:+.1%} |"
+                )
+    if not rows:
+        return []
+    return [
+        "| procs | model | plan | stage | predicted peak MiB | measured peak MiB | error |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
+def memory_check(doc: dict[str, Any]) -> list[str]:
+    """The memory target on the document's cases ([] when it has no memory records)."""
+    errors = [
+        p["memory"]["max_abs_error"]
+        for c in doc["cases"]
+        for p in (c["auto"], compared(c))
+        if p.get("memory") and p["memory"]["max_abs_error"] is not None
+    ]
+    if not errors:
+        return []
+    ok = max(errors) <= MAX_MEMORY_ERROR
+    return [
+        (
+            f"- (f) local suite: predicted peak memory within {MAX_MEMORY_ERROR:.0%} of the "
+            f"measured peak on every rank: {'yes' if ok else 'no'} (largest error "
+            f"{max(errors):.1%})"
+        )
+    ]
+
+
 def local_figure(doc: dict[str, Any], path: Path) -> bool:
     """Measured against predicted step time (log-log), the y = x line and a +-20% band; False
     (nothing written) without matplotlib."""
@@ -189,10 +241,24 @@ def local_section(doc: dict[str, Any], directory: Path) -> list[str]:
         ),
         "",
         *local_checks(doc),
+        *memory_check(doc),
         "",
         *local_table(doc),
         "",
     ]
+    memory = memory_table(doc)
+    if memory:
+        out += [
+            (
+                "Peak memory per device: predicted (the plan's stage memory, "
+                "`cost_models.memory.stage_peak_bytes`) against measured (the most bytes of "
+                "live tensors the CPU allocator reported during a training step, "
+                "`runtime.peak_memory`; the largest rank of the stage)."
+            ),
+            "",
+            *memory,
+            "",
+        ]
     name = f"{Path(doc['file']).stem}.png"
     if local_figure(doc, directory / name):
         out += [f"![local suite: predicted vs measured step time]({name})", ""]

@@ -19,6 +19,11 @@ For every case (a small GPT, GShard MoE or Mixtral model on N local processes, `
    between two barriers of the whole group; the measured step time of a plan is the median over
    its timed steps after `warmup` untimed ones.
 
+4. after the timed steps, in the same launch, measure each plan's peak memory per rank in two
+   dedicated untimed steps (`runtime.train.measure_peak_memory`: the bytes of live tensors the
+   CPU allocator reports, under the profiler, which slows those steps) against the plan's
+   predicted peak per device (`benchmarks.records.memory_record`).
+
 Recorded per case: predicted and measured step time of both plans run (``auto``, and
 ``manual_best`` or ``runner_up``: `benchmarks.records.compared`), the cost model's error
 (predicted / measured - 1), which plan is faster in prediction and in measurement (``agree``; None
@@ -49,6 +54,7 @@ from benchmarks.records import (
     TIE,
     compared,
     machine,
+    memory_record,
     stage_json,
     write_results,
 )
@@ -160,6 +166,18 @@ def measure_rank(
             out["losses"][k].append(loss)
             if i >= warmup:
                 out["times"][k].append(dt)
+    return out
+
+
+def memory_ranks(plans: Sequence[Any], model: str) -> list[list[dict[str, Any]]]:
+    """Inside a launched group, after the timed steps: every plan's peak memory per rank
+    (`runtime.train.measure_peak_memory`, on the same seeded model and batches as the steps)."""
+    from runtime.train import measure_peak_memory, seeded_model_and_batches
+
+    out = []
+    for p in plans:
+        m, batches = seeded_model_and_batches(model, p.global_batch, 2, seed=0)
+        out.append(measure_peak_memory(p, m, batches, optimizer=OPTIMIZER, lr=LR))
     return out
 
 
@@ -281,10 +299,15 @@ def case_rank(
     dist.broadcast_object_list(box, src=0)
     planned = box[0]
     t1 = time.perf_counter()
-    runs = measure_rank(
-        [planned["auto"], planned["manual_plan"]], case.model, steps, warmup
-    )
-    times = {"profile": profile_s, "run": time.perf_counter() - t1}
+    plans = [planned["auto"], planned["manual_plan"]]
+    runs = measure_rank(plans, case.model, steps, warmup)
+    t2 = time.perf_counter()
+    runs["memory"] = memory_ranks(plans, case.model)
+    times = {
+        "profile": profile_s,
+        "run": t2 - t1,
+        "memory": time.perf_counter() - t2,
+    }
     return planned | {"runs": runs, "times_s": times} if dist.get_rank() == 0 else None
 
 
@@ -322,6 +345,7 @@ def run_local_case(
         "measured_iteration_time_s": measured[1],
         "measured_step_times_s": runs["times"][1],
         "error": _error(t_man, measured[1]),
+        "memory": memory_record(r["manual_plan"], runs["memory"][1]),
     }
     return asdict(case) | {
         "cluster": r["cluster"],
@@ -343,6 +367,7 @@ def run_local_case(
             "measured_iteration_time_s": measured[0],
             "measured_step_times_s": runs["times"][0],
             "error": _error(t_auto, measured[0]),
+            "memory": memory_record(auto, runs["memory"][0]),
             **_shape(auto),
         },
         # the grid's best; when it is the automatic plan, the best other one ran instead
@@ -365,13 +390,22 @@ def run_local_case(
 
 
 def summary(cases: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Median absolute cost-model error over both executed plans of every case, in how many
-    cases the plan predicted faster is the one measured faster, and in how many the grid's best
+    """Median absolute cost-model error over both executed plans of every case, the largest
+    peak-memory error over their ranks, in how many cases the plan predicted faster is the one
+    measured faster, and in how many the grid's best
     manual plan is the automatic one (`same_plan`; the runner-up was compared)."""
     errors = [abs(p["error"]) for c in cases for p in (c["auto"], compared(c))]
+    memory = [
+        p["memory"]["max_abs_error"]
+        for c in cases
+        for p in (c["auto"], compared(c))
+        if p.get("memory") and p["memory"]["max_abs_error"] is not None
+    ]
     return {
         "median_abs_error": statistics.median(errors) if errors else None,
         "max_abs_error": max(errors) if errors else None,
+        # the largest |predicted / measured - 1| of peak memory over every rank of both plans
+        "memory_max_abs_error": max(memory) if memory else None,
         "agree": sum(c["agree"] is True for c in cases),
         "same_plan": sum(bool(c.get("same_plan")) for c in cases),
         "cases": len(cases),
@@ -418,8 +452,18 @@ def run_local_suite(
 
 HEADER = (
     f"{'procs':>5} {'model':<6} {'auto pred':>9} {'measured':>9} {'err':>6}  "
-    f"{'manual plan run':<18} {'pred':>7} {'measured':>9} {'err':>6} {'agree':>5}"
+    f"{'manual plan run':<18} {'pred':>7} {'measured':>9} {'err':>6} {'agree':>5}  "
+    f"{'peak memory pred/measured (auto, manual)':>40}"
 )
+
+
+def _memory_ratio(part: dict[str, Any]) -> str:
+    """Predicted / measured peak per device of the worst rank ("-" in older records)."""
+    mem = part.get("memory")
+    if not mem or not mem["measured_bytes"]:
+        return "-"
+    worst = max(mem["ranks"], key=lambda r: abs((r["ratio"] or 1) - 1))
+    return f"{worst['predicted_bytes'] / 2**20:.1f}/{worst['measured_bytes'] / 2**20:.1f}MiB"
 
 
 def _verdict(agree: bool | None) -> str:
@@ -434,7 +478,7 @@ def format_row(c: dict[str, Any]) -> str:
         f"{a['measured_iteration_time_s'] * 1e3:>9.1f} {a['error']:>+6.0%}  "
         f"{m['label']:<18} {m['iteration_time_s'] * 1e3:>7.1f} "
         f"{m['measured_iteration_time_s'] * 1e3:>9.1f} {m['error']:>+6.0%} "
-        f"{_verdict(c['agree']):>5}"
+        f"{_verdict(c['agree']):>5}  {_memory_ratio(a):>19} {_memory_ratio(m):>19}"
     )
 
 

@@ -30,6 +30,33 @@ Pruning, so the grid stays fast (each pruned configuration cannot be the best fe
   not fitted at one micro-batch size it is not tried at larger ones.
 
 Pricing traces the model once per micro-batch size (`shared_traces`), not once per configuration.
+
+Today's space (the suites of `TODAY_SUITES`: Llama 3 and Mixtral, as torchtitan and Megatron-Core
+configure them by hand) is larger; every configuration is still one `manual_plan` call:
+
+    dp x tp x pp = devices     as above (tp a power of two within a host, pp <= blocks);
+    parameter sharding         fsdp "none" (Megatron's DDP), "full" (FSDP2 / ZeRO-3 over the dp
+                               replicas, torchtitan's default) or "hybrid" (HSDP: sharded inside a
+                               host, replicated across hosts; tp = 1, no expert parallelism, dp
+                               spans several hosts), `manual_plan(fsdp=...)`;
+    sequence parallelism       on whenever tp > 1 (Megatron-Core and torchtitan always pair them);
+    pipeline schedule          1F1B, and interleaved 1F1B with v = `VIRTUAL_STAGES` model chunks
+                               per device when pp > 1, pp * v <= blocks and the micro-batch count is
+                               a multiple of pp (Megatron-LM's requirement);
+    expert parallel            for MoE, off and on (when E divides by dp > 1);
+    recompute                  none, selective (the attention cores) or full; with FSDP only none
+                               (`manual_plan` refuses FSDP with recomputation: the runtime does not
+                               combine them, and the automatic planner does not search it either);
+    micro-batch size           1, 2, 4, 8, 16 rows per replica, B >= pp.
+
+Context parallelism is not in this space yet (the planner has no price for it). The same pruning
+applies, with the recomputation ladder none -> selective -> full (each step slower and smaller),
+the memory lower bound dividing the state by the FSDP shard group too, and one more heuristic: the
+interleaved groups of a (dp, tp, pp, expert parallel, fsdp) are walked only when its 1F1B group had
+a configuration that fits (interleaving keeps more micro-batches in flight than 1F1B,
+`cost_models.memory.microbatches_in_flight`, so it needs at least as much activation memory; the
+layer split into pp * v chunks can move a little of the state between devices, so this is a
+heuristic, not a bound).
 """
 
 from __future__ import annotations
@@ -43,6 +70,7 @@ from typing import Any
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from cost_models.memory import state_bytes_per_param
+from planner.intra.megatron import is_expert_weight
 from planner.models import build_model
 from planner.plans import manual
 from planner.plans.manual import manual_plan
@@ -50,23 +78,51 @@ from planner.tracing.opgraph import OpGraph
 from planner.vocab.plan_file import ParallelPlan
 
 MICROBATCH_SIZES = (1, 2, 4, 8, 16)
+#: Suites whose baseline is today's space (torchtitan / Megatron-Core; module docstring).
+TODAY_SUITES = ("llama",)
+#: Model chunks per device of the interleaved schedule in today's space: 2 and 4 (Narayanan et
+#: al.'s sweep), 5 and 8 (Megatron-Core's published Llama 3 70B and Mixtral 8x7B recipes).
+VIRTUAL_STAGES = (2, 4, 5, 8)
+#: Recomputation ladders, least memory-saving (fastest) first.
+_LADDER_2021 = (False, True)
+_LADDER = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
 class ManualConfig:
-    """One Megatron configuration."""
+    """One manual configuration: Megatron-LM's of 2021 (recompute True/False), or today's space
+    with the fields after `expert_parallel` (recompute "none", "selective" or "full")."""
 
     dp: int
     tp: int
     pp: int
     num_microbatches: int
-    recompute: bool
+    recompute: bool | str
     expert_parallel: bool = False
+    fsdp: str = "none"
+    sequence_parallel: bool | None = None
+    virtual_stages: int = 1
 
     def label(self) -> str:
         ep = " EP" if self.expert_parallel else ""
-        rc = " rc" if self.recompute else ""
-        return f"dp{self.dp} tp{self.tp} pp{self.pp} B{self.num_microbatches}{rc}{ep}"
+        rc = {True: " rc", "full": " rc", "selective": " sel"}.get(self.recompute, "")
+        shard = {"full": " fsdp", "hybrid": " hsdp"}.get(self.fsdp, "")
+        sp = " sp" if self.sequence_parallel else ""
+        v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return (
+            f"dp{self.dp} tp{self.tp} pp{self.pp} B{self.num_microbatches}"
+            f"{rc}{ep}{shard}{sp}{v}"
+        )
+
+    def record(self) -> dict[str, Any]:
+        """The configuration as recorded in a case: today's fields only where they differ from
+        their defaults, so records of the 2021 grid keep their form (`ManualConfig(**record)`
+        reads either)."""
+        out = asdict(self)
+        for f in ("fsdp", "sequence_parallel", "virtual_stages"):
+            if out[f] == ManualConfig.__dataclass_fields__[f].default:
+                del out[f]
+        return out
 
 
 @dataclass(frozen=True)
@@ -86,7 +142,7 @@ def model_facts(model: str) -> ModelFacts:
     blocks: set[str] = set()
     for path, p in module.named_parameters():
         params += p.numel()
-        if path.endswith(("mlp.wi", "mlp.wo")):
+        if is_expert_weight(path):
             expert += p.numel()
             experts = int(p.shape[0])
         parts = path.split(".")
@@ -119,13 +175,22 @@ def parallel_degrees(
 
 
 def state_lower_bound(
-    facts: ModelFacts, dp: int, tp: int, pp: int, optimizer: str, expert_parallel: bool
+    facts: ModelFacts,
+    dp: int,
+    tp: int,
+    pp: int,
+    optimizer: str,
+    expert_parallel: bool,
+    shard: int = 1,
 ) -> float:
-    """Bytes per device of parameters, gradients and optimizer state at best (no activations)."""
+    """Bytes per device of parameters, gradients and optimizer state at best (no activations);
+    `shard`: the FSDP shard group every weight is also split over (1 without FSDP, dp with full
+    FSDP, the devices of a host with HSDP; expert weights split by expert parallelism are not
+    split again)."""
     per_param = state_bytes_per_param(optimizer).total
     dense = facts.params - facts.expert_params
-    experts = facts.expert_params / (dp if expert_parallel else 1)
-    return per_param * (dense + experts) / (tp * pp)
+    experts = facts.expert_params / (dp if expert_parallel else shard)
+    return per_param * (dense / shard + experts) / (tp * pp)
 
 
 def grid(
@@ -135,38 +200,66 @@ def grid(
     optimizer: str,
     suite: str,
 ) -> tuple[list[list[ManualConfig]], int]:
-    """Configurations to price, grouped by (dp, tp, pp, expert parallel) with micro-batch sizes in
-    increasing order (one group is walked until it stops fitting), and the number pruned by the
-    memory lower bound."""
+    """Configurations to price, grouped by (dp, tp, pp, expert parallel) and, in today's space
+    (`TODAY_SUITES`), parameter sharding and virtual stages; in a group, by micro-batch size in
+    increasing order and at each size by recomputation, least first (one group is walked until it
+    stops fitting). Also the number pruned by the memory lower bound."""
     facts = model_facts(model)
+    today = suite in TODAY_SUITES
     budget = cluster.device.memory_bytes
+    M = cluster.devices_per_host
     groups: list[list[ManualConfig]] = []
     pruned = 0
-    eps = (False, True) if suite in ("moe", "mixtral") else (False,)
+    eps = (False, True) if facts.experts else (False,)
     for dp, tp, pp in parallel_degrees(
-        cluster.num_devices,
-        cluster.devices_per_host,
-        facts.blocks,
-        tensor_parallel=suite != "wresnet",
+        cluster.num_devices, M, facts.blocks, tensor_parallel=suite != "wresnet"
     ):
         for ep in eps:
             if ep and (dp == 1 or facts.experts % dp):
                 continue
-            group = []
-            for size in MICROBATCH_SIZES:
-                if global_batch % (dp * size):
+            for fsdp, v in (
+                _layouts(dp, tp, pp, ep, M, facts.blocks) if today else [("none", 1)]
+            ):
+                group = []
+                for size in MICROBATCH_SIZES:
+                    if global_batch % (dp * size):
+                        continue
+                    B = global_batch // (dp * size)
+                    if B < pp or (v > 1 and B % pp):
+                        continue
+                    if not today:
+                        group += [
+                            ManualConfig(dp, tp, pp, B, rc, ep) for rc in _LADDER_2021
+                        ]
+                        continue
+                    sp = True if tp > 1 else None
+                    ladder = _LADDER if fsdp == "none" else _LADDER[:1]
+                    group += [
+                        ManualConfig(dp, tp, pp, B, rc, ep, fsdp, sp, v)
+                        for rc in ladder
+                    ]
+                if not group:
                     continue
-                B = global_batch // (dp * size)
-                if B < pp:
+                shard = {"none": 1, "full": dp, "hybrid": M}[fsdp]
+                if state_lower_bound(facts, dp, tp, pp, optimizer, ep, shard) > budget:
+                    pruned += len(group)
                     continue
-                group += [ManualConfig(dp, tp, pp, B, rc, ep) for rc in (False, True)]
-            if not group:
-                continue
-            if state_lower_bound(facts, dp, tp, pp, optimizer, ep) > budget:
-                pruned += len(group)
-                continue
-            groups.append(group)
+                groups.append(group)
     return groups, pruned
+
+
+def _layouts(
+    dp: int, tp: int, pp: int, ep: bool, per_host: int, blocks: int
+) -> list[tuple[str, int]]:
+    """(fsdp, virtual stages) of today's space for one (dp, tp, pp, expert parallel), each fsdp's
+    1F1B first (`best_manual` walks the interleaved ones only when it fitted)."""
+    shards = ["none"]
+    if dp > 1:
+        shards.append("full")
+    if tp == 1 and not ep and dp > per_host:
+        shards.append("hybrid")
+    vs = [1] + [v for v in VIRTUAL_STAGES if pp > 1 and pp * v <= blocks]
+    return [(f, v) for f in shards for v in vs]
 
 
 @contextmanager
@@ -209,10 +302,24 @@ def price(
         global_batch=global_batch,
         recompute=config.recompute,
         expert_parallel=config.expert_parallel,
+        fsdp=config.fsdp,
+        sequence_parallel=config.sequence_parallel,
+        virtual_stages=config.virtual_stages,
         dtype=dtype,
         optimizer=optimizer,
         allow_oom=True,
     )
+
+
+def _by_size(group: list[ManualConfig]) -> list[list[ManualConfig]]:
+    """A group's configurations split by micro-batch size: each size's recomputation ladder."""
+    out: list[list[ManualConfig]] = []
+    for c in group:
+        if out and out[-1][0].num_microbatches == c.num_microbatches:
+            out[-1].append(c)
+        else:
+            out.append([c])
+    return out
 
 
 def best_manual(
@@ -236,15 +343,21 @@ def best_manual(
     groups, pruned = grid(model, cluster, global_batch, optimizer, suite)
     best: tuple[float, ManualConfig, ParallelPlan] | None = None
     priced = 0
+    # the layouts (dp, tp, pp, expert parallel, fsdp) whose 1F1B group had a configuration that fits
+    fitted_1f1b: set[tuple[int, int, int, bool, str]] = set()
     with shared_traces():
         for group in groups:
+            g = group[0]
+            layout = (g.dp, g.tp, g.pp, g.expert_parallel, g.fsdp)
+            if g.virtual_stages > 1 and layout not in fitted_1f1b:
+                continue  # interleaving needs at least 1F1B's memory (module docstring)
             previous = float("inf")  # best time at the previous micro-batch size
-            plain_fits = True  # recompute off fitted at the previous size
-            for i in range(
-                0, len(group), 2
-            ):  # (recompute off, on) per micro-batch size
+            first = 0  # ladder rungs below this one did not fit at a smaller size
+            for rungs in _by_size(group):
                 fitted, here = False, float("inf")
-                for config in group[i : i + 2] if plain_fits else group[i + 1 : i + 2]:
+                for k, config in enumerate(rungs):
+                    if k < first:
+                        continue
                     try:
                         p = price(
                             model, cluster, config, global_batch, dtype, optimizer
@@ -255,15 +368,17 @@ def best_manual(
                         continue
                     priced += 1
                     if not p.manual["fits"]:
-                        plain_fits = plain_fits and config.recompute
+                        first = max(first, k + 1)
                         continue
                     fitted = True
+                    if g.virtual_stages == 1:
+                        fitted_1f1b.add(layout)
                     here = t = p.estimate.iteration_time_s
                     if say:
                         say(f"  {config.label()}: {t:.2f} s")
                     if (best is None or t < best[0]) and not (skip and skip(p)):
                         best = (t, config, p)
-                    break  # recomputation would only be slower
+                    break  # more recomputation would only be slower
                 if not fitted or here > previous:
                     break
                 previous = here
@@ -277,7 +392,7 @@ def best_manual(
     if best is not None:
         t, config, p = best
         out |= {
-            "config": asdict(config),
+            "config": config.record(),
             "label": config.label(),
             "iteration_time_s": t,
             "tflops_per_device": p.estimate.tflops_per_device,

@@ -78,6 +78,16 @@ of it 27 s of CPU at 08:21 and 34 s at 08:31. What is left per size (llama3-70b,
 py-spy): tracing 18%, interpreter start and imports 9%, DTensor strategies 12%, edge prices
 and the cost graph 12%, attributing solutions to layers and summing them (`profile`,
 `_summarise`) 18%; HiGHS 5%.
+
+2026-11-26 12:18-12:28, after the stage DP became exact and zero bubble, context parallelism
+(one more seed per mesh where micro-batches have one row) and received-value placements joined,
+on a quiet machine (load 0.7-2.5, the planner's own processes included): llama3-8b 18.4 s,
+llama3-70b 63.6 s (single run) and then 60.9, 62.5 and 63.1 s (median 62.5 s, 119 s CPU; target
+60 s: 4% over), llama3-405b 112.5 s (214 s CPU; target 180 s: pass), mixtral-8x7b 151.4 s (294 s
+CPU; target 90 s). The single runs of 08:22-08:31 took 100.5, 183.4 and 194.7 s at a similar
+load, and no change between them aimed at speed (the exact DP and the new seeds add work); what
+made the difference was not found. This machine's speed moved by a quarter within minutes that
+day (above), so these are not yet a median of 3 except llama3-70b's.
 """
 
 from __future__ import annotations

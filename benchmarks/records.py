@@ -126,3 +126,20 @@ def _modes(stages: Any) -> Any:
         else s
         for s in stages
     ]
+
+
+def memory_record(plan: Any, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A plan's predicted against measured peak memory in a case record, from every rank's
+    `runtime.train.measure_peak_memory`: per rank and per stage (`runtime.train.stage_peaks`),
+    the largest predicted and measured peak per device, and ``max_abs_error``, the largest
+    |predicted / measured - 1| over the ranks (each against its own stage's prediction)."""
+    from runtime.train import stage_peaks
+
+    errors = [abs(r["ratio"] - 1) for r in ranks if r["ratio"] is not None]
+    return {
+        "predicted_bytes": max(r["predicted_bytes"] for r in ranks),
+        "measured_bytes": max(r["measured_bytes"] for r in ranks),
+        "max_abs_error": max(errors) if errors else None,
+        "stages": stage_peaks(plan, ranks),
+        "ranks": ranks,
+    }

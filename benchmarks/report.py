@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.llama_report import llama_checks, published_table
 from benchmarks.local_report import local_section
 from benchmarks.published import section as published_section
 from benchmarks.records import RESULTS, TIE, load_results
@@ -104,6 +105,14 @@ def figure(doc: dict[str, Any], path: Path) -> bool:
         return False
     cases = doc["cases"]
     x = [c["num_devices"] for c in cases]
+    # cases of the same device count (the llama suite's two on 8 GPUs) are placed one by one
+    ticks = [f"{n}" for n in x]
+    if len(set(x)) < len(x):
+        ticks = [
+            f"{n}\n{c['model'] if ',seq=' not in c['model'] else 'seq ' + c['model'].split(',seq=')[-1]}"
+            for n, c in zip(x, cases)
+        ]
+        x = list(range(len(cases)))
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.plot(
         x,
@@ -117,6 +126,14 @@ def figure(doc: dict[str, Any], path: Path) -> bool:
         "s-",
         label="best manual (predicted)",
     )
+    published = [  # the llama suite's priced published configurations that fit
+        (xi, p["tflops_per_device"])
+        for xi, c in zip(x, cases)
+        for p in c.get("published", [])
+        if p.get("priced") and p["fits"]
+    ]
+    if published:
+        ax.plot(*zip(*published), "D", label="published config (predicted)")
     for name in cases[0].get("measured_tflops_per_device", {}):
         ys = [c["measured_tflops_per_device"].get(name) for c in cases]
         ax.plot(
@@ -125,8 +142,9 @@ def figure(doc: dict[str, Any], path: Path) -> bool:
             "x--",
             label=f"{name} (measured)",
         )
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(x, [str(v) for v in x])
+    if ticks == [str(v) for v in x]:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(x, ticks, fontsize=7)
     ax.set_xlabel("devices")
     ax.set_ylabel("TFLOP/s per device")
     ax.set_title(f"{doc['suite']} on {doc['device']}")
@@ -142,7 +160,7 @@ def figure(doc: dict[str, Any], path: Path) -> bool:
 def checks(docs: list[dict[str, Any]]) -> list[str]:
     """The issue's targets, evaluated on the results present (nothing is tuned to them): (a) and
     (b) on every device's suites, (c) on the V100 GPT suite (the reference measured V100s)."""
-    suites = [d for d in docs if d["suite"] != "local"]
+    suites = [d for d in docs if d["suite"] not in ("local", "llama")]
     v100 = [d for d in suites if d["device"] == "V100-16GB"]
 
     def misses(cases: list[dict[str, Any]], low: float) -> str:
@@ -264,7 +282,7 @@ def report(directory: str | Path = RESULTS) -> str:
         ),
         "",
     ]
-    out += ["## Targets", "", *checks(docs), ""]
+    out += ["## Targets", "", *checks(docs), *llama_checks(docs), ""]
     for doc in docs:
         if doc["suite"] == "local":
             out += local_section(doc, directory)
@@ -289,6 +307,9 @@ def report(directory: str | Path = RESULTS) -> str:
         name = f"{Path(doc['file']).stem}.png"
         if figure(doc, directory / name):
             out += [f"![{doc['suite']} on {doc['device']}]({name})", ""]
+        published = published_table(doc)
+        if published:
+            out += [*published, ""]
         listed = listed_table(doc)
         if listed:
             out += [

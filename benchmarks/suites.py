@@ -15,6 +15,14 @@ predicted to take, and the largest ratio any plan could reach.
 Settings taken from the reference: GPT global batch 1024 (128 at 1 GPU, as listed), fp16, Adam with
 mixed precision; Wide-ResNet batch 1536 (1520 at 32 and 64 GPUs) in fp32 (Adam, fp32 states). The
 reference gives no MoE batch: 1024 sequences, as Alpa's MoE benchmark (an assumption).
+
+The `llama` suite (`LLAMA_CASES`, H100-80GB hosts) is today's practice instead: Llama 3 and Mixtral
+at the sizes torchtitan and Megatron-Core publish configurations for, bfloat16, the global batch
+of a published configuration (`benchmarks.llama_configs`), the grid of today's space as the
+baseline (`benchmarks.manual_grid.TODAY_SUITES`), and the published configurations of the case's
+model, sequence length and GPU count priced and listed next to it (`published`, each with
+`vs_auto` = its predicted seconds per sequence / the automatic plan's, > 1: the automatic plan is
+faster; given also where the configuration is predicted not to fit).
 """
 
 from __future__ import annotations
@@ -25,15 +33,18 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks.ceiling import case_ceiling
+from benchmarks.llama_configs import PUBLISHED, price_published
 from benchmarks.manual_grid import best_manual
 from benchmarks.megatron_gpt import megatron_prediction
 from benchmarks.records import machine, stage_json
 from benchmarks.reference import gpt_megatron_configs, measured_tflops, scaling
+from cost_models.cluster import Cluster
 from cost_models.errors import DoesNotFitError
 from planner import plan
+from planner.models.registry import get_config
 
 HOST = 8  # GPUs per host (p3.16xlarge, DGX A100, DGX H100)
-SUITES = ("gpt", "moe", "wresnet")
+SUITES = ("gpt", "moe", "wresnet", "llama")
 DEVICES = ("V100-16GB", "A100-80GB", "H100-80GB")
 _HEADING = {"gpt": "## GPT", "moe": "## GShard MoE", "wresnet": "## Wide-ResNet"}
 # Measured rows of the reference: (automatic, baseline) per suite.
@@ -42,6 +53,21 @@ _SYSTEMS = {
     "moe": ("Alpa (auto)", "DeepSpeed (ZeRO + expert parallel)"),
     "wresnet": ("Alpa (auto)", "PP-DP baseline"),
 }
+
+
+#: Llama 3 8B at the sequence of torchtitan's longest context-parallel run (TT-BENCH Table 2).
+LLAMA_LONG = "llama:hidden=4096,layers=32,heads=32,kv_heads=8,ffn=14336,seq=262144"
+#: The llama suite: (model, GPUs, global batch); the batch is a published configuration's
+#: (`benchmarks.llama_configs` names the sources).
+LLAMA_CASES = (
+    ("llama3-8b", 8, 128),  # NeMo's H100 recipe, GBS 128 (torchtitan's 8-GPU run: 16)
+    ("llama3-70b", 64, 128),  # NeMo's H100 recipe, GBS 128
+    ("llama3-405b", 512, 256),  # torchtitan's 512-GPU run (TT-BENCH Table 5), 256
+    ("mixtral-8x7b", 64, 256),  # NeMo's H100 recipe, GBS 256 (sequence 4096)
+    # torchtitan's FSDP 1 x CP 8 run, local batch 1 (TT-BENCH Table 2)
+    (LLAMA_LONG, 8, 1),
+)
+_BASE = {LLAMA_LONG: "llama3-8b"}  # the published name of a model given as a spec
 
 
 @dataclass(frozen=True)
@@ -68,6 +94,16 @@ def suite_cases(
     """The weak-scaling cases of `suite` (all of the reference's GPU counts unless `gpus`)."""
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; expected one of {SUITES}")
+    if suite == "llama":
+        counts = sorted({g for _, g, _ in LLAMA_CASES})
+        unknown = sorted(set(gpus or []) - set(counts))
+        if unknown:
+            raise ValueError(f"llama: no case for {unknown} GPUs; cases: {counts}")
+        return [
+            Case(suite, m, g, cluster_spec(g, device), G, "bfloat16")
+            for m, g, G in LLAMA_CASES
+            if not gpus or g in gpus
+        ]
     sizes = scaling(_HEADING[suite])
     unknown = sorted(set(gpus or []) - set(sizes))
     if unknown:
@@ -95,6 +131,29 @@ def listed_megatron(case: Case) -> dict[str, Any] | None:
     if listed is None:
         return None
     return megatron_prediction(case.model, case.cluster, listed, case.global_batch)
+
+
+def published_configs(case: Case) -> list[dict[str, Any]]:
+    """The published configurations of the case's model and sequence length, each priced on the
+    case's cluster where it can be (`benchmarks.llama_configs.price_published`)."""
+    base, seq = _BASE.get(case.model, case.model), get_config(case.model).seq
+    cluster = Cluster.from_spec(case.cluster)
+    return [
+        price_published(c, cluster, case.model, case.num_devices)
+        for c in PUBLISHED
+        if c.model == base and c.seq == seq
+    ]
+
+
+def _vs_auto(published: dict[str, Any], case: dict[str, Any]) -> float | None:
+    """Seconds per sequence of a priced published configuration / the automatic plan's (its
+    global batch can differ from the case's); given whether or not it is predicted to fit."""
+    t = case["auto"]["iteration_time_s"]
+    if not (published.get("priced") and t):
+        return None
+    return (published["iteration_time_s"] / published["global_batch"]) / (
+        t / case["global_batch"]
+    )
 
 
 def run_case(case: Case, say: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -147,6 +206,10 @@ def run_case(case: Case, say: Callable[[str], None] | None = None) -> dict[str, 
         else None,
     }
     out["ceiling"] = case_ceiling(out)
+    if case.suite == "llama":
+        out["published"] = [
+            p | {"vs_auto": _vs_auto(p, out)} for p in published_configs(case)
+        ]
     if case.cluster.endswith("V100-16GB"):
         auto_sys, base_sys = _SYSTEMS[case.suite]
         heading = _HEADING[case.suite]

@@ -339,11 +339,13 @@ def fp32_cross_entropy_time(cluster: Cluster, logits: float) -> tuple[float, flo
 #: ``adam_mixed`` (Megatron-LM's fp16 optimizer): copy the fp16 gradient to an fp32 main gradient
 #: 2 + 4; unscale and check for inf/nan 4 + 4; gradient norm for clipping 4; Adam reads the fp32
 #: weight, gradient, m, v (16) and writes weight, m, v (12); copy the weight back to fp16 4 + 2:
-#: 52 in all. ``adam_fp32``: Adam's 28. SGD reads weight and gradient, writes the weight: 12; with
-#: momentum also reads and writes the buffer: 20.
+#: 52 in all. ``adam_fp32``: Adam's 28. ``adam_16bit`` (Adam on 16-bit weights, its state in their
+#: dtype): reads weight, gradient, m, v (8) and writes weight, m, v (6): 14. SGD reads weight and
+#: gradient, writes the weight: 12; with momentum also reads and writes the buffer: 20.
 OPTIMIZER_STEP_BYTES = {
     "adam_mixed": 52,
     "adam_fp32": 28,
+    "adam_16bit": 14,
     "sgd": 12,
     "sgd_momentum": 20,
 }

@@ -5,6 +5,7 @@ Model state per parameter (ZeRO, Rajbhandari et al. 2020, section 3.1)::
     optimizer       weights  grads  optimizer state                          total
     adam_mixed        2        2    12 (fp32 master weights, m, v: 4+4+4)     16
     adam_fp32         4        4     8 (m, v)                                 16
+    adam_16bit        2        2     4 (m, v in the weights' 16-bit dtype)      8
     sgd               4        4     0                                         8
     sgd_momentum      4        4     4 (momentum)                             12
 
@@ -26,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from cost_models.errors import MeshplanError
 
 
@@ -45,6 +48,8 @@ class StateBytes:
 OPTIMIZERS: dict[str, StateBytes] = {
     "adam_mixed": StateBytes(2, 2, 12),
     "adam_fp32": StateBytes(4, 4, 8),
+    # torch.optim.Adam on bfloat16 / float16 parameters, as `benchmarks.bench_gpu` trains
+    "adam_16bit": StateBytes(2, 2, 4),
     "sgd": StateBytes(4, 4, 0),
     "sgd_momentum": StateBytes(4, 4, 4),
 }
@@ -95,16 +100,38 @@ def gathered_bytes(optimizer: str = "adam_mixed") -> float:
 
 
 def stage_peak_bytes(
-    param_bytes: Any, kept_bytes: Any, transient_bytes: Any, in_flight: Any
+    param_bytes: Any,
+    kept_bytes: Any,
+    transient_bytes: Any,
+    in_flight: Any,
+    accumulating: Any = 0.0,
+    num_microbatches: int | None = None,
+    weight_grads: Any = 0,
 ) -> Any:
     """Peak bytes per device of a pipeline stage: its parameter state, the activations it keeps
     per micro-batch times the micro-batches the schedule keeps in flight
-    (`microbatches_in_flight`), and what lives only while one layer is recomputed and
-    back-propagated (once: one micro-batch is in backward at a time). Numpy arrays broadcast."""
-    return param_bytes + in_flight * kept_bytes + transient_bytes
+    (`microbatches_in_flight`), what lives only while one layer is recomputed and
+    back-propagated (once: one micro-batch is in backward at a time), and `weight_grads`: the
+    output gradients a zero-bubble schedule keeps for its deferred weight gradients
+    (`weight_grads_pending` times their bytes per micro-batch). Numpy arrays broadcast.
+
+    ``accumulating``: bytes held only during the backward of a micro-batch after the first (a
+    second set of fresh gradients next to the accumulated ones, `planner.inter.held_memory`).
+    Then the stage holds the activations of ``min(in_flight, B - 1)`` micro-batches (1F1B and
+    GPipe: the first backward has freed one set, and 1F1B's next forward has added at most one),
+    so the peak is the larger of the two moments::
+
+        param + transient + weight_grads
+            + max(in_flight * kept, min(in_flight, B - 1) * kept + accumulating)
+    """
+    if num_microbatches is None or num_microbatches < 2:
+        return param_bytes + in_flight * kept_bytes + transient_bytes + weight_grads
+    later = np.minimum(in_flight, num_microbatches - 1)
+    held = np.maximum(in_flight * kept_bytes, later * kept_bytes + accumulating)
+    return param_bytes + held + transient_bytes + weight_grads
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 _SCHEDULE_ALIASES = {
     "gpipe": "gpipe",
     "schedulegpipe": "gpipe",
@@ -114,12 +141,17 @@ _SCHEDULE_ALIASES = {
     "interleaved": "interleaved",
     "interleaved1f1b": "interleaved",
     "scheduleinterleaved1f1b": "interleaved",
+    "zerobubble": "zero_bubble",
+    "zb": "zero_bubble",
+    "zb1p": "zero_bubble",
+    "scheduleinterleavedzerobubble": "zero_bubble",
 }
 
 
 def canonical_schedule(schedule: str) -> str:
-    """``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` for a schedule name or alias (case, ``-``, ``_``
-    ignored; torch's class names such as ``ScheduleInterleaved1F1B`` are accepted)."""
+    """``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zero_bubble"`` for a schedule name or alias
+    (case, ``-``, ``_`` ignored; torch's class names such as ``ScheduleInterleaved1F1B`` and
+    ``ScheduleInterleavedZeroBubble`` are accepted; ``zb`` and ``zb1p`` are zero bubble)."""
     key = _SCHEDULE_ALIASES.get(schedule.replace("-", "").replace("_", "").lower())
     if key is None:
         raise MeshplanError(
@@ -149,6 +181,14 @@ def microbatches_in_flight(
     device, ``(w + 1) / v``, assuming equal chunks; device 0 holds ``p + (p - 1) / v`` (Korthikanti
     et al. 2022, section 4.2.3). Megatron requires ``B`` to be a multiple of p; with ``v == 1`` the
     schedule is 1F1B.
+    Zero bubble (torch's ``ScheduleInterleavedZeroBubble``, one stage per device): a micro-batch
+    holds its activations from its forward until its weight gradient W, not only until its input
+    gradient (the W pass needs the weight products' inputs; torch keeps the autograd graph, saved
+    tensors included, from the input-gradient pass to W). Rank r runs ``p - r - 1`` warm-up
+    forwards, then F, I and, once r weight gradients are deferred, W of the oldest: just before
+    that W it has run ``p - r + k`` forwards and ``k - r`` weight gradients at steady step k, so
+    every stage holds ``min(B, p)`` micro-batches at its peak (1F1B's first-stage count on every
+    stage; Qi et al. 2024, ZB-H1).
     """
     key = canonical_schedule(schedule)
     if num_microbatches < 1 or num_stages < 1 or not 0 <= stage_index < num_stages:
@@ -163,6 +203,8 @@ def microbatches_in_flight(
         )
     if key == "gpipe":
         return num_microbatches
+    if key == "zero_bubble":
+        return min(num_microbatches, num_stages)
     if key == "1f1b" or virtual_stages == 1:
         return min(num_microbatches, num_stages - stage_index)
     p, v, b = num_stages, virtual_stages, num_microbatches
@@ -174,3 +216,21 @@ def microbatches_in_flight(
     if b == p:
         return float(b)
     return (2 * (p - stage_index - 1) + (v - 1) * p + 1) / v
+
+
+def weight_grads_pending(
+    schedule: str, num_microbatches: int, num_stages: int, stage_index: int
+) -> int:
+    """Micro-batches whose weight gradient stage ``stage_index`` has deferred at its peak (zero
+    bubble; 0 for the other schedules, which run backward whole).
+
+    torch's input-gradient pass (``stage_backward_input``) keeps, for the later weight pass, the
+    gradient reaching every weight product's output (its ``param_groups`` "grads"): per deferred
+    micro-batch, the bytes of those outputs. At rank r's memory peak (just before the W of steady
+    step k, `microbatches_in_flight`) it has run ``k + 1`` input gradients and ``k - r`` weight
+    gradients: ``r + 1`` deferred (at most B). The activations of those micro-batches are counted
+    in `microbatches_in_flight` (held until their W).
+    """
+    if canonical_schedule(schedule) != "zero_bubble":
+        return 0
+    return min(num_microbatches, stage_index + 1)

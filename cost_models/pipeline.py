@@ -53,6 +53,42 @@ against simulation (chunk times uniform in [1 - x, 1 + x], p <= 8, v <= 4, B <= 
 formula was within -7%..+9% of the makespan for x = 0.1 and -17%..+16% for x = 0.3 (low when
 B == p, where every forward runs before any backward, and when unequal chunks stall devices across
 rounds; high, like 1F1B, when the slowest device comes early). ``v == 1`` is plain 1F1B.
+
+Zero bubble (Qi et al. 2024, ZB-H1; torch.distributed.pipelining's ``ScheduleInterleavedZeroBubble``
+with one stage per device, whose per-rank action order the runtime runs): backward is split into the
+input gradient I (``b_i`` s on stage i: what the previous stage waits for) and the weight gradient W
+(``w_i``: the weight-gradient matrix products, needed by nobody downstream), forward takes ``f_i``,
+``t_i = f_i + b_i + w_i``. Rank r runs ``p - r - 1`` warm-up forwards, then F, I and (once it has
+deferred r of them) the oldest pending W, then the remaining I and W::
+
+    T_zb = B * max_i t_i + sum_i z_i - max_i z_i + sum_i s_i + (B - 1) * (P - max_i t_i)
+    z_i  = max(f_i + b_i - w_i, f_i, b_i)
+
+with ``P`` 1F1B's steady-state period above (``P = max t`` without sends). Derivation for equal
+stages (``f, b, w``, B >= p, no sends), where it is exact: the last rank starts its first forward
+after the ``p - 1`` forwards ahead of it, and thereafter is idle only while the micro-batch it
+needs is one hop further back; rank r's r deferred weight gradients fill exactly the gaps 1F1B
+leaves in its warm-up and cool-down, so each of the ``p - 1`` hops of fill plus drain costs
+``f + b - w`` (a forward and an input gradient less the weight gradient that fills the wait)
+instead of 1F1B's ``f + b + w``, but never less than the longer of ``f`` and ``b``: a hop is
+a dependency chain through one forward (fill) and one input gradient (drain) that no deferred W
+can shorten. The device then runs ``B t`` of work plus ``(p - 1) z``: Alpa's 1F1B formula with
+``t`` replaced by ``z`` in its fill/drain term. Checked against the simulated action order of
+torch's schedule (tests/test_zero_bubble.py) for p <= 5, every B >= p torch accepts and f,
+b, w in a grid: equal to the simulated makespan, also when the first stage runs its whole backward
+in W as torch does (nothing waits for its input gradient, and rank 0 defers no W, so its I and W
+run back to back). Unequal stages generalise it as the interleaved
+formula does (the bottleneck stage runs B micro-batches, every other stage adds its hop ``z_i``);
+sends add their round trip once and, as 1F1B's strict order exposes them in the steady state,
+the same ``(B - 1) (P - max t)``. Against simulation (stage times uniform in [1 - x, 1 + x],
+``w`` 0.3..1.2 of ``b``, p <= 8, B up to 6 p) it was within -6%..+14% for x <= 0.3, and never
+below the simulated makespan with equal stage times and equal sends (up to +23% for sends as
+long as a forward). Since ``z_i < t_i`` whenever ``w_i > 0``, ``T_zb < T_1f1b`` for p >= 2 (the
+terms differ only in ``max t + sum z - max z`` versus ``sum t``). torch's schedule needs
+B >= p here (``pipeline_time`` refuses fewer) and B a multiple of its rounds ``B // p``. The
+planner splits a stage's time as: ``f`` its forward compute, ``w`` its weight-gradient products
+(`planner.inter.wgrad`), ``b`` the rest (input-gradient compute, recomputation, collectives and
+the fixed per-micro-batch costs).
 """
 
 from __future__ import annotations
@@ -118,15 +154,22 @@ def pipeline_time(
     *,
     virtual_stages: int = 1,
     send_times: Sequence[float] = (),
+    forward_times: Sequence[float] = (),
+    weight_times: Sequence[float] = (),
 ) -> float:
     """Seconds of one iteration of ``num_microbatches`` micro-batches (formulas in the module
     docstring). ``stage_times[i]``: forward + backward of one micro-batch on stage i (for
     ``"interleaved"`` the ``p * virtual_stages`` chunks in order, chunk c on device ``c % p``);
     ``send_times[i]``: round trip of one micro-batch over the link from stage i to i + 1, or empty
-    for free links."""
+    for free links. ``forward_times`` and ``weight_times`` (zero bubble only; empty: 0): the
+    forward and the weight-gradient part of each stage time, the rest being the input gradient."""
     key = canonical_schedule(schedule)
     t = _times(stage_times, "stage times")
     s = _times(send_times, "send times")
+    if key == "zero_bubble" or forward_times or weight_times:
+        return _zero_bubble_time(
+            t, num_microbatches, key, virtual_stages, s, forward_times, weight_times
+        )
     b, v = num_microbatches, virtual_stages
     if not t:
         raise MeshplanError("need at least one stage time")
@@ -159,6 +202,61 @@ def pipeline_time(
     return b * device + (sum(t) - device) / v + sum(s)
 
 
+def _zero_bubble_time(
+    t: list[float],
+    b: int,
+    key: str,
+    v: int,
+    s: list[float],
+    forward_times: Sequence[float],
+    weight_times: Sequence[float],
+) -> float:
+    """``T_zb`` of the module docstring, after checking its inputs."""
+    if key != "zero_bubble":
+        raise MeshplanError(
+            f"forward and weight-gradient times split a stage only for the zero_bubble "
+            f"schedule, not {key}"
+        )
+    if v != 1:
+        raise MeshplanError(
+            f"the zero_bubble schedule runs one stage per device: virtual_stages must be 1, got {v}"
+        )
+    p = len(t)
+    f = _times(forward_times, "forward times") or [0.0] * p
+    w = _times(weight_times, "weight-gradient times") or [0.0] * p
+    if len(f) != p or len(w) != p:
+        raise MeshplanError(
+            f"need one forward and one weight-gradient time per stage ({p}), got {len(f)} and "
+            f"{len(w)}"
+        )
+    if not t or (s and len(s) != p - 1):
+        raise MeshplanError(
+            f"need at least one stage time and one send time per link: {p - 1} for {p} "
+            f"stages, got {len(s)}"
+        )
+    if b < p:
+        raise MeshplanError(
+            f"the zero_bubble schedule needs at least as many micro-batches ({b}) as stages ({p})"
+        )
+    if b % (b // p):
+        raise MeshplanError(
+            f"the zero_bubble schedule (torch's) needs the {b} micro-batches to be a multiple "
+            f"of its rounds ({b // p})"
+        )
+    z = []
+    for i, (ti, fi, wi) in enumerate(zip(t, f, w)):
+        bi = ti - fi - wi
+        if bi < -1e-12 * max(ti, 1.0):
+            raise MeshplanError(
+                f"stage {i}: forward {fi} + weight gradient {wi} exceed its time {ti}"
+            )
+        bi = max(bi, 0.0)
+        z.append(max(fi + bi - wi, fi, bi))
+    top = max(t)
+    period = steady_state_period(t, b, s) if s else top
+    return b * top + sum(z) - max(z) + sum(s) + (b - 1) * (period - top)
+
+
 def stage_send_times(
     cluster: Cluster,
     boundary_bytes: Sequence[float],
@@ -189,17 +287,23 @@ def iteration_time(
     *,
     virtual_stages: int = 1,
     step_s: float | None = None,
+    forward_times: Sequence[float] = (),
+    weight_times: Sequence[float] = (),
 ) -> float:
     """Predicted seconds of one training iteration of a plan: `pipeline_time` of its stages
     (``stage_times[i]``: forward + backward of one micro-batch on stage i, recomputation and its
     share of gradient synchronisation included), with the values crossing each stage boundary
     (``boundary_bytes[i]``: full bytes of one micro-batch from stage i to i + 1) sent between the
     stages' ``devices`` (`stage_send_times`), plus a fixed time per step: `step_s`, by default the
-    runtime's (`step_overhead`). Every plan, automatic or manual, is priced by this function."""
+    runtime's (`step_overhead`). ``forward_times`` / ``weight_times``: each stage time's forward and
+    weight-gradient parts, for the zero-bubble schedule. Every plan, automatic or manual, is priced
+    by this function."""
     return pipeline_time(
         stage_times,
         num_microbatches,
         schedule,
         virtual_stages=virtual_stages,
         send_times=stage_send_times(cluster, boundary_bytes, devices),
+        forward_times=forward_times,
+        weight_times=weight_times,
     ) + (step_overhead(cluster) if step_s is None else step_s)

@@ -21,7 +21,9 @@ of `planner.tracing.tracer.trace`) node by node on DTensors:
   raises with ``strict=True``). Ops that fell back to replication in the plan are registered with
   DTensor's ``replicate_op_strategy`` (`planner.vocab.dtensor_ext.register_fallback`), and the rules the
   planner added (CPU flash attention) with `planner.vocab.dtensor_ext.register_missing_rules`. On
-  GPUs, ops traced as CPU kernels run as their CUDA equivalents (`runtime.device_ops`).
+  GPUs, ops traced as CPU kernels run as their CUDA equivalents (`runtime.device_ops`). Attention
+  planned context-parallel (sequence split, `planner.vocab.context`) has no DTensor rule and runs
+  as `runtime.context.context_attention`.
 * Output. The loss is returned replicated; a partial loss (``P(avg)`` under data parallelism) is
   all-reduced first (one scalar, which the planner does not price: no edge leads to the output).
 
@@ -82,6 +84,7 @@ from torch.fx.node import map_arg
 
 from cost_models.errors import MeshplanError
 from planner.tracing.opgraph import OpGraph
+from planner.vocab.context import SDPA, context_axis
 from planner.vocab.dtensor_ext import (
     placement_to_str,
     register_fallback,
@@ -93,6 +96,7 @@ from planner.vocab.placements import device_mesh_shape, mesh_axes
 from planner.vocab.strategy import StageProgram, consumed_output
 from runtime import comm_count
 from runtime.compiled import CompiledStage
+from runtime.context import context_attention
 from runtime.device_ops import device_targets
 from runtime.fsdp import FsdpParams
 from runtime.grad_sync import sync_grads
@@ -193,6 +197,13 @@ class PlanExecutor(torch.fx.Interpreter):
                 and isinstance(n.target, torch._ops.OpOverload)
             ):
                 register_fallback(n.target)
+            if n.target is SDPA and context_axis(strategy) is not None:
+                # context parallelism: no DTensor rule, run by `runtime.context`
+                self._targets[n] = context_attention(
+                    self._targets.get(n, n.target),
+                    mesh,
+                    self.axes.index(context_axis(strategy)),
+                )
         self._parsed: dict[Strs, tuple[Placement, ...]] = {}
         # FSDP parameters (placeholder name -> shard placements; `runtime.fsdp`): eager only;
         # `layers` (op node name -> plan layer) paces their reduce-scatters

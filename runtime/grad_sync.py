@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,13 +92,32 @@ def _set_grads(
     params: dict[str, DTensor],
     paths: list[str],
     locals_: list[torch.Tensor],
+    metas: list[Any],
     mesh: DeviceMesh,
     placements: tuple[Placement, ...],
 ) -> None:
-    for k, local in zip(paths, locals_):
-        meta = params[k].grad._spec.tensor_meta
+    for k, local, meta in zip(paths, locals_, metas):
         spec = DTensorSpec(mesh, placements, tensor_meta=meta)
         params[k].grad = DTensor(local, spec, requires_grad=False)
+
+
+def _take_grads(params: dict[str, DTensor], paths: list[str]) -> list[Any]:
+    """Drop the parameters' gradients (the bucket holds a copy now), so the bucket does not double
+    them in memory; their tensor metas, to set the synchronised ones."""
+    metas = []
+    for k in paths:
+        metas.append(params[k].grad._spec.tensor_meta)
+        params[k].grad = None
+    return metas
+
+
+def _all_reduce_(flat: torch.Tensor, op: str, mesh: DeviceMesh, axis: int) -> None:
+    """All-reduce `flat` in place over `axis` of `mesh`: the functional collective's in-place
+    form (``_c10d_functional.all_reduce_``, which `runtime.comm_count` counts), where
+    ``Partial._reduce_value`` (``funcol.all_reduce``) would make a reduced copy of the bucket."""
+    group = funcol._resolve_group_name((mesh, axis))
+    torch.ops._c10d_functional.all_reduce_(flat, op, group)
+    torch.ops._c10d_functional.wait_tensor(flat)
 
 
 def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
@@ -128,24 +148,29 @@ def sync_grads(params: dict[str, DTensor]) -> None:
                 continue
         with comm_count.site(f"bwd:sync:{path}"):
             p.grad = redistribute(g, p.placements)
+    # Memory: a bucket is one flat copy of its gradients, which replaces them (`_take_grads`)
+    # and is reduced in place, so syncing holds the gradients once, as the planner prices them
+    # (`cost_models.memory`), plus a reduce-scatter's output shard.
     for (g_pl, p_pl, _, axes), paths in reduce.items():
-        locals_ = [params[k].grad._local_tensor for k in paths]
         mesh = params[paths[0]].grad.device_mesh
-        flat = torch.cat([t.reshape(-1) for t in locals_])
+        shapes = [params[k].grad._local_tensor.shape for k in paths]
+        flat = torch.cat([params[k].grad._local_tensor.reshape(-1) for k in paths])
+        metas = _take_grads(params, paths)
         with comm_count.site(f"bwd:sync:{paths[0]}"):
             for a in axes:
-                flat = _wait(g_pl[a]._reduce_value(flat, mesh, a))
-        pieces = _split(flat, [t.shape for t in locals_])
-        _set_grads(params, paths, pieces, mesh, p_pl)
+                _all_reduce_(flat, g_pl[a].reduce_op, mesh, a)
+        _set_grads(params, paths, _split(flat, shapes), metas, mesh, p_pl)
     for (g_pl, p_pl, _, (a, dim)), paths in scatter.items():
         mesh = params[paths[0]].grad.device_mesh
         n = mesh.size(a)
         chunks = [params[k].grad._local_tensor.chunk(n, dim) for k in paths]
+        shapes = [c[0].shape for c in chunks]
         flat = torch.cat([c[r].reshape(-1) for r in range(n) for c in chunks])
+        del chunks
+        metas = _take_grads(params, paths)
         with comm_count.site(f"bwd:sync:{paths[0]}"):
             flat = _wait(g_pl[a]._reduce_shard_value(flat, mesh, a, Shard(0)))
-        pieces = _split(flat, [c[0].shape for c in chunks])
-        _set_grads(params, paths, pieces, mesh, p_pl)
+        _set_grads(params, paths, _split(flat, shapes), metas, mesh, p_pl)
 
 
 @dataclass(frozen=True)

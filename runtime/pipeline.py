@@ -15,12 +15,14 @@ Moving a boundary value from stage s to stage t (one micro-batch):
   mesh (an executor edge, whose backward moves the gradient back to the planned placement), then
   sender rank ``Ds[i % |Ds|]`` sends the i-th of ``|Dt|`` pieces of it to the i-th receiver rank
   (`runtime.boundary`: every byte crosses once, as the planner prices it); the receivers all-gather
-  the pieces and place the value replicated on their mesh, a leaf requiring grad; the edge to its
-  first consumer slices it locally to the consumer's planned placement.
-* backward: the receiver stage's gradient of that leaf arrives replicated (the executor's edges
-  give a received value's gradient back as ``R``); receiver rank ``Dt[j % |Dt|]`` sends the j-th of
-  ``|Ds|`` pieces of it to the j-th sender rank, which sums the pieces from every consuming stage,
-  all-gathers them within its stage and back-propagates the sum through its replicated copy.
+  the pieces and place the value (local slices) in its planned placement on their mesh
+  (``StagePlan.input_placements``, the placement the stage's solution priced its edges from), a
+  leaf requiring grad; the executor's edges to its consumers then run as priced.
+* backward: the receiver stage's gradient of that leaf arrives in that placement (the executor's
+  edges give it back there) and is made replicated (``bwd:<v>->recv``); receiver rank
+  ``Dt[j % |Dt|]`` sends the j-th of ``|Ds|`` pieces of it to the j-th sender rank, which sums
+  the pieces from every consuming stage, all-gathers them within its stage and back-propagates
+  the sum through its replicated copy.
 
 A value read by several later stages goes to each directly (no relay through the stages between).
 Sends are ``isend`` (waited at the end of the step); receives block, so a stage runs its schedule
@@ -99,6 +101,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
 from planner.tracing.attention import attention_cores
+from planner.tracing.blocks import block_of
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.dtensor_ext import str_to_placement
 from planner.vocab.placements import device_mesh_shape, mesh_axes, norm, zero_shard
@@ -189,12 +192,24 @@ def _check_devices(plan: ParallelPlan, world: int) -> int:
 
 
 def recomputed(
-    graph: OpGraph, recompute: str, layer_of: dict[str, int]
+    graph: OpGraph, recompute: str, layer_of: dict[str, int], per_block: bool = False
 ) -> dict[str, int] | None:
     """The executor's ``recompute_layers`` for a stage's recomputation (module docstring): op ->
     its checkpointed segment (the plan's layer for "full", the attention core for "selective"),
-    or None when nothing is recomputed."""
+    or None when nothing is recomputed. ``per_block`` (a manual plan: Megatron's checkpointing,
+    as `planner.plans.recompute` prices it): "full" checkpoints each transformer block on its own
+    and leaves the ops outside the blocks (embedding, final norm, head, loss) unrecomputed; a
+    stage without numbered blocks is checkpointed by layer."""
     if recompute == "full":
+        if per_block:
+            index: dict[str, int] = {}  # block -> its segment number
+            blocks = {
+                n.name: index.setdefault(b, len(index))
+                for n in graph.ops
+                if (b := block_of(n.module_path)) is not None
+            }
+            if blocks:
+                return blocks
         return layer_of
     if recompute == "selective":
         return attention_cores(graph) or None
@@ -212,6 +227,8 @@ class PipelineRunner:
     own `PlanExecutor` in ``executors``; ``index`` and ``executor`` are the first of them.
     """
 
+    uses_torch_pipelining = False
+
     def __init__(
         self,
         plan: ParallelPlan,
@@ -223,11 +240,19 @@ class PipelineRunner:
     ) -> None:
         self.plan, self.graph = plan, graph
         interleaved = plan.virtual_stages > 1
-        default = "gpipe" if plan.schedule == "gpipe" else "1f1b"
+        default = plan.schedule if plan.schedule in ("gpipe", "zero_bubble") else "1f1b"
         self.schedule = schedule or ("interleaved" if interleaved else default)
+        if self.schedule == "zero_bubble" and len(plan.stages) == 1:
+            self.schedule = "1f1b"  # one stage: no pipeline, nothing waits for a split
         if self.schedule not in SCHEDULES:
             raise MeshplanError(
                 f"schedule {self.schedule!r} is not supported; use one of {SCHEDULES}"
+            )
+        if self.schedule == "zero_bubble" and not self.uses_torch_pipelining:
+            raise MeshplanError(
+                "the zero_bubble schedule runs on torch.distributed.pipelining only "
+                "(runtime.torch_pipeline): this runner does not split backward into input "
+                "and weight gradients"
             )
         if (self.schedule == "interleaved") != interleaved:
             raise MeshplanError(
@@ -256,7 +281,12 @@ class PipelineRunner:
                 self._program(c, fallback),
                 self.meshes[c],
                 sync_param_grads=False,
-                recompute_layers=recomputed(st.graph, stage_plan.recompute, layer_of),
+                recompute_layers=recomputed(
+                    st.graph,
+                    stage_plan.recompute,
+                    layer_of,
+                    per_block=plan.kind == "manual",
+                ),
                 compile=compile,
                 fsdp=shard_placements(st.graph, stage_plan, stage_plan.fsdp_params),
                 layers=layer_of,
@@ -272,6 +302,8 @@ class PipelineRunner:
         )
         # ZeRO parameter path -> its shard placements (every chunk of this rank)
         self.zero_placements = {k: v for z in self._zero.values() for k, v in z.items()}
+        if self.schedule == "zero_bubble":
+            return  # torch's schedule orders (and validates) its own actions
         inputs = {st.index: set(st.inputs.values()) for st in self.stages}
         blocked = deadlock_free(
             [self._order(g, plan.num_microbatches) for g in range(self.groups)], inputs
@@ -499,7 +531,7 @@ class PipelineRunner:
                 piece = self._recv(piece, sender, self._tag(m, v, c, False))
             with comm_count.site(f"fwd:{v}->recv"):
                 buf = boundary.assemble(piece, meta.shape, self._group(c))
-            x = ex._place(buf, ("R",) * ex.n_axes)
+            x = ex._place(buf, ex._planned_output(v))
             inputs[v] = x.requires_grad_(True) if buf.is_floating_point() else x
         out = ex.run_outputs(params, batch, buffers, inputs=inputs, microbatch=m)
         state: dict[str, Any] = {"inputs": inputs}
@@ -507,7 +539,8 @@ class PipelineRunner:
         if st.is_last:
             loss = out[0] if isinstance(out, (list, tuple)) else out
             if any(not p.is_replicate() for p in loss.placements):
-                loss = loss.redistribute(placements=[Replicate()] * ex.mesh.ndim)
+                with comm_count.site("fwd:output"):
+                    loss = loss.redistribute(placements=[Replicate()] * ex.mesh.ndim)
             state["loss"] = loss / B
             return float(loss.to_local().detach())
         sent = {}

@@ -34,7 +34,8 @@ __all__ = [
     "schedule_order",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# zero_bubble: torch.distributed.pipelining's ScheduleInterleavedZeroBubble (`runtime.torch_pipeline`)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 
 Action = tuple[str, int, int]  # ("F" | "B", chunk, micro-batch)
 

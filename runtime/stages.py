@@ -211,11 +211,15 @@ def stage_program(
 ) -> StageProgram:
     """The program a stage's executor runs: the plan's strategies for the stage graph's nodes
     (`planner.vocab.strategy.StageProgram.from_plan`; ``source="fallback"`` for the nodes in
-    `fallback_nodes`, so that the executor registers DTensor's replicate strategy for their ops)."""
+    `fallback_nodes`, so that the executor registers DTensor's replicate strategy for their ops).
+    A value received from an earlier stage is a placeholder planned in the placement the plan
+    lists for it (``StagePlan.input_placements``: the stage's solution's, whose edges were
+    priced), replicated when not listed."""
     gm_nodes = stage.graph.gm.graph.nodes
+    received = {INPUT_PREFIX + v: p for v, p in plan.input_placements.items()}
     return StageProgram.from_plan(
         plan.logical_mesh,
-        plan.param_placements,
+        {**plan.param_placements, **received},
         plan.node_strategies,
         {
             n.name: stage.graph.placeholder_paths[n.name]

@@ -18,28 +18,30 @@ stage mesh's own groups.
 The stage's submodule (`_StageModule`) wraps the stage's `runtime.executor.PlanExecutor`:
 
 * it receives, as plain tensors, the local shards of the boundary values crossing into the stage,
-  wraps them with ``DTensor.from_local`` in their wire placement and redistributes them to their
-  boundary placement (below);
+  wraps them with ``DTensor.from_local`` in their wire placement and redistributes them to the
+  placement the stage plans them in (below);
 * it runs the stage's graph with ``PlanExecutor.run_outputs`` on the parameters, the micro-batch
   (looked up by the ``mb`` keyword argument that the schedule splits like a batch) and buffers;
 * for every boundary value crossing out of the stage, it redistributes the value on its own mesh to
   its wire placement and returns ``to_local()``: the shard at mesh position ``i`` is the one
   the receiving stage's rank at position ``i`` needs, because both meshes have the same shape.
 
-The wire placement (`wire_placements`) is the boundary placement with its replicated mesh axes
-sharded on a tensor dimension: each rank sends a 1/n piece and the receiving mesh all-gathers
-them, so the full value crosses once per direction, as the planner prices stage boundaries.
-
-A value's boundary placement is the placement its first reader (the first consumer node in the
-first stage that reads it) requires (``StagePlan.node_strategies``), or ``Replicate`` where that
-has a ``Partial``; the receiving stages' solutions plan their placeholder for the value with that
-placement (so the executor's edge and its gradient start from what arrives). A value read by a
-stage after the next is relayed by the stages between (their submodules pass its local shard
-through): torch's schedules only move values between adjacent stages.
+A received value's placeholder is planned, as on our own runner, in the placement the receiving
+stage's intra-op solution gave the value (``StagePlan.input_placements`` through
+`runtime.stages.stage_program`): the source of the edges to its consumers, and of their
+gradients' way back, that the planner priced, so the executor's edges run what was priced. A
+value's boundary placement (`boundary_placements`) is that placement in its first receiving
+stage; its wire placement (`wire_placements`) is the boundary placement with its replicated mesh
+axes sharded on a tensor dimension: each rank sends a 1/n piece and the receiving mesh
+all-gathers them (``fwd:<v>->recv``, the gradient's slice back needs none), so the full value
+crosses once per direction, as the planner prices stage boundaries. A value read by a stage after
+the next is relayed by the stages between (their submodules pass its local shard through):
+torch's schedules only move values between adjacent stages; a later reader redistributes the
+wire placement to its own planned placement.
 
 Backward is autograd end to end: ``PipelineStage`` back-propagates the received output gradients
-through ``to_local`` (which wraps the local gradient in the boundary placement), the executor's
-graph and ``from_local`` (which redistributes the input's gradient to the boundary placement and
+through ``to_local`` (which wraps the local gradient in the wire placement), the executor's
+graph and ``from_local`` (which redistributes the input's gradient to the wire placement and
 returns its local shard), and sends that shard back.
 
 Loss semantics are those of `runtime.pipeline.PipelineRunner`: the last stage's submodule returns
@@ -51,6 +53,18 @@ stage's first rank to the world. ZeRO parameters are all-gathered once per step 
 schedule runs and their gradients reduce-scattered after it, and the other gradients synchronised
 once per step (`PipelineRunner._finish_grads`); recomputation runs inside the executor
 (``recompute_layers``), so both work as in `PipelineRunner`.
+
+Zero bubble (``plan.schedule == "zero_bubble"``): torch's ``ScheduleInterleavedZeroBubble``
+(ZB1P) over the same stages, one per device group. It splits each backward into the input
+gradient (``stage_backward_input``: ``autograd.grad`` to the stage's inputs, keeping the graph)
+and the weight gradient run later (``stage_backward_weight``: from the intermediates it saved to
+the parameters, ``submod.parameters()``, which `_StageModule` answers with the DTensor leaves the
+stage computes with this step). The split needs an autograd graph of one node per op, so these
+stages run the eager executor, not `runtime.compiled`: a compiled stage's backward is one
+autograd node that computes input and weight gradients together, and the weight pass would run
+it all again. Not run: FSDP stages (`runtime.fsdp` reduce-scatters inside backward and waits one
+layer later in backward order; the weight pass runs outside that order), virtual stages, and
+fewer micro-batches than stages; our own runner has no zero-bubble order.
 
 Which runner (`make_runner`): ``impl="auto"`` (the default; or the environment variable
 ``MESHPLAN_PIPELINE``) takes this module's runner when `torch_pipelining_unsupported` finds no
@@ -66,15 +80,14 @@ local shards rather than DTensors: torch 2.13's ``PipelineStage`` can carry DTen
 names and layout), but then the gradients' placements must be declared up front (static
 ``input_grads`` / ``output_grads``) or inferred by a metadata pass that runs the stage on real
 tensors, and a value would cross in whatever placement its producer left it. Plain local shards in
-a boundary placement fixed from the plan keep both sides' layouts, and the gradients' placements
+a wire placement fixed from the plan keep both sides' layouts, and the gradients' placements
 (pinned by ``to_local`` / ``from_local``), in our hands, with plain-tensor static metadata.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -86,6 +99,7 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -93,10 +107,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
 from planner.tracing.opgraph import OpGraph
-from planner.vocab.dtensor_ext import str_to_placement
 from planner.vocab.placements import device_mesh_shape
 from planner.vocab.plan_file import ParallelPlan
-from planner.vocab.strategy import StageProgram, leaf
 from runtime import comm_count
 from runtime.meshes import device_mesh
 from runtime.pipeline import PipelineRunner
@@ -131,7 +143,11 @@ def torch_pipelining_unsupported(
         return f"the stages' logical meshes differ ({sorted(shapes)})"
     p = len(plan.stages) // max(plan.virtual_stages, 1)
     B = plan.num_microbatches
-    if plan.virtual_stages > 1:
+    if (schedule or plan.schedule) == "zero_bubble":
+        reason = _zero_bubble_unsupported(plan, p, B)
+        if reason is not None:
+            return reason
+    elif plan.virtual_stages > 1:
         rounds = max(1, B // p)
         if B % rounds:
             return (
@@ -155,6 +171,26 @@ def torch_pipelining_unsupported(
     return None
 
 
+def _zero_bubble_unsupported(plan: ParallelPlan, p: int, B: int) -> str | None:
+    """Why torch's zero-bubble schedule cannot run `plan` (None when it can)."""
+    if plan.virtual_stages > 1:
+        return "the zero_bubble schedule runs one stage per device group (virtual_stages 1)"
+    if B < p or B % (B // p):
+        return (
+            f"zero bubble in torch needs at least as many micro-batches ({B}) as stages "
+            f"({p}), and a multiple of its rounds (B // stages)"
+        )
+    fsdp = [i for i, s in enumerate(plan.stages) if s.fsdp_params]
+    if fsdp:
+        # `runtime.fsdp` reduce-scatters a gradient inside backward and waits for it one
+        # layer later in backward order; the weight-gradient pass runs outside that order
+        return (
+            f"stages {fsdp} hold FSDP parameters, whose in-backward reduce-scatters "
+            "(runtime.fsdp) are not split into input and weight gradients"
+        )
+    return None
+
+
 def make_runner(
     plan: ParallelPlan,
     graph: OpGraph,
@@ -175,6 +211,9 @@ def make_runner(
             f"torch.distributed.pipelining cannot run this plan: {reason}"
         )
     kw = {"device_type": device_type, "schedule": schedule, "compile": compile}
+    zb = (schedule or plan.schedule) == "zero_bubble"
+    if zb and len(plan.stages) > 1 and reason is not None:
+        raise MeshplanError(f"the zero_bubble schedule cannot run this plan: {reason}")
     if impl == "ours" or reason is not None:
         return PipelineRunner(plan, graph, **kw)
     return TorchPipelineRunner(plan, graph, **kw)
@@ -196,37 +235,18 @@ def crossing_values(stages: Sequence[StageGraph]) -> list[list[str]]:
     ]
 
 
-def _parseable(strs: Strs) -> bool:
-    try:
-        places = [str_to_placement(s) for s in strs]
-    except ValueError:
-        return False
-    return not any(p.is_partial() for p in places)
-
-
 def boundary_placements(
     stages: Sequence[StageGraph], plan: ParallelPlan
 ) -> dict[str, Strs]:
-    """Boundary value -> the placement (plan strings, one per logical-mesh axis) it crosses
-    stages in: what its first reader requires, ``R`` on every axis where that is partial or not
-    a placement (module docstring)."""
+    """Boundary value -> its boundary placement (plan strings, one per logical-mesh axis): the
+    placement its first receiving stage plans it in (``StagePlan.input_placements``, ``R`` on
+    every axis when not listed), from which its wire placement follows (module docstring)."""
     out: dict[str, Strs] = {}
     for st in stages:
         for v, dsts in st.outputs.items():
-            reader = stages[min(dsts)]
-            sp = plan.stages[reader.index]
-            want: Strs = ("R",) * len(sp.logical_mesh)
-            for n in reader.graph.gm.graph.nodes:
-                if n.op != "call_function":
-                    continue
-                ks = [k for k, u in enumerate(n.all_input_nodes) if u.name == v]
-                if not ks:
-                    continue
-                got = sp.node_strategies[n.name]["inputs"][ks[0]]
-                if got is not None and _parseable(tuple(got)):
-                    want = tuple(got)
-                break
-            out[v] = want
+            sp = plan.stages[min(dsts)]
+            rep = ["R"] * len(sp.logical_mesh)
+            out[v] = tuple(sp.input_placements.get(v, rep))
     return out
 
 
@@ -285,6 +305,10 @@ class TorchPipelineRunner(PipelineRunner):
             )
         self.pp_group: dist.ProcessGroup | None = None
         self._boundary: dict[str, Strs] | None = None
+        if (schedule or plan.schedule) == "zero_bubble":
+            # a compiled stage is one autograd node computing input and weight gradients
+            # together: the weight-gradient pass would run its whole backward again
+            compile = False
         super().__init__(
             plan, graph, device_type=device_type, schedule=schedule, compile=compile
         )
@@ -313,8 +337,13 @@ class TorchPipelineRunner(PipelineRunner):
             )
         B = plan.num_microbatches
         loss_fn = _loss_fn(B)
-        if self.schedule == "interleaved":
-            self.pipeline_schedule = ScheduleInterleaved1F1B(
+        if self.schedule in ("interleaved", "zero_bubble"):
+            cls = (
+                ScheduleInterleaved1F1B
+                if self.schedule == "interleaved"
+                else ScheduleInterleavedZeroBubble
+            )
+            self.pipeline_schedule = cls(
                 self.pipeline_stages, B, loss_fn=loss_fn, scale_grads=False
             )
         else:
@@ -352,18 +381,9 @@ class TorchPipelineRunner(PipelineRunner):
                 )
         return [stage if m else None for m in mine]
 
-    def _program(self, c: int, fallback: set[str]) -> StageProgram:
-        """The stage's program with every received value's placeholder planned in its
-        boundary placement (`boundary_placements`)."""
-        program = super()._program(c, fallback)
-        received = {v: leaf(self.boundary[v]) for v in self.stages[c].inputs}
-        return dataclasses.replace(
-            program, strategies={**program.strategies, **received}
-        )
-
     @property
     def boundary(self) -> dict[str, Strs]:
-        """Boundary value -> its placement between stages (plan strings)."""
+        """Boundary value -> its boundary placement (plan strings; `boundary_placements`)."""
         if self._boundary is None:
             self._boundary = boundary_placements(self.stages, self.plan)
         return self._boundary
@@ -413,16 +433,26 @@ class _StageModule(nn.Module):
         self.st = runner.stages[c]
         self.recv = runner.crossing[c - 1] if c > 0 else []
         self.send = [] if self.st.is_last else runner.crossing[c]
+        # the placement the stage plans each received value in (`runtime.stages.stage_program`)
         self.places = {
-            v: self.ex.placements(runner.boundary[v]) for v in self.recv + self.send
+            v: self.ex.placements(self.ex._planned_output(v)) for v in self.st.inputs
         }
         # the placement each value crosses in (`wire_placements`)
         self.wire = {
             v: wire_placements(
-                runner.graph.node(v).outputs[0].shape, p, self.ex.mesh.shape
+                runner.graph.node(v).outputs[0].shape,
+                self.ex.placements(runner.boundary[v]),
+                self.ex.mesh.shape,
             )
-            for v, p in self.places.items()
+            for v in self.recv + self.send
         }
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The DTensor leaves this stage computes with in the current step (the runner's, not
+        registered here): what torch's zero-bubble split takes the weight gradients of
+        (``stage_backward_input`` / ``stage_backward_weight`` read ``submod.parameters()``)."""
+        used = self.runner._used
+        return iter([used[p] for p in self.ex.opgraph.params if p in used])
 
     def _example(self, v: str) -> torch.Tensor:
         """An empty tensor shaped as this rank's shard of boundary value `v`."""
@@ -433,7 +463,10 @@ class _StageModule(nn.Module):
         t = torch.empty(
             shape, dtype=getattr(torch, meta.dtype), device=self.runner.device
         )
-        return t.requires_grad_(t.is_floating_point())
+        # a value that needs no gradient (rotary tables sliced from a buffer) gets none back:
+        # torch's stages then neither compute, reduce nor send one for it
+        grad = t.is_floating_point() and self.runner.graph.node(v).requires_grad
+        return t.requires_grad_(grad)
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         """Examples of the received shards (none for the first stage: its input is the batch)."""

@@ -33,10 +33,19 @@ from cost_models.errors import MeshplanError
 from planner.tracing.tracer import trace
 from planner.vocab.plan_file import ParallelPlan
 from runtime.dropout import DropoutMasks, samples_randomly
+from runtime.peak_memory import PeakMemory
 from runtime.pipeline import PipelineRunner
 from runtime.torch_pipeline import make_runner
 
-__all__ = ["Trainer", "run_local", "seeded_model_and_batches", "split_batch", "train"]
+__all__ = [
+    "Trainer",
+    "measure_peak_memory",
+    "run_local",
+    "seeded_model_and_batches",
+    "split_batch",
+    "stage_peaks",
+    "train",
+]
 
 Batch = tuple[torch.Tensor, ...]
 OPTIMIZERS = ("sgd", "adam")
@@ -157,6 +166,73 @@ def train(
     )
     n = len(batches) if steps is None else steps
     return [trainer.step(batches[i % len(batches)]) for i in range(n)]
+
+
+def measure_peak_memory(
+    plan: ParallelPlan,
+    model: nn.Module,
+    batches: Sequence[Sequence[torch.Tensor]],
+    *,
+    device_type: str = "cpu",
+    **trainer_kw: Any,
+) -> list[dict[str, Any]]:
+    """Every rank's peak memory in a training step of `plan`, against the plan's prediction.
+    Runs inside every rank of a launched group; every rank gets every rank's record.
+
+    A `Trainer` is built inside a `runtime.peak_memory.PeakMemory` recorder, trains one step on
+    ``batches[0]`` (first-step allocations: optimizer state, compiled graphs), then the peak is
+    recorded over one more step on ``batches[1 % len]``: the bytes of live tensors the allocator
+    reports, what the trainer holds (its parameter shards, optimizer state) and what the step
+    allocates. Under the profiler on the CPU such a step takes about twice its time: a dedicated
+    step, never a timed one. Per rank: ``rank``, ``stages`` (the plan's stage indices it runs),
+    ``predicted_bytes`` (its stages' ``memory_bytes``: the plan's peak per device of that device
+    group), ``measured_bytes`` and ``ratio`` (predicted / measured)."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()  # free what earlier work left, before the recorder starts (module docstring)
+    with PeakMemory(device_type) as rec:
+        trainer = Trainer(
+            plan, model, batches[0], device_type=device_type, **trainer_kw
+        )
+        trainer.step(batches[0])
+        rec.steps_begin()
+        trainer.step(batches[1 % len(batches)])
+        del trainer
+    rank = dist.get_rank()
+    stages = [i for i, s in enumerate(plan.stages) if rank in s.devices]
+    predicted = plan.stages[stages[0]].memory_bytes if stages else 0.0
+    mine = {
+        "rank": rank,
+        "stages": stages,
+        "predicted_bytes": predicted,
+        "measured_bytes": rec.peak_bytes,
+        "ratio": predicted / rec.peak_bytes if rec.peak_bytes else None,
+    }
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def stage_peaks(
+    plan: ParallelPlan, ranks: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per stage of `plan`: its predicted peak per device and the largest measured peak of its
+    devices (from `measure_peak_memory`'s records), and their ratio."""
+    by_rank = {r["rank"]: r["measured_bytes"] for r in ranks}
+    out = []
+    for i, s in enumerate(plan.stages):
+        measured = max(by_rank[d] for d in s.devices)
+        out.append(
+            {
+                "stage": i,
+                "predicted_bytes": s.memory_bytes,
+                "measured_bytes": measured,
+                "ratio": s.memory_bytes / measured if measured else None,
+            }
+        )
+    return out
 
 
 def _random_batches(example: Batch, steps: int, seed: int = 0) -> list[Batch]:

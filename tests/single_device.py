@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -46,4 +48,24 @@ def train_plan(plan, model: torch.nn.Module, batches: list, lr: float) -> dict:
     return {
         "losses": losses,
         "params": {k: v.numpy().copy() for k, v in tr.full_params().items()},
+    }
+
+
+def held_state_bytes(
+    params: dict[str, Any], state: dict[Any, dict[str, Any]]
+) -> dict[str, tuple[int, int, int]]:
+    """Per parameter, the bytes this rank holds of its weights, its gradient and its optimizer
+    state (the step counter aside): the local shards of DTensors, plain tensors whole."""
+
+    def local(t: Any) -> int:
+        t = t._local_tensor if hasattr(t, "_local_tensor") else t
+        return t.numel() * t.element_size()
+
+    return {
+        k: (
+            local(p),
+            local(p.grad),
+            sum(local(v) for n, v in state[p].items() if n != "step"),
+        )
+        for k, p in params.items()
     }

@@ -239,18 +239,7 @@ def _train(plan: ParallelPlan, ckpt: str) -> dict[str, Any]:
     tr.runner.step(tr.params, micro, tr.buffers)
     state = tr.optimizer.state
 
-    def local_bytes(t: Any) -> int:
-        t = t._local_tensor if hasattr(t, "_local_tensor") else t
-        return t.numel() * t.element_size()
-
-    held = {
-        k: (
-            local_bytes(p),
-            local_bytes(p.grad),
-            sum(local_bytes(v) for n, v in state[p].items() if n != "step"),
-        )
-        for k, p in tr.params.items()
-    }
+    held = single_device.held_state_bytes(tr.params, state)
     tr.optimizer.zero_grad(set_to_none=True)
     params = {k: v.numpy().copy() for k, v in tr.full_params().items()}
     save_checkpoint(ckpt, plan, tr.params, optimizer_state(tr.optimizer, tr.params), 3)

@@ -67,6 +67,21 @@ def test_dp_matches_brute_force(seed: int) -> None:
     assert sum(times) + (B - 1) * max(times) == pytest.approx(got.latency)
 
 
+def test_near_tied_stage_latencies_are_all_tried() -> None:
+    """Alpa's epsilon skipped a candidate t_max within 1e-3 of the last one tried; the next one
+    tried was the single 32-device stage, 16% slower (gpt-15b on 4x8 A100s, 32 micro-batches).
+    Two 16-device stages of 0.48215 and 0.4817 s must win over one of 0.5778 s."""
+    # layers x layers x (16, 32 devices) x stages left
+    cost = np.full((2, 2, 2, 3), np.inf)
+    cost[0, 0, 0, 2] = 0.48215  # layer 0 on 16 devices, one stage after it
+    cost[1, 1, 0, 1] = 0.4817  # layer 1 on 16 devices, the last stage
+    cost[0, 0, 0, 1] = 0.4817  # layer 0 as a last stage: never a whole plan
+    cost[0, 1, 1, 1] = 0.5778  # both layers on all 32 devices
+    got = stage_dp(cost, [16, 32], 32, 32)
+    assert got.stages == [(0, 0, 0), (1, 1, 0)]
+    assert got.latency == pytest.approx(0.48215 + 0.4817 + 31 * 0.48215)
+
+
 def test_more_microbatches_favour_more_stages() -> None:
     # Two layers: one stage on 2 devices takes 1.9 per micro-batch; two 1-device stages take 1.0 each.
     # B = 1: 1.9 < 1.0 + 1.0. B = 16: 1.9 * 16 = 30.4 > 2.0 + 15 * 1.0 = 17.

@@ -39,6 +39,9 @@ from runtime.profiler import KB
 SPEC = "gpt:hidden=16,layers=2,heads=2,seq=8,vocab=32"
 BATCH = 4
 STEPS = 2
+MEMORY_TOLERANCE = (
+    0.10  # issue #22: predicted peak memory within 10% of the measured peak
+)
 
 
 def _tiny_options(n: int):
@@ -91,6 +94,19 @@ def test_end_to_end_record(doc, tmp_path):
             part["iteration_time_s"] / part["measured_iteration_time_s"] - 1,
         )
     a, m = c["auto"], compared(c)
+    # Peak memory, per rank of both plans, against the plan's prediction (issue #22: within 10%)
+    for part in (a, m):
+        mem = part["memory"]
+        assert [r["rank"] for r in mem["ranks"]] == [0, 1]
+        for r in mem["ranks"]:
+            assert r["measured_bytes"] > 0 and r["stages"]
+            assert r["ratio"] == pytest.approx(
+                r["predicted_bytes"] / r["measured_bytes"]
+            )
+        assert mem["max_abs_error"] <= MEMORY_TOLERANCE, mem["stages"]
+    assert doc["summary"]["memory_max_abs_error"] == max(
+        a["memory"]["max_abs_error"], m["memory"]["max_abs_error"]
+    )
     assert a["planner_time_s"] > 0 and a["stages"] and a["num_microbatches"] >= 1
     assert m["config"]["dp"] * m["config"]["tp"] * m["config"]["pp"] == 2
     best = c["manual_best"]
@@ -120,6 +136,7 @@ def test_end_to_end_record(doc, tmp_path):
     assert back["cases"] == json.loads(json.dumps(doc["cases"]))
     text = report(tmp_path)
     assert "## local suite" in text and "(d) local suite" in text
+    assert "(f) local suite" in text and "measured peak MiB" in text
 
 
 def test_local_cases_select_by_process_count():

@@ -180,7 +180,7 @@ def test_microbatches_in_flight():
         1,
     ]
     assert microbatches_in_flight("Schedule1F1B", 8, 1, 0) == 1
-    for bad in (("zb", 8, 4, 0), ("gpipe", 0, 4, 0), ("gpipe", 8, 4, 4)):
+    for bad in (("dualpipe", 8, 4, 0), ("gpipe", 0, 4, 0), ("gpipe", 8, 4, 4)):
         with pytest.raises(MeshplanError):
             microbatches_in_flight(*bad)
     for schedule, held in (("1f1b", 3), ("gpipe", 8)):

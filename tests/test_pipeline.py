@@ -226,7 +226,7 @@ def test_peak_inflight_matches_simulation() -> None:
 @pytest.mark.parametrize(
     "args,kwargs,needle",
     [
-        (([1.0], 4, "zero-bubble"), {}, "gpipe, 1f1b, interleaved"),
+        (([1.0], 4, "dualpipe"), {}, "gpipe, 1f1b, interleaved, zero_bubble"),
         (([1.0], 0, "1f1b"), {}, ">= 1"),
         (([1.0, 1.0], 4, "interleaved"), {"virtual_stages": 0}, "virtual_stages"),
         (([1.0, 1.0], 4, "1f1b"), {"virtual_stages": 2}, "interleaved"),
@@ -249,7 +249,7 @@ def test_errors(args: tuple, kwargs: dict, needle: str) -> None:
 
 def test_peak_inflight_errors() -> None:
     for bad, kw in [
-        (("zb", 8, 4, 0), {}),
+        (("dualpipe", 8, 4, 0), {}),
         (("interleaved", 6, 4, 0), {"virtual_stages": 2}),
         (("1f1b", 8, 4, 0), {"virtual_stages": 2}),
         (("interleaved", 8, 4, 0), {"virtual_stages": 0}),

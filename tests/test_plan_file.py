@@ -107,6 +107,14 @@ CASES = [
         '].outputs[0]: ["R"] is not a list of 2 placements',
     ),
     (
+        "received placement",
+        _set("stages.1.input_placements.add_4", ["R", "P"]),
+        (
+            'stages[1].input_placements["add_4"][1]: "P": a received value arrives '
+            "reduced; expected R or S(d)"
+        ),
+    ),
+    (
         "zero param",
         _set("stages.0.zero_params", ["nope"]),
         'stages[0].zero_params: "nope" is not a parameter of the stage',

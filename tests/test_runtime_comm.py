@@ -6,9 +6,13 @@ ranks: ``pp2`` (2 stages of 1 device, ranks 0 and 1; ranks 2 and 3 idle), ``pp2_
 parallelism). Every rank counts the collectives and
 point-to-point transfers of one `Trainer.step` (`runtime.comm_count.CommCounter`).
 
-* Intra-stage (``pp2_tp2``): per stage, the prediction is the stage's edges (`predicted_collectives`
-  on `runtime.stages.stage_program`) times the number of micro-batches, except the gradients of
-  parameters (edges leaving parameters or their views), synchronised once per step.
+* Intra-stage (``pp2_tp2`` and ``pp2_dp2``, on our runner and on torch.distributed.pipelining):
+  per stage, the prediction is the stage's edges (`predicted_collectives` on
+  `runtime.stages.stage_program`, whose received values are in the placement the stage's solution
+  priced their edges from, ``StagePlan.input_placements``) times the number of micro-batches,
+  except the gradients of parameters (edges leaving parameters or their views), synchronised once
+  per step. ``pp2_dp2`` receives its boundary value as ``S(0)`` on the data-parallel axis: planned
+  replicated, its consumers' gradients would be all-gathered, which the planner never priced.
 * Stage boundaries (both plans): the bytes every rank sends point-to-point, forward (activations)
   and backward (their gradients), against `predicted_boundary` (the planner's price: the boundary
   values' full bytes once per direction and micro-batch), within 10%. Around the transfers the
@@ -57,10 +61,6 @@ def _plans() -> dict[str, ParallelPlan]:
     }
 
 
-def _plan() -> ParallelPlan:
-    return _plans()["pp2_tp2"]
-
-
 def _count(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
     """Body of every rank: per plan, one step under a CommCounter; the records and this rank's
     stage (None outside the plan)."""
@@ -89,12 +89,7 @@ def all_runs() -> list[dict[str, Any]]:
     return launch(_count, 4, args=(_plans(),), timeout_s=300)
 
 
-@pytest.fixture(scope="module")
-def runs(all_runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r["pp2_tp2", "ours"] for r in all_runs]
-
-
-def _predicted(stage_index: int) -> dict[str, float]:
+def _predicted(name: str, stage_index: int) -> dict[str, float]:
     """Priced intra-stage bytes per kind for one step."""
     from comm_check import as_run_on
 
@@ -104,7 +99,7 @@ def _predicted(stage_index: int) -> dict[str, float]:
     from planner.tracing.tracer import trace
     from runtime.stages import split_stages, stage_program
 
-    plan = _plan()
+    plan = _plans()[name]
     B = plan.num_microbatches
     torch.manual_seed(0)
     model, b = build_model(SPEC, batch=plan.global_batch // B, device="cpu")
@@ -124,24 +119,38 @@ def _predicted(stage_index: int) -> dict[str, float]:
     return dict(out)
 
 
+@pytest.mark.parametrize("name", ["pp2_tp2", "pp2_dp2"])
+def test_received_values_are_planned_as_priced(name: str) -> None:
+    """The second stage plans its received value in the placement the (one, manual) solution
+    gave its producer, the source of the consumers' edges it priced: ``S(0)`` on the
+    data-parallel axis of ``pp2_dp2``, replicated on ``pp2_tp2``."""
+    plan = _plans()[name]
+    produced = plan.stages[0].node_strategies["add_4"]["outputs"][0]
+    assert plan.stages[1].input_placements == {"add_4": produced}
+    assert produced == (["S(0)", "R"] if name == "pp2_dp2" else ["R", "R"])
+
+
 def _boundary(site: str) -> bool:
     return site.endswith(("->send", "->recv"))
 
 
 @pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["pp2_tp2", "pp2_dp2"])
 @pytest.mark.slow
 def test_intra_stage_bytes_match_the_plan(
-    runs: list[dict[str, Any]], stage: int
+    all_runs: list[dict[str, Any]], name: str, impl: str, stage: int
 ) -> None:
-    rank = _plan().stages[stage].devices[0]
-    assert runs[rank]["stage"] == stage
+    rank = _plans()[name].stages[stage].devices[0]
+    run = all_runs[rank][name, impl]
+    assert run["stage"] == stage
     measured: dict[str, float] = defaultdict(float)
     boundary: dict[str, float] = defaultdict(float)
-    for r in runs[rank]["records"]:
+    for r in run["records"]:
         if r.site in UNPRICED_SITES or r.kind in ("send", "recv"):
             continue
         (boundary if _boundary(r.site) else measured)[r.kind] += r.nbytes
-    predicted = _predicted(stage)
+    predicted = _predicted(name, stage)
     print(f"stage {stage}: predicted {predicted}, measured {dict(measured)}")
     print(f"  boundary: runtime's unpriced collectives {dict(boundary)}")
     assert set(predicted) == set(measured)

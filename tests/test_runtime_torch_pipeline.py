@@ -9,9 +9,6 @@ default (``"auto"``) runner choice:
   parallel inside each stage), ``pp2_v2`` (interleaved 1F1B, 2 chunks per device, 4
   micro-batches), ``pp2_tp2_v2`` (interleaved, tensor parallel chunks, 2 micro-batches), ``pp4``
   (1F1B with warm-up);
-* the same GPT with the boundary value forced into a sharded placement (``pp2_dp2_shard``:
-  ``S(0)`` on the data-parallel axis; ``pp2_tp2_shard``: ``S(2)`` on the tensor-parallel axis), so
-  that the local shard a rank sends is a slice of the value, not all of it;
 * MoE (2 layers, 4 experts): ``moe_pp2``, ``moe_pp2_dp2_recompute`` (every layer under activation
   checkpointing), ``moe_pp2_dp2_zero`` (ZeRO on every parameter the plan replicates on the
   data-parallel axis), ``moe_pp4`` (values read 2 and 3 stages after their producer are relayed
@@ -22,7 +19,10 @@ default (``"auto"``) runner choice:
 
 For each: the runner is `TorchPipelineRunner` (torch's ``PipelineStage`` objects and schedule
 class exist on the rank and its ``pp`` process group spans one rank per stage), and the losses and
-the parameters after 3 steps equal single-device training within 1e-5 (relative).
+the parameters after 3 steps equal single-device training within 1e-5 (relative). The boundary
+value of ``pp2_dp2_1f1b`` (planned ``S(0)`` on the data-parallel axis) and of ``pp2_tp2`` (planned
+replicated, sent in pieces ``S(2)`` over the tensor-parallel axis) arrives as half of the value:
+the local shard a rank sends is a slice of it, not all of it.
 """
 
 from __future__ import annotations
@@ -58,17 +58,16 @@ SCHEDULES = {
     "pp2_v2": "ScheduleInterleaved1F1B",
     "pp2_tp2_v2": "ScheduleInterleaved1F1B",
     "pp4": "Schedule1F1B",
-    "pp2_dp2_shard": "Schedule1F1B",
-    "pp2_tp2_shard": "Schedule1F1B",
     "moe_pp2": "Schedule1F1B",
     "moe_pp2_dp2_recompute": "Schedule1F1B",
     "moe_pp2_dp2_zero": "Schedule1F1B",
     "moe_pp4": "Schedule1F1B",
 }
-# forced boundary placements (value -> plan strings)
-FORCED = {
-    "pp2_dp2_shard": {"add_4": ("S(0)", "R")},
-    "pp2_tp2_shard": {"add_4": ("R", "S(2)")},
+# boundary value -> (its planned placement in the receiving stage, the dimension its received
+# local shard halves)
+HALVED = {
+    "pp2_dp2_1f1b": {"add_4": (("S(0)", "R"), 0)},
+    "pp2_tp2": {"add_4": (("R", "R"), 2)},
 }
 
 
@@ -114,8 +113,6 @@ def _plans() -> dict[str, tuple[ParallelPlan, str | None]]:
         "pp2_v2": (v2, None),
         "pp2_tp2_v2": (tp2_v2, None),
         "pp4": (pp4, None),
-        "pp2_dp2_shard": (dp2, None),
-        "pp2_tp2_shard": (tp2, None),
         "moe_pp2": (moe2, None),
         "moe_pp2_dp2_recompute": (rec, None),
         "moe_pp2_dp2_zero": (zero, None),
@@ -149,16 +146,10 @@ def _train_all(plans: dict[str, tuple[ParallelPlan, str | None]]) -> dict[str, A
     from runtime.train import Trainer
 
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
-    default = tp.boundary_placements
     out: dict[str, Any] = {}
     for name, (plan, schedule) in plans.items():
-        forced = FORCED.get(name, {})
-        tp.boundary_placements = lambda s, p, f=forced: {**default(s, p), **f}
         model, batches = _model_and_batches(MOE if name.startswith("moe") else GPT)
-        try:
-            tr = Trainer(plan, model, batches[0], lr=LR, schedule=schedule)
-        finally:
-            tp.boundary_placements = default
+        tr = Trainer(plan, model, batches[0], lr=LR, schedule=schedule)
         runner = tr.runner
         res: dict[str, Any] = {"runner": type(runner).__name__}
         if isinstance(runner, tp.TorchPipelineRunner):
@@ -220,10 +211,10 @@ def test_torch_pipelining_matches_one_device(
             assert res["stages"] == list(range(group, len(plan.stages), p))
             pos = plan.stages[group].devices.index(rank)
             assert res["pp_ranks"] == [plan.stages[g].devices[pos] for g in range(p)]
-        for v, strs in FORCED.get(name, {}).items():
+        for v, (strs, d) in HALVED.get(name, {}).items():
+            assert tuple(plan.stages[1].input_placements[v]) == strs
             assert res["boundary"][v] == strs
             if rank in plan.stages[1].devices:  # the receiver gets half of the value
-                d = next(int(x[2:-1]) for x in strs if x.startswith("S("))
                 want = [plan.global_batch // plan.num_microbatches, 16, 64]
                 want[d] //= 2
                 assert res["recv_shapes"] == [tuple(want)]

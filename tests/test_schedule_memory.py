@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cost_models.errors import DoesNotFitError
+from cost_models.memory import stage_peak_bytes
 from planner import plan
 from planner.plans.manual import manual_plan
 
@@ -32,16 +33,28 @@ def _memory(schedule: str, microbatches: int) -> list[float]:
 
 
 def test_gpipe_plan_holds_all_of_its_microbatches() -> None:
-    """With one micro-batch both schedules hold one (P_i + K_i per stage). With four, 1F1B holds
-    two on stage 0 and one on stage 1; GPipe holds four on both: P_i + 4 K_i."""
+    """With one micro-batch both schedules hold one (P_i + K_i per stage). 1F1B holds
+    min(B, 2 - i): stage 1 the same one micro-batch for 2 and 4 micro-batches; GPipe holds all B,
+    more than 1F1B on both stages with 4."""
     one = _memory("gpipe", 1)
     assert _memory("1f1b", 1) == pytest.approx(one, rel=1e-12)
-    f1b, gpipe = _memory("1f1b", 4), _memory("gpipe", 4)
-    kept0 = f1b[0] - one[0]  # K_0: one more micro-batch on stage 0
-    assert kept0 > 0
-    assert f1b[1] == pytest.approx(one[1], rel=1e-12)  # stage 1 keeps one under 1F1B
-    assert gpipe[0] - one[0] == pytest.approx(3 * kept0, rel=1e-9)
-    assert gpipe[1] > f1b[1]
+    f1b2, f1b4, gpipe4 = _memory("1f1b", 2), _memory("1f1b", 4), _memory("gpipe", 4)
+    assert f1b4[1] == pytest.approx(f1b2[1], rel=1e-12)
+    assert (
+        f1b4[1] > one[1]
+    )  # a later micro-batch's backward holds a second set of gradients
+    assert gpipe4[0] > f1b4[0] and gpipe4[1] > f1b4[1]
+
+
+def test_later_microbatches_hold_fresh_gradients_with_one_set_fewer() -> None:
+    """`stage_peak_bytes`: param + transient + max(in_flight * kept, min(in_flight, B - 1) *
+    kept + accumulating); with one micro-batch no accumulation."""
+    assert stage_peak_bytes(10, 3, 1, 2, 5, num_microbatches=4) == 10 + 1 + 2 * 3 + 5
+    assert stage_peak_bytes(10, 3, 1, 2, 5, num_microbatches=2) == 10 + 1 + max(
+        6, 3 + 5
+    )
+    assert stage_peak_bytes(10, 3, 1, 2, 1, num_microbatches=2) == 10 + 1 + 6
+    assert stage_peak_bytes(10, 3, 1, 1, 5, num_microbatches=1) == 10 + 1 + 3
 
 
 @pytest.mark.slow

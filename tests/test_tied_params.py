@@ -147,7 +147,7 @@ def _plans() -> dict[str, ParallelPlan]:
     one_group = _manual(True, ONE, dp=2, tp=2, pp=1, virtual_stages=2)
     model, batches = _model_and_batches()
     auto = auto_plan(
-        model, ONE, batches[0], global_batch=BATCH, dtype="float32", memory_budget=3e6
+        model, ONE, batches[0], global_batch=BATCH, dtype="float32", memory_budget=3.6e6
     )
     return {
         "pp2_dp2": dp2,

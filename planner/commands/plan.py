@@ -71,8 +71,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--schedule",
         default="1f1b",
-        choices=["1f1b", "gpipe"],
-        help="pipeline schedule (default 1f1b)",
+        choices=["1f1b", "gpipe", "zero_bubble"],
+        help="pipeline schedule (default 1f1b; zero_bubble: torch's "
+        "ScheduleInterleavedZeroBubble, backward split into input and weight gradients)",
     )
     p.add_argument(
         "--quiet",
@@ -94,7 +95,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     m = sub.add_parser(
         "manual",
-        help="price a Megatron-style dp x tp x pp configuration",
+        help="price a Megatron-style dp x (cp) x tp x pp configuration",
         description="Price a manual configuration.",
     )
     _common(m)
@@ -148,6 +149,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="none",
         help="shard parameters, gradients and optimizer state: full (FSDP over the data-"
         "parallel devices) or hybrid (HSDP: inside each host, replicated across hosts; tp 1)",
+    )
+    m.add_argument(
+        "--schedule",
+        choices=("1f1b", "gpipe", "interleaved", "zero_bubble"),
+        default=None,
+        help="pipeline schedule: 1f1b (default), gpipe, interleaved (the default with "
+        "--virtual-stages > 1) or zero_bubble (backward split into input and weight "
+        "gradients, torch's ScheduleInterleavedZeroBubble)",
+    )
+    m.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context parallelism: the sequence split over this many devices, attention on "
+        "all-gathered keys and values (dp 1, micro-batches of one row; dp x cp x tp x pp = "
+        "the devices)",
     )
     m.add_argument(
         "--virtual-stages",
@@ -244,11 +261,13 @@ def run_manual(args: argparse.Namespace) -> int:
         recompute=args.recompute,
         sequence_parallel=args.sp,
         virtual_stages=args.virtual_stages,
+        schedule=args.schedule,
         dtype=args.dtype,
         optimizer=args.optimizer,
         memory_budget=_budget(args),
         allow_oom=args.allow_oom,
         fsdp=args.fsdp,
+        context_parallel=args.cp,
     )
     print(summary(result))
     _write(result, args.json)

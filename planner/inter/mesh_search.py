@@ -19,7 +19,7 @@ from cost_models.memory import microbatches_in_flight
 from planner.inter import stage_table as st
 from planner.inter.stage_dp import stage_dp
 from planner.intra.highs import solves_overlap
-from planner.intra.megatron import is_expert_weight, seed_filters
+from planner.intra.megatron import context_seeds, is_expert_weight, seed_filters
 from planner.intra.prices import Option, hybrid_axes
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.plan_check import RECOMPUTE_MODES
@@ -108,13 +108,16 @@ def _param_filter(mode: str) -> Callable[[str, Option], bool] | None:
 
 def _seeds(graph: OpGraph, mesh: LogicalMesh, mode: str):
     """Megatron-style parameter placements solved as extra candidates (`planner.intra.megatron`);
-    on a mesh spanning hosts also HSDP over the axes inside a host."""
+    on a mesh spanning hosts also HSDP over the axes inside a host; context parallelism
+    (`planner.intra.megatron.context_seeds`)."""
     if mode == "inter-only":
         return []
     experts = any(is_expert_weight(p) for p in graph.placeholder_paths.values())
     M = mesh.cluster.devices_per_host
     tps = {t for t in range(2, M + 1) if M % t == 0}
-    return seed_filters(mesh.shape, experts, tps, hybrid_axes(mesh))
+    return seed_filters(mesh.shape, experts, tps, hybrid_axes(mesh)) + context_seeds(
+        mesh.shape, experts, tps
+    )
 
 
 class _Table:
@@ -127,6 +130,14 @@ class _Table:
         self.bounds = st.boundary_values(graph, self.layer_of, L)
         self.boundary_bytes = st.boundary_bytes(graph, self.bounds)
         S = min(L, cluster.num_devices) if mode != "intra-only" else 1
+        self.zero_bubble = schedule == "zero_bubble"
+        # zero bubble: s is the number of stages in all (`stage_dp` by_total); the last of them
+        # defers the most weight gradients, min(B, s): every stage is held to that bound
+        self.pending = (
+            np.array([0] + [min(B, s) for s in range(1, S + 1)], dtype=float)
+            if self.zero_bubble
+            else None
+        )
         self.inflight = np.array(
             [0] + [microbatches_in_flight(schedule, B, s, 0) for s in range(1, S + 1)],
             dtype=float,
@@ -141,8 +152,13 @@ class _Table:
         least = np.inf
         # selective only where the model has attention cores (`planner.tracing.attention`)
         modes = RECOMPUTE_MODES if prof.core_time is not None else ("none", "full")
+        # zero bubble is priced and run without recomputation or FSDP (manual_plan)
+        if self.zero_bubble:
+            if prof.solution.fsdp_params:
+                return least
+            modes = ("none",)
         for rc in modes:
-            c, mem = st.range_costs(prof, self.inflight, budget, send, rc)
+            c, mem = st.range_costs(prof, self.inflight, budget, send, rc, self.pending)
             if whole:
                 least = min(least, float(mem[0, self.L - 1, 1]))
             better = c < self.cost[:, :, m, :]
@@ -198,7 +214,9 @@ def search(
 ) -> SearchResult:
     """Solve the intra-op pass once per logical mesh (time-optimal, memory ladder, Megatron seeds),
     attribute every solution to each layer clustering, run the stage DP on each clustering's
-    table (memory with the micro-batches `schedule` keeps in flight)."""
+    table (memory with the micro-batches `schedule` keeps in flight; for zero bubble, where
+    that depends on the pipeline's number of stages, the DP `by_total`: its latency objective
+    stays 1F1B's, the candidates are ranked by the plan's own price)."""
     tables = [
         _Table(graph, layers, cluster, subs, B, mode, schedule) for layers in layerings
     ]
@@ -258,15 +276,20 @@ def search(
             whole = t.cost[0, t.L - 1].copy()
             t.cost[:] = np.inf
             t.cost[0, t.L - 1] = whole
+        zb = schedule == "zero_bubble"
+        if zb:  # torch's zero bubble: B >= S stages and a multiple of its rounds B // S
+            for S in range(1, t.cost.shape[3]):
+                if B < S or B % (B // S):
+                    t.cost[..., S] = np.inf
         try:
             dp = stage_dp(
-                t.cost, [a * b for a, b in subs], cluster.num_devices, B, epsilon=1e-3
+                t.cost, [a * b for a, b in subs], cluster.num_devices, B, by_total=zb
             )
         except MeshplanError:
             continue
         S = len(dp.stages)
         picks = [
-            StagePick((k, j), subs[m], t.choices[k, j, m, S - i])
+            StagePick((k, j), subs[m], t.choices[k, j, m, S if zb else S - i])
             for i, (k, j, m) in enumerate(dp.stages)
         ]
         out.append(Candidate(t.layers, picks))

@@ -15,6 +15,10 @@ keeps there, `cost_models.memory.microbatches_in_flight`: min(B, s) for 1F1B, B 
                          + max core bytes of one attention core
     recompute full:      params[k..j] + inflight * layer_inputs[k..j] + max activations of one layer
 
+plus, in every mode, what the backward holds besides saved activations and priced gradients
+(`LayerProfile.backward_bytes`, `planner.inter.held_memory`: the largest op's activation
+gradients, ZeRO gradients held whole until the step's sync; and a second set of fresh gradients
+during later micro-batches' backward on compiled graphs, `LayerProfile.accumulate_bytes`),
 and recomputation adds to the time the layers' forward compute (full) or their attention cores'
 forward (selective; the core bytes and seconds are `planner.inter.selective`'s). FSDP parameters
 (`planner.intra.prices`, ZeRO stage 3) add twice the largest layer's gathered bytes to the
@@ -26,6 +30,11 @@ of each pass (the first layer's in forward, the last layer's in backward) in ful
 ``fixed``). The latency of the gradient
 all-reduce buckets a range holds is added once per bucket (`planner.intra.prices.grad_buckets`),
 and the runtime's overhead per stage and micro-batch once.
+Zero bubble (`planner.inter.stage_dp` with ``by_total``: s is then the number of stages in all)
+keeps min(B, s) micro-batches in flight on every stage and adds the weight products' output
+gradients it defers (`planner.inter.wgrad`) times min(B, s), the most any of its stages defers
+(`cost_models.memory.weight_grads_pending`: stage i defers min(B, i + 1)); the plan's own memory
+(`planner.plans.assemble`) counts each stage's exact number.
 A range's cost is the fastest option (logical mesh, memory level, recomputation none, selective
 or full; `RECOMPUTE_MODES`) that fits the
 budget, plus sending the boundary activations to the next stage and their gradient back; +inf if
@@ -42,8 +51,11 @@ import numpy as np
 from cost_models.communication import LogicalMesh, boundary_send_times
 from cost_models.errors import MeshplanError
 from cost_models.memory import stage_peak_bytes
+from planner.inter.held_memory import backward_terms, resharded_saves
 from planner.inter.selective import selective_table
+from planner.inter.wgrad import wgrad_table
 from planner.intra.batch_split import batch_split_options
+from planner.intra.context import context_filter
 from planner.intra.megatron import ParamFilter, Seed, sequence_filter
 from planner.intra.prices import Option
 from planner.intra.solve import StagePricing, StageSolution, price_stage, solve_stage
@@ -75,6 +87,38 @@ class LayerProfile:
     core_time: np.ndarray | None = None
     core_bytes: np.ndarray | None = None
     core_peak: np.ndarray | None = None
+    # per layer: the weight-gradient products of its backward (`planner.inter.wgrad`), what a
+    # zero-bubble schedule defers, and the bytes of their output gradients kept until then
+    wgrad: np.ndarray | None = None
+    wgrad_bytes: np.ndarray | None = None
+    # what the backward holds besides saved activations and priced gradients
+    # (`planner.inter.held_memory`), per layer: its largest op's activation-gradient bytes,
+    # and the bytes of its parameters' fresh gradients and of those the parameter state prices
+    grad_work: np.ndarray | None = None
+    fresh_grads: np.ndarray | None = None
+    priced_grads: np.ndarray | None = None
+
+    def backward_bytes(self) -> np.ndarray:
+        """[k, j]: the backward's bytes beyond activations and parameter state for a stage of
+        layers k..j (`planner.inter.held_memory`): the largest op's activation gradients and
+        ZeRO gradients held whole until the step's sync (the second set of fresh gradients with
+        several micro-batches: `accumulate_bytes`)."""
+        L = len(self.time)
+        if self.grad_work is None:
+            return np.zeros((L, L))
+        return _range_max(self.grad_work) + _range_sums(
+            self.fresh_grads - self.priced_grads
+        )
+
+    def accumulate_bytes(self, recompute: str) -> np.ndarray:
+        """[k, j]: with several micro-batches on compiled graphs (no recomputation, no FSDP),
+        the second set of fresh gradients a later micro-batch's backward holds
+        (`cost_models.memory.stage_peak_bytes`'s ``accumulating``); else zeros."""
+        L = len(self.time)
+        compiled = recompute_mode(recompute) == "none" and self.gathered is None
+        if self.fresh_grads is None or not compiled:
+            return np.zeros((L, L))
+        return _range_sums(self.fresh_grads)
 
     def extra_time(self, recompute: str) -> np.ndarray | float:
         """Per layer: the seconds per micro-batch recomputation `recompute` adds (True and
@@ -223,8 +267,34 @@ def profile(
         np.add.at(core_time, index, seconds)
         np.add.at(core_bytes, index, dropped)
         selective = (core_time, core_bytes, peak)
+    wgrad = np.zeros((2, L))
+    for row, per_node in zip(wgrad, wgrad_table(sol, graph)):
+        np.add.at(row, index, per_node)
+    for n, b in resharded_saves(sol, graph).items():
+        acts[layer_of.get(n, 0)] += b
+    work, grads = backward_terms(sol, graph, layer_of)
+    grad_work = np.zeros(L)
+    for n, w in work.items():
+        k = layer_of.get(n, 0)
+        grad_work[k] = max(grad_work[k], w)
+    fresh, priced = np.zeros(L), np.zeros(L)
+    for n, (f, p) in grads.items():
+        fresh[layer_of.get(n, 0)] += f
+        priced[layer_of.get(n, 0)] += p
     return LayerProfile(
-        sol, time, fwd, params, acts, inputs, fixed, gathered, *selective
+        sol,
+        time,
+        fwd,
+        params,
+        acts,
+        inputs,
+        fixed,
+        gathered,
+        *selective,
+        *wgrad,
+        grad_work=grad_work,
+        fresh_grads=fresh,
+        priced_grads=priced,
     )
 
 
@@ -329,15 +399,19 @@ def profiles_for(
     paths = graph.placeholder_paths
     params = [n for n in first.choice if graph.node(n).op == "param"]
     names, rep = pricing.names, pricing.ctx.rep
-    for seed, seed_axes, sequence_axis in seeds:
+    for seed, seed_axes, sequence_axis, context_axis in seeds:
         axes = tuple(sorted(set(batch_axes) | set(seed_axes)))
         acts = activation_filter
-        if sequence_axis is not None:
-            try:
-                sp = sequence_filter(graph, sequence_axis, mesh.shape[sequence_axis])
-            except MeshplanError:  # a sequence the tp axis does not divide
-                continue
-            acts = sp if acts is None else _both(acts, sp)
+        try:
+            for make, axis in (
+                (sequence_filter, sequence_axis),
+                (context_filter, context_axis),
+            ):
+                if axis is not None:
+                    extra = make(graph, axis, mesh.shape[axis])
+                    acts = extra if acts is None else _both(acts, extra)
+        except MeshplanError:
+            continue  # a sequence the axis does not divide; a graph CP cannot split
         split = batch_split_options(
             graph, names, pricing.ctx.options, rep, axes, mesh.shape
         )
@@ -367,13 +441,13 @@ def profiles_for(
             sol.zero_params,
             sol.fsdp_params,
             sol.fsdp_axes,
-            sequence_axis is not None and sol.activation_bytes,
+            acts is not activation_filter and sol.activation_bytes,
         ) != (
             first.param_placements,
             first.zero_params,
             first.fsdp_params,
             first.fsdp_axes,
-            sequence_axis is not None and first.activation_bytes,
+            acts is not activation_filter and first.activation_bytes,
         ):
             out.append(profile(sol, graph, layer_of, bounds, num_layers))
     return out
@@ -426,24 +500,24 @@ def range_footprint(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[k, j] arrays for a stage holding layers k..j: its parameter-state bytes, the activation
     bytes it keeps per micro-batch in flight, and the bytes live only while one layer (one
-    attention core, selective) is recomputed or its FSDP parameters are gathered (module
-    docstring); `cost_models.memory.stage_peak_bytes` adds them up."""
+    attention core, selective) is recomputed or its FSDP parameters are gathered, plus what its
+    backward holds besides activations and parameter state (`LayerProfile.backward_bytes`)
+    (module docstring); `cost_models.memory.stage_peak_bytes` adds them up."""
     recompute = recompute_mode(recompute)
-    L = len(prof.time)
-    params = _range_sums(prof.params)
-    gathered = (
-        np.zeros((L, L)) if prof.gathered is None else 2 * _range_max(prof.gathered)
-    )
-    if recompute == "full":
-        return params, _range_sums(prof.inputs), _range_max(prof.acts) + gathered
-    if recompute == "selective":
-        kept = _range_sums(prof.acts - _need_cores(prof.core_bytes))
-        return params, kept, _range_max(_need_cores(prof.core_peak)) + gathered
-    if recompute != "none":
+    if recompute not in RECOMPUTE_MODES:
         raise MeshplanError(
             f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
         )
-    return params, _range_sums(prof.acts), gathered
+    params = _range_sums(prof.params)
+    extra = prof.backward_bytes()
+    if prof.gathered is not None:
+        extra = extra + 2 * _range_max(prof.gathered)
+    if recompute == "full":
+        return params, _range_sums(prof.inputs), _range_max(prof.acts) + extra
+    if recompute == "selective":
+        kept = _range_sums(prof.acts - _need_cores(prof.core_bytes))
+        return params, kept, _range_max(_need_cores(prof.core_peak)) + extra
+    return params, _range_sums(prof.acts), extra
 
 
 def range_costs(
@@ -452,18 +526,26 @@ def range_costs(
     budget: float,
     send: np.ndarray,
     recompute: str,
+    pending: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(cost[k, j, s], memory[k, j, s]) of one option, s indexing `inflight` (the micro-batches a
-    stage with s - 1 stages after it keeps in flight); cost is inf where memory exceeds the
-    budget."""
+    stage with s - 1 stages after it keeps in flight) and `pending` (the weight gradients it
+    defers, zero bubble; None: none); cost is inf where memory exceeds the budget."""
     L = len(prof.time)
     time = _range_sums(prof.time + prof.extra_time(recompute)) + prof.fixed
     params, kept, transient = range_footprint(prof, recompute)
+    deferred = 0.0
+    if pending is not None and prof.wgrad_bytes is not None:
+        deferred = _range_sums(prof.wgrad_bytes)[:, :, None] * pending[None, None, :]
     mem = stage_peak_bytes(
         params[:, :, None],
         kept[:, :, None],
         transient[:, :, None],
         inflight[None, None, :],
+        # zero-bubble stages run eager (`runtime.torch_pipeline`): no second set of gradients
+        0.0 if pending is not None else prof.accumulate_bytes(recompute)[:, :, None],
+        prof.solution.num_microbatches,
+        weight_grads=deferred,
     )
     valid = np.triu(np.ones((L, L), dtype=bool))[:, :, None]
     if recompute_mode(recompute) != "none" and prof.gathered is not None:

@@ -65,6 +65,8 @@ class Seed(NamedTuple):
     # the tensor-parallel axis on which Megatron-SP splits the norms and residual adds along
     # the sequence (`sequence_filter`), or None
     sequence_axis: int | None = None
+    # the axis on which every attention is context-parallel (`planner.intra.context`), or None
+    context_axis: int | None = None
 
 
 def megatron_placement(path: str) -> str:
@@ -172,6 +174,30 @@ def seed_filters(
             if free:
                 out.append(Seed(axes_filter(tp, free[-1]), axes))
     return out
+
+
+def context_seeds(
+    mesh_shape: tuple[int, int], has_experts: bool, tp_sizes: set[int]
+) -> list[Seed]:
+    """Context-parallel layouts worth solving on a logical mesh (a, b) (`manual_plan`'s
+    ``context_parallel``): CP over all devices (a mesh with one axis of more than one device),
+    its parameters replicated or FSDP-sharded over it (torchtitan's FSDP + CP); and, where both
+    axes have more than one device and b is a tensor-parallel size, CP on axis 0 with
+    Megatron's tensor parallelism on axis 1. None for models with experts. A seed is skipped
+    where the graph cannot take it (`planner.intra.context.context_filter`: micro-batches of
+    more than one row, no fused attention)."""
+    a, b = mesh_shape
+    if has_experts or a * b == 1:
+        return []
+    if a == 1 or b == 1:
+        axis = 0 if b == 1 else 1
+        return [
+            Seed(axes_filter(None, None), (), context_axis=axis),
+            Seed(axes_filter(None, None, fsdp=True), (), context_axis=axis),
+        ]
+    if b in tp_sizes:
+        return [Seed(axes_filter(1, None), (), context_axis=0)]
+    return []
 
 
 def _weight_placements(graph: OpGraph) -> dict[str, str]:

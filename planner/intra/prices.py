@@ -6,6 +6,10 @@ All prices come from `cost_models` (principle 2) and cover forward and backward:
   by the product of the mesh axes its computation is split over: those on which any input or output
   is sharded or partial), plus the bytes it keeps on the device (parameters with their gradients and
   optimizer state; saved activations times the micro-batches in flight).
+* context-parallel attention (`planner.vocab.context`): its FLOPs divided by the CP axis too
+  (the most loaded rank's share), but the gathered k and v are read whole and saved for
+  backward whole (`planner.intra.context.gathered_kv_bytes`, in `_sharded_bytes` and
+  `activation_bytes`); the exchange itself is the edges into k and v.
 * edge u -> v under (i, j): forward, redistributing u's output placement to the one v's strategy
   needs; backward, the gradient's way back. The gradient leaves v placed per axis as S(d) where v's
   input was S(d); as P (partial) where v's input was R but v's computation is split on that axis
@@ -95,6 +99,7 @@ from cost_models.compute import measured_op_time, op_overhead, op_time
 from cost_models.memory import gathered_bytes
 from cost_models.memory import param_state_bytes as state_bytes
 from cost_models.resharding import reshard_cost, reshard_steps
+from planner.intra.context import gathered_kv_bytes
 from planner.intra.strategies import node_strategies
 from planner.tracing.opgraph import OpGraph, OpNode, TensorMeta
 from planner.vocab.grads import bucketed_axes, expected_grad, grad_from_consumer
@@ -232,14 +237,14 @@ def compute_time(node: OpNode, option: Option, s: StageSettings) -> float:
     if node.is_view:
         return op_overhead(s.mesh.cluster)
     f = split_factor(option.strategy, s.mesh.shape)
-    measured = _measured_time(node, f, s, backward=node.requires_grad)
+    measured = _measured_time(node, option, f, s, backward=node.requires_grad)
     if measured is not None:
         return op_overhead(s.mesh.cluster) + measured
     flops = (node.fwd_flops + node.bwd_flops) / f
     passes = (
         3 if node.requires_grad else 1
     )  # backward reads and writes about twice what forward does
-    nbytes = (node.bytes_read + node.bytes_written) * passes / f
+    nbytes = _sharded_bytes(node, option, f, s) * passes
     dtype = node.outputs[0].dtype if node.outputs else "float32"
     return (
         op_overhead(s.mesh.cluster)
@@ -265,14 +270,14 @@ def forward_time(node: OpNode, option: Option, s: StageSettings) -> float:
     if node.op != "call" or node.is_view:
         return 0.0
     f = split_factor(option.strategy, s.mesh.shape)
-    measured = _measured_time(node, f, s, backward=False)
+    measured = _measured_time(node, option, f, s, backward=False)
     if measured is not None:
         return measured
     dtype = node.outputs[0].dtype if node.outputs else "float32"
     return op_time(
         s.mesh.cluster,
         node.fwd_flops / f,
-        (node.bytes_read + node.bytes_written) / f,
+        _sharded_bytes(node, option, f, s),
         dtype,
         shape_hint=_matmul_hint(node, option.strategy, s.mesh.shape),
         kernels=1,
@@ -280,17 +285,26 @@ def forward_time(node: OpNode, option: Option, s: StageSettings) -> float:
 
 
 def _measured_time(
-    node: OpNode, f: int, s: StageSettings, *, backward: bool
+    node: OpNode, option: Option, f: int, s: StageSettings, *, backward: bool
 ) -> float | None:
     """`cost_models.compute.measured_op_time` of the node's share on one device (its forward
-    FLOPs and bytes divided by the split factor `f`), or None without a measured rate."""
+    FLOPs divided by the split factor `f`, its bytes `_sharded_bytes`), or None without a
+    measured rate."""
     return measured_op_time(
         s.mesh.cluster,
         node.target,
         flops=node.fwd_flops / f,
-        nbytes=(node.bytes_read + node.bytes_written) / f,
+        nbytes=_sharded_bytes(node, option, f, s),
         backward=backward,
     )
+
+
+def _sharded_bytes(node: OpNode, option: Option, f: int, s: StageSettings) -> float:
+    """Bytes one device's share of the op reads and writes in forward: the op's divided by the
+    split factor `f`; a context-parallel attention also reads the gathered k and v whole
+    (`planner.intra.context.gathered_kv_bytes`)."""
+    extra = gathered_kv_bytes(node, option.strategy, s.mesh.shape)
+    return (node.bytes_read + node.bytes_written) / f + extra
 
 
 def param_state_bytes(meta: TensorMeta, option: Option, s: StageSettings) -> float:
@@ -626,4 +640,5 @@ def activation_bytes(
         total += node.outputs[0].nbytes / shards(strategy.output[0], s.mesh.shape)
     if node.saved_extra_bytes:
         total += node.saved_extra_bytes / split_factor(strategy, s.mesh.shape)
+    total += gathered_kv_bytes(node, strategy, s.mesh.shape)
     return total * s.in_flight

@@ -91,6 +91,11 @@ class StageSolution:
     )  # node -> `PricedStage.values` of its choice, forward time included
 
     @property
+    def optimizer(self) -> str | None:
+        """The optimizer the stage was priced for (None for a solution built without pricing)."""
+        return self._ctx.settings.optimizer if self._ctx else None
+
+    @property
     def fsdp_axes(self) -> dict[str, list[int]]:
         """HSDP parameters (path -> the axes they are sharded over; `StagePlan.fsdp_axes`)."""
         paths = self._ctx.graph.placeholder_paths if self._ctx else {}

@@ -41,6 +41,8 @@ Node kinds:
 * other ops: sources ``"single_dim"``, ``"classic"``, ``"rule"``, ``"decomp"`` (DTensor's paths),
   ``"custom"`` (a rule this package registers in DTensor because PyTorch lacks it:
   ``_scaled_dot_product_flash_attention_for_cpu`` and its backward, see `planner.intra.dtensor_rules`),
+  ``"context"`` (context parallelism of that kernel: q split along the sequence, k and v
+  gathered; no DTensor rule, the runtime runs it itself, `planner.vocab.context`),
   or ``"fallback"``: all inputs and outputs ``"R"``, when DTensor has no rule, its rule raises, or it
   leaves no even strategy. `fallback_ops` lists them with the reason; the runtime must run them on
   the replicated local tensors itself (DTensor would raise), e.g. by registering DTensor's
@@ -62,6 +64,7 @@ import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from planner.intra import dtensor_rules as dr
+from planner.vocab.context import context_strategies
 from planner.vocab.dtensor_ext import placement_to_str, registrations
 from planner.vocab.placements import Placements, mesh_axes
 from planner.vocab.strategy import Strategy, getitem_source
@@ -424,7 +427,8 @@ def node_strategies(node: torch.fx.Node, mesh_shape: tuple[int, int]) -> list[St
         return _scalar(node, len(outs))
     if not isinstance(node.target, torch._ops.OpOverload):
         return [_fallback(node, mesh_shape)]
-    return list(_op_strategies(node, mesh_shape)[0])
+    base = list(_op_strategies(node, mesh_shape)[0])
+    return base + context_strategies(node, base, mesh_shape)
 
 
 def fallback_reason(node: torch.fx.Node, mesh_shape: tuple[int, int]) -> str | None:

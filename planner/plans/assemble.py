@@ -11,7 +11,8 @@ submesh, intra-op solution, recomputation and `StageCost`. `assemble` turns it i
   its schedule keeps in flight (`cost_models.memory.microbatches_in_flight`, so GPipe holds all of
   them), summed over the stages (chunks) a device group runs;
 * iteration time: `cost_models.pipeline.iteration_time` of the stage times and the values crossing
-  each stage boundary (`predicted_iteration_time`, which the search also ranks candidates by);
+  each stage boundary (`predicted_iteration_time`, which the search also ranks candidates by),
+  with each stage's forward and weight-gradient times for the zero-bubble schedule;
 * tied parameters (one tensor read by the ops of several stages: an input embedding and the LM
   head sharing its weight; `tied_params`): every stage reading one holds its own copy, placed
   as that stage's solution places the parameter, listed in its ``param_placements`` and in the
@@ -32,13 +33,18 @@ import numpy as np
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh, MeshAxis, collective_time
 from cost_models.compute import step_overhead
-from cost_models.memory import microbatches_in_flight, stage_peak_bytes
+from cost_models.memory import (
+    microbatches_in_flight,
+    stage_peak_bytes,
+    weight_grads_pending,
+)
 from cost_models.pipeline import iteration_time
 from planner.inter import stage_table as st
+from planner.inter.held_memory import param_grad_terms
 from planner.intra.solve import StageSolution
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.placements import shards
-from planner.vocab.plan_check import validate
+from planner.vocab.plan_check import recompute_mode, validate
 from planner.vocab.plan_file import Estimate, ParallelPlan, StagePlan
 from planner.vocab.strategy import strategy_to_json, tied_copies_align
 
@@ -48,6 +54,7 @@ __all__ = [
     "StageCost",
     "assemble",
     "param_readers",
+    "received_placements",
     "stage_from_profile",
     "tied_params",
     "tied_sync_seconds",
@@ -65,6 +72,15 @@ class StageCost:
         float  # live only while one layer is recomputed and back-propagated
     )
     compute_s: float  # the layers' own time, without the stage's fixed costs
+    # of time_s: the forward compute and the weight-gradient products (`planner.inter.wgrad`);
+    # the rest is the input gradient (zero-bubble schedule, `cost_models.pipeline`)
+    forward_s: float = 0.0
+    weight_grad_s: float = 0.0
+    # bytes of the weight products' output gradients a deferred weight gradient keeps
+    weight_grad_bytes: float = 0.0
+    # held only during the backward of micro-batches after the first (a second set of fresh
+    # gradients: `cost_models.memory.stage_peak_bytes`'s ``accumulating``)
+    accumulate_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +138,14 @@ def stage_from_profile(
         kept_bytes=float(kept[k, j]),
         transient_bytes=float(transient[k, j]),
         compute_s=float(profile.time[k : j + 1].sum()),
+        forward_s=float(profile.fwd[k : j + 1].sum()),
+        weight_grad_s=0.0
+        if profile.wgrad is None
+        else float(profile.wgrad[k : j + 1].sum()),
+        weight_grad_bytes=0.0
+        if profile.wgrad_bytes is None
+        else float(profile.wgrad_bytes[k : j + 1].sum()),
+        accumulate_bytes=float(profile.accumulate_bytes(recompute)[k, j]),
     )
     return StageChoice(layers, submesh, profile.solution, recompute, cost)
 
@@ -192,20 +216,32 @@ def _copies(spec: PlanSpec, stages: list[int]) -> list[int]:
     return list(first.values())
 
 
-def _copy_costs(spec: PlanSpec) -> list[tuple[float, float]]:
-    """Per stage: (seconds per micro-batch, parameter-state bytes per device) of the tied
-    parameters' copies it holds beyond the first (whose cost the stage of the parameter's first
-    reader already has: `planner.inter.stage_table` attributes a parameter to that layer)."""
-    out = [(0.0, 0.0) for _ in spec.stages]
+def _copy_costs(spec: PlanSpec) -> list[tuple[float, float, float]]:
+    """Per stage: (seconds per micro-batch, parameter-state bytes per device, bytes of fresh
+    gradients) of the tied parameters' copies it holds beyond the first (whose cost the stage of
+    the parameter's first reader already has: `planner.inter.stage_table` attributes a parameter
+    to that layer). The parameter-state bytes include the copy's gradient held beyond its priced
+    size until the step's sync (`planner.inter.held_memory.param_grad_terms`, from the stage's
+    own readers of it); the fresh gradients are `cost_models.memory.stage_peak_bytes`'s
+    ``accumulating`` share of the copy."""
+    out = [(0.0, 0.0, 0.0) for _ in spec.stages]
     rows: dict[int, dict[str, np.ndarray]] = {}
     for u, stages in tied_params(spec).items():
         for i in _copies(spec, stages)[1:]:
-            sol = spec.stages[i].solution
+            stage = spec.stages[i]
+            sol = stage.solution
             if id(sol) not in rows:
                 names, table = sol.node_cost_table()
                 rows[id(sol)] = dict(zip(names, table))
             row = rows[id(sol)][u]  # (time, forward time, parameter bytes, activations)
-            out[i] = (out[i][0] + float(row[0]), out[i][1] + float(row[2]))
+            a, b = spec.layers[stage.layers[0]][0], spec.layers[stage.layers[1]][1]
+            readers = {n.name for n in spec.graph.ops[a : b + 1]}
+            fresh, priced = param_grad_terms(sol, spec.graph, u, readers)
+            out[i] = (
+                out[i][0] + float(row[0]),
+                out[i][1] + float(row[2]) + fresh - priced,
+                out[i][2] + fresh,
+            )
     return out
 
 
@@ -287,7 +323,19 @@ def predicted_iteration_time(
         spec.schedule,
         virtual_stages=spec.virtual_stages,
         step_s=step_overhead(spec.cluster) + tied_sync_seconds(spec, devices),
+        **_zero_bubble_split(spec),
     )
+
+
+def _zero_bubble_split(spec: PlanSpec) -> dict[str, list[float]]:
+    """The stages' forward and weight-gradient times when the schedule splits backward (zero
+    bubble), else nothing."""
+    if spec.schedule != "zero_bubble":
+        return {}
+    return {
+        "forward_times": [s.cost.forward_s for s in spec.stages],
+        "weight_times": [s.cost.weight_grad_s for s in spec.stages],
+    }
 
 
 def device_memory(spec: PlanSpec) -> list[float]:
@@ -306,10 +354,25 @@ def device_memory(spec: PlanSpec) -> list[float]:
             microbatches_in_flight(
                 spec.schedule, spec.num_microbatches, p, c % p, virtual_stages=v
             ),
+            # zero-bubble stages run eager (`runtime.torch_pipeline`): no second gradient set
+            0.0
+            if spec.schedule == "zero_bubble"
+            else s.cost.accumulate_bytes + _compiled(s) * copies[c][2],
+            spec.num_microbatches,
+            weight_grads=weight_grads_pending(
+                spec.schedule, spec.num_microbatches, p, c % p
+            )
+            * s.cost.weight_grad_bytes,
         )
         for c, s in enumerate(spec.stages)
     ]
     return [float(sum(chunk[c % p :: p])) for c in range(S)]
+
+
+def _compiled(stage: StageChoice) -> bool:
+    """Whether the runtime runs the stage's micro-batches as compiled graphs (no recomputation,
+    no FSDP parameters: `planner.inter.stage_table.LayerProfile.accumulate_bytes`)."""
+    return recompute_mode(stage.recompute) == "none" and not stage.solution.fsdp_params
 
 
 def _data_parallel_axes(
@@ -370,7 +433,30 @@ def _stage_plan(
             if n in mine and graph.node(n).op == "call"
         },
         data_parallel_axes=_data_parallel_axes(graph, sol, mine, sol.mesh_shape),
+        input_placements=received_placements(graph, sol, mine),
     )
+
+
+def received_placements(
+    graph: OpGraph, sol: StageSolution, mine: set[str]
+) -> dict[str, list[str]]:
+    """The values the ops in `mine` (a stage) read from ops outside it -> their placement in the
+    stage's solution `sol`: the source of the edges to their consumers that the solution priced
+    (forward resharding and the gradient's way back, attributed to the consumers' layers). A
+    Partial axis becomes "R": the value crosses stages reduced (the sending stage reduces it on
+    its way out, `runtime.torch_pipeline` / `runtime.pipeline`), so the received value is
+    replicated there, not partial as the solution priced its edges."""
+    out: dict[str, list[str]] = {}
+    for n in sorted(mine):
+        if graph.node(n).op != "call":
+            continue
+        for u in graph.node(n).inputs:
+            if u not in mine and u not in out and graph.node(u).op == "call":
+                out[u] = [
+                    "R" if x.startswith("P") else x
+                    for x in sol.choice[u].strategy.output[0]
+                ]
+    return out
 
 
 def assemble(spec: PlanSpec) -> ParallelPlan:

@@ -30,6 +30,10 @@ instead of the all-reduce; with `sequence_parallel=False` they are replicated on
 Megatron without sequence parallelism runs them; None (the default) leaves them to the least
 cost (which may split them by the sequence, or keep the residual stream partial).
 
+With `context_parallel=cp` > 1 (dp = 1) a stage is a (cp, tp) mesh: every attention is
+context-parallel on axis 0 (the sequence split, keys and values all-gathered;
+`planner.intra.context`), parameters replicated there (or FSDP-sharded with ``fsdp="full"``).
+
 Recomputation: "full" checkpoints every transformer block (`planner.plans.recompute`),
 "selective" only the attention cores (`planner.tracing.attention`), priced by the stage DP's
 own prices (`planner.inter.stage_table`, `planner.inter.selective`).
@@ -38,6 +42,7 @@ own prices (`planner.inter.stage_table`, `planner.inter.selective`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,6 +55,7 @@ from cost_models.errors import MeshplanError, gib
 from cost_models.memory import canonical_schedule
 from planner.inter import stage_table as st
 from planner.inter.layers import layers_in
+from planner.intra.context import context_filter
 from planner.intra.megatron import (
     axes_filter,
     batch_axes,
@@ -90,6 +96,7 @@ def manual_plan(
     split: str = "balanced",
     schedule: str | None = None,
     fsdp: str = "none",
+    context_parallel: int = 1,
 ) -> ParallelPlan:
     """Price a Megatron configuration. `microbatch_size` is the rows of the global batch in one
     micro-batch, as in `plan` (global batch = microbatch_size * num_microbatches; each of the dp
@@ -103,10 +110,16 @@ def manual_plan(
     `recompute_costs`); True and False mean full and none. `sequence_parallel`: True for
     Megatron-SP on the tp axis, False for Megatron without it, None for the least cost (module
     docstring; True and False need tp > 1). `schedule`: "1f1b" (default), "gpipe",
-    or "interleaved" (the default when `virtual_stages` > 1). `fsdp`: "none" (Megatron's
+    "interleaved" (the default when `virtual_stages` > 1) or "zero_bubble" (`cost_models.pipeline`). `fsdp`: "none" (Megatron's
     replicas), "full" (every parameter FSDP-sharded over all the axes that replicate it,
     torchtitan's FSDP) or "hybrid" (HSDP, tp = 1 only: the dp devices as a (hosts, devices per
-    host) mesh, every parameter sharded inside a host and replicated across hosts)."""
+    host) mesh, every parameter sharded inside a host and replicated across hosts).
+    `context_parallel` (cp): the sequence split over cp devices, every attention computed on
+    its own queries against all-gathered keys and values (`planner.vocab.context`), the ops
+    around it split along the sequence at the least cost (`planner.intra.context`); dp x cp x
+    tp x pp = the devices, each stage a (cp, tp) logical mesh (cp on axis 0). It needs dp = 1
+    and micro-batches of one row (raises otherwise; `fsdp="full"` shards the parameters over
+    the cp devices, as torchtitan combines FSDP with CP)."""
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     recompute = recompute_mode(recompute)
     if recompute not in RECOMPUTE_MODES:
@@ -125,12 +138,24 @@ def manual_plan(
         ("tp", tp),
         ("pp", pp),
         ("virtual_stages", virtual_stages),
+        ("context_parallel", context_parallel),
     ):
         if not isinstance(v, int) or v < 1:
             raise MeshplanError(f"{key} must be a positive integer, got {v!r}")
-    if dp * tp * pp != D:
+    cp = context_parallel
+    if dp * cp * tp * pp != D:
+        names, sizes = ("dp", "tp", "pp"), (dp, tp, pp)
+        if cp > 1:
+            names, sizes = ("dp", "cp", "tp", "pp"), (dp, cp, tp, pp)
         raise MeshplanError(
-            f"dp x tp x pp = {dp}x{tp}x{pp} = {dp * tp * pp}, but {cluster.spec} has {D} devices"
+            f"{' x '.join(names)} = {'x'.join(map(str, sizes))} = {dp * cp * tp * pp}, but "
+            f"{cluster.spec} has {D} devices"
+        )
+    if cp > 1 and (dp > 1 or fsdp == "hybrid" or expert_parallel):
+        raise MeshplanError(
+            f"context_parallel={cp} runs micro-batches of one row on a (cp, tp) mesh: it needs "
+            f"dp=1, no hybrid sharding and no expert parallelism, got dp={dp} fsdp={fsdp} "
+            f"expert_parallel={expert_parallel} (fsdp='full' shards over the cp devices)"
         )
     if M % tp:
         raise MeshplanError(
@@ -177,7 +202,7 @@ def manual_plan(
     )
     if len(layers) != chunks:
         raise MeshplanError(f"{name} has too few ops for {chunks} pipeline chunks")
-    n = dp * tp
+    n = dp * cp * tp
     sub = (1, n) if n <= M else (n // M, M)
     experts = any(is_expert_weight(p) for p in graph.placeholder_paths.values())
     param_filter = megatron_filter(tp, dp, expert_parallel)
@@ -185,7 +210,7 @@ def manual_plan(
         mesh = LogicalMesh(cluster, sub, sub)  # axis 0 across hosts, axis 1 inside one
         param_filter = axes_filter(None, None, fsdp=True, hybrid=(1,))
     else:
-        mesh = LogicalMesh(cluster, sub, (dp, tp))
+        mesh = LogicalMesh(cluster, sub, (dp * cp, tp))
         if fsdp == "full":
             param_filter = axes_filter(
                 1 if tp > 1 else None, 0 if expert_parallel and dp > 1 else None, True
@@ -203,10 +228,15 @@ def manual_plan(
         budget=np.inf,
         optimizer=optimizer,
         param_filter=param_filter,
-        activation_filter=None
-        if sequence_parallel is None
-        else sequence_filter(graph, 1, tp, split=sequence_parallel),
-        batch_axes=batch_axes(mesh.shape, 1 if tp > 1 else None, experts),
+        activation_filter=_both(
+            None
+            if sequence_parallel is None
+            else sequence_filter(graph, 1, tp, split=sequence_parallel),
+            context_filter(graph, 0, cp) if cp > 1 else None,
+        ),
+        batch_axes=()
+        if cp > 1
+        else batch_axes(mesh.shape, 1 if tp > 1 else None, experts),
     )[0]
     schedule = canonical_schedule(
         schedule or ("interleaved" if virtual_stages > 1 else "1f1b")
@@ -214,6 +244,14 @@ def manual_plan(
     if virtual_stages > 1 and schedule != "interleaved":
         raise MeshplanError(
             f"virtual_stages={virtual_stages} needs the interleaved schedule, not {schedule}"
+        )
+    if schedule == "zero_bubble" and (recompute != "none" or fsdp != "none"):
+        # torch keeps the autograd graph from the input- to the weight-gradient pass: what a
+        # recomputed layer holds then is not priced, and FSDP's in-backward reduce-scatters are
+        # not split (`runtime.torch_pipeline`)
+        raise MeshplanError(
+            f"the zero_bubble schedule is priced and run without recomputation and FSDP; got "
+            f"recompute={recompute!r}, fsdp={fsdp!r}"
         )
     block_costs = (
         recompute_costs(prof.solution, graph, layer_of, chunks)
@@ -231,7 +269,8 @@ def manual_plan(
                     stage.cost,
                     time_s=float(prof.time[c] + prof.fixed[c, c] + seconds),
                     kept_bytes=float(kept),
-                    transient_bytes=float(transient),
+                    # and what its backward holds (`LayerProfile.backward_bytes`)
+                    transient_bytes=float(transient + prof.backward_bytes()[c, c]),
                 ),
             )
         stages.append(stage)
@@ -263,11 +302,22 @@ def manual_plan(
         "virtual_stages": virtual_stages,
         "expert_parallel": expert_parallel,
         "fsdp": fsdp,
+        "context_parallel": cp,
         "fits": fits,
     }
     if not fits and not allow_oom:
         raise MeshplanError(
-            f"dp={dp} tp={tp} pp={pp} with {B} micro-batches does not fit: a stage needs "
+            f"dp={dp} {f'cp={cp} ' if cp > 1 else ''}tp={tp} pp={pp} with {B} micro-batches "
+            "does not fit: a stage needs "
             "{} per device, {} available".format(*gib(peak, budget))
         )
     return plan
+
+
+def _both(
+    a: Callable[[str, Any], bool] | None, b: Callable[[str, Any], bool] | None
+) -> Callable[[str, Any], bool] | None:
+    """The options both filters allow (None: no restriction)."""
+    if a is None or b is None:
+        return a or b
+    return lambda name, option: a(name, option) and b(name, option)

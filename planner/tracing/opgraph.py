@@ -66,6 +66,11 @@ class OpNode:
     saved_extra_bytes: int = 0
     requires_grad: bool = False
     is_view: bool = False
+    # inputs derived from parameters only (a weight or its view) that this op keeps for backward;
+    # `saved` leaves them out (parameters are priced as parameter state), but where the op
+    # receives one redistributed (an all-gathered weight) it keeps that copy
+    # (`planner.inter.held_memory`)
+    saved_params: list[str] = field(default_factory=list)
 
     @property
     def output_bytes(self) -> int:

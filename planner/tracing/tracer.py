@@ -440,6 +440,8 @@ def _op_node(
         r = root[tin[i].name]
         if r not in param_of:
             saved.add(r)
+        elif tin[i].name not in node.saved_params:
+            node.saved_params.append(tin[i].name)
     for j in cost.saved_outputs:
         if len(outs) == 1:
             saved.add(name)

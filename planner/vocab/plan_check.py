@@ -369,6 +369,21 @@ def _placements(p: Plan) -> None:
         for name, pl in s.param_placements.items():
             check(pl, f"{at}.param_placements[{show(name)}]", n)
         _expect(
+            isinstance(s.input_placements, dict),
+            f"{at}.input_placements",
+            s.input_placements,
+            "an object",
+        )
+        for name, pl in s.input_placements.items():
+            path = f"{at}.input_placements[{show(name)}]"
+            check(pl, path, n)
+            for a, x in enumerate(pl):
+                if x.startswith("P"):
+                    raise Invalid(
+                        f"{path}[{a}]",
+                        f"{show(x)}: a received value arrives reduced; expected R or S(d)",
+                    )
+        _expect(
             isinstance(s.zero_params, list),
             f"{at}.zero_params",
             s.zero_params,

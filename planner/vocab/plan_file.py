@@ -61,6 +61,11 @@ class StagePlan:
     # Mesh axes that replicate most of the stage's parameter bytes (data parallel); the other axes
     # split the model (tensor parallel, or fully sharded weights).
     data_parallel_axes: list[int] = field(default_factory=list)
+    # Values this stage receives from earlier stages (producer node -> placement per mesh axis):
+    # the placement the stage's intra-op solution gave the value, whose edges to the stage's ops
+    # (and their gradients) the planner priced; a Partial axis there is "R" (the value arrives
+    # reduced). The runtime plans the received value in it; a value not listed arrives replicated.
+    input_placements: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.recompute = recompute_mode(self.recompute)  # true/false: full/none

@@ -93,10 +93,11 @@ class StageProgram:
     ) -> StageProgram:
         """A stage's program from its plan entry (``StagePlan.logical_mesh``, ``param_placements``,
         ``node_strategies``) for a stage graph with `placeholders` (node name -> path) and `calls`
-        (the call nodes' names). Placeholders without a placement (batch inputs, buffers, values
-        received from another stage) are replicated; every parameter in `params` and every call
-        must have an entry. Nodes in `fallback` get the source "fallback" (the runtime registers
-        DTensor's replicate strategy for their ops)."""
+        (the call nodes' names). `param_placements` may list other placeholders by path too
+        (`runtime.stages.stage_program`: the values received from another stage); placeholders
+        without a placement (batch inputs, buffers) are replicated; every parameter in `params`
+        and every call must have an entry. Nodes in `fallback` get the source "fallback" (the
+        runtime registers DTensor's replicate strategy for their ops)."""
         shape = tuple(logical_mesh)
         rep = ("R",) * len(shape)
         params, fallback = set(params), set(fallback)

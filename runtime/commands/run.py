@@ -229,6 +229,8 @@ def _run_torchrun(
     )
     try:
         result = rank_main(plan, cfg)
+        # no rank tears its connections down while a peer may still use them
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return result if int(os.environ["RANK"]) == 0 else None

@@ -1,0 +1,92 @@
+"""Context parallelism as a restriction of the intra-op pass (`planner.intra.solve`'s
+``activation_filter``), for manual plans (``manual_plan(context_parallel=N)``) and as seeds of the
+automatic search (`planner.intra.megatron.seed_filters`).
+
+Every attention node takes its context-parallel strategy on the CP axis (`planner.vocab.context`:
+q split along the sequence, k and v all-gathered); every other op is left to the least cost, which
+splits the position-wise ops around attention (norms, projections, rotary products, MLP, the
+loss) along the sequence as DTensor's own strategies allow, the rotary tables and the tokens
+sliced locally from their replicated copies.
+
+Micro-batches of one row only: the traced graph flattens ``[rows, s, h]`` to ``[rows * s, h]``
+around every matrix product, and a sequence split of such a view with more than one row is a
+strided shard, which the planner does not plan (`planner.intra.strategies`); with one row the
+split passes through. That is how long-context training runs (torchtitan's CP runs one sequence
+per rank), so data parallelism does not combine with CP here: shard the parameters over the CP
+devices with FSDP instead (torchtitan does the same: FSDP over the data x context devices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cost_models.errors import MeshplanError
+from planner.tracing.opgraph import OpGraph, OpNode
+from planner.vocab.context import SDPA, SEQ_DIM, context_axis, eligible
+from planner.vocab.placements import shards
+from planner.vocab.strategy import Strategy
+
+__all__ = ["attention_nodes", "context_filter", "gathered_kv_bytes"]
+
+_SDPA = str(SDPA)  # the op graph's target string
+
+
+def attention_nodes(graph: OpGraph) -> list[str]:
+    """The graph's attention kernels that context parallelism splits (`planner.vocab.context`)."""
+    return [n.name for n in graph.ops if n.target == _SDPA]
+
+
+def context_filter(graph: OpGraph, axis: int, size: int) -> Callable[[str, Any], bool]:
+    """Options restricted to context parallelism on mesh axis `axis` of `size` devices: every
+    attention node context-parallel there, every other op free. Raises MeshplanError when the
+    graph has no fused attention, when a micro-batch has more than one row, or when the
+    sequence does not divide by `size` (module docstring)."""
+    nodes = attention_nodes(graph)
+    if not nodes:
+        raise MeshplanError(
+            "context parallelism splits F.scaled_dot_product_attention; the model has none "
+            "(explicit attention, or no attention)"
+        )
+    fx = {n.name: n for n in graph.gm.graph.nodes} if graph.gm is not None else {}
+    for name in nodes:
+        if name in fx and not eligible(fx[name]):
+            raise MeshplanError(
+                f"context parallelism needs self-attention without dropout or an explicit "
+                f"mask; attention {name} has {fx[name].args[3:]} {fx[name].kwargs}"
+            )
+        shape = graph.node(name).outputs[0].shape
+        if shape[0] != 1:
+            raise MeshplanError(
+                f"context parallelism runs micro-batches of one row; attention {name} has "
+                f"{shape[0]} (use a micro-batch size of 1)"
+            )
+        if shape[SEQ_DIM] % size:
+            raise MeshplanError(
+                f"context parallelism splits the sequence {shape[SEQ_DIM]} of attention {name} "
+                f"over {size} devices; it does not divide"
+            )
+    wanted = set(nodes)
+
+    def allowed(name: str, option: Any) -> bool:
+        return name not in wanted or context_axis(option.strategy) == axis
+
+    return allowed
+
+
+def gathered_kv_bytes(
+    node: OpNode, strategy: Strategy, mesh_shape: tuple[int, ...]
+) -> float:
+    """Bytes of k and v one device holds beyond its split copies under a context-parallel
+    `strategy` of an attention `node` (0 otherwise): the all-gathered k and v, less the
+    ``1 / C`` of them the producers' prices count. The kernel reads them (the last rank every
+    key) and saves them for backward (`runtime.context`; a rank's slice keeps the whole
+    gathered storage); `planner.intra.prices` charges both. With ``out`` shaped as v
+    (the kernel's output: q's rows, v's head size) and q as k, ``k + v = (q + k + v + out) / 2``
+    of the node's bytes read and its output."""
+    axis = context_axis(strategy) if node.target == _SDPA else None
+    if axis is None:
+        return 0.0
+    kv = (node.bytes_read + node.outputs[0].nbytes) / 2
+    gathered = kv / shards(strategy.inputs[1], mesh_shape)
+    return gathered * (1 - 1 / mesh_shape[axis])

@@ -1,0 +1,326 @@
+"""Context parallelism (`planner.vocab.context`): priced, chosen, executed.
+
+Planner: the attention kernel gets context-parallel strategies (q split along the sequence, k and
+v gathered); the price of the K/V exchange of one attention equals the ring formulas by hand;
+`manual_plan(context_parallel=N)` (``meshplan manual --cp N``) makes every attention
+context-parallel and refuses what it cannot run; the intra-op search picks CP for a long sequence that neither the batch nor the heads
+can split, and not for a short one with a batch to split.
+
+Runtime: one gloo launch of 4 ranks trains a small Llama (hidden 64, 2 layers, sequence 16),
+2 micro-batches of one row, Adam (lr 1e-3), 3 steps, under three manual plans: ``cp_tp`` (CP 2 x
+TP 2 on a (2, 2) mesh, compiled), ``cp_fsdp`` (CP 4, every parameter FSDP-sharded over the 4
+devices, eager) and ``cp_pp`` (two pipeline stages of CP 2, the attention cores recomputed:
+selective recomputation, eager); against one device (losses and
+parameters within 1e-5); for ``cp_tp`` and ``cp_fsdp`` also the collectives of one counted step
+against the priced ones site by site, and the bytes of parameters, gradients and Adam state each
+rank holds against the price.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import single_device
+import torch
+
+from cost_models.cluster import Cluster
+from cost_models.communication import LogicalMesh
+from cost_models.errors import MeshplanError
+from planner.intra import prices as sc
+from planner.intra.context import attention_nodes
+from planner.intra.prices import Option, StageSettings
+from planner.models import build_model
+from planner.plans.manual import manual_plan
+from planner.tracing.tracer import trace
+from planner.vocab.context import CP_SOURCE, context_axis
+from planner.vocab.plan_file import ParallelPlan
+from planner.vocab.strategy import Strategy
+from runtime.launch import launch
+from runtime.train import _random_batches
+
+SPEC = "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"
+CLUSTER = "1x4xA100-80GB"
+STEPS, LR, BATCH, B = 3, 1e-3, 2, 2
+# the loss all-reduce, nll_loss's total_weight and the embedding's scalar (tests/test_fsdp.py)
+UNPRICED_SITES = ("fwd:output", "bwd:nll_loss_forward", "bwd:embedding")
+
+
+@functools.cache
+def _graph(spec: str = SPEC, rows: int = BATCH // B) -> Any:
+    torch.manual_seed(0)
+    model, b = build_model(spec, batch=rows, device="cpu")
+    return trace(model, b)
+
+
+@functools.cache
+def _plans() -> dict[str, ParallelPlan]:
+    kw = {
+        "dp": 1,
+        "pp": 1,
+        "num_microbatches": B,
+        "global_batch": BATCH,
+        "dtype": "float32",
+        "optimizer": "adam_fp32",
+        "allow_oom": True,
+    }
+    return {
+        "cp_tp": manual_plan(SPEC, CLUSTER, tp=2, context_parallel=2, **kw),
+        "cp_fsdp": manual_plan(
+            SPEC, CLUSTER, tp=1, context_parallel=4, fsdp="full", **kw
+        ),
+        "cp_pp": manual_plan(
+            SPEC,
+            CLUSTER,
+            tp=1,
+            context_parallel=2,
+            recompute="selective",
+            **kw | {"pp": 2},
+        ),
+    }
+
+
+# ------------------------------------------------------------------ planner
+
+
+def test_manual_plan_makes_every_attention_context_parallel() -> None:
+    g = _graph()
+    nodes = attention_nodes(g)
+    assert len(nodes) == 2
+    for name, axis_size in (("cp_tp", (2, 2)), ("cp_fsdp", (4, 1))):
+        p = _plans()[name]
+        s = p.stages[0]
+        assert tuple(s.logical_mesh) == axis_size
+        assert p.manual["context_parallel"] == axis_size[0]
+        for n in nodes:
+            st = s.node_strategies[n]
+            strategy = Strategy(
+                tuple(map(tuple, st["outputs"])), tuple(map(tuple, st["inputs"])), "p"
+            )
+            assert context_axis(strategy) == 0, (name, n, st)
+        # the MLP's matrix products split along the sequence on the CP axis too
+        mm = [n for n in s.node_strategies if n.startswith("mm")]
+        assert all(s.node_strategies[n]["outputs"][0][0] == "S(0)" for n in mm)
+    base = {"pp": 1, "num_microbatches": B, "global_batch": BATCH}
+    with pytest.raises(MeshplanError, match="dp=1"):
+        manual_plan(SPEC, CLUSTER, dp=2, tp=1, context_parallel=2, **base)
+    with pytest.raises(MeshplanError, match="one row"):
+        manual_plan(SPEC, CLUSTER, dp=1, tp=1, context_parallel=4, pp=1,
+                    num_microbatches=1, global_batch=2)  # fmt: skip
+    with pytest.raises(MeshplanError, match="dp x cp x tp x pp"):
+        manual_plan(SPEC, CLUSTER, dp=1, tp=1, context_parallel=2, **base)
+    with pytest.raises(MeshplanError, match="context_parallel must be a positive"):
+        manual_plan(SPEC, CLUSTER, dp=4, tp=1, context_parallel=0, **base)
+
+
+def test_manual_command_cp_flag(tmp_path: Any) -> None:
+    """`meshplan manual --cp 2` writes what `manual_plan(context_parallel=2)` prices."""
+    from runtime.cli import main
+
+    out = tmp_path / "cp.json"
+    args = ["manual", SPEC, "--cluster", CLUSTER, "--dp", "1", "--tp", "2", "--pp", "1"]
+    args += ["--cp", "2", "--microbatches", str(B), "--batch", str(BATCH)]
+    args += ["--dtype", "float32", "--allow-oom", "--optimizer", "adam_fp32"]
+    assert main([*args, "--json", str(out)]) == 0
+    p = ParallelPlan.load(out)
+    assert p.manual["context_parallel"] == 2
+    assert p.estimate == _plans()["cp_tp"].estimate
+
+
+def test_kv_exchange_priced_as_ring_formulas() -> None:
+    """The edge into the attention's k under CP (S(2) -> R on the CP axis of C devices) costs an
+    all-gather forward and a reduce-scatter of the partial gradient backward, each
+    ``(C - 1) alpha + (C - 1) / C * K * beta`` for K the bytes of the whole k; the gathered k and
+    v are priced as saved for backward."""
+    g = _graph()
+    cluster = Cluster.from_spec(CLUSTER)
+    mesh = LogicalMesh(cluster, (1, 4), (4, 1))
+    s = StageSettings(mesh, B)
+    fx = {n.name: n for n in g.gm.graph.nodes}
+    sdpa = fx[attention_nodes(g)[0]]
+    k = sdpa.all_input_nodes[1]
+    cp = [x for x in sc.node_options(sdpa, g.node(sdpa.name), (4, 1)) if
+          x.strategy.source == CP_SOURCE]  # fmt: skip
+    assert [x.strategy.inputs[:3] for x in cp] == [
+        (("S(2)", "R"), ("R", "R"), ("R", "R"))
+    ]
+    src = Option(Strategy((("S(2)", "R"),), (), "test"))
+    act, grad = sc.edge_matrices(g.node(k.name), sdpa, k, [src], cp, s, False)
+    kbytes = g.node(k.name).outputs[0].nbytes
+    link = cluster.group_link(4)
+    ring = 3 * link.alpha + 3 / 4 * kbytes * link.beta
+    assert act[0, 0] == pytest.approx(2 * ring, rel=1e-12)
+    assert grad[0, 0] == 0
+    # the compute of the critical rank: 1/C of the full product, as every sharded op
+    assert sc.split_factor(cp[0].strategy, (4, 1)) == 4
+    # memory: the gathered k and v the kernel saves, less the split copies their producers'
+    # prices count (v is shaped as k here)
+    node = g.node(sdpa.name)
+    assert sc.activation_bytes(node, cp[0], False, s) == 3 / 4 * 2 * kbytes
+    # time: the critical rank's FLOPs (1/C) and bytes (its queries and outputs, all of k and v)
+    assert sc._sharded_bytes(node, cp[0], 4, s) == (
+        (node.bytes_read + node.bytes_written - 2 * kbytes) / 4 + 2 * kbytes
+    )
+
+
+def _attention_choice(spec: str, rows: int) -> set[str]:
+    from planner.intra.solve import solve_stage
+
+    g = _graph(spec, rows)
+    mesh = LogicalMesh(Cluster.from_spec("1x2xA100-80GB"), (1, 2), (1, 2))
+    sol = solve_stage(g, mesh)
+    return {sol.choice[n].strategy.source for n in attention_nodes(g)}
+
+
+def test_search_picks_context_parallelism_for_long_sequences() -> None:
+    """One head (no head split), one row (no batch split), sequence 16384: attention is split
+    along the sequence. A batch of 8 short sequences is split by the batch instead."""
+    long = "llama:hidden=64,layers=1,heads=1,kv_heads=1,ffn=128,vocab=128,seq=16384"
+    assert _attention_choice(long, 1) == {CP_SOURCE}
+    short = "llama:hidden=64,layers=1,heads=1,kv_heads=1,ffn=128,vocab=128,seq=64"
+    assert CP_SOURCE not in _attention_choice(short, 8)
+
+
+# ------------------------------------------------------------------ runtime
+
+
+def _model_and_batches() -> tuple[torch.nn.Module, list[tuple[torch.Tensor, ...]]]:
+    torch.manual_seed(0)
+    model, b = build_model(SPEC, batch=BATCH, device="cpu")
+    return model, _random_batches(tuple(b), STEPS, seed=1)
+
+
+def _train(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
+    """Body of every rank, per plan: 3 Adam steps (the second counted), then the bytes held
+    after a fourth forward and backward."""
+    import logging
+
+    from runtime.comm_count import CommCounter
+    from runtime.train import Trainer, split_batch
+
+    logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
+    out = {}
+    for name, plan in plans.items():
+        model, batches = _model_and_batches()
+        tr = Trainer(plan, model, batches[0], optimizer="adam", lr=LR)
+        losses = [tr.step(batches[0])]
+        with CommCounter() as counter:
+            losses.append(tr.step(batches[1]))
+        losses.append(tr.step(batches[2]))
+        tr.runner.step(tr.params, split_batch(batches[0], B), tr.buffers)
+        state = tr.optimizer.state
+
+        held = single_device.held_state_bytes(tr.params, state)
+        tr.optimizer.zero_grad(set_to_none=True)
+        executors = list(tr.runner.executors.values())
+        out[name] = {
+            "losses": losses,
+            "params": {k: v.numpy().copy() for k, v in tr.full_params().items()},
+            "records": counter.records,
+            "held": held,
+            "compiled": all(ex.last_run_compiled for ex in executors),
+            "mismatches": [m for ex in executors for m in ex.mismatches],
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    return launch(_train, 4, args=(_plans(),), timeout_s=400)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cp_tp", "cp_fsdp", "cp_pp"])
+def test_trains_like_one_device(runs: list[dict[str, Any]], name: str) -> None:
+    """Losses and parameters of one device (a pipeline rank: its stage's parameters, equal
+    on every rank holding them)."""
+    model, batches = _model_and_batches()
+    opt = torch.optim.Adam(model.parameters(), lr=LR, foreach=False)
+    ref_losses, ref_params = single_device.train(model, batches, opt)
+    held: dict[str, torch.Tensor] = {}
+    for r in runs:
+        got = r[name]
+        assert got["losses"] == pytest.approx(ref_losses, rel=1e-5)
+        for k, v in got["params"].items():
+            if k in held:
+                assert torch.equal(held[k], torch.from_numpy(v)), k
+            held[k] = torch.from_numpy(v)
+        assert not got["mismatches"], got["mismatches"][:3]
+        # FSDP and recomputed stages run eagerly
+        assert got["compiled"] == (name == "cp_tp")
+    single_device.assert_same_parameters(held, ref_params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cp_tp", "cp_fsdp"])
+def test_communicates_what_was_priced(runs: list[dict[str, Any]], name: str) -> None:
+    """Per site, the priced collectives once per micro-batch (FSDP's gathers and
+    reduce-scatters included); bucketed parameter gradients (``bwd:sync:``, once per step)
+    against the priced gradient edges' total bytes. Each attention's k and v are all-gathered
+    forward and their gradients reduce-scattered backward."""
+    from comm_check import compare
+
+    from planner.intra.priced_comm import predicted_collectives
+    from runtime.stages import split_stages, stage_program
+
+    plan = _plans()[name]
+    sp = plan.stages[0]
+    stage = split_stages(_graph(), plan)[0]
+    lmesh = LogicalMesh(
+        Cluster.from_spec(CLUSTER), tuple(sp.submesh), tuple(sp.logical_mesh)
+    )
+    params = stage.graph.param_derived()
+    predicted, grads = {}, {}
+    for label, colls in predicted_collectives(
+        stage.graph, stage_program(stage, sp), lmesh, sp.fsdp_params, sp.fsdp_axes
+    ).items():
+        d, edge = label.split(":", 1)
+        if d == "bwd" and "->" in edge and edge.split("->")[0] in params:
+            for kind, nbytes in colls:
+                grads[kind] = grads.get(kind, 0.0) + nbytes
+            continue
+        predicted[label] = colls * B
+    for r in runs:
+        records = [x for x in r[name]["records"] if x.site not in UNPRICED_SITES]
+        synced: dict[str, float] = {}
+        for x in records:
+            if x.site.startswith("bwd:sync:"):
+                synced[x.kind] = synced.get(x.kind, 0.0) + x.nbytes
+        measured = [x for x in records if not x.site.startswith("bwd:sync:")]
+        totals, diffs = compare(predicted, measured)
+        assert not diffs, "\n".join(diffs[:10])
+        assert totals["all_gather"][1] > 0 and totals["reduce_scatter"][1] > 0, totals
+        # a weight gathered for a split computation is priced P -> R on its gathered view (and
+        # R -> S free on its own edge) and reduce-scattered by the runtime's buckets: the same
+        # bytes (`planner.vocab.grads.bucketed_axes`, `runtime.grad_sync`)
+        assert sum(synced.values()) == sum(grads.values())
+        assert (sum(synced.values()) > 0) == (
+            not sp.fsdp_params
+        )  # FSDP: per micro-batch
+        assert set(synced) <= {"all_reduce", "reduce_scatter"}
+        for n in attention_nodes(_graph()):
+            into = {x.site: x.kind for x in measured if x.site.endswith(f"->{n}")}
+            assert sorted(into.values()) == ["all_gather"] * 2 + ["reduce_scatter"] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cp_tp", "cp_fsdp"])
+def test_holds_the_priced_bytes(runs: list[dict[str, Any]], name: str) -> None:
+    """Per parameter, weights + gradients + Adam state (fp32: 4 + 4 + 8 bytes per element) on
+    one device against the local shards each rank holds."""
+    plan, graph = _plans()[name], _graph()
+    sp = plan.stages[0]
+    s = StageSettings(
+        LogicalMesh(Cluster.from_spec(CLUSTER), (1, 4), tuple(sp.logical_mesh)),
+        B,
+        optimizer="adam_fp32",
+    )
+    names = {p: n for n, p in graph.placeholder_paths.items()}
+    for r in runs:
+        for path, (param, grad, adam) in r[name]["held"].items():
+            meta = graph.node(names[path]).outputs[0]
+            strategy = Strategy((tuple(sp.param_placements[path]),), (), "param")
+            zero = 3 if path in sp.fsdp_params else 0
+            priced = sc.param_state_bytes(meta, Option(strategy, zero=zero), s)
+            assert param + grad + adam == priced, path
