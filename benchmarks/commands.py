@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the suite and/or the report; 0 on success."""
     from benchmarks.records import RESULTS, merge_results, write_results
     from benchmarks.report import write_report
-    from benchmarks.suites import HEADER, format_row, run_suite
+    from benchmarks.suites import HEADER, format_row, run_suite, suite_cases
     from cost_models.errors import MeshplanError
 
     if not args.suite and not args.report:
@@ -88,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
     if args.device is None:
         args.device = "H100-80GB" if args.suite == "llama" else "V100-16GB"
     if args.suite:
+        try:
+            suite_cases(args.suite, args.gpus, args.device)  # refuse bad input first
+        except ValueError as exc:
+            raise MeshplanError(str(exc)) from None
         print(HEADER, flush=True)
         try:
             results = run_suite(

@@ -336,3 +336,14 @@ def test_best_manual_skips_the_plans_it_is_told_to() -> None:
     assert (
         best_manual(model, spec, G, suite="gpt", skip=lambda p: True)["config"] is None
     )
+
+
+def test_bench_refuses_unknown_gpu_count_before_printing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from runtime.cli import main
+
+    assert main(["bench", "--suite", "gpt", "--gpus", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # no table header before the refusal
+    assert "gpt: no case for [3] GPUs" in err
