@@ -140,4 +140,25 @@ def long_context_table(doc: dict[str, Any]) -> list[str]:
                 f"{_f(m.get('tflops_per_device'), '.1f')} | "
                 f"{'-' if mem is None else f'{mem / 2**30:.1f}'} |"
             )
+        cp = c["manual_best"].get("context_parallel")
+        if cp:
+            lean = cp["leanest"]
+            out += [
+                "",
+                f"The grid priced {cp['priced']} configurations with CP for this case; "
+                f"{cp['fitted']} fit"
+                + (
+                    f", the fastest {cp['best']['label']} ({_f(cp['best']['iteration_time_s'])} s)"
+                    if cp["best"]
+                    else ""
+                )
+                + (
+                    f"; the one predicted to need the least memory is {lean['label']} "
+                    f"({lean['peak_memory_bytes'] / 2**30:.1f} GiB per device, "
+                    f"{_f(lean['iteration_time_s'])} s)"
+                    if lean
+                    else ""
+                )
+                + ".",
+            ]
     return out

@@ -396,7 +396,9 @@ def best_manual(
     `grid_priced` those actually priced (the rest were pruned, see the module docstring). A
     configuration whose plan `skip` accepts is walked past but never the best (the local suite
     asks for the best manual plan other than the automatic one). `context_parallel=False`
-    leaves context parallelism out of today's grid."""
+    leaves context parallelism out of today's grid; where the grid has CP configurations,
+    `context_parallel` records how many were priced and fitted, the fastest that fits and the
+    one predicted to need the least memory (fitting or not)."""
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     t0 = time.perf_counter()
     groups, pruned = grid(
@@ -407,6 +409,7 @@ def best_manual(
     # the layouts (dp, tp, pp, expert parallel, fsdp, cp) whose 1F1B group had a configuration
     # that fits
     fitted_1f1b: set[tuple[int, int, int, bool, str, int]] = set()
+    cp_priced: list[tuple[ManualConfig, ParallelPlan]] = []  # with context parallelism
     with shared_traces():
         for group in groups:
             g = group[0]
@@ -429,6 +432,8 @@ def best_manual(
                             say(f"  {config.label()}: skipped ({exc})")
                         continue
                     priced += 1
+                    if config.context_parallel > 1:
+                        cp_priced.append((config, p))
                     if not p.manual["fits"]:
                         first = max(first, k + 1)
                         continue
@@ -460,4 +465,33 @@ def best_manual(
             "tflops_per_device": p.estimate.tflops_per_device,
             "peak_memory_bytes": p.estimate.peak_memory_bytes,
         }
+    if any(g[0].context_parallel > 1 for g in groups):
+        fitting = [(c, p) for c, p in cp_priced if p.manual["fits"]]
+        out["context_parallel"] = {
+            "priced": len(cp_priced),
+            "fitted": len(fitting),
+            "best": _summary(
+                min(fitting, key=lambda x: x[1].estimate.iteration_time_s, default=None)
+            ),
+            "leanest": _summary(
+                min(
+                    cp_priced,
+                    key=lambda x: x[1].estimate.peak_memory_bytes,
+                    default=None,
+                )
+            ),
+        }
     return out
+
+
+def _summary(priced: tuple[ManualConfig, ParallelPlan] | None) -> dict[str, Any] | None:
+    """A priced configuration as recorded beside the grid's best: label, time, memory, fit."""
+    if priced is None:
+        return None
+    config, p = priced
+    return {
+        "label": config.label(),
+        "iteration_time_s": p.estimate.iteration_time_s,
+        "peak_memory_bytes": p.estimate.peak_memory_bytes,
+        "fits": bool(p.manual["fits"]),
+    }

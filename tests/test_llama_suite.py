@@ -142,7 +142,14 @@ def test_long_context_record_with_and_without_cp(
     assert without["manual_best"]["grid_size"] < rec["manual_best"]["grid_size"]
     doc = {"suite": "llama", "cases": [rec | {"published": []}]}
     table = long_context_table(doc)
-    assert len(table) == 4 + 4 and "| grid best | no |" in table[-1]
+    rows = [r for r in table if r.startswith("| 2 |")]
+    assert len(rows) == 4 and "| grid best | no |" in rows[-1]
+    # the grid's CP configurations summarised: the fastest that fits is the best here
+    cp = rec["manual_best"]["context_parallel"]
+    assert cp["fitted"] >= 1 and cp["priced"] >= cp["fitted"]
+    assert cp["best"]["iteration_time_s"] == grid_cp
+    assert "context_parallel" not in without["manual_best"]
+    assert f"The grid priced {cp['priced']} configurations with CP" in table[-1]
     assert any(
         "long context, best with and without CP" in x for x in llama_checks([doc])
     )
