@@ -27,7 +27,9 @@ priced in bfloat16: the cost models have no FP8 GEMM rate; said per row). Megatr
 distributed optimizer (ZeRO-1, on in its recipes) is not in `manual_plan`'s vocabulary: its
 configurations without FSDP are priced with replicated optimizer state, which overstates their
 memory. A configuration is left unpriced, with the reason recorded, when it uses context
-parallelism (no price for it yet), FSDP together with activation recomputation (`manual_plan`
+parallelism together with data parallelism (`manual_plan` runs CP on micro-batches of one row,
+dp = 1; `benchmarks.manual_grid`'s docstring says why), FSDP together with activation
+recomputation (`manual_plan`
 refuses the pair: the runtime does not combine them, so the automatic planner does not search it
 either), expert parallelism over a part of the data-parallel ranks, recomputation of only some
 blocks, or another GPU count than the suite's case.
@@ -319,8 +321,11 @@ def unpriced_reason(c: PublishedConfig, gpus: int) -> str | None:
     """Why `c` cannot be priced as published on a case of `gpus` GPUs, or None when it can."""
     if c.gpus != gpus:
         return f"published for {c.gpus} GPUs, the case has {gpus}"
-    if c.cp > 1:
-        return f"context parallelism (CP {c.cp}) has no price yet"
+    if c.cp > 1 and c.dp > 1:
+        return (
+            f"context parallelism (CP {c.cp}) with data parallelism (DP {c.dp}): manual_plan "
+            "runs CP on micro-batches of one row, without data parallelism"
+        )
     if c.fsdp != "none" and c.recompute != "none":
         return (
             "FSDP with activation recomputation: manual_plan refuses the pair (the runtime "
@@ -361,6 +366,7 @@ def price_published(
         c.fsdp,
         c.sequence_parallel if c.tp > 1 else None,
         c.virtual_stages or 1,
+        c.cp,
     )
     try:
         p = price(model, cluster, config, c.global_batch, "bfloat16", "adam_mixed")

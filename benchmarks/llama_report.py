@@ -1,7 +1,9 @@
 """The llama suite's part of the report (`benchmarks.report`): the published torchtitan and
 Megatron-Core configurations of each case next to the automatic plan and the grid's best, and the
 suite's targets (issue 21): the automatic plan predicted at least as fast as the best
-configuration of today's grid in every case, and no published configuration predicted faster."""
+configuration of today's grid in every case, and no published configuration predicted faster;
+and for the long-context case (`benchmarks.suites.LONG_CONTEXT`) the best plans with and
+without context parallelism."""
 
 from __future__ import annotations
 
@@ -68,6 +70,16 @@ def llama_checks(docs: list[dict[str, Any]]) -> list[str]:
         for p in c.get("published", [])
         if p.get("vs_auto") is not None and p["vs_auto"] < 1 - TIE
     ]
+    long = [
+        f"{name(c)}: automatic {_f(c['auto']['iteration_time_s'])} s "
+        f"with CP allowed (CP {c['auto'].get('context_parallel', '-')}), "
+        f"{_f(c['without_cp']['auto']['iteration_time_s'])} s without; grid best "
+        f"{_f(c['manual_best']['iteration_time_s'])} s with CP allowed "
+        f"({c['manual_best'].get('label', 'none fits')}), "
+        f"{_f(c['without_cp']['manual_best']['iteration_time_s'])} s without"
+        for c in cases
+        if "without_cp" in c
+    ]
     priced = sum(p.get("priced", False) for c in cases for p in c.get("published", []))
     listed = sum(len(c.get("published", [])) for c in cases)
     return [
@@ -77,4 +89,76 @@ def llama_checks(docs: list[dict[str, Any]]) -> list[str]:
         f"- (llama) no published configuration predicted faster than the automatic plan "
         f"({priced} of {listed} priced): "
         + ("yes" if not faster else "no: " + "; ".join(faster)),
+        *(f"- (llama) long context, best with and without CP: {x}" for x in long),
     ]
+
+
+def _auto_plan(a: dict[str, Any]) -> str:
+    """An automatic plan in one line: its stages (layers @ logical mesh, recomputation)."""
+    if a["iteration_time_s"] is None:
+        return "none fits"
+    stages = " ".join(
+        f"{s['layers'][0]}-{s['layers'][1]}@{s['logical_mesh'][0]}x{s['logical_mesh'][1]}"
+        + ("" if s["recompute"] == "none" else f" rc {s['recompute']}")
+        for s in a["stages"]
+    )
+    return f"B={a['num_microbatches']} {stages}"
+
+
+def long_context_table(doc: dict[str, Any]) -> list[str]:
+    """For each long-context case (a record with `without_cp`): the automatic plan and the grid's
+    best, each with context parallelism allowed and without it."""
+    cases = [c for c in doc["cases"] if "without_cp" in c]
+    if not cases:
+        return []
+    out = [
+        (
+            "Long context: the best plans with and without context parallelism (CP). Automatic "
+            "without CP = `plan(context_parallel=False)` (no attention split along the sequence); "
+            "grid without CP = today's grid less its CP configurations. CP = the largest CP "
+            "degree the plan uses (1: none)."
+        ),
+        "",
+        "| GPUs | model | search | CP allowed | plan | CP | predicted s | TFLOP/s | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        for allowed, r in (("yes", c), ("no", c["without_cp"])):
+            a, m = r["auto"], r["manual_best"]
+            mem = a.get("peak_memory_bytes")
+            out.append(
+                f"| {c['num_devices']} | {c['model']} | automatic | {allowed} | {_auto_plan(a)} | "
+                f"{a.get('context_parallel', '-')} | {_f(a['iteration_time_s'])} | "
+                f"{_f(a['tflops_per_device'], '.1f')} | "
+                f"{'-' if mem is None else f'{mem / 2**30:.1f}'} |"
+            )
+            mem = m.get("peak_memory_bytes")
+            cp = (m["config"] or {}).get("context_parallel", 1) if m["config"] else "-"
+            out.append(
+                f"| {c['num_devices']} | {c['model']} | grid best | {allowed} | "
+                f"{m.get('label', 'none fits')} | {cp} | {_f(m['iteration_time_s'])} | "
+                f"{_f(m.get('tflops_per_device'), '.1f')} | "
+                f"{'-' if mem is None else f'{mem / 2**30:.1f}'} |"
+            )
+        cp = c["manual_best"].get("context_parallel")
+        if cp:
+            lean = cp["leanest"]
+            out += [
+                "",
+                f"The grid priced {cp['priced']} configurations with CP for this case; "
+                f"{cp['fitted']} fit"
+                + (
+                    f", the fastest {cp['best']['label']} ({_f(cp['best']['iteration_time_s'])} s)"
+                    if cp["best"]
+                    else ""
+                )
+                + (
+                    f"; the one predicted to need the least memory is {lean['label']} "
+                    f"({lean['peak_memory_bytes'] / 2**30:.1f} GiB per device, "
+                    f"{_f(lean['iteration_time_s'])} s)"
+                    if lean
+                    else ""
+                )
+                + ".",
+            ]
+    return out

@@ -47,10 +47,24 @@ configure them by hand) is larger; every configuration is still one `manual_plan
     recompute                  none, selective (the attention cores) or full; with FSDP only none
                                (`manual_plan` refuses FSDP with recomputation: the runtime does not
                                combine them, and the automatic planner does not search it either);
-    micro-batch size           1, 2, 4, 8, 16 rows per replica, B >= pp.
+    micro-batch size           1, 2, 4, 8, 16 rows per replica, B >= pp;
+    context parallelism        cp x tp x pp = devices with cp > 1 dividing the model's sequence
+                               (`manual_plan(context_parallel=cp)`: every attention on its own
+                               queries against all-gathered keys and values, the sequence split
+                               over cp devices), with fsdp "none" or "full" (FSDP over the cp
+                               devices, as torchtitan combines them), 1F1B or interleaved as above,
+                               the same recomputation ladder, micro-batches of one row (B = G).
 
-Context parallelism is not in this space yet (the planner has no price for it). The same pruning
-applies, with the recomputation ladder none -> selective -> full (each step slower and smaller),
+Context-parallel configurations the grid skips, and why (what `manual_plan` can price today):
+CP with data parallelism (dp > 1): CP runs micro-batches of one row (a sequence split cannot pass
+the `[rows, s, h] -> [rows * s, h]` views of a micro-batch of several rows, `planner.intra.
+context`), so dp x cp would need a global batch split into one-row micro-batches per replica,
+which `manual_plan` does not express (it refuses dp > 1 with cp > 1): on a mesh the grid gives dp
+devices, it gives them to CP instead (dp = 1). CP with HSDP or expert parallelism (`manual_plan`
+refuses both), and CP for models with experts at all (the automatic search seeds none either,
+`planner.intra.megatron.context_seeds`); cp that does not divide the sequence; micro-batches of
+more than one row. `best_manual(context_parallel=False)` searches the grid without CP. The same
+pruning applies, with the recomputation ladder none -> selective -> full (each step slower and smaller),
 the memory lower bound dividing the state by the FSDP shard group too, and one more heuristic: the
 interleaved groups of a (dp, tp, pp, expert parallel, fsdp) are walked only when its 1F1B group had
 a configuration that fits (interleaving keeps more micro-batches in flight than 1F1B,
@@ -72,6 +86,7 @@ from cost_models.errors import MeshplanError
 from cost_models.memory import state_bytes_per_param
 from planner.intra.megatron import is_expert_weight
 from planner.models import build_model
+from planner.models.registry import get_config
 from planner.plans import manual
 from planner.plans.manual import manual_plan
 from planner.tracing.opgraph import OpGraph
@@ -102,6 +117,7 @@ class ManualConfig:
     fsdp: str = "none"
     sequence_parallel: bool | None = None
     virtual_stages: int = 1
+    context_parallel: int = 1
 
     def label(self) -> str:
         ep = " EP" if self.expert_parallel else ""
@@ -109,9 +125,10 @@ class ManualConfig:
         shard = {"full": " fsdp", "hybrid": " hsdp"}.get(self.fsdp, "")
         sp = " sp" if self.sequence_parallel else ""
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        cp = f" cp{self.context_parallel}" if self.context_parallel > 1 else ""
         return (
             f"dp{self.dp} tp{self.tp} pp{self.pp} B{self.num_microbatches}"
-            f"{rc}{ep}{shard}{sp}{v}"
+            f"{rc}{ep}{shard}{sp}{v}{cp}"
         )
 
     def record(self) -> dict[str, Any]:
@@ -119,7 +136,7 @@ class ManualConfig:
         their defaults, so records of the 2021 grid keep their form (`ManualConfig(**record)`
         reads either)."""
         out = asdict(self)
-        for f in ("fsdp", "sequence_parallel", "virtual_stages"):
+        for f in ("fsdp", "sequence_parallel", "virtual_stages", "context_parallel"):
             if out[f] == ManualConfig.__dataclass_fields__[f].default:
                 del out[f]
         return out
@@ -133,10 +150,14 @@ class ModelFacts:
     expert_params: int
     experts: int
     blocks: int
+    seq: int | None = (
+        None  # the training sequence length, where the model's config has one
+    )
 
 
 def model_facts(model: str) -> ModelFacts:
-    """Parameter counts (all, expert weights), the number of experts and of repeated blocks."""
+    """Parameter counts (all, expert weights), the number of experts and of repeated blocks,
+    and the sequence length of the model's config (None where it has none)."""
     module, _ = build_model(model, device="meta")
     params = expert = experts = 0
     blocks: set[str] = set()
@@ -148,7 +169,13 @@ def model_facts(model: str) -> ModelFacts:
         parts = path.split(".")
         if parts[0] == "blocks" and len(parts) > 1:
             blocks.add(parts[1])
-    return ModelFacts(params, expert, experts, max(1, len(blocks)))
+    return ModelFacts(
+        params,
+        expert,
+        experts,
+        max(1, len(blocks)),
+        getattr(get_config(model), "seq", None),
+    )
 
 
 def _pow2(n: int) -> bool:
@@ -199,11 +226,13 @@ def grid(
     global_batch: int,
     optimizer: str,
     suite: str,
+    context_parallel: bool = True,
 ) -> tuple[list[list[ManualConfig]], int]:
     """Configurations to price, grouped by (dp, tp, pp, expert parallel) and, in today's space
-    (`TODAY_SUITES`), parameter sharding and virtual stages; in a group, by micro-batch size in
-    increasing order and at each size by recomputation, least first (one group is walked until it
-    stops fitting). Also the number pruned by the memory lower bound."""
+    (`TODAY_SUITES`), parameter sharding, virtual stages and context parallelism (none when
+    `context_parallel` is False); in a group, by micro-batch size in increasing order and at each
+    size by recomputation, least first (one group is walked until it stops fitting). Also the
+    number pruned by the memory lower bound."""
     facts = model_facts(model)
     today = suite in TODAY_SUITES
     budget = cluster.device.memory_bytes
@@ -211,17 +240,22 @@ def grid(
     groups: list[list[ManualConfig]] = []
     pruned = 0
     eps = (False, True) if facts.experts else (False,)
-    for dp, tp, pp in parallel_degrees(
-        cluster.num_devices, M, facts.blocks, tensor_parallel=suite != "wresnet"
+    for dp, cp, tp, pp in _with_context(
+        parallel_degrees(
+            cluster.num_devices, M, facts.blocks, tensor_parallel=suite != "wresnet"
+        ),
+        facts if today and context_parallel else None,
     ):
         for ep in eps:
             if ep and (dp == 1 or facts.experts % dp):
                 continue
             for fsdp, v in (
-                _layouts(dp, tp, pp, ep, M, facts.blocks) if today else [("none", 1)]
+                _layouts(dp, tp, pp, ep, M, facts.blocks, cp)
+                if today
+                else [("none", 1)]
             ):
                 group = []
-                for size in MICROBATCH_SIZES:
+                for size in MICROBATCH_SIZES if cp == 1 else (1,):
                     if global_batch % (dp * size):
                         continue
                     B = global_batch // (dp * size)
@@ -235,12 +269,12 @@ def grid(
                     sp = True if tp > 1 else None
                     ladder = _LADDER if fsdp == "none" else _LADDER[:1]
                     group += [
-                        ManualConfig(dp, tp, pp, B, rc, ep, fsdp, sp, v)
+                        ManualConfig(dp, tp, pp, B, rc, ep, fsdp, sp, v, cp)
                         for rc in ladder
                     ]
                 if not group:
                     continue
-                shard = {"none": 1, "full": dp, "hybrid": M}[fsdp]
+                shard = {"none": 1, "full": dp * cp, "hybrid": M}[fsdp]
                 if state_lower_bound(facts, dp, tp, pp, optimizer, ep, shard) > budget:
                     pruned += len(group)
                     continue
@@ -248,13 +282,35 @@ def grid(
     return groups, pruned
 
 
+def _with_context(
+    degrees: list[tuple[int, int, int]], facts: ModelFacts | None
+) -> list[tuple[int, int, int, int]]:
+    """(dp, cp, tp, pp): each (dp, tp, pp) without context parallelism (cp = 1), followed, when
+    `facts` is given (today's space with CP), by the same devices given to CP instead of data
+    parallelism, (1, dp, tp, pp), where dp > 1 divides the model's sequence and the model has
+    no experts (module docstring: what the grid skips and why)."""
+    out = []
+    for dp, tp, pp in degrees:
+        out.append((dp, 1, tp, pp))
+        if (
+            facts is not None
+            and dp > 1
+            and not facts.experts
+            and facts.seq is not None
+            and facts.seq % dp == 0
+        ):
+            out.append((1, dp, tp, pp))
+    return out
+
+
 def _layouts(
-    dp: int, tp: int, pp: int, ep: bool, per_host: int, blocks: int
+    dp: int, tp: int, pp: int, ep: bool, per_host: int, blocks: int, cp: int = 1
 ) -> list[tuple[str, int]]:
-    """(fsdp, virtual stages) of today's space for one (dp, tp, pp, expert parallel), each fsdp's
-    1F1B first (`best_manual` walks the interleaved ones only when it fitted)."""
+    """(fsdp, virtual stages) of today's space for one (dp, cp, tp, pp, expert parallel), each
+    fsdp's 1F1B first (`best_manual` walks the interleaved ones only when it fitted); with
+    context parallelism FSDP shards over the cp devices, and HSDP is not offered."""
     shards = ["none"]
-    if dp > 1:
+    if dp * cp > 1:
         shards.append("full")
     if tp == 1 and not ep and dp > per_host:
         shards.append("hybrid")
@@ -305,6 +361,7 @@ def price(
         fsdp=config.fsdp,
         sequence_parallel=config.sequence_parallel,
         virtual_stages=config.virtual_stages,
+        context_parallel=config.context_parallel,
         dtype=dtype,
         optimizer=optimizer,
         allow_oom=True,
@@ -332,23 +389,31 @@ def best_manual(
     optimizer: str = "adam_mixed",
     say: Callable[[str], None] | None = None,
     skip: Callable[[ParallelPlan], bool] | None = None,
+    context_parallel: bool = True,
 ) -> dict[str, Any]:
     """Search the grid; return the best feasible configuration and its prediction, or
     `{"config": None, ...}` when none fits. `grid_size` counts every configuration of the grid,
     `grid_priced` those actually priced (the rest were pruned, see the module docstring). A
     configuration whose plan `skip` accepts is walked past but never the best (the local suite
-    asks for the best manual plan other than the automatic one)."""
+    asks for the best manual plan other than the automatic one). `context_parallel=False`
+    leaves context parallelism out of today's grid; where the grid has CP configurations,
+    `context_parallel` records how many were priced and fitted, the fastest that fits and the
+    one predicted to need the least memory (fitting or not)."""
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     t0 = time.perf_counter()
-    groups, pruned = grid(model, cluster, global_batch, optimizer, suite)
+    groups, pruned = grid(
+        model, cluster, global_batch, optimizer, suite, context_parallel
+    )
     best: tuple[float, ManualConfig, ParallelPlan] | None = None
     priced = 0
-    # the layouts (dp, tp, pp, expert parallel, fsdp) whose 1F1B group had a configuration that fits
-    fitted_1f1b: set[tuple[int, int, int, bool, str]] = set()
+    # the layouts (dp, tp, pp, expert parallel, fsdp, cp) whose 1F1B group had a configuration
+    # that fits
+    fitted_1f1b: set[tuple[int, int, int, bool, str, int]] = set()
+    cp_priced: list[tuple[ManualConfig, ParallelPlan]] = []  # with context parallelism
     with shared_traces():
         for group in groups:
             g = group[0]
-            layout = (g.dp, g.tp, g.pp, g.expert_parallel, g.fsdp)
+            layout = (g.dp, g.tp, g.pp, g.expert_parallel, g.fsdp, g.context_parallel)
             if g.virtual_stages > 1 and layout not in fitted_1f1b:
                 continue  # interleaving needs at least 1F1B's memory (module docstring)
             previous = float("inf")  # best time at the previous micro-batch size
@@ -367,6 +432,8 @@ def best_manual(
                             say(f"  {config.label()}: skipped ({exc})")
                         continue
                     priced += 1
+                    if config.context_parallel > 1:
+                        cp_priced.append((config, p))
                     if not p.manual["fits"]:
                         first = max(first, k + 1)
                         continue
@@ -398,4 +465,33 @@ def best_manual(
             "tflops_per_device": p.estimate.tflops_per_device,
             "peak_memory_bytes": p.estimate.peak_memory_bytes,
         }
+    if any(g[0].context_parallel > 1 for g in groups):
+        fitting = [(c, p) for c, p in cp_priced if p.manual["fits"]]
+        out["context_parallel"] = {
+            "priced": len(cp_priced),
+            "fitted": len(fitting),
+            "best": _summary(
+                min(fitting, key=lambda x: x[1].estimate.iteration_time_s, default=None)
+            ),
+            "leanest": _summary(
+                min(
+                    cp_priced,
+                    key=lambda x: x[1].estimate.peak_memory_bytes,
+                    default=None,
+                )
+            ),
+        }
     return out
+
+
+def _summary(priced: tuple[ManualConfig, ParallelPlan] | None) -> dict[str, Any] | None:
+    """A priced configuration as recorded beside the grid's best: label, time, memory, fit."""
+    if priced is None:
+        return None
+    config, p = priced
+    return {
+        "label": config.label(),
+        "iteration_time_s": p.estimate.iteration_time_s,
+        "peak_memory_bytes": p.estimate.peak_memory_bytes,
+        "fits": bool(p.manual["fits"]),
+    }

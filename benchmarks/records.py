@@ -15,12 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from cost_models.errors import MeshplanError
+from planner.vocab.context import SDPA, context_axis
 from planner.vocab.plan_check import recompute_mode
+from planner.vocab.strategy import Strategy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Relative difference below which two predicted times are a tie: the same plan priced along two
 #: code paths differs by float summation order (~1e-15), e.g. on 1 GPU, where auto and manual agree.
 TIE = 1e-9
+SDPA_NAME = SDPA._opname  # the attention kernel's node names: this, then _1, _2, ...
 
 
 def machine() -> str:
@@ -37,6 +40,24 @@ def stage_json(s: Any) -> dict[str, Any]:
         "dp_tp": s.dp_tp,
         "recompute": s.recompute,
     }
+
+
+def context_degree(plan: Any) -> int:
+    """The largest context-parallel degree of a plan's stages: the size of the mesh axis some
+    attention node (named after the op `planner.vocab.context.SDPA`, as the tracer names nodes)
+    splits along the sequence (`planner.vocab.context.context_axis`); 1 where none does."""
+    out = 1
+    for s in plan.stages:
+        for name, st in s.node_strategies.items():
+            if not name.startswith(SDPA_NAME):
+                continue
+            strategy = Strategy(
+                tuple(map(tuple, st["outputs"])), tuple(map(tuple, st["inputs"])), ""
+            )
+            axis = context_axis(strategy)
+            if axis is not None:
+                out = max(out, s.logical_mesh[axis])
+    return out
 
 
 def compared(case: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.llama_report import llama_checks, published_table
+from benchmarks.llama_report import llama_checks, long_context_table, published_table
 from benchmarks.local_report import local_section
 from benchmarks.published import section as published_section
 from benchmarks.records import RESULTS, TIE, load_results
@@ -310,6 +310,9 @@ def report(directory: str | Path = RESULTS) -> str:
         published = published_table(doc)
         if published:
             out += [*published, ""]
+        long = long_context_table(doc)
+        if long:
+            out += [*long, ""]
         listed = listed_table(doc)
         if listed:
             out += [

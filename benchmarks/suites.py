@@ -23,6 +23,12 @@ baseline (`benchmarks.manual_grid.TODAY_SUITES`), and the published configuratio
 model, sequence length and GPU count priced and listed next to it (`published`, each with
 `vs_auto` = its predicted seconds per sequence / the automatic plan's, > 1: the automatic plan is
 faster; given also where the configuration is predicted not to fit).
+
+The long-context case (`LONG_CONTEXT`) is also planned and searched without context parallelism
+(`planner.plan(context_parallel=False)`, `best_manual(context_parallel=False)`): its record's
+`auto` and `manual_best` are the bests with CP (the whole space), `without_cp` holds the bests
+without it, and each automatic plan's `context_parallel` is the largest CP degree of its stages
+(1: none).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from benchmarks.ceiling import case_ceiling
 from benchmarks.llama_configs import PUBLISHED, price_published
 from benchmarks.manual_grid import best_manual
 from benchmarks.megatron_gpt import megatron_prediction
-from benchmarks.records import machine, stage_json
+from benchmarks.records import context_degree, machine, stage_json
 from benchmarks.reference import gpt_megatron_configs, measured_tflops, scaling
 from cost_models.cluster import Cluster
 from cost_models.errors import DoesNotFitError
@@ -68,6 +74,8 @@ LLAMA_CASES = (
     (LLAMA_LONG, 8, 1),
 )
 _BASE = {LLAMA_LONG: "llama3-8b"}  # the published name of a model given as a spec
+#: Cases whose record also holds the bests without context parallelism (module docstring).
+LONG_CONTEXT = (LLAMA_LONG,)
 
 
 @dataclass(frozen=True)
@@ -156,8 +164,9 @@ def _vs_auto(published: dict[str, Any], case: dict[str, Any]) -> float | None:
     )
 
 
-def run_case(case: Case, say: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Plan `case` automatically and search its manual grid; the JSON record of the case."""
+def _auto_record(case: Case, context_parallel: bool = True) -> dict[str, Any]:
+    """The automatic plan of `case` as recorded (`planner.plan`; without context parallelism
+    when `context_parallel` is False), or why none fits."""
     t0 = time.perf_counter()
     try:
         auto = plan(
@@ -166,45 +175,69 @@ def run_case(case: Case, say: Callable[[str], None] | None = None) -> dict[str, 
             global_batch=case.global_batch,
             dtype=case.dtype,
             optimizer=case.optimizer,
+            context_parallel=context_parallel,
         )
     except DoesNotFitError as exc:  # recorded, and the suite goes on
-        auto = exc
-    planner_s = time.perf_counter() - t0
-    manual = best_manual(
-        case.model,
-        case.cluster,
-        case.global_batch,
-        suite=case.suite,
-        dtype=case.dtype,
-        optimizer=case.optimizer,
-        say=say,
-    )
-    if isinstance(auto, DoesNotFitError):
-        record: dict[str, Any] = {
+        return {
             "iteration_time_s": None,
             "tflops_per_device": None,
             "fits": False,
-            "error": str(auto),
+            "error": str(exc),
             "num_microbatches": None,
             "stages": [],
+            "planner_time_s": time.perf_counter() - t0,
         }
-    else:
-        record = {
-            "iteration_time_s": auto.estimate.iteration_time_s,
-            "tflops_per_device": auto.estimate.tflops_per_device,
-            "peak_memory_bytes": auto.estimate.peak_memory_bytes,
-            "fits": auto.estimate.peak_memory_bytes <= auto.memory_budget_bytes,
-            "num_microbatches": auto.num_microbatches,
-            "stages": [stage_json(s) for s in auto.stages],
-        }
-    t_auto = record["iteration_time_s"]
-    out: dict[str, Any] = asdict(case) | {
-        "auto": record | {"planner_time_s": planner_s},
-        "manual_best": manual,
-        "ratio": manual["iteration_time_s"] / t_auto
-        if manual["config"] and t_auto
-        else None,
+    record = {
+        "iteration_time_s": auto.estimate.iteration_time_s,
+        "tflops_per_device": auto.estimate.tflops_per_device,
+        "peak_memory_bytes": auto.estimate.peak_memory_bytes,
+        "fits": auto.estimate.peak_memory_bytes <= auto.memory_budget_bytes,
+        "num_microbatches": auto.num_microbatches,
+        "stages": [stage_json(s) for s in auto.stages],
+        "planner_time_s": time.perf_counter() - t0,
     }
+    if case.model in LONG_CONTEXT:
+        record["context_parallel"] = context_degree(auto)
+    return record
+
+
+def _ratio(manual: dict[str, Any], auto: dict[str, Any]) -> float | None:
+    t_auto = auto["iteration_time_s"]
+    return manual["iteration_time_s"] / t_auto if manual["config"] and t_auto else None
+
+
+def run_case(case: Case, say: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Plan `case` automatically and search its manual grid; the JSON record of the case (for a
+    long-context case also both without context parallelism, module docstring)."""
+    grid = {
+        "suite": case.suite,
+        "dtype": case.dtype,
+        "optimizer": case.optimizer,
+        "say": say,
+    }
+    record = _auto_record(case)
+    manual = best_manual(case.model, case.cluster, case.global_batch, **grid)
+    out: dict[str, Any] = asdict(case) | {
+        "auto": record,
+        "manual_best": manual,
+        "ratio": _ratio(manual, record),
+    }
+    if case.model in LONG_CONTEXT:
+        if say:
+            say("without context parallelism")
+        auto_1 = _auto_record(case, context_parallel=False)
+        manual_1 = best_manual(
+            case.model,
+            case.cluster,
+            case.global_batch,
+            **grid,
+            context_parallel=False,
+        )
+        out["without_cp"] = {
+            "auto": auto_1,
+            "manual_best": manual_1,
+            "ratio": _ratio(manual_1, auto_1),
+        }
     out["ceiling"] = case_ceiling(out)
     if case.suite == "llama":
         out["published"] = [

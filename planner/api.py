@@ -96,11 +96,15 @@ def plan(
     mode: str = "auto",
     progress: Progress | None = None,
     model_name: str | None = None,
+    context_parallel: bool = True,
 ) -> ParallelPlan:
     """Plan data, tensor and pipeline parallel training of `model` on `cluster`.
 
     `model` is an nn.Module (with `example_batch`; it may live on the meta device) or a built-in
     model name or spec. `memory_budget` is bytes per device (default: the device's memory).
+    `context_parallel=False` searches without context parallelism: no attention is split along
+    the sequence, neither in the intra-op programs nor as seeds (`planner.intra.context.
+    without_context`); the long-context benchmark compares the plans with and without it.
     A micro-batch size the model cannot be traced at (BatchNorm over a single value per channel,
     say) is skipped with a progress note; when no size can be traced, the first one's error is
     raised.
@@ -147,6 +151,7 @@ def plan(
         schedule,
         num_layers,
         subs,
+        context_parallel,
     )
     results = evaluate_all(job, make, sorted(sizes_b, reverse=True), say)
     larger = [] if microbatch_size else larger_microbatch_sizes(G, cluster)

@@ -59,6 +59,7 @@ class SizeJob:
     schedule: str
     num_layers: int | None
     submeshes: list[tuple[int, int]]
+    context_parallel: bool = True  # `planner.plan`'s switch
 
 
 @dataclass(frozen=True, order=True)
@@ -114,6 +115,7 @@ def evaluate(job: SizeJob, make: Callable, b: int, say: Progress) -> SizeResult:
         job.mode,
         job.schedule,
         say,
+        context_parallel=job.context_parallel,
     )
     found = []
     for cand in result.candidates:

@@ -3,15 +3,17 @@ configurations and the committed results. Single process, prediction only."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from benchmarks import suites
 from benchmarks.llama_configs import PUBLISHED, price_published, unpriced_reason
-from benchmarks.llama_report import llama_checks
-from benchmarks.manual_grid import ManualConfig, grid, price
-from benchmarks.records import RESULTS
-from benchmarks.suites import LLAMA_LONG, suite_cases
+from benchmarks.llama_report import llama_checks, long_context_table
+from benchmarks.manual_grid import ManualConfig, grid, price, shared_traces
+from benchmarks.records import RESULTS, TIE, context_degree
+from benchmarks.suites import LLAMA_LONG, run_case, suite_cases
 from cost_models.cluster import Cluster
 from planner.plans.manual import manual_plan
 
@@ -20,7 +22,12 @@ TINY = "llama:hidden=64,layers=4,heads=4,kv_heads=2,ffn=128,vocab=512,seq=64"
 
 def test_today_grid_enumerates_the_space() -> None:
     groups, pruned = grid(
-        TINY, Cluster.from_spec("1x4xH100-80GB"), 8, "adam_mixed", "llama"
+        TINY,
+        Cluster.from_spec("1x4xH100-80GB"),
+        8,
+        "adam_mixed",
+        "llama",
+        context_parallel=False,
     )
     assert pruned == 0
     got = [c for g in groups for c in g]
@@ -49,6 +56,103 @@ def test_today_grid_enumerates_the_space() -> None:
     ]
     assert sorted(got, key=repr) == sorted(expected, key=repr)
     assert len(got) == 72
+
+
+@pytest.mark.slow
+def test_today_grid_enumerates_context_parallel_and_prices_it() -> None:
+    """The grid's CP configurations, written out by hand: the devices a (dp > 1, tp, pp) gives
+    to data parallelism given to CP instead (dp = 1), one-row micro-batches (B = 8), FSDP over
+    the cp devices or none, no HSDP; each priced by manual_plan as that CP degree."""
+    cluster = Cluster.from_spec("1x4xH100-80GB")
+    groups, pruned = grid(TINY, cluster, 8, "adam_mixed", "llama")
+    assert pruned == 0
+    got = [c for g in groups for c in g if c.context_parallel > 1]
+    # (cp, tp, pp, fsdp, virtual stages)
+    layouts = [
+        (4, 1, 1, "none", 1),
+        (4, 1, 1, "full", 1),
+        (2, 1, 2, "none", 1),
+        (2, 1, 2, "none", 2),
+        (2, 1, 2, "full", 1),
+        (2, 1, 2, "full", 2),
+        (2, 2, 1, "none", 1),
+        (2, 2, 1, "full", 1),
+    ]
+    expected = [
+        ManualConfig(1, tp, pp, 8, rc, False, fsdp, True if tp > 1 else None, v, cp)
+        for cp, tp, pp, fsdp, v in layouts
+        for rc in (("none", "selective", "full") if fsdp == "none" else ("none",))
+    ]
+    assert sorted(got, key=repr) == sorted(expected, key=repr)
+    # the rest of the grid is the grid without CP
+    rest = [c for g in groups for c in g if c.context_parallel == 1]
+    without, _ = grid(TINY, cluster, 8, "adam_mixed", "llama", context_parallel=False)
+    assert rest == [c for g in without for c in g]
+    assert ManualConfig(**expected[-1].record()) == expected[-1]
+    assert expected[-1].label() == "dp1 tp2 pp1 B8 fsdp sp cp2"
+    # each layout priced at its last rung (the most recomputation; the rungs differ by it only)
+    last = {
+        (c.context_parallel, c.tp, c.pp, c.fsdp, c.virtual_stages): c for c in expected
+    }
+    with shared_traces():
+        plans = [
+            (c, price(TINY, cluster, c, 8, "bfloat16", "adam_mixed"))
+            for c in last.values()
+        ]
+    for config, p in plans:
+        assert p.manual["context_parallel"] == config.context_parallel
+        assert context_degree(p) == config.context_parallel, config.label()
+        assert 0 < p.estimate.iteration_time_s < float("inf")
+    # CP degrees divide the sequence (66: 2, not 4); none for a model with experts; none in the
+    # 2021 grid
+    odd = TINY.replace("seq=64", "seq=66")
+    groups, _ = grid(odd, cluster, 8, "adam_mixed", "llama")
+    assert {c.context_parallel for g in groups for c in g} == {1, 2}
+    for model, suite in (("mixtral-tiny", "llama"), (TINY, "gpt")):
+        groups, _ = grid(model, cluster, 8, "adam_mixed", suite)
+        assert {c.context_parallel for g in groups for c in g} == {1}
+
+
+@pytest.mark.slow
+def test_long_context_record_with_and_without_cp(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A small Llama with a long sequence (one head: neither the batch of one nor the heads can
+    be split) on 2 H100s, priced only, through the suite's `run_case`: the record carries the
+    automatic plan and the grid's best with context parallelism allowed and without it; CP
+    pays here, and the automatic plan with CP allowed is at least as fast as without it and as
+    the grid's best with CP."""
+    spec = "llama:hidden=64,layers=2,heads=1,kv_heads=1,ffn=128,vocab=128,seq=16384"
+    monkeypatch.setattr(suites, "LONG_CONTEXT", (spec,))
+    rec = run_case(suites.Case("llama", spec, 2, "1x2xH100-80GB", 1, "bfloat16"))
+    json.dumps(rec)
+    without = rec["without_cp"]
+    auto, auto_1 = rec["auto"]["iteration_time_s"], without["auto"]["iteration_time_s"]
+    grid_cp = rec["manual_best"]["iteration_time_s"]
+    assert auto <= auto_1 * (1 + TIE) and auto <= grid_cp * (1 + TIE)
+    assert rec["ratio"] == pytest.approx(grid_cp / auto)
+    assert without["ratio"] == pytest.approx(
+        without["manual_best"]["iteration_time_s"] / auto_1
+    )
+    # CP is what makes the difference: used with it, absent without
+    assert rec["auto"]["context_parallel"] == 2 and auto < auto_1
+    assert rec["manual_best"]["config"]["context_parallel"] == 2
+    assert without["auto"]["context_parallel"] == 1
+    assert "context_parallel" not in without["manual_best"]["config"]
+    assert without["manual_best"]["grid_size"] < rec["manual_best"]["grid_size"]
+    doc = {"suite": "llama", "cases": [rec | {"published": []}]}
+    table = long_context_table(doc)
+    rows = [r for r in table if r.startswith("| 2 |")]
+    assert len(rows) == 4 and "| grid best | no |" in rows[-1]
+    # the grid's CP configurations summarised: the fastest that fits is the best here
+    cp = rec["manual_best"]["context_parallel"]
+    assert cp["fitted"] >= 1 and cp["priced"] >= cp["fitted"]
+    assert cp["best"]["iteration_time_s"] == grid_cp
+    assert "context_parallel" not in without["manual_best"]
+    assert f"The grid priced {cp['priced']} configurations with CP" in table[-1]
+    assert any(
+        "long context, best with and without CP" in x for x in llama_checks([doc])
+    )
 
 
 def test_today_grid_prunes_by_the_sharded_state() -> None:
@@ -99,10 +203,31 @@ def test_llama_cases() -> None:
 def test_published_configs_price_or_say_why_not() -> None:
     reasons = {(c.model, c.label()): unpriced_reason(c, c.gpus) for c in PUBLISHED}
     assert all(c.source for c in PUBLISHED)
+    tt_cp8 = next(c for c in PUBLISHED if c.cp == 8)  # FSDP + CP 8 + full recomputation
     assert (
-        "context parallelism"
-        in reasons[("llama3-8b", next(c.label() for c in PUBLISHED if c.cp == 8))]
+        "FSDP with activation recomputation" in reasons[("llama3-8b", tt_cp8.label())]
     )
+    nemo_cp2 = next(c for c in PUBLISHED if c.cp == 2 and c.model == "llama3-8b")
+    assert "with data parallelism (DP 4)" in reasons[("llama3-8b", nemo_cp2.label())]
+    # CP without data parallelism is priced, as manual_plan(context_parallel=...) prices it
+    cp8 = dataclasses.replace(tt_cp8, recompute="none")
+    assert unpriced_reason(cp8, 8) is None
+    cluster = Cluster.from_spec("1x8xH100-80GB")
+    rec = price_published(cp8, cluster, TINY, 8)
+    direct = manual_plan(
+        TINY,
+        cluster,
+        dp=1,
+        tp=1,
+        pp=1,
+        num_microbatches=1,
+        global_batch=1,
+        fsdp="full",
+        context_parallel=8,
+        dtype="bfloat16",
+        allow_oom=True,
+    )
+    assert rec["priced"] and rec["iteration_time_s"] == direct.estimate.iteration_time_s
     fsdp8 = next(
         c
         for c in PUBLISHED
@@ -115,7 +240,6 @@ def test_published_configs_price_or_say_why_not() -> None:
     assert "published for 64 GPUs" in unpriced_reason(mixtral, 8)
     # priced as published (the layout on a small Llama, so the test stays cheap): FSDP over 8,
     # MBS 1 of GBS 128 = 16 micro-batches, the same plan as manual_plan's
-    cluster = Cluster.from_spec("1x8xH100-80GB")
     rec = price_published(fsdp8, cluster, TINY, 8)
     direct = manual_plan(
         TINY,
@@ -172,4 +296,7 @@ def test_committed_llama_results_reproduce() -> None:
                 p["iteration_time_s"], rel=1e-9
             )
     lines = llama_checks([doc])
-    assert len(lines) == 2 and lines[0].startswith("- (llama) auto ratio >= 1.00")
+    long = sum("without_cp" in c for c in doc["cases"])  # a line each
+    assert len(lines) == 2 + long and lines[0].startswith(
+        "- (llama) auto ratio >= 1.00"
+    )

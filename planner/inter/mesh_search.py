@@ -18,6 +18,7 @@ from cost_models.errors import MeshplanError
 from cost_models.memory import microbatches_in_flight
 from planner.inter import stage_table as st
 from planner.inter.stage_dp import stage_dp
+from planner.intra.context import without_context
 from planner.intra.highs import solves_overlap
 from planner.intra.megatron import context_seeds, is_expert_weight, seed_filters
 from planner.intra.prices import Option, hybrid_axes
@@ -106,18 +107,19 @@ def _param_filter(mode: str) -> Callable[[str, Option], bool] | None:
     return None
 
 
-def _seeds(graph: OpGraph, mesh: LogicalMesh, mode: str):
+def _seeds(graph: OpGraph, mesh: LogicalMesh, mode: str, context_parallel: bool = True):
     """Megatron-style parameter placements solved as extra candidates (`planner.intra.megatron`);
     on a mesh spanning hosts also HSDP over the axes inside a host; context parallelism
-    (`planner.intra.megatron.context_seeds`)."""
+    (`planner.intra.megatron.context_seeds`) unless `context_parallel` is False."""
     if mode == "inter-only":
         return []
     experts = any(is_expert_weight(p) for p in graph.placeholder_paths.values())
     M = mesh.cluster.devices_per_host
     tps = {t for t in range(2, M + 1) if M % t == 0}
-    return seed_filters(mesh.shape, experts, tps, hybrid_axes(mesh)) + context_seeds(
-        mesh.shape, experts, tps
-    )
+    seeds = seed_filters(mesh.shape, experts, tps, hybrid_axes(mesh))
+    if context_parallel:
+        seeds += context_seeds(mesh.shape, experts, tps)
+    return seeds
 
 
 class _Table:
@@ -211,8 +213,10 @@ def search(
     mode: str,
     schedule: str,
     say: Callable[[str], None],
+    context_parallel: bool = True,
 ) -> SearchResult:
-    """Solve the intra-op pass once per logical mesh (time-optimal, memory ladder, Megatron seeds),
+    """Solve the intra-op pass once per logical mesh (time-optimal, memory ladder, Megatron seeds,
+    context-parallel seeds unless `context_parallel` is False),
     attribute every solution to each layer clustering, run the stage DP on each clustering's
     table (memory with the micro-batches `schedule` keeps in flight; for zero bubble, where
     that depends on the pipeline's number of stages, the DP `by_total`: its latency objective
@@ -220,6 +224,8 @@ def search(
     tables = [
         _Table(graph, layers, cluster, subs, B, mode, schedule) for layers in layerings
     ]
+    # without context parallelism: no attention node may take a CP strategy, seeded or not
+    acts = None if context_parallel else without_context(graph)
     least = np.inf
     first = tables[0]
     jobs = [
@@ -248,7 +254,8 @@ def search(
                 budget=budget,
                 optimizer=optimizer,
                 param_filter=_param_filter(mode),
-                seeds=_seeds(graph, mesh, mode),
+                activation_filter=acts,
+                seeds=_seeds(graph, mesh, mode, context_parallel),
                 lean_layers=_lean_layers(tables, sub, cluster.num_devices),
             )
 

@@ -27,7 +27,12 @@ from planner.vocab.context import SDPA, SEQ_DIM, context_axis, eligible
 from planner.vocab.placements import shards
 from planner.vocab.strategy import Strategy
 
-__all__ = ["attention_nodes", "context_filter", "gathered_kv_bytes"]
+__all__ = [
+    "attention_nodes",
+    "context_filter",
+    "gathered_kv_bytes",
+    "without_context",
+]
 
 _SDPA = str(SDPA)  # the op graph's target string
 
@@ -70,6 +75,18 @@ def context_filter(graph: OpGraph, axis: int, size: int) -> Callable[[str, Any],
 
     def allowed(name: str, option: Any) -> bool:
         return name not in wanted or context_axis(option.strategy) == axis
+
+    return allowed
+
+
+def without_context(graph: OpGraph) -> Callable[[str, Any], bool]:
+    """Options with no context parallelism: every attention node's context-parallel strategies
+    left out, every other op free (the automatic search with context parallelism switched off,
+    `planner.plan(context_parallel=False)`)."""
+    wanted = set(attention_nodes(graph))
+
+    def allowed(name: str, option: Any) -> bool:
+        return name not in wanted or context_axis(option.strategy) is None
 
     return allowed
 

@@ -33,6 +33,9 @@ cost (which may split them by the sequence, or keep the residual stream partial)
 With `context_parallel=cp` > 1 (dp = 1) a stage is a (cp, tp) mesh: every attention is
 context-parallel on axis 0 (the sequence split, keys and values all-gathered;
 `planner.intra.context`), parameters replicated there (or FSDP-sharded with ``fsdp="full"``).
+With cp = 1 (the default) no attention is context-parallel on any axis
+(`planner.intra.context.without_context`): a configuration without CP is priced without it,
+where the least cost would otherwise split a long sequence's attention on the tp axis.
 
 Recomputation: "full" checkpoints every transformer block (`planner.plans.recompute`),
 "selective" only the attention cores (`planner.tracing.attention`), priced by the stage DP's
@@ -55,7 +58,7 @@ from cost_models.errors import MeshplanError, gib
 from cost_models.memory import canonical_schedule
 from planner.inter import stage_table as st
 from planner.inter.layers import layers_in
-from planner.intra.context import context_filter
+from planner.intra.context import context_filter, without_context
 from planner.intra.megatron import (
     axes_filter,
     batch_axes,
@@ -232,7 +235,9 @@ def manual_plan(
             None
             if sequence_parallel is None
             else sequence_filter(graph, 1, tp, split=sequence_parallel),
-            context_filter(graph, 0, cp) if cp > 1 else None,
+            # cp = 1: no attention split along the sequence, not even on the tp axis, where
+            # the least cost would otherwise pick it for a sequence long enough
+            context_filter(graph, 0, cp) if cp > 1 else without_context(graph),
         ),
         batch_axes=()
         if cp > 1
