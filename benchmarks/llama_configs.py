@@ -27,10 +27,9 @@ priced in bfloat16: the cost models have no FP8 GEMM rate; said per row). Megatr
 distributed optimizer (ZeRO-1, on in its recipes) is not in `manual_plan`'s vocabulary: its
 configurations without FSDP are priced with replicated optimizer state, which overstates their
 memory. A configuration is left unpriced, with the reason recorded, when it uses context
-parallelism (no price for it yet), FSDP together with activation recomputation (`manual_plan`
-refuses the pair: the runtime does not combine them, so the automatic planner does not search it
-either), expert parallelism over a part of the data-parallel ranks, recomputation of only some
-blocks, or another GPU count than the suite's case.
+parallelism (no price for it yet), expert parallelism over a part of the data-parallel ranks,
+recomputation of only some blocks, or another GPU count than the suite's case. FSDP together with
+activation recomputation (torchtitan's recipes) is priced as `manual_plan` prices it.
 """
 
 from __future__ import annotations
@@ -321,11 +320,6 @@ def unpriced_reason(c: PublishedConfig, gpus: int) -> str | None:
         return f"published for {c.gpus} GPUs, the case has {gpus}"
     if c.cp > 1:
         return f"context parallelism (CP {c.cp}) has no price yet"
-    if c.fsdp != "none" and c.recompute != "none":
-        return (
-            "FSDP with activation recomputation: manual_plan refuses the pair (the runtime "
-            "does not combine them; the automatic planner does not search it either)"
-        )
     if c.virtual_stages is None and c.pp > 1:
         return "interleaved, with the virtual stages per rank not published"
     if c.ep > 1 and c.ep != c.dp:

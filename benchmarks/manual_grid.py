@@ -44,9 +44,9 @@ configure them by hand) is larger; every configuration is still one `manual_plan
                                per device when pp > 1, pp * v <= blocks and the micro-batch count is
                                a multiple of pp (Megatron-LM's requirement);
     expert parallel            for MoE, off and on (when E divides by dp > 1);
-    recompute                  none, selective (the attention cores) or full; with FSDP only none
-                               (`manual_plan` refuses FSDP with recomputation: the runtime does not
-                               combine them, and the automatic planner does not search it either);
+    recompute                  none, selective (the attention cores) or full, with or without
+                               FSDP (torchtitan's default is FSDP2 with activation checkpointing;
+                               `runtime.fsdp` gathers again for the recomputed forward);
     micro-batch size           1, 2, 4, 8, 16 rows per replica, B >= pp.
 
 Context parallelism is not in this space yet (the planner has no price for it). The same pruning
@@ -233,10 +233,9 @@ def grid(
                         ]
                         continue
                     sp = True if tp > 1 else None
-                    ladder = _LADDER if fsdp == "none" else _LADDER[:1]
                     group += [
                         ManualConfig(dp, tp, pp, B, rc, ep, fsdp, sp, v)
-                        for rc in ladder
+                        for rc in _LADDER
                     ]
                 if not group:
                     continue
