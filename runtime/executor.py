@@ -466,9 +466,8 @@ class PlanExecutor(torch.fx.Interpreter):
             ) -> tuple[Any, ...]:
                 outer, self.env = self.env, dict(zip(ext, values))
                 fsdp = self.fsdp
-                again = (
-                    fsdp is not None and not fsdp.in_forward
-                )  # recomputed in backward
+                # outside the forward: checkpoint re-runs the segment in backward
+                again = fsdp is not None and not fsdp.in_forward
                 try:
                     with fsdp.recomputing(microbatch) if again else nullcontext():
                         for n in seg:

@@ -26,7 +26,6 @@ import torch
 from profiles import cpu_cluster
 
 from cost_models.communication import LogicalMesh
-from cost_models.errors import MeshplanError
 from planner.intra import prices as sc
 from planner.intra.prices import Option, StageSettings
 from planner.models import build_model
@@ -42,6 +41,17 @@ CLUSTER = "1x2xA100-80GB"
 STEPS, LR, BATCH, B = 3, 1e-3, 8, 2
 UNPRICED_SITES = ("fwd:output", "bwd:nll_loss_forward", "bwd:embedding")  # test_fsdp's
 MODES = ("full", "selective")
+_KW = {
+    "dp": 2,
+    "tp": 1,
+    "pp": 1,
+    "num_microbatches": B,
+    "global_batch": BATCH,
+    "dtype": "float32",
+    "optimizer": "adam_fp32",
+    "allow_oom": True,
+    "fsdp": "full",
+}
 
 
 # ------------------------------------------------------------------ prices
@@ -139,30 +149,18 @@ def test_recomputed_fsdp_stage_follows_its_derivation() -> None:
 
 def test_manual_fsdp_with_recomputation() -> None:
     """`manual_plan` prices FSDP and HSDP with each recomputation (the stage recomputes and
-    keeps its FSDP parameters); zero bubble stays refused with recomputation."""
-    kw = {"tp": 1, "pp": 1, "num_microbatches": B, "global_batch": BATCH}
-    none = manual_plan(SPEC, CLUSTER, dp=2, fsdp="full", **kw)
+    keeps its FSDP parameters): slower and smaller than FSDP alone."""
+    plans = _plans()
+    kw = {k: v for k, v in _KW.items() if k != "fsdp"}
+    none = manual_plan(SPEC, CLUSTER, fsdp="full", **kw)
     for mode in MODES:
-        p = manual_plan(SPEC, CLUSTER, dp=2, fsdp="full", recompute=mode, **kw)
-        s = p.stages[0]
+        s = plans[mode].stages[0]
         assert s.recompute == mode and s.fsdp_params == none.stages[0].fsdp_params
         assert s.time_s > none.stages[0].time_s
         assert s.memory_bytes < none.stages[0].memory_bytes
-    h = manual_plan(SPEC, "2x2xA100-80GB", dp=4, fsdp="hybrid", recompute="full", **kw)
+    kw |= {"dp": 4}
+    h = manual_plan(SPEC, "2x2xA100-80GB", fsdp="hybrid", recompute="full", **kw)
     assert h.stages[0].fsdp_axes and h.stages[0].recompute == "full"
-    with pytest.raises(MeshplanError, match="zero_bubble"):
-        manual_plan(
-            SPEC,
-            "1x4xA100-80GB",
-            dp=2,
-            tp=1,
-            pp=2,
-            num_microbatches=4,
-            global_batch=BATCH,
-            fsdp="full",
-            recompute="full",
-            schedule="zero_bubble",
-        )
 
 
 # ------------------------------------------------------------------ runtime
@@ -170,18 +168,7 @@ def test_manual_fsdp_with_recomputation() -> None:
 
 @functools.cache
 def _plans() -> dict[str, ParallelPlan]:
-    kw = {
-        "dp": 2,
-        "tp": 1,
-        "pp": 1,
-        "num_microbatches": B,
-        "global_batch": BATCH,
-        "dtype": "float32",
-        "optimizer": "adam_fp32",
-        "allow_oom": True,
-        "fsdp": "full",
-    }
-    return {mode: manual_plan(SPEC, CLUSTER, recompute=mode, **kw) for mode in MODES}
+    return {mode: manual_plan(SPEC, CLUSTER, recompute=mode, **_KW) for mode in MODES}
 
 
 @functools.cache
