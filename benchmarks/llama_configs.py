@@ -28,11 +28,10 @@ distributed optimizer (ZeRO-1, on in its recipes) is not in `manual_plan`'s voca
 configurations without FSDP are priced with replicated optimizer state, which overstates their
 memory. A configuration is left unpriced, with the reason recorded, when it uses context
 parallelism together with data parallelism (`manual_plan` runs CP on micro-batches of one row,
-dp = 1; `benchmarks.manual_grid`'s docstring says why), FSDP together with activation
-recomputation (`manual_plan`
-refuses the pair: the runtime does not combine them, so the automatic planner does not search it
-either), expert parallelism over a part of the data-parallel ranks, recomputation of only some
-blocks, or another GPU count than the suite's case.
+dp = 1; `benchmarks.manual_grid`'s docstring says why), expert parallelism over a part of the
+data-parallel ranks, recomputation of only some blocks, or another GPU count than the suite's
+case. FSDP together with activation recomputation (torchtitan's recipes) is priced as
+`manual_plan` prices it.
 """
 
 from __future__ import annotations
@@ -325,11 +324,6 @@ def unpriced_reason(c: PublishedConfig, gpus: int) -> str | None:
         return (
             f"context parallelism (CP {c.cp}) with data parallelism (DP {c.dp}): manual_plan "
             "runs CP on micro-batches of one row, without data parallelism"
-        )
-    if c.fsdp != "none" and c.recompute != "none":
-        return (
-            "FSDP with activation recomputation: manual_plan refuses the pair (the runtime "
-            "does not combine them; the automatic planner does not search it either)"
         )
     if c.virtual_stages is None and c.pp > 1:
         return "interleaved, with the virtual stages per rank not published"

@@ -44,9 +44,9 @@ configure them by hand) is larger; every configuration is still one `manual_plan
                                per device when pp > 1, pp * v <= blocks and the micro-batch count is
                                a multiple of pp (Megatron-LM's requirement);
     expert parallel            for MoE, off and on (when E divides by dp > 1);
-    recompute                  none, selective (the attention cores) or full; with FSDP only none
-                               (`manual_plan` refuses FSDP with recomputation: the runtime does not
-                               combine them, and the automatic planner does not search it either);
+    recompute                  none, selective (the attention cores) or full, with or without
+                               FSDP (torchtitan's default is FSDP2 with activation checkpointing;
+                               `runtime.fsdp` gathers again for the recomputed forward);
     micro-batch size           1, 2, 4, 8, 16 rows per replica, B >= pp;
     context parallelism        cp x tp x pp = devices with cp > 1 dividing the model's sequence
                                (`manual_plan(context_parallel=cp)`: every attention on its own
@@ -267,10 +267,9 @@ def grid(
                         ]
                         continue
                     sp = True if tp > 1 else None
-                    ladder = _LADDER if fsdp == "none" else _LADDER[:1]
                     group += [
                         ManualConfig(dp, tp, pp, B, rc, ep, fsdp, sp, v, cp)
-                        for rc in ladder
+                        for rc in _LADDER
                     ]
                 if not group:
                     continue

@@ -70,6 +70,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -140,7 +141,9 @@ class PlanExecutor(torch.fx.Interpreter):
 
     FSDP: ``fsdp`` (placeholder name -> the placements of its shard) are gathered around their
     use and reduce-scattered in backward (`runtime.fsdp.FsdpParams`), the reduce-scatters waited
-    one layer of ``layers`` (op node name -> the plan's layer) later.
+    one layer of ``layers`` (op node name -> the plan's layer) later; with ``recompute_layers``
+    a segment's recomputed forward reads the backward's gathered copies (FSDP2 with activation
+    checkpointing: gathered in forward, freed, gathered once more for recompute and backward).
 
     Compilation: with ``compile=True`` `run_outputs` runs the stage through AOTAutograd-traced
     graphs (module docstring) unless ``recompute_layers`` is given; ``last_run_compiled`` tells
@@ -207,11 +210,8 @@ class PlanExecutor(torch.fx.Interpreter):
         self._parsed: dict[Strs, tuple[Placement, ...]] = {}
         # FSDP parameters (placeholder name -> shard placements; `runtime.fsdp`): eager only;
         # `layers` (op node name -> plan layer) paces their reduce-scatters
-        self.fsdp = FsdpParams(self, fsdp, layers) if fsdp else None
-        if self.fsdp is not None and recompute_layers is not None:
-            raise MeshplanError(
-                "FSDP parameters with activation recomputation are not supported"
-            )
+        # with recomputation, the recomputed forward gathers them again (`runtime.fsdp`)
+        self.fsdp = FsdpParams(self, fsdp, layers, recompute_layers) if fsdp else None
         self.compile = compile and recompute_layers is None and self.fsdp is None
         self._compiled: CompiledStage | None = None
         self.last_run_compiled = False
@@ -370,7 +370,10 @@ class PlanExecutor(torch.fx.Interpreter):
         if self.masks is not None:
             self._prefill(env, microbatch)
         if self.recompute_layers is not None:
-            return self._run_checkpointed(env)
+            if self.fsdp is not None:
+                with self.fsdp.forward(microbatch, env):
+                    return self._run_checkpointed(env, microbatch)
+            return self._run_checkpointed(env, microbatch)
         self.last_run_compiled = False
         if self.compile:
             out = self._run_compiled(env)
@@ -424,8 +427,12 @@ class PlanExecutor(torch.fx.Interpreter):
         out = self._compiled([env[n] for n in nodes])
         return _NOT_COMPILED if out is None and self._compiled.error else out
 
-    def _run_checkpointed(self, env: dict[torch.fx.Node, Any]) -> Any:
-        """Run the graph with every layer's nodes under a non-reentrant activation checkpoint."""
+    def _run_checkpointed(
+        self, env: dict[torch.fx.Node, Any], microbatch: int = 0
+    ) -> Any:
+        """Run the graph with every layer's nodes under a non-reentrant activation checkpoint.
+        With FSDP parameters, a segment re-run in backward reads the backward's gathered copies
+        of micro-batch `microbatch` (`runtime.fsdp.FsdpParams.recomputing`)."""
         from torch.utils.checkpoint import checkpoint
 
         layer_of = self.recompute_layers or {}
@@ -458,9 +465,13 @@ class PlanExecutor(torch.fx.Interpreter):
                 leaving: list[torch.fx.Node] = leaving,
             ) -> tuple[Any, ...]:
                 outer, self.env = self.env, dict(zip(ext, values))
+                fsdp = self.fsdp
+                # outside the forward: checkpoint re-runs the segment in backward
+                again = fsdp is not None and not fsdp.in_forward
                 try:
-                    for n in seg:
-                        self.env[n] = self.run_node(n)
+                    with fsdp.recomputing(microbatch) if again else nullcontext():
+                        for n in seg:
+                            self.env[n] = self.run_node(n)
                     return tuple(self.env[n] for n in leaving)
                 finally:
                     self.env = outer

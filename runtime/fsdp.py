@@ -31,6 +31,22 @@ placed by `runtime.pipeline.PipelineRunner.place_params`). In every micro-batch:
   backward and the start of layer l-1's compute; the first layer's, issued last, are waited for
   at the end of the backward (as `planner.inter.stage_table` prices them).
 
+Recomputation (the executor's ``recompute_layers``: each segment run under a non-reentrant
+``torch.utils.checkpoint``), as FSDP2 runs ``fully_shard`` over checkpointed blocks:
+
+* forward: as above; inside a checkpointed segment the checkpoint's own saved-tensor hooks
+  (innermost) keep nothing the ops save, so the gathered copy is freed after its last use;
+* backward: autograd reaching a segment makes the checkpoint re-run its forward
+  (`recomputing`): each parameter the recomputed forward reads is gathered there (site
+  ``bwd:fsdp:<path>``: the backward's one gather of it per micro-batch, none more), prefetching
+  the next one in backward order (`bwd_order`: the units of the stage, a segment or an op run
+  outside one, last first; a segment's parameters in their forward order); the recomputed ops
+  save that copy, and the segment's backward uses it; `_Gather`'s backward finds it gathered,
+  drops it and reduce-scatters the gradient as above. So a recomputed stage communicates what
+  an unrecomputed one does - two all-gathers and one reduce-scatter per parameter and
+  micro-batch - and holds a segment's gathered parameters (and the next one prefetched) while
+  that segment's backward runs. A selective segment (an attention core) reads no parameter.
+
 What PyTorch's own pieces lack here: FSDP2's ``fully_shard`` wraps ``nn.Module`` forward calls
 (pre/post-forward hooks unshard and reshard a module's parameters), while a stage here is an fx
 graph of aten ops interpreted over DTensors (`runtime.executor`), with no module calls to hook;
@@ -38,8 +54,7 @@ DTensor's redistribution (``redistribute_local_tensor``, with ``async_op`` for t
 gathers and the reduce-scatters), saved-tensor hooks and autograd's ``queue_callback`` are the
 pieces used. The executor runs such stages eagerly:
 AOTAutograd (`runtime.compiled`) would save the gathered weights for backward inside its graphs
-(where no hook replaces them). Stages with activation recomputation are refused
-(`planner.vocab.plan_check`): the recomputed forward would gather outside these hooks.
+(where no hook replaces them).
 """
 
 from __future__ import annotations
@@ -128,13 +143,16 @@ class _Gather(torch.autograd.Function):
 class FsdpParams:
     """The FSDP parameters of one executor: placeholder name -> the placements of its shard
     (module docstring). `value` and `done` are called by the executor around every node.
-    ``layers``: op node name -> the plan's layer (a parameter's is its first consumer's)."""
+    ``layers``: op node name -> the plan's layer (a parameter's is its first consumer's).
+    ``segments``: the executor's ``recompute_layers`` (op node name -> its checkpointed
+    segment; None: nothing recomputed), which orders the backward's gathers (`bwd_order`)."""
 
     def __init__(
         self,
         executor: Any,
         shards: dict[str, tuple[Placement, ...]],
         layers: dict[str, int] | None = None,
+        segments: dict[str, int] | None = None,
     ) -> None:
         self.ex, self.shards = executor, shards
         graph = executor.opgraph
@@ -159,14 +177,20 @@ class FsdpParams:
                     elif node.name in layers:
                         self.layer.setdefault(u.name, layers[node.name])
         self.next = dict(itertools.pairwise(order))
-        self.prev = {b: a for a, b in itertools.pairwise(order)}
+        # the backward's gathers, each prefetching the one after it in `bwd_order`
+        self.bwd_order = (
+            order[::-1] if segments is None else _bwd_order(graph, shards, segments)
+        )
+        self.bwd_next = dict(itertools.pairwise(self.bwd_order))
         self._mb: int | None = None
+        self._recompute_mb: int | None = None  # the micro-batch being recomputed
         self._shard_values: dict[str, DTensor] = {}
         self._live: dict[str, DTensor] = {}
         self._left: dict[str, int] = {}
         self._fetched: dict[str, DTensor] = {}  # forward prefetches
         self._saved: dict[int, tuple[str, Any, int, tuple[int, ...]]] = {}
         self._regathered: dict[tuple[str, int], DTensor] = {}  # (name, mb) -> copy
+        self._reduced: set[tuple[str, int]] = set()  # (name, mb) reduce-scattered
         self._shards_of: dict[int, dict[str, DTensor]] = {}  # mb -> its shards
         self._pending: list[_Reduce] = []  # reduce-scatters in flight
         self._callback_queued = False
@@ -180,6 +204,7 @@ class FsdpParams:
         """Issue the reduce-scatter of `name`'s complete gradient of micro-batch `mb` onto its
         shard, after waiting for those of later layers (module docstring)."""
         layer = self.layer.get(name, 0)
+        self._reduced.add((name, mb))
         self._wait(lambda r: r.layer > layer)
         shard = self._shards_of[mb][name]
         if not shard.is_leaf:
@@ -238,8 +263,30 @@ class FsdpParams:
         finally:
             self._mb, self._live, self._fetched, self._saved = None, {}, {}, {}
 
+    @property
+    def in_forward(self) -> bool:
+        """Whether a micro-batch's forward is running (`forward`)."""
+        return self._mb is not None
+
+    @contextlib.contextmanager
+    def recomputing(self, microbatch: int) -> Iterator[None]:
+        """A checkpointed segment of micro-batch `microbatch` re-runs its forward in backward:
+        `value` hands out the backward's gathered copies (module docstring)."""
+        self._recompute_mb = microbatch
+        try:
+            yield
+        finally:
+            self._recompute_mb = None
+
     def value(self, name: str) -> DTensor:
-        """The gathered copy of FSDP parameter `name` in the current forward."""
+        """The gathered copy of FSDP parameter `name` in the current forward (or recomputed
+        forward, `recomputing`)."""
+        mb = self._recompute_mb
+        if mb is not None:
+            # through `_Gather` as in the forward, so that the recomputed ops save what the
+            # forward's did (their weight requires grad); this graph itself is discarded
+            full = self._regather(name, mb)
+            return _Gather.apply(self._shards_of[mb][name], full, self, name, mb)
         if name in self._live:
             return self._live[name]
         shard = self._shard_values[name]
@@ -263,6 +310,8 @@ class FsdpParams:
 
     def done(self, name: str) -> None:
         """A node reading `name` has run; after the last one the copy is no longer held."""
+        if self._recompute_mb is not None:
+            return  # the backward's copy is dropped by `_Gather.backward`
         self._left[name] -= 1
         if self._left[name] == 0:
             self._live.pop(name, None)
@@ -296,10 +345,14 @@ class FsdpParams:
         if key not in self._regathered:
             shard = self._shards_of[mb][name]
             self._regathered[key] = self._gather(name, shard, "bwd")
-            prev = self.prev.get(name)
-            if prev is not None and (prev, mb) not in self._regathered:
-                self._regathered[prev, mb] = self._gather(
-                    prev, self._shards_of[mb][prev], "bwd"
+            nxt = self.bwd_next.get(name)
+            if (
+                nxt is not None
+                and (nxt, mb) not in self._regathered
+                and (nxt, mb) not in self._reduced
+            ):
+                self._regathered[nxt, mb] = self._gather(
+                    nxt, self._shards_of[mb][nxt], "bwd"
                 )
         full = self._regathered[key] = _ready(self._regathered[key])
         return full
@@ -330,3 +383,26 @@ class FsdpParams:
         self._callback_queued = False
         self._shards_of.clear()
         self._regathered.clear()
+        self._reduced.clear()
+
+
+def _bwd_order(
+    graph: Any, shards: dict[str, tuple[Placement, ...]], segments: dict[str, int]
+) -> list[str]:
+    """The order in which a recomputing stage's backward first needs its FSDP parameters: the
+    stage's units (a run of consecutive ops of one checkpointed segment, as the executor cuts
+    them, or one op outside every segment) last first; within a segment its parameters in
+    forward order (the recomputed forward reads them so), within an op in argument order."""
+    units: list[tuple[Any, list[str]]] = []
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        key = segments.get(node.name)
+        reads = [
+            u.name for u in dict.fromkeys(node.all_input_nodes) if u.name in shards
+        ]
+        if key is not None and units and units[-1][0] == key:
+            units[-1][1].extend(reads)
+        else:
+            units.append((key, reads))
+    return list(dict.fromkeys(n for _, reads in reversed(units) for n in reads))

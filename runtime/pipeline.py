@@ -65,7 +65,7 @@ one checkpointed segment, every other op runs as usual and keeps its saved tenso
 FSDP (``StagePlan.fsdp_params``, ZeRO stage 3): the parameter's leaf is its shard
 (`shard_placements`); the stage's executor gathers it around its use in every micro-batch and
 reduce-scatters its gradient onto the shard in backward, waited one layer of the plan later
-(`runtime.fsdp`).
+(`runtime.fsdp`); with recomputation the recomputed forward reads the backward's gathered copies.
 
 ZeRO (``StagePlan.zero_params``): such a parameter's leaf, the one the optimizer updates (and keeps
 its state for), is sharded over the mesh axes where the plan replicates it (`place_params`). A step

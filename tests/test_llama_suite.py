@@ -33,7 +33,8 @@ def test_today_grid_enumerates_the_space() -> None:
     got = [c for g in groups for c in g]
     # (dp, tp, pp, fsdp, virtual stages) -> micro-batch counts, written out by hand: 8 rows,
     # 1..16 rows per replica, B >= pp, B a multiple of pp when interleaved (pp * v <= 4 blocks),
-    # FSDP only with dp > 1 (HSDP needs dp beyond one host of 4: never here).
+    # FSDP only with dp > 1 (HSDP needs dp beyond one host of 4: never here); every
+    # recomputation with and without FSDP.
     layouts = {
         (4, 1, 1, "none", 1): [2, 1],
         (4, 1, 1, "full", 1): [2, 1],
@@ -52,10 +53,10 @@ def test_today_grid_enumerates_the_space() -> None:
         ManualConfig(dp, tp, pp, B, rc, False, fsdp, True if tp > 1 else None, v)
         for (dp, tp, pp, fsdp, v), counts in layouts.items()
         for B in counts
-        for rc in (("none", "selective", "full") if fsdp == "none" else ("none",))
+        for rc in ("none", "selective", "full")
     ]
     assert sorted(got, key=repr) == sorted(expected, key=repr)
-    assert len(got) == 72
+    assert len(got) == 90
 
 
 @pytest.mark.slow
@@ -234,7 +235,6 @@ def test_published_configs_price_or_say_why_not() -> None:
         if c.model == "llama3-8b" and c.fsdp == "full" and c.recompute == "none"
     )
     assert reasons[("llama3-8b", fsdp8.label())] is None
-    assert "FSDP with activation recomputation" in unpriced_reason(PUBLISHED[0], 8)
     mixtral = next(c for c in PUBLISHED if c.model == "mixtral-8x7b")
     assert "expert parallelism over 8 of the 16" in unpriced_reason(mixtral, 64)
     assert "published for 64 GPUs" in unpriced_reason(mixtral, 8)
@@ -255,6 +255,25 @@ def test_published_configs_price_or_say_why_not() -> None:
     )
     assert rec["priced"] and rec["iteration_time_s"] == direct.estimate.iteration_time_s
     assert rec["fits"] == direct.manual["fits"] and rec["label"] == fsdp8.label()
+    # torchtitan's FSDP 8 with selective activation checkpointing (local batch 2 of 16): priced
+    tt8 = PUBLISHED[0]
+    assert (tt8.fsdp, tt8.recompute) == ("full", "selective")
+    assert unpriced_reason(tt8, 8) is None
+    rec = price_published(tt8, cluster, TINY, 8)
+    direct = manual_plan(
+        TINY,
+        cluster,
+        dp=8,
+        tp=1,
+        pp=1,
+        num_microbatches=1,
+        global_batch=16,
+        fsdp="full",
+        recompute="selective",
+        dtype="bfloat16",
+        allow_oom=True,
+    )
+    assert rec["priced"] and rec["iteration_time_s"] == direct.estimate.iteration_time_s
 
 
 @pytest.mark.slow

@@ -27,7 +27,10 @@ the part compute does not hide (`fsdp_exposed`, the overlap model of `planner.in
 forward gathers behind the layer's forward compute, backward gathers and the next layer's
 reduce-scatters behind its backward compute; the first layer's reduce-scatters and the first gather
 of each pass (the first layer's in forward, the last layer's in backward) in full (range terms in
-``fixed``). The latency of the gradient
+``fixed``). A recomputing stage with FSDP parameters (`runtime.fsdp`: the recomputed forward reads
+the backward's gathered copies, so the collectives are the same) prices the same overlap with the
+recomputed forward counted as backward compute (K_l + X_l; `LayerProfile.fsdp_recompute`), and the
+same memory (a layer's gathered copies and the next one's while its backward runs). The latency of the gradient
 all-reduce buckets a range holds is added once per bucket (`planner.intra.prices.grad_buckets`),
 and the runtime's overhead per stage and micro-batch once.
 Zero bubble (`planner.inter.stage_dp` with ``by_total``: s is then the number of stages in all)
@@ -81,6 +84,10 @@ class LayerProfile:
     fixed: np.ndarray
     # bytes per layer of its FSDP parameters' gathered copies (`prices.fsdp_gathered_bytes`)
     gathered: np.ndarray | None = None
+    # per layer, rows F, K, G, R of `fsdp_exposed` (forward and backward compute, all-gathers
+    # of one pass, reduce-scatters); `time` and `fixed` hide them as without recomputation,
+    # `fsdp_recompute` says what recomputation changes; None without FSDP parameters
+    fsdp_terms: np.ndarray | None = None
     # selective recomputation (`planner.inter.selective`), per layer: the seconds it adds, the
     # activation bytes per micro-batch it does not keep, and the largest core's (live while it
     # is recomputed); None when the model has no attention core
@@ -130,11 +137,38 @@ class LayerProfile:
             return _need_cores(self.core_time)
         return 0.0
 
+    def fsdp_recompute(self, recompute: str) -> tuple[np.ndarray, np.ndarray]:
+        """(per layer, [k, j]): what recomputation `recompute` changes in the FSDP collectives
+        compute does not hide (`fsdp_exposed`): the recomputed forward is backward compute
+        (K_l + X_l, X_l = `extra_time`), behind which the layer's backward gathers and the next
+        layer's reduce-scatters run as well (`runtime.fsdp`: the recomputed forward reads the
+        backward's gathered copies; the same two all-gathers and one reduce-scatter per
+        parameter and micro-batch). Zeros without FSDP or recomputation."""
+        L = len(self.time)
+        if self.fsdp_terms is None or recompute_mode(recompute) == "none":
+            return np.zeros(L), np.zeros((L, L))
+        F, K, G, R = self.fsdp_terms
+        X = np.broadcast_to(self.extra_time(recompute), K.shape)
+        e0, first0, last0 = fsdp_exposed(F, K, G, R)
+        e1, first1, last1 = fsdp_exposed(F, K + X, G, R)
+        return e1 - e0, (first1 - first0)[:, None] + (last1 - last0)[None, :]
+
+    def range_times(self, recompute: str) -> np.ndarray:
+        """[k, j]: per-micro-batch time of a stage holding layers k..j (recomputation adds its
+        forward, and changes what FSDP's collectives leave exposed, `fsdp_recompute`)."""
+        per_layer, fixed = self.fsdp_recompute(recompute)
+        return _range_sums(self.time + self.extra_time(recompute) + per_layer) + (
+            self.fixed + fixed
+        )
+
     def range_time(self, k: int, j: int, recompute: str) -> float:
-        """Per-micro-batch time of a stage holding layers k..j (recomputation adds its forward)."""
+        """Per-micro-batch time of a stage holding layers k..j (`range_times`)."""
         t = self.time[k : j + 1].sum() + self.fixed[k, j]
         extra = np.broadcast_to(self.extra_time(recompute), self.time.shape)
-        return float(t + extra[k : j + 1].sum())
+        per_layer, fixed = self.fsdp_recompute(recompute)
+        return float(
+            t + extra[k : j + 1].sum() + per_layer[k : j + 1].sum() + fixed[k, j]
+        )
 
 
 def _need_cores(x: np.ndarray | None) -> np.ndarray:
@@ -239,7 +273,7 @@ def profile(
         held[[layer_of.get(n, 0) for n in bucket.consumers]] = 1.0
         fixed += (_range_sums(held) > 0) * (bucket.latency_s / sol.num_microbatches)
     time, fwd, params, acts = arr.T.copy()
-    gathered = None
+    gathered = terms = None
     if sol.fsdp_params:
         # per layer: its ops' forward + backward and forward compute, its FSDP parameters'
         # all-gathers of one pass, reduce-scatters and gathered bytes (`StageSolution.fsdp_table`;
@@ -249,6 +283,7 @@ def profile(
         both, F, G, R, gathered = sums.T
         K = both - F  # backward compute
         exposed, first, last = fsdp_exposed(F, K, G, R)
+        terms = np.stack([F, K, G, R])
         # `time` has the collectives in full (`prices.zero_cost` + edges)
         time -= 2 * G + R - exposed
         fixed += first[:, None] + last[None, :]
@@ -290,6 +325,7 @@ def profile(
         inputs,
         fixed,
         gathered,
+        terms,
         *selective,
         *wgrad,
         grad_work=grad_work,
@@ -532,7 +568,7 @@ def range_costs(
     stage with s - 1 stages after it keeps in flight) and `pending` (the weight gradients it
     defers, zero bubble; None: none); cost is inf where memory exceeds the budget."""
     L = len(prof.time)
-    time = _range_sums(prof.time + prof.extra_time(recompute)) + prof.fixed
+    time = prof.range_times(recompute)
     params, kept, transient = range_footprint(prof, recompute)
     deferred = 0.0
     if pending is not None and prof.wgrad_bytes is not None:
@@ -548,9 +584,6 @@ def range_costs(
         weight_grads=deferred,
     )
     valid = np.triu(np.ones((L, L), dtype=bool))[:, :, None]
-    if recompute_mode(recompute) != "none" and prof.gathered is not None:
-        # the runtime does not recompute FSDP stages (`runtime.fsdp`)
-        valid = np.zeros_like(valid)
     cost = np.where(valid & (mem <= budget), (time + send[None, :])[:, :, None], np.inf)
     return np.broadcast_to(cost, mem.shape).copy(), mem
 

@@ -61,6 +61,13 @@ All prices come from `cost_models` (principle 2) and cover forward and backward:
   The first gather of each pass has no compute before it to hide behind: layer k's in forward,
   layer j's in backward, charged in full by the last two terms.
 
+  With recomputation (FSDP2 with activation checkpointing) the communication is the same: the
+  forward gathers, drops the copy after its last use; backward gathers once, before the
+  recomputed forward, which reads that copy, and the layer's backward uses it too (`runtime.fsdp`).
+  The recomputed forward X_l (the layer's forward compute for full, its attention cores' for
+  selective) is compute of the layer's backward pass: the formula above with K_l + X_l for K_l
+  (`planner.inter.stage_table.LayerProfile.fsdp_recompute`).
+
   With equal layers the neighbour's compute is the layer's own (a gather is prefetched while the
   parameter before it computes; layer l's reduce-scatters run behind the rest of its backward and
   the start of layer l-1's: about one layer's backward in all). The gathered copy

@@ -39,7 +39,10 @@ where the least cost would otherwise split a long sequence's attention on the tp
 
 Recomputation: "full" checkpoints every transformer block (`planner.plans.recompute`),
 "selective" only the attention cores (`planner.tracing.attention`), priced by the stage DP's
-own prices (`planner.inter.stage_table`, `planner.inter.selective`).
+own prices (`planner.inter.stage_table`, `planner.inter.selective`); with FSDP or HSDP too
+(torchtitan's default: the recomputed forward gathers the parameters again, `runtime.fsdp`).
+A manual stage is one layer of the stage table, whose FSDP collectives are all exposed
+(`planner.inter.stage_table.fsdp_exposed` of a one-layer range), with or without recomputation.
 """
 
 from __future__ import annotations
@@ -166,10 +169,6 @@ def manual_plan(
         )
     if fsdp not in ("none", "full", "hybrid"):
         raise MeshplanError(f"fsdp must be none, full or hybrid, got {fsdp!r}")
-    if fsdp != "none" and recompute != "none":
-        raise MeshplanError(
-            f"fsdp={fsdp} with recompute: the runtime does not combine them; drop one"
-        )
     if fsdp == "hybrid" and (tp > 1 or expert_parallel or dp * tp <= M):
         raise MeshplanError(
             "fsdp=hybrid shards inside a host and replicates across hosts: it needs tp=1, no "
