@@ -3,7 +3,6 @@ configurations and the committed results. Single process, prediction only."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -82,7 +81,7 @@ def test_today_grid_enumerates_context_parallel_and_prices_it() -> None:
     expected = [
         ManualConfig(1, tp, pp, 8, rc, False, fsdp, True if tp > 1 else None, v, cp)
         for cp, tp, pp, fsdp, v in layouts
-        for rc in (("none", "selective", "full") if fsdp == "none" else ("none",))
+        for rc in ("none", "selective", "full")
     ]
     assert sorted(got, key=repr) == sorted(expected, key=repr)
     # the rest of the grid is the grid without CP
@@ -90,7 +89,7 @@ def test_today_grid_enumerates_context_parallel_and_prices_it() -> None:
     without, _ = grid(TINY, cluster, 8, "adam_mixed", "llama", context_parallel=False)
     assert rest == [c for g in without for c in g]
     assert ManualConfig(**expected[-1].record()) == expected[-1]
-    assert expected[-1].label() == "dp1 tp2 pp1 B8 fsdp sp cp2"
+    assert expected[-1].label() == "dp1 tp2 pp1 B8 rc fsdp sp cp2"
     # each layout priced at its last rung (the most recomputation; the rungs differ by it only)
     last = {
         (c.context_parallel, c.tp, c.pp, c.fsdp, c.virtual_stages): c for c in expected
@@ -205,14 +204,12 @@ def test_published_configs_price_or_say_why_not() -> None:
     reasons = {(c.model, c.label()): unpriced_reason(c, c.gpus) for c in PUBLISHED}
     assert all(c.source for c in PUBLISHED)
     tt_cp8 = next(c for c in PUBLISHED if c.cp == 8)  # FSDP + CP 8 + full recomputation
-    assert (
-        "FSDP with activation recomputation" in reasons[("llama3-8b", tt_cp8.label())]
-    )
+    assert (tt_cp8.fsdp, tt_cp8.recompute) == ("full", "full")
+    assert reasons[("llama3-8b", tt_cp8.label())] is None
     nemo_cp2 = next(c for c in PUBLISHED if c.cp == 2 and c.model == "llama3-8b")
     assert "with data parallelism (DP 4)" in reasons[("llama3-8b", nemo_cp2.label())]
     # CP without data parallelism is priced, as manual_plan(context_parallel=...) prices it
-    cp8 = dataclasses.replace(tt_cp8, recompute="none")
-    assert unpriced_reason(cp8, 8) is None
+    cp8 = tt_cp8
     cluster = Cluster.from_spec("1x8xH100-80GB")
     rec = price_published(cp8, cluster, TINY, 8)
     direct = manual_plan(
@@ -224,6 +221,7 @@ def test_published_configs_price_or_say_why_not() -> None:
         num_microbatches=1,
         global_batch=1,
         fsdp="full",
+        recompute="full",
         context_parallel=8,
         dtype="bfloat16",
         allow_oom=True,
