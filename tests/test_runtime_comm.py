@@ -55,10 +55,29 @@ def _plans() -> dict[str, ParallelPlan]:
         "pp2_tp2": manual_plan(
             SPEC, CLUSTER, dp=1, tp=2, pp=2, num_microbatches=2, **kw
         ),
-        "pp2_dp2": manual_plan(
-            SPEC, CLUSTER, dp=2, tp=1, pp=2, num_microbatches=2, **kw
+        # gradient buckets capped small: several per stage (`planner.inter.dp_overlap`)
+        "pp2_dp2": _small_buckets(
+            lambda: manual_plan(
+                SPEC, CLUSTER, dp=2, tp=1, pp=2, num_microbatches=2, **kw
+            )
         ),
     }
+
+
+#: a bucket cap that cuts each stage's gradients into several buckets
+SMALL_CAP = 20000
+
+
+def _small_buckets(make: Any) -> ParallelPlan:
+    """`make()` with the gradient buckets capped at `SMALL_CAP` bytes."""
+    from planner.inter import dp_overlap
+
+    cap = dp_overlap.BUCKET_CAP_BYTES
+    dp_overlap.BUCKET_CAP_BYTES = SMALL_CAP
+    try:
+        return make()
+    finally:
+        dp_overlap.BUCKET_CAP_BYTES = cap
 
 
 def _count(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
@@ -158,17 +177,23 @@ def test_intra_stage_bytes_match_the_plan(
         assert measured[kind] == pytest.approx(p, rel=0.1), kind
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("stage", [0, 1])
 @pytest.mark.slow
 def test_gradient_buckets_match_the_runtime(
-    all_runs: list[dict[str, Any]], stage: int
+    all_runs: list[dict[str, Any]], stage: int, impl: str
 ) -> None:
-    """The planner charges gradient all-reduce latency once per bucket and mesh axis
-    (`planner.intra.prices.grad_buckets`): as many all-reduces as the runtime's synchronisation
-    issues in one step of the data-parallel plan (``pp2_dp2``)."""
+    """The gradient all-reduce buckets of the data-parallel plan (``pp2_dp2``, several per stage
+    under `SMALL_CAP`): per bucket site (``bwd:sync:<its first parameter>``), the all-reduces
+    the runtime issued in one step (`runtime.grad_overlap`) against the planner's price of its
+    parameters' gradients (`predicted_collectives` of the edges leaving them and their views),
+    one all-reduce per bucket and axis, as `planner.inter.dp_overlap` charges the latency."""
+    from comm_check import as_run_on
+
     from cost_models.cluster import Cluster
     from cost_models.communication import LogicalMesh
-    from planner.intra.prices import Option, grad_buckets
+    from planner.inter.dp_overlap import param_roots
+    from planner.intra.priced_comm import predicted_collectives
     from planner.tracing.tracer import trace
     from runtime.stages import split_stages, stage_program
 
@@ -180,15 +205,32 @@ def test_gradient_buckets_match_the_runtime(
     lmesh = LogicalMesh(
         Cluster.from_spec(CLUSTER), tuple(sp.submesh), tuple(sp.logical_mesh)
     )
-    choice = {n: Option(s) for n, s in stage_program(st, sp).strategies.items()}
-    buckets = grad_buckets(st.graph, choice, lmesh, st.graph.param_derived())
-    issued = [
-        r
-        for r in all_runs[sp.devices[0]]["pp2_dp2", "ours"]["records"]
-        if r.site.startswith("bwd:sync:") and r.kind == "all_reduce"
-    ]
-    print(f"stage {stage}: buckets {list(buckets)}, all-reduces {len(issued)}")
-    assert buckets and len(issued) == sum(len(axes) for axes, _, _ in buckets)
+    roots, paths = param_roots(st.graph), st.graph.placeholder_paths
+    per_param: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for label, colls in predicted_collectives(
+        st.graph, stage_program(st, sp), lmesh
+    ).items():
+        u = label[4:].split("->")[0]
+        if label.startswith("bwd:") and u in roots:
+            for kind, nbytes in colls:
+                per_param[paths[roots[u]]][as_run_on(kind, "cpu")] += nbytes
+    priced = {}
+    for bucket in sp.grad_buckets:  # one dtype and placement per bucket here
+        site = f"bwd:sync:{bucket[0]}"
+        priced[site] = {
+            k: sum(per_param[p].get(k, 0.0) for p in bucket)
+            for k in {k for p in bucket for k in per_param[p]}
+        }
+    measured: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    count: dict[str, int] = defaultdict(int)
+    for r in all_runs[sp.devices[0]]["pp2_dp2", impl]["records"]:
+        if r.site.startswith("bwd:sync:"):
+            measured[r.site][r.kind] += r.nbytes
+            count[r.site] += 1
+    print(f"stage {stage}: {len(sp.grad_buckets)} buckets, sites {dict(count)}")
+    assert len(sp.grad_buckets) > 2
+    assert {k: dict(v) for k, v in measured.items()} == priced
+    assert all(count[s] == 1 for s in priced)  # one all-reduce per bucket (one dp axis)
 
 
 @pytest.mark.parametrize("name", ["pp2", "pp2_tp2"])
