@@ -217,6 +217,14 @@ def recomputed(
     return None
 
 
+def _all_reduced(stage: StagePlan) -> list[list[str]]:
+    """The stage's gradient buckets without ZeRO and FSDP parameters (a hand-edited plan may
+    list them; their gradients are reduce-scattered, `_scatter_zero` / `runtime.fsdp`)."""
+    skip = set(stage.zero_params) | set(stage.fsdp_params)
+    buckets = ([p for p in b if p not in skip] for b in stage.grad_buckets)
+    return [b for b in buckets if b]
+
+
 class PipelineRunner:
     """Runs training steps of `plan` on this rank (module docstring).
 
@@ -303,7 +311,7 @@ class PipelineRunner:
         )
         # the gradient all-reduce buckets, launched in the last backward (`runtime.grad_overlap`)
         self.overlap = GradOverlap(
-            {c: plan.stages[c].grad_buckets for c in self.chunks}
+            {c: _all_reduced(plan.stages[c]) for c in self.chunks}
         )
         # ZeRO parameter path -> its shard placements (every chunk of this rank)
         self.zero_placements = {k: v for z in self._zero.values() for k, v in z.items()}

@@ -136,18 +136,28 @@ def test_overlap_lowers_the_predicted_time_by_the_hidden_part(
     assert 0 < sync.hidden_s < sum(sync.comm_s)
     assert sync.hidden_s + sync.exposed_s == pytest.approx(sum(sync.comm_s))
 
-    monkeypatch.setattr(dp_overlap, "overlaps", lambda *a: False)
+    # the same buckets, all exposed: one stage of B micro-batches runs B stage times, each
+    # lowered by hidden / B
+    monkeypatch.setattr(dp_overlap, "exposed_seconds", lambda t, comm, T: sum(comm))
     exposed, syncs = _plan_and_syncs("full", monkeypatch)
     assert syncs[-1].hidden_s == 0.0 and syncs[-1].buckets == sync.buckets
-    # one stage of B micro-batches: the iteration is B stage times, each lowered by hidden / B
     saved = exposed.estimate.iteration_time_s - plan.estimate.iteration_time_s
     assert saved == pytest.approx(sync.hidden_s, rel=1e-9)
+    # against the stage table's price (one bucket, exposed): the hidden part less the latency
+    # of the extra buckets
+    monkeypatch.setattr(dp_overlap, "overlaps", lambda *a: False)
+    table, syncs = _plan_and_syncs("full", monkeypatch)
+    assert len(syncs[-1].buckets) == 1 and syncs[-1].adjust_s == 0.0
+    saved = table.estimate.iteration_time_s - plan.estimate.iteration_time_s
+    assert saved == pytest.approx(sync.hidden_s - sync.extra_latency_s, rel=1e-9)
+    assert saved > 0
 
 
 def test_compiled_stages_hide_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without recomputation the runtime compiles the stage (`runtime.compiled`): every bucket
-    is launched after the backward, exposed in full; with the default cap a small model's
-    gradients make one bucket, priced as the stage table already prices it."""
+    """Without recomputation the runtime compiles the stage (`runtime.compiled`): its gradients
+    are all complete after the backward, so they make one bucket whatever the cap, exposed in
+    full, priced as the stage table already prices it."""
+    monkeypatch.setattr(dp_overlap, "BUCKET_CAP_BYTES", 20000)
     plan, syncs = _plan_and_syncs("none", monkeypatch)
     sync = syncs[-1]
     assert not sync.overlapped and sync.hidden_s == 0.0

@@ -1,6 +1,6 @@
 """One training step of a pipeline plan communicates what the plan priced.
 
-GPT (hidden 64, 4 layers), global batch 8, 2 micro-batches, three plans in one gloo launch of 4
+GPT (hidden 64, 4 layers), global batch 8, 2 micro-batches, four plans in one gloo launch of 4
 ranks: ``pp2`` (2 stages of 1 device, ranks 0 and 1; ranks 2 and 3 idle), ``pp2_tp2`` (2 stages of
 2 devices with Megatron tensor parallelism inside each) and ``pp2_dp2`` (the same with data
 parallelism). Every rank counts the collectives and
@@ -13,6 +13,9 @@ point-to-point transfers of one `Trainer.step` (`runtime.comm_count.CommCounter`
   except the gradients of parameters (edges leaving parameters or their views), synchronised once
   per step. ``pp2_dp2`` receives its boundary value as ``S(0)`` on the data-parallel axis: planned
   replicated, its consumers' gradients would be all-gathered, which the planner never priced.
+* Gradient buckets (``pp2_dp2_full``: the same with full recomputation, so the stages run
+  eagerly and launch their buckets during backward; buckets capped small, several per stage):
+  the all-reduce bytes at every bucket's site against the priced gradients of its parameters.
 * Stage boundaries (both plans): the bytes every rank sends point-to-point, forward (activations)
   and backward (their gradients), against `predicted_boundary` (the planner's price: the boundary
   values' full bytes once per direction and micro-batch), within 10%. Around the transfers the
@@ -55,10 +58,21 @@ def _plans() -> dict[str, ParallelPlan]:
         "pp2_tp2": manual_plan(
             SPEC, CLUSTER, dp=1, tp=2, pp=2, num_microbatches=2, **kw
         ),
-        # gradient buckets capped small: several per stage (`planner.inter.dp_overlap`)
-        "pp2_dp2": _small_buckets(
+        "pp2_dp2": manual_plan(
+            SPEC, CLUSTER, dp=2, tp=1, pp=2, num_microbatches=2, **kw
+        ),
+        # recomputed (eager) stages: gradient buckets launched during backward, capped small
+        # to make several per stage (`planner.inter.dp_overlap`)
+        "pp2_dp2_full": _small_buckets(
             lambda: manual_plan(
-                SPEC, CLUSTER, dp=2, tp=1, pp=2, num_microbatches=2, **kw
+                SPEC,
+                CLUSTER,
+                dp=2,
+                tp=1,
+                pp=2,
+                num_microbatches=2,
+                recompute="full",
+                **kw,
             )
         ),
     }
@@ -179,12 +193,15 @@ def test_intra_stage_bytes_match_the_plan(
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("name", ["pp2_dp2", "pp2_dp2_full"])
 @pytest.mark.slow
 def test_gradient_buckets_match_the_runtime(
-    all_runs: list[dict[str, Any]], stage: int, impl: str
+    all_runs: list[dict[str, Any]], name: str, stage: int, impl: str
 ) -> None:
-    """The gradient all-reduce buckets of the data-parallel plan (``pp2_dp2``, several per stage
-    under `SMALL_CAP`): per bucket site (``bwd:sync:<its first parameter>``), the all-reduces
+    """The gradient all-reduce buckets of the data-parallel plans: ``pp2_dp2`` (compiled
+    stages: one bucket per stage, launched after backward) and ``pp2_dp2_full`` (recomputed,
+    eager stages: several buckets per stage under `SMALL_CAP`, launched during backward): per
+    bucket site (``bwd:sync:<its first parameter>``), the all-reduces
     the runtime issued in one step (`runtime.grad_overlap`) against the planner's price of its
     parameters' gradients (`predicted_collectives` of the edges leaving them and their views),
     one all-reduce per bucket and axis, as `planner.inter.dp_overlap` charges the latency."""
@@ -197,7 +214,7 @@ def test_gradient_buckets_match_the_runtime(
     from planner.tracing.tracer import trace
     from runtime.stages import split_stages, stage_program
 
-    plan = _plans()["pp2_dp2"]
+    plan = _plans()[name]
     sp = plan.stages[stage]
     torch.manual_seed(0)
     model, b = build_model(SPEC, batch=plan.global_batch // plan.num_microbatches)
@@ -223,12 +240,15 @@ def test_gradient_buckets_match_the_runtime(
         }
     measured: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     count: dict[str, int] = defaultdict(int)
-    for r in all_runs[sp.devices[0]]["pp2_dp2", impl]["records"]:
+    for r in all_runs[sp.devices[0]][name, impl]["records"]:
         if r.site.startswith("bwd:sync:"):
             measured[r.site][r.kind] += r.nbytes
             count[r.site] += 1
     print(f"stage {stage}: {len(sp.grad_buckets)} buckets, sites {dict(count)}")
-    assert len(sp.grad_buckets) > 2
+    if name == "pp2_dp2_full":
+        assert len(sp.grad_buckets) > 2
+    else:
+        assert len(sp.grad_buckets) == 1
     assert {k: dict(v) for k, v in measured.items()} == priced
     assert all(count[s] == 1 for s in priced)  # one all-reduce per bucket (one dp axis)
 

@@ -45,8 +45,9 @@ automatic and manual plans alike):
 
     adjust = (sum_b latencies of b - latencies once per key - hidden) / B
 
-Where the runtime cannot overlap, the buckets are launched together after the backward (t_b = T
-for every b) and hidden = 0: a stage run as AOTAutograd-compiled graphs (`runtime.compiled`:
+Where the runtime cannot overlap, the stage's gradients make one bucket (no cap: launched after
+the backward, smaller buckets would hide nothing and add latencies), t = T, hidden = 0 and
+adjust = 0, as the stage table prices it: a stage run as AOTAutograd-compiled graphs (`runtime.compiled`:
 no recomputation, no FSDP parameters; its backward returns every gradient at its end), and a
 stage with FSDP parameters (whose gathers and reduce-scatters already claim its backward
 compute, `planner.inter.stage_table.fsdp_exposed`; priced exposed there, an upper bound).
@@ -60,6 +61,7 @@ the overlap, as the ILP sees FSDP's collectives unhidden and the stage table hid
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -159,6 +161,20 @@ class DpSync:
 NO_SYNC = DpSync((), (), (), 0.0, False, 0.0, 0.0, 0.0, 0.0)
 
 
+# the last few graphs' parameter roots and op indices: plans price many stages of one graph
+_PER_GRAPH: list[tuple[object, dict[str, str], dict[str, int]]] = []
+
+
+def _graph_tables(graph) -> tuple[dict[str, str], dict[str, int]]:
+    for g, roots, index in _PER_GRAPH:
+        if g is graph:
+            return roots, index
+    index = {n.name: i for i, n in enumerate(graph.ops)}
+    _PER_GRAPH.insert(0, (graph, param_roots(graph), index))
+    del _PER_GRAPH[4:]
+    return _PER_GRAPH[0][1], _PER_GRAPH[0][2]
+
+
 def param_roots(graph) -> dict[str, str]:
     """Parameter-derived node -> its parameter (a view of a view of p -> p)."""
     derived = graph.param_derived()
@@ -182,8 +198,7 @@ def grad_items(sol, layer_of: dict[str, int], k: int, j: int) -> list[GradItem]:
     ctx = sol._ctx
     graph, s, choice = ctx.graph, ctx.settings, sol.choice
     mesh = s.mesh
-    index = {n.name: i for i, n in enumerate(graph.ops)}
-    roots = param_roots(graph)
+    roots, index = _graph_tables(graph)
     derived = set(roots)
     found: dict[str, dict] = {}
     refused: set[str] = set()  # a parameter some edge of which is not all-reduce alone
@@ -266,14 +281,15 @@ def stage_dp_sync(
     ctx = sol._ctx
     graph, mesh, B = ctx.graph, ctx.settings.mesh, sol.num_microbatches
     items = grad_items(sol, layer_of, k, j)
-    buckets = form_buckets(items, cap)
+    overlapped = overlaps(recompute, bool(sol.fsdp_params))
+    # launched after the backward, smaller buckets would hide nothing and add latencies
+    buckets = form_buckets(items, cap if overlapped else math.inf)
     values = sol.node_values()
     back = {}
     for i, n in enumerate(graph.ops):
         if n.name in values and k <= layer_of.get(n.name, 0) <= j:
             back[i] = max(0.0, values[n.name][0] - values[n.name][2])
     T = float(sum(back.values()))
-    overlapped = overlaps(recompute, bool(sol.fsdp_params))
     comm, launch, latency = [], [], 0.0
     for b in buckets:
         keys = list(dict.fromkeys(it.key for it in b))
