@@ -52,6 +52,10 @@ no recomputation, no FSDP parameters; its backward returns every gradient at its
 stage with FSDP parameters (whose gathers and reduce-scatters already claim its backward
 compute, `planner.inter.stage_table.fsdp_exposed`; priced exposed there, an upper bound).
 Recomputed forward compute in backward is not counted in K (it would hide more; an upper bound).
+Not modelled: the backward's own collectives (a tensor-parallel all-reduce of an activation
+gradient) sharing the links with the buckets' (on NCCL they run on their own communicators'
+streams). Per micro-batch, as every per-iteration cost of the stage table: the B micro-batches of
+a bottleneck stage add up to the iteration's sync once.
 
 **The stage DP** (`planner.inter.stage_table.range_costs`) ranks layer ranges with the
 all-reduce exposed (the buckets depend on where a stage starts and ends); the candidates it
