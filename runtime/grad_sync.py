@@ -16,7 +16,9 @@ placements, so the buckets are made here:
 * anything else is redistributed gradient by gradient.
 
 So a bucket pays one collective's latency however many gradients it holds, as the planner prices
-it (`planner.intra.prices.grad_buckets`).
+it (`planner.intra.prices.grad_buckets`). The gradients a plan lists in a stage's
+``grad_buckets`` are all-reduced before this, in those buckets, launched during the last
+micro-batch's backward (`runtime.grad_overlap`); this synchronises the rest.
 
 Tied parameters (`sync_tied`; ``ParallelPlan.tied_params``): a tensor read by several pipeline
 stages (an input embedding and the LM head sharing its weight) has one copy per stage (per device

@@ -111,6 +111,7 @@ from planner.vocab.strategy import StageProgram, tied_copies_align
 from runtime import boundary, comm_count
 from runtime.device_ops import run_device
 from runtime.executor import PlanExecutor
+from runtime.grad_overlap import GradOverlap
 from runtime.grad_sync import TiedCopy, sync_tied
 from runtime.meshes import device_mesh
 from runtime.redistribute import redistribute
@@ -216,6 +217,14 @@ def recomputed(
     return None
 
 
+def _all_reduced(stage: StagePlan) -> list[list[str]]:
+    """The stage's gradient buckets without ZeRO and FSDP parameters (a hand-edited plan may
+    list them; their gradients are reduce-scattered, `_scatter_zero` / `runtime.fsdp`)."""
+    skip = set(stage.zero_params) | set(stage.fsdp_params)
+    buckets = ([p for p in b if p not in skip] for b in stage.grad_buckets)
+    return [b for b in buckets if b]
+
+
 class PipelineRunner:
     """Runs training steps of `plan` on this rank (module docstring).
 
@@ -299,6 +308,10 @@ class PipelineRunner:
             }
         self.executor: PlanExecutor | None = (
             None if self.index is None else self.executors[self.index]
+        )
+        # the gradient all-reduce buckets, launched in the last backward (`runtime.grad_overlap`)
+        self.overlap = GradOverlap(
+            {c: _all_reduced(plan.stages[c]) for c in self.chunks}
         )
         # ZeRO parameter path -> its shard placements (every chunk of this rank)
         self.zero_placements = {k: v for z in self._zero.values() for k, v in z.items()}
@@ -444,6 +457,7 @@ class PipelineRunner:
             self._state: dict[tuple[int, int], dict[str, Any]] = {}
             self._local: dict[int, torch.Tensor] = {}  # tag -> value sent to this rank
             order = self._order(self.index % self.groups, B)
+            self.overlap.arm(params, B)
             used = self._gather_zero(params) if self.zero_placements else params
             for action, c, m in order:
                 if action == "F":
@@ -463,10 +477,12 @@ class PipelineRunner:
         self, params: dict[str, DTensor], used: dict[str, DTensor]
     ) -> None:
         """After the last backward of a step: reduce-scatter the ZeRO parameters' gradients
-        onto their shards, synchronise the other parameters' accumulated gradients, then sum
+        onto their shards, wait for the gradient buckets (`runtime.grad_overlap`),
+        synchronise the other parameters' accumulated gradients, then sum
         the tied parameters' copies' gradients across their stages."""
         if self.zero_placements:
             self._scatter_zero(params, used)
+        self.overlap.finish()  # the buckets launched in backward, and any left
         for ex in self.executors.values():
             # FSDP gradients were reduce-scattered onto their shards in backward
             fsdp = set(ex.fsdp.paths.values()) if ex.fsdp is not None else set()

@@ -406,6 +406,7 @@ class TorchPipelineRunner(PipelineRunner):
         loss = torch.zeros((), device=self.device)
         if self.index is not None:
             self._micro, self._buffers, self._losses = microbatches, buffers or {}, []
+            self.overlap.arm(params, B)
             used = self._gather_zero(params) if self.zero_placements else params
             self._used = used
             ids = torch.arange(B)

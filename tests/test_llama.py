@@ -128,11 +128,36 @@ def _plans(spec: str) -> dict[str, Any]:
         # one micro-batch size: the search over sizes is tested in tests/test_plan.py
         "auto": plan(spec, one, global_batch=8, dtype="float32", microbatch_size=4),
     }
+    if spec == SMALL:
+        # the gradient all-reduce in buckets overlapping the last micro-batch's backward
+        # (`runtime.grad_overlap`): recomputed stages run eagerly; buckets of ~5 KB, several
+        # per stage (`planner.inter.dp_overlap`)
+        out["pp2_dp2_overlap"] = _small_buckets(
+            lambda: manual_plan(
+                spec, one, dp=2, tp=1, pp=2, num_microbatches=2, recompute="full", **kw
+            )
+        )
     if spec == SMALL_MIXTRAL:
         out["ep2_tp2"] = manual_plan(
             spec, one, dp=2, tp=2, pp=1, num_microbatches=1, expert_parallel=True, **kw
         )
     return out
+
+
+#: a bucket cap small enough to cut a small model's stage into several buckets
+SMALL_CAP = 5000
+
+
+def _small_buckets(make: Any) -> Any:
+    """`make()` with the gradient buckets capped at `SMALL_CAP` bytes."""
+    from planner.inter import dp_overlap
+
+    cap = dp_overlap.BUCKET_CAP_BYTES
+    dp_overlap.BUCKET_CAP_BYTES = SMALL_CAP
+    try:
+        return make()
+    finally:
+        dp_overlap.BUCKET_CAP_BYTES = cap
 
 
 def _model_and_batches(spec: str) -> tuple[torch.nn.Module, list]:
@@ -149,7 +174,16 @@ def _train(spec: str, plans: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for name, p in plans.items():
         model, batches = _model_and_batches(spec)
-        out[name] = single_device.train_plan(p, model, batches, LR)
+        if name != "pp2_dp2_overlap":
+            out[name] = single_device.train_plan(p, model, batches, LR)
+            continue
+        from runtime.train import Trainer
+
+        tr = Trainer(p, model, batches[0], lr=LR)
+        out[name] = {"losses": [tr.step(b) for b in batches]}
+        out[name]["params"] = {k: v.numpy().copy() for k, v in tr.full_params().items()}
+        ov = tr.runner.overlap
+        out[name]["launched"] = (ov.launched_in_backward, ov.launched_at_finish)
     return out
 
 
@@ -157,7 +191,8 @@ def _train(spec: str, plans: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("spec", [SMALL, SMALL_MIXTRAL], ids=["llama", "mixtral"])
 def test_small_models_train_like_one_device(spec: str) -> None:
     """tp2 x dp2, tp4 (grouped-query attention: 2 key/value heads on 4 devices), two pipeline
-    stages of dp2, the automatic plan and, for Mixtral, experts split over dp2 with tp2, on 4 gloo
+    stages of dp2 (for Llama also with recomputation and the gradient all-reduce overlapping
+    backward in several buckets), the automatic plan and, for Mixtral, experts split over dp2 with tp2, on 4 gloo
     processes: 3 SGD steps give the losses and parameters of one device within 1e-5."""
     model, batches = _model_and_batches(spec)
     ref_losses, ref_params = single_device.train(
@@ -170,3 +205,11 @@ def test_small_models_train_like_one_device(spec: str) -> None:
             assert r[name]["losses"] == pytest.approx(ref_losses, rel=1e-5), name
             params |= {k: torch.from_numpy(v) for k, v in r[name]["params"].items()}
         single_device.assert_same_parameters(params, ref_params)
+    if spec == SMALL:
+        # every bucket of the last step was launched from its hooks during backward, none
+        # after it (`runtime.grad_overlap`), as many as the rank's stage plans
+        plan = _plans(spec)["pp2_dp2_overlap"]
+        for rank, r in enumerate(ranks):
+            (stage,) = [s for s in plan.stages if rank in s.devices]
+            assert len(stage.grad_buckets) > 2
+            assert r["pp2_dp2_overlap"]["launched"] == (len(stage.grad_buckets), 0)

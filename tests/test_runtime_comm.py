@@ -1,6 +1,6 @@
 """One training step of a pipeline plan communicates what the plan priced.
 
-GPT (hidden 64, 4 layers), global batch 8, 2 micro-batches, three plans in one gloo launch of 4
+GPT (hidden 64, 4 layers), global batch 8, 2 micro-batches, four plans in one gloo launch of 4
 ranks: ``pp2`` (2 stages of 1 device, ranks 0 and 1; ranks 2 and 3 idle), ``pp2_tp2`` (2 stages of
 2 devices with Megatron tensor parallelism inside each) and ``pp2_dp2`` (the same with data
 parallelism). Every rank counts the collectives and
@@ -13,6 +13,9 @@ point-to-point transfers of one `Trainer.step` (`runtime.comm_count.CommCounter`
   except the gradients of parameters (edges leaving parameters or their views), synchronised once
   per step. ``pp2_dp2`` receives its boundary value as ``S(0)`` on the data-parallel axis: planned
   replicated, its consumers' gradients would be all-gathered, which the planner never priced.
+* Gradient buckets (``pp2_dp2_full``: the same with full recomputation, so the stages run
+  eagerly and launch their buckets during backward; buckets capped small, several per stage):
+  the all-reduce bytes at every bucket's site against the priced gradients of its parameters.
 * Stage boundaries (both plans): the bytes every rank sends point-to-point, forward (activations)
   and backward (their gradients), against `predicted_boundary` (the planner's price: the boundary
   values' full bytes once per direction and micro-batch), within 10%. Around the transfers the
@@ -58,7 +61,37 @@ def _plans() -> dict[str, ParallelPlan]:
         "pp2_dp2": manual_plan(
             SPEC, CLUSTER, dp=2, tp=1, pp=2, num_microbatches=2, **kw
         ),
+        # recomputed (eager) stages: gradient buckets launched during backward, capped small
+        # to make several per stage (`planner.inter.dp_overlap`)
+        "pp2_dp2_full": _small_buckets(
+            lambda: manual_plan(
+                SPEC,
+                CLUSTER,
+                dp=2,
+                tp=1,
+                pp=2,
+                num_microbatches=2,
+                recompute="full",
+                **kw,
+            )
+        ),
     }
+
+
+#: a bucket cap that cuts each stage's gradients into several buckets
+SMALL_CAP = 20000
+
+
+def _small_buckets(make: Any) -> ParallelPlan:
+    """`make()` with the gradient buckets capped at `SMALL_CAP` bytes."""
+    from planner.inter import dp_overlap
+
+    cap = dp_overlap.BUCKET_CAP_BYTES
+    dp_overlap.BUCKET_CAP_BYTES = SMALL_CAP
+    try:
+        return make()
+    finally:
+        dp_overlap.BUCKET_CAP_BYTES = cap
 
 
 def _count(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
@@ -158,21 +191,30 @@ def test_intra_stage_bytes_match_the_plan(
         assert measured[kind] == pytest.approx(p, rel=0.1), kind
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("name", ["pp2_dp2", "pp2_dp2_full"])
 @pytest.mark.slow
 def test_gradient_buckets_match_the_runtime(
-    all_runs: list[dict[str, Any]], stage: int
+    all_runs: list[dict[str, Any]], name: str, stage: int, impl: str
 ) -> None:
-    """The planner charges gradient all-reduce latency once per bucket and mesh axis
-    (`planner.intra.prices.grad_buckets`): as many all-reduces as the runtime's synchronisation
-    issues in one step of the data-parallel plan (``pp2_dp2``)."""
+    """The gradient all-reduce buckets of the data-parallel plans: ``pp2_dp2`` (compiled
+    stages: one bucket per stage, launched after backward) and ``pp2_dp2_full`` (recomputed,
+    eager stages: several buckets per stage under `SMALL_CAP`, launched during backward): per
+    bucket site (``bwd:sync:<its first parameter>``), the all-reduces
+    the runtime issued in one step (`runtime.grad_overlap`) against the planner's price of its
+    parameters' gradients (`predicted_collectives` of the edges leaving them and their views),
+    one all-reduce per bucket and axis, as `planner.inter.dp_overlap` charges the latency."""
+    from comm_check import as_run_on
+
     from cost_models.cluster import Cluster
     from cost_models.communication import LogicalMesh
-    from planner.intra.prices import Option, grad_buckets
+    from planner.inter.dp_overlap import param_roots
+    from planner.intra.priced_comm import predicted_collectives
     from planner.tracing.tracer import trace
     from runtime.stages import split_stages, stage_program
 
-    plan = _plans()["pp2_dp2"]
+    plan = _plans()[name]
     sp = plan.stages[stage]
     torch.manual_seed(0)
     model, b = build_model(SPEC, batch=plan.global_batch // plan.num_microbatches)
@@ -180,15 +222,35 @@ def test_gradient_buckets_match_the_runtime(
     lmesh = LogicalMesh(
         Cluster.from_spec(CLUSTER), tuple(sp.submesh), tuple(sp.logical_mesh)
     )
-    choice = {n: Option(s) for n, s in stage_program(st, sp).strategies.items()}
-    buckets = grad_buckets(st.graph, choice, lmesh, st.graph.param_derived())
-    issued = [
-        r
-        for r in all_runs[sp.devices[0]]["pp2_dp2", "ours"]["records"]
-        if r.site.startswith("bwd:sync:") and r.kind == "all_reduce"
-    ]
-    print(f"stage {stage}: buckets {list(buckets)}, all-reduces {len(issued)}")
-    assert buckets and len(issued) == sum(len(axes) for axes, _, _ in buckets)
+    roots, paths = param_roots(st.graph), st.graph.placeholder_paths
+    per_param: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for label, colls in predicted_collectives(
+        st.graph, stage_program(st, sp), lmesh
+    ).items():
+        u = label[4:].split("->")[0]
+        if label.startswith("bwd:") and u in roots:
+            for kind, nbytes in colls:
+                per_param[paths[roots[u]]][as_run_on(kind, "cpu")] += nbytes
+    priced = {}
+    for bucket in sp.grad_buckets:  # one dtype and placement per bucket here
+        site = f"bwd:sync:{bucket[0]}"
+        priced[site] = {
+            k: sum(per_param[p].get(k, 0.0) for p in bucket)
+            for k in {k for p in bucket for k in per_param[p]}
+        }
+    measured: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    count: dict[str, int] = defaultdict(int)
+    for r in all_runs[sp.devices[0]][name, impl]["records"]:
+        if r.site.startswith("bwd:sync:"):
+            measured[r.site][r.kind] += r.nbytes
+            count[r.site] += 1
+    print(f"stage {stage}: {len(sp.grad_buckets)} buckets, sites {dict(count)}")
+    if name == "pp2_dp2_full":
+        assert len(sp.grad_buckets) > 2
+    else:
+        assert len(sp.grad_buckets) == 1
+    assert {k: dict(v) for k, v in measured.items()} == priced
+    assert all(count[s] == 1 for s in priced)  # one all-reduce per bucket (one dp axis)
 
 
 @pytest.mark.parametrize("name", ["pp2", "pp2_tp2"])

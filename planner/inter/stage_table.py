@@ -32,7 +32,9 @@ the backward's gathered copies, so the collectives are the same) prices the same
 recomputed forward counted as backward compute (K_l + X_l; `LayerProfile.fsdp_recompute`), and the
 same memory (a layer's gathered copies and the next one's while its backward runs). The latency of the gradient
 all-reduce buckets a range holds is added once per bucket (`planner.intra.prices.grad_buckets`),
-and the runtime's overhead per stage and micro-batch once.
+and the runtime's overhead per stage and micro-batch once. The table charges the gradient
+all-reduce exposed; the assembled plan's stage time adds what capped buckets overlapping the
+backward change (`planner.inter.dp_overlap`, `planner.plans.assemble.dp_sync`).
 Zero bubble (`planner.inter.stage_dp` with ``by_total``: s is then the number of stages in all)
 keeps min(B, s) micro-batches in flight on every stage and adds the weight products' output
 gradients it defers (`planner.inter.wgrad`) times min(B, s), the most any of its stages defers
@@ -104,6 +106,9 @@ class LayerProfile:
     grad_work: np.ndarray | None = None
     fresh_grads: np.ndarray | None = None
     priced_grads: np.ndarray | None = None
+    # node -> layer of the clustering the profile attributes to (`planner.inter.dp_overlap`
+    # finds a stage's gradient buckets from it)
+    layer_of: dict[str, int] | None = None
 
     def backward_bytes(self) -> np.ndarray:
         """[k, j]: the backward's bytes beyond activations and parameter state for a stage of
@@ -331,6 +336,7 @@ def profile(
         grad_work=grad_work,
         fresh_grads=fresh,
         priced_grads=priced,
+        layer_of=layer_of,
     )
 
 

@@ -22,7 +22,9 @@ All prices come from `cost_models` (principle 2) and cover forward and backward:
   carries only the bandwidth part of its all-reduce, and `grad_buckets` charges the latency once per
   bucket and stage. That latency is outside the ILP's objective (the stage table adds it per layer
   range), so an intra-op solution can be slower than the optimum by at most its buckets' latency: a
-  few collectives per stage.
+  few collectives per stage. When a plan is assembled, `planner.inter.dp_overlap` cuts a stage's
+  buckets at DDP's cap (a latency per bucket and key) and hides what the runtime overlaps with
+  the last micro-batch's backward.
 * ZeRO: a parameter replicated on some mesh axes may also keep its gradient and optimizer state
   sharded over those axes ("zero" option). Reduce-scatter + all-gather cost what the all-reduce
   would, and we charge one more all-gather of the parameter per iteration (an upper bound), so the

@@ -40,6 +40,7 @@ from cost_models.memory import (
 )
 from cost_models.pipeline import iteration_time
 from planner.inter import stage_table as st
+from planner.inter.dp_overlap import NO_SYNC, DpSync, stage_dp_sync
 from planner.inter.held_memory import param_grad_terms
 from planner.intra.solve import StageSolution
 from planner.tracing.opgraph import OpGraph
@@ -53,6 +54,7 @@ __all__ = [
     "StageChoice",
     "StageCost",
     "assemble",
+    "dp_sync",
     "param_readers",
     "received_placements",
     "stage_from_profile",
@@ -96,6 +98,9 @@ class StageChoice:
         str  # none | selective | full (`planner.vocab.plan_check.RECOMPUTE_MODES`)
     )
     cost: StageCost
+    # the gradient all-reduce buckets its price assumed (`planner.inter.dp_overlap`): parameter
+    # paths in launch order, recorded in the plan for the runtime (`StagePlan.grad_buckets`)
+    grad_buckets: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass
@@ -132,8 +137,9 @@ def stage_from_profile(
     (`planner.inter.stage_table`: the stage DP's own prices)."""
     k, j = layers
     params, kept, transient = st.range_footprint(profile, recompute)
+    sync = dp_sync(profile, layers, recompute)
     cost = StageCost(
-        time_s=profile.range_time(k, j, recompute),
+        time_s=profile.range_time(k, j, recompute) + sync.adjust_s,
         param_bytes=float(params[k, j]),
         kept_bytes=float(kept[k, j]),
         transient_bytes=float(transient[k, j]),
@@ -147,7 +153,19 @@ def stage_from_profile(
         else float(profile.wgrad_bytes[k : j + 1].sum()),
         accumulate_bytes=float(profile.accumulate_bytes(recompute)[k, j]),
     )
-    return StageChoice(layers, submesh, profile.solution, recompute, cost)
+    return StageChoice(layers, submesh, profile.solution, recompute, cost, sync.buckets)
+
+
+def dp_sync(
+    profile: st.LayerProfile, layers: tuple[int, int], recompute: str
+) -> DpSync:
+    """The gradient all-reduce buckets of a stage holding `layers` of `profile` and what their
+    overlap with backward changes in its time (`planner.inter.dp_overlap.stage_dp_sync`)."""
+    if profile.layer_of is None or profile.solution._ctx is None:
+        return NO_SYNC
+    return stage_dp_sync(
+        profile.solution, profile.layer_of, layers[0], layers[1], recompute
+    )
 
 
 def stage_devices(spec: PlanSpec) -> list[list[int]]:
@@ -427,6 +445,7 @@ def _stage_plan(
         zero_params=[p for p in sol.zero_params if p in params],
         fsdp_params=[p for p in sol.fsdp_params if p in params],
         fsdp_axes={p: a for p, a in sol.fsdp_axes.items() if p in params},
+        grad_buckets=[list(b) for b in s.grad_buckets],
         node_strategies={
             n: strategy_to_json(o.strategy)
             for n, o in sol.choice.items()

@@ -70,7 +70,7 @@ from planner.intra.megatron import (
     megatron_placement,
     sequence_filter,
 )
-from planner.plans.assemble import PlanSpec, assemble, stage_from_profile
+from planner.plans.assemble import PlanSpec, assemble, dp_sync, stage_from_profile
 from planner.plans.recompute import block_chunks, recompute_costs
 from planner.tracing.inputs import resolve_model
 from planner.tracing.tracer import trace
@@ -271,7 +271,9 @@ def manual_plan(
                 stage,
                 cost=dataclasses.replace(
                     stage.cost,
-                    time_s=float(prof.time[c] + prof.fixed[c, c] + seconds),
+                    time_s=float(prof.time[c] + prof.fixed[c, c] + seconds)
+                    # the gradient buckets' overlap with backward, as every stage
+                    + dp_sync(prof, (c, c), recompute).adjust_s,
                     kept_bytes=float(kept),
                     # and what its backward holds (`LayerProfile.backward_bytes`)
                     transient_bytes=float(transient + prof.backward_bytes()[c, c]),

@@ -412,6 +412,7 @@ def _placements(p: Plan) -> None:
                 "a parameter of the stage (a key of its param_placements) not in zero_params",
             )
         _fsdp_axes(s, at)
+        _grad_buckets(s, at)
         _expect(
             isinstance(s.node_strategies, dict),
             f"{at}.node_strategies",
@@ -515,6 +516,29 @@ def _fsdp_axes(s: Any, at: str) -> None:
             f"a non-empty ascending list of some but not all of the axes {free} (the mesh "
             f"axes of more than one device that replicate {name})",
         )
+
+
+def _grad_buckets(s: Any, at: str) -> None:
+    """grad_buckets: a list of non-empty lists of the stage's parameters (keys of its
+    param_placements), each parameter in one bucket at most. (A ZeRO or FSDP parameter listed
+    there, e.g. after a hand edit, is skipped by the runtime: its gradient goes its own way.)"""
+    _expect(
+        isinstance(s.grad_buckets, list), f"{at}.grad_buckets", s.grad_buckets, "a list"
+    )
+    seen: set[str] = set()
+    for i, bucket in enumerate(s.grad_buckets):
+        path = f"{at}.grad_buckets[{i}]"
+        _expect(isinstance(bucket, list) and bucket, path, bucket, "a non-empty list")
+        for name in bucket:
+            _expect(
+                isinstance(name, str)
+                and name in s.param_placements
+                and name not in seen,
+                path,
+                name,
+                "a parameter of the stage (a key of its param_placements) in no other bucket",
+            )
+            seen.add(name)
 
 
 # In order: a rule may rely on the types the rules before it checked.

@@ -55,6 +55,10 @@ class StagePlan:
     # inside a host) and replicated over the others; one of fsdp_params not listed here is
     # sharded over every axis that replicates it
     fsdp_axes: dict[str, list[int]] = field(default_factory=dict)
+    # the data-parallel gradient all-reduce buckets, parameter paths in launch order, launched
+    # as each completes in the last micro-batch's backward (`planner.inter.dp_overlap`,
+    # `runtime.grad_overlap`); the stage's other gradients are synchronised after backward
+    grad_buckets: list[list[str]] = field(default_factory=list)
     node_strategies: dict[str, dict[str, list]] = field(
         default_factory=dict
     )  # node -> {"inputs", "outputs"}
