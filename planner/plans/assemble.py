@@ -53,6 +53,7 @@ __all__ = [
     "StageChoice",
     "StageCost",
     "assemble",
+    "device_memory",
     "param_readers",
     "received_placements",
     "stage_from_profile",
