@@ -182,7 +182,7 @@ class InterleavedSearch:
             per_layer = prof.time + prof.extra_time(rc)
             if B * float(np.sum(per_layer)) / p >= self._bar():
                 continue
-            time = st._range_sums(per_layer) + prof.fixed + send[None, :]
+            time = st.range_times(prof, rc) + send[None, :]
             acc = prof.accumulate_bytes(rc)
             for v in VIRTUAL_STAGES:
                 C = p * v

@@ -520,6 +520,12 @@ def range_footprint(
     return params, _range_sums(prof.acts), extra
 
 
+def range_times(prof: LayerProfile, recompute: str) -> np.ndarray:
+    """[k, j]: seconds per micro-batch of a stage holding layers k..j (`LayerProfile.range_time`
+    for every range at once; valid for j >= k)."""
+    return _range_sums(prof.time + prof.extra_time(recompute)) + prof.fixed
+
+
 def range_costs(
     prof: LayerProfile,
     inflight: np.ndarray,
@@ -532,7 +538,7 @@ def range_costs(
     stage with s - 1 stages after it keeps in flight) and `pending` (the weight gradients it
     defers, zero bubble; None: none); cost is inf where memory exceeds the budget."""
     L = len(prof.time)
-    time = _range_sums(prof.time + prof.extra_time(recompute)) + prof.fixed
+    time = range_times(prof, recompute)
     params, kept, transient = range_footprint(prof, recompute)
     deferred = 0.0
     if pending is not None and prof.wgrad_bytes is not None:
