@@ -193,6 +193,8 @@ def _auto_record(case: Case, context_parallel: bool = True) -> dict[str, Any]:
         "peak_memory_bytes": auto.estimate.peak_memory_bytes,
         "fits": auto.estimate.peak_memory_bytes <= auto.memory_budget_bytes,
         "num_microbatches": auto.num_microbatches,
+        "schedule": auto.schedule,
+        "virtual_stages": auto.virtual_stages,
         "stages": [stage_json(s) for s in auto.stages],
         "planner_time_s": time.perf_counter() - t0,
     }
@@ -311,5 +313,15 @@ def format_row(c: dict[str, Any]) -> str:
         f"{c['num_devices']:>4} {c['model']:<13} {'none fits' if auto is None else f'{auto:.1f}':>12} "
         f"{m.get('label', 'none fits'):>26} {m.get('tflops_per_device') or 0:>7.1f} {ratio:>6} {cap:>6} "
         f"{c['auto']['planner_time_s']:>7.1f} {m['search_time_s']:>7.1f}  "
-        + (f"B={c['auto']['num_microbatches']} {stages}" if stages else "does not fit")
+        + (
+            f"B={c['auto']['num_microbatches']}"
+            + (
+                f" v{c['auto'].get('virtual_stages', 1)}"
+                if c["auto"].get("virtual_stages", 1) > 1
+                else ""
+            )
+            + f" {stages}"
+            if stages
+            else "does not fit"
+        )
     )

@@ -9,7 +9,9 @@
    attribute time and memory to the layers of each clustering (`planner.inter.mesh_search`,
    `planner.inter.stage_table`).
 4. Run the stage DP (`planner.inter.stage_dp`) for each micro-batch count and clustering, with the
-   memory of the micro-batches the schedule keeps in flight; keep the plan whose predicted
+   memory of the micro-batches the schedule keeps in flight, and (schedule "auto", the default,
+   or "interleaved") cut the layers into p * v chunks on p equal device groups for interleaved
+   1F1B (`planner.inter.interleave`); keep the plan whose predicted
    iteration time (`planner.plans.assemble.predicted_iteration_time`: `cost_models.pipeline.
    iteration_time`, activations sent between stages included) is least.
 5. Return its `ParallelPlan` (`planner.plans.assemble`) with the stages, shardings, schedule and
@@ -89,7 +91,7 @@ def plan(
     global_batch: int | None = None,
     dtype: torch.dtype | str = torch.float16,
     memory_budget: float | None = None,
-    schedule: str = "1f1b",
+    schedule: str = "auto",
     microbatch_size: int | list[int] | None = None,
     num_layers: int | None = None,
     optimizer: str = "adam_mixed",
@@ -105,6 +107,10 @@ def plan(
     `context_parallel=False` searches without context parallelism: no attention is split along
     the sequence, neither in the intra-op programs nor as seeds (`planner.intra.context.
     without_context`); the long-context benchmark compares the plans with and without it.
+    `schedule`: "auto" (default) searches 1F1B and interleaved 1F1B with 2 to 8 chunks per
+    device group (`planner.inter.interleave.VIRTUAL_STAGES`) and returns the faster; "1f1b",
+    "interleaved", "gpipe" or "zero_bubble" (or an alias, `cost_models.memory.canonical_schedule`)
+    pins one.
     A micro-batch size the model cannot be traced at (BatchNorm over a single value per channel,
     say) is skipped with a progress note; when no size can be traced, the first one's error is
     raised.
@@ -115,7 +121,7 @@ def plan(
         raise MeshplanError(
             f"unknown mode {mode!r}; expected one of {', '.join(MODES)}"
         )
-    schedule = canonical_schedule(schedule)
+    schedule = _schedule(schedule, mode)
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     name, make, default_batch = resolve_model(model, example_batch, dtype, model_name)
@@ -185,6 +191,19 @@ def plan(
             stacklevel=2,
         )
     return result
+
+
+def _schedule(schedule: str, mode: str) -> str:
+    """The schedule the search runs: "auto", or a pinned one's canonical name."""
+    if schedule == "auto":
+        return "1f1b" if mode == "intra-only" else schedule
+    key = canonical_schedule(schedule)
+    if key == "interleaved" and mode == "intra-only":
+        raise MeshplanError(
+            "the interleaved schedule needs pipeline stages; mode intra-only plans one stage "
+            "(use schedule 'auto' or '1f1b')"
+        )
+    return key
 
 
 def _best(results: list[SizeResult]) -> SizeResult:

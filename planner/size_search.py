@@ -32,6 +32,7 @@ from planner.inter.mesh_search import search
 from planner.plans.assemble import (
     PlanSpec,
     assemble,
+    device_memory,
     predicted_iteration_time,
     stage_from_profile,
 )
@@ -116,6 +117,7 @@ def evaluate(job: SizeJob, make: Callable, b: int, say: Progress) -> SizeResult:
         job.schedule,
         say,
         context_parallel=job.context_parallel,
+        chunk_layers=layers[0] if job.num_layers else None,
     )
     found = []
     for cand in result.candidates:
@@ -133,11 +135,15 @@ def evaluate(job: SizeJob, make: Callable, b: int, say: Progress) -> SizeResult:
             stages=stages,
             num_microbatches=B,
             global_batch=job.global_batch,
-            schedule=job.schedule,
+            schedule=cand.schedule,
             optimizer=job.optimizer,
             kind=job.mode,
             memory_budget=job.budget,
+            virtual_stages=cand.virtual_stages,
         )
+        # an interleaved option's memory was checked without tied copies: the plan's own price
+        if cand.virtual_stages > 1 and max(device_memory(spec)) > job.budget:
+            continue
         found.append(Ranked(predicted_iteration_time(spec), spec))
     best = min(found) if found else None
     return SizeResult(

@@ -6,7 +6,10 @@ gloo ranks in one launch of 4 ranks (ranks outside a plan idle):
 
 * ``pp2_v2``: groups of 1 device (ranks 0, 1), 4 micro-batches (warm-up, steady 1F1B, cool-down);
 * ``pp2_tp2_v2``: groups of 2 devices (ranks 0-1, 2-3), Megatron tensor parallel inside each,
-  2 micro-batches (B == p: every forward is warm-up).
+  2 micro-batches (B == p: every forward is warm-up);
+* ``auto_v2``: the automatic planner's plan with the interleaved schedule pinned
+  (`planner.inter.interleave`) on 1x4 devices, micro-batches of 2 rows: 2 groups of 2 devices,
+  the 4 layers cut into 4 chunks, each chunk's shardings the search's own.
 
 For each: the losses of 3 SGD steps and the parameters after them equal single-device training on
 the whole batch within 1e-5 (relative), on our own runner (``pipeline="ours"``;
@@ -24,6 +27,7 @@ import single_device
 import torch
 
 from cost_models.errors import MeshplanError
+from planner import plan as auto_plan
 from planner.models import build_model
 from planner.plans.manual import manual_plan
 from planner.vocab.plan_file import ParallelPlan
@@ -57,9 +61,25 @@ def _interleaved(tp: int, B: int) -> ParallelPlan:
     return plan
 
 
+def _automatic() -> ParallelPlan:
+    """The automatic plan with the interleaved schedule pinned (module docstring)."""
+    return auto_plan(
+        SPEC,
+        "1x4xA100-80GB",
+        global_batch=8,
+        microbatch_size=[2],
+        schedule="interleaved",
+        dtype="float32",
+    )
+
+
 @functools.cache
 def _plans() -> dict[str, ParallelPlan]:
-    return {"pp2_v2": _interleaved(1, 4), "pp2_tp2_v2": _interleaved(2, 2)}
+    return {
+        "pp2_v2": _interleaved(1, 4),
+        "pp2_tp2_v2": _interleaved(2, 2),
+        "auto_v2": _automatic(),
+    }
 
 
 def _model_and_batches() -> tuple[torch.nn.Module, list[tuple[torch.Tensor, ...]]]:
@@ -110,7 +130,7 @@ def runs() -> list[dict[str, Any]]:
     return launch(_train_all, 4, args=(_plans(),), timeout_s=300)
 
 
-@pytest.mark.parametrize("name", ["pp2_v2", "pp2_tp2_v2"])
+@pytest.mark.parametrize("name", ["pp2_v2", "pp2_tp2_v2", "auto_v2"])
 @pytest.mark.slow
 def test_same_numbers_as_one_device(runs: list[dict[str, Any]], name: str) -> None:
     plan = _plans()[name]
@@ -127,7 +147,7 @@ def test_same_numbers_as_one_device(runs: list[dict[str, Any]], name: str) -> No
         got.update({k: torch.from_numpy(v) for k, v in res["params"].items()})
     single_device.assert_same_parameters(got, ref_params)
     if (
-        plan.stages[-1].logical_mesh[1] > 1
+        plan.kind == "manual" and plan.stages[-1].logical_mesh[1] > 1
     ):  # tensor-parallel chunks really shard weights
         rank = plan.stages[-1].devices[0]
         assert "lm_head.weight" in runs[rank][name]["sharded"]

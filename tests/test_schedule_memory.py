@@ -62,7 +62,7 @@ def test_a_budget_that_fits_1f1b_but_not_gpipe_changes_the_gpipe_plan() -> None:
     """At the memory 1F1B's plan needs, GPipe (same micro-batches) must plan otherwise or refuse:
     the same stages would hold more activations."""
     kw = {"global_batch": 16, "microbatch_size": [2], "dtype": "float32"}
-    f1b = plan(SMALL, CLUSTER, **kw)
+    f1b = plan(SMALL, CLUSTER, schedule="1f1b", **kw)
     assert f1b.num_microbatches > 1
     budget = f1b.estimate.peak_memory_bytes
     try:

@@ -70,10 +70,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--schedule",
-        default="1f1b",
-        choices=["1f1b", "gpipe", "zero_bubble"],
-        help="pipeline schedule (default 1f1b; zero_bubble: torch's "
-        "ScheduleInterleavedZeroBubble, backward split into input and weight gradients)",
+        default="auto",
+        choices=["auto", "1f1b", "interleaved", "gpipe", "zero_bubble"],
+        help="pipeline schedule: auto (default: 1F1B and interleaved 1F1B with 2 to 8 chunks "
+        "per device group searched, the faster kept), or one pinned: 1f1b, interleaved, gpipe, "
+        "zero_bubble (torch's ScheduleInterleavedZeroBubble, backward split into input and "
+        "weight gradients)",
     )
     p.add_argument(
         "--quiet",

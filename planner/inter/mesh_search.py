@@ -1,7 +1,9 @@
 """The search for one micro-batch size: the submeshes and logical meshes tried, an intra-op pass
 per logical mesh (time-optimal, memory ladder, Megatron seeds; on threads), the stage DP's cost
 table per layer clustering (`planner.inter.stage_table`), and the stage DP (`planner.inter.stage_dp`) on
-each. `planner.api.plan` runs it for every candidate micro-batch size and assembles the best."""
+each; with the schedule "auto" or "interleaved", also the interleaved 1F1B options
+(`planner.inter.interleave`). `planner.api.plan` runs it for every candidate micro-batch size and
+assembles the best."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from cost_models.memory import microbatches_in_flight
 from planner.inter import stage_table as st
+from planner.inter.interleave import InterleavedSearch, interleave_layering
 from planner.inter.stage_dp import stage_dp
 from planner.intra.context import without_context
 from planner.intra.highs import solves_overlap
@@ -47,10 +50,14 @@ class StagePick:
 
 @dataclass(frozen=True)
 class Candidate:
-    """The stage DP's best assignment for one layer clustering."""
+    """The stage DP's best assignment for one layer clustering (schedule 1F1B, GPipe or zero
+    bubble), or an interleaved option (`planner.inter.interleave`: the chunks as stages, chunk c
+    on device group c mod p)."""
 
     layers: list[tuple[int, int]]  # op index ranges of the clustering's layers
     stages: list[StagePick]
+    schedule: str
+    virtual_stages: int = 1
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,12 @@ def _seeds(graph: OpGraph, mesh: LogicalMesh, mode: str, context_parallel: bool 
     return seeds
 
 
+#: Schedules `search` accepts beyond `cost_models.memory.SCHEDULES`' pinned ones: "auto" searches
+#: 1F1B (the stage DP) and interleaved 1F1B (`planner.inter.interleave`); "interleaved" only the
+#: latter.
+SEARCHED = ("auto", "interleaved")
+
+
 class _Table:
     """The stage DP's cost table for one layer clustering (see `planner.inter.stage_table`)."""
 
@@ -133,6 +146,7 @@ class _Table:
         self.boundary_bytes = st.boundary_bytes(graph, self.bounds)
         S = min(L, cluster.num_devices) if mode != "intra-only" else 1
         self.zero_bubble = schedule == "zero_bubble"
+        schedule = "1f1b" if schedule in SEARCHED else schedule
         # zero bubble: s is the number of stages in all (`stage_dp` by_total); the last of them
         # defers the most weight gradients, min(B, s): every stage is held to that bound
         self.pending = (
@@ -214,18 +228,26 @@ def search(
     schedule: str,
     say: Callable[[str], None],
     context_parallel: bool = True,
+    chunk_layers: list[tuple[int, int]] | None = None,
 ) -> SearchResult:
     """Solve the intra-op pass once per logical mesh (time-optimal, memory ladder, Megatron seeds,
     context-parallel seeds unless `context_parallel` is False),
     attribute every solution to each layer clustering, run the stage DP on each clustering's
     table (memory with the micro-batches `schedule` keeps in flight; for zero bubble, where
     that depends on the pipeline's number of stages, the DP `by_total`: its latency objective
-    stays 1F1B's, the candidates are ranked by the plan's own price)."""
+    stays 1F1B's, the candidates are ranked by the plan's own price). With `schedule` "auto" the
+    stage DP's 1F1B candidates and the interleaved options (`planner.inter.interleave`, on its own
+    clustering `chunk_layers`, by default `interleave_layering`'s; every profile is attributed to it
+    as to the others) are returned together; with "interleaved" only the latter."""
     tables = [
         _Table(graph, layers, cluster, subs, B, mode, schedule) for layers in layerings
     ]
     # without context parallelism: no attention node may take a CP strategy, seeded or not
     acts = None if context_parallel else without_context(graph)
+    inter = None
+    if schedule in SEARCHED and mode != "intra-only":
+        chunks = chunk_layers or interleave_layering(graph)
+        inter = InterleavedSearch(graph, chunks, cluster.num_devices, B, budget)
     least = np.inf
     first = tables[0]
     jobs = [
@@ -275,9 +297,27 @@ def search(
                         )
                     low = t.add(m, mesh, prof, budget, crosses, sub == cluster.shape)
                     least = min(least, low)
+            if inter is not None and inter.groups(sub):
+                for prof in profiles:
+                    if inter.layers != first.layers:
+                        prof = st.profile(
+                            prof.solution, graph, inter.layer_of, inter.bounds, inter.L
+                        )
+                    inter.add(
+                        sub,
+                        mesh,
+                        prof,
+                        crosses,
+                        lambda rc, mesh=mesh, prof=prof: StageOption(mesh, prof, rc),
+                    )
     finally:
         pool.shutdown(cancel_futures=True)
     out = []
+    for pick in inter.best() if inter is not None else []:
+        stages = [StagePick(c, pick.submesh, pick.option) for c in pick.chunks]
+        out.append(Candidate(inter.layers, stages, "interleaved", pick.virtual_stages))
+    if schedule == "interleaved":
+        return SearchResult(out, least)
     for t in tables:
         if mode == "intra-only":  # one stage: only the range of all layers
             whole = t.cost[0, t.L - 1].copy()
@@ -299,5 +339,7 @@ def search(
             StagePick((k, j), subs[m], t.choices[k, j, m, S if zb else S - i])
             for i, (k, j, m) in enumerate(dp.stages)
         ]
-        out.append(Candidate(t.layers, picks))
+        out.append(
+            Candidate(t.layers, picks, "1f1b" if schedule in SEARCHED else schedule)
+        )
     return SearchResult(out, least)

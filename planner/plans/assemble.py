@@ -55,6 +55,7 @@ __all__ = [
     "StageCost",
     "assemble",
     "dp_sync",
+    "device_memory",
     "param_readers",
     "received_placements",
     "stage_from_profile",

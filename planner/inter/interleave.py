@@ -1,0 +1,223 @@
+"""Interleaved 1F1B in the automatic search: equal device groups, each running v model chunks.
+
+The stage DP (`planner.inter.stage_dp`) prices 1F1B, where a device group runs one contiguous
+range of layers. Interleaved 1F1B (Narayanan et al. 2021; `cost_models.pipeline`) runs C = p v
+chunks, chunk c on device group c mod p, and its time depends on each group's sum over chunks
+that are not contiguous, so it is searched here, beside the DP, as follows.
+
+Formulation. For one layer clustering of L layers (`interleave_layering`: one layer per
+transformer block, so that any chunk count up to the blocks can be cut), one submesh m of which
+p = D / |m| >= 2 copies tile the D devices, p dividing the B micro-batches (Megatron-LM's rule, and
+the runtime's: `runtime.schedules.interleaved_order`), v in `VIRTUAL_STAGES` with p v <= L, and one
+stage option for every chunk (a logical mesh with its intra-op solution's per-layer profile, and a
+recomputation mode: torch's interleaved schedule runs one logical mesh on every stage,
+`runtime.torch_pipeline`, and the chunks of a group share one copy of a tied parameter):
+
+    t[k, j]  = the stage DP's cost of a stage of layers k..j (time with recomputation and fixed
+               costs, plus sending its boundary to the next stage and the gradient back)
+    cut      = layers split into C contiguous non-empty chunks minimising max_c t_c, and among
+               the cuts attaining that, sum_c t_c^2 (`balanced_cut`: two exact DPs)
+    time     = pipeline_time(t_0..t_{C-1}, B, "interleaved", v)
+    memory_d = sum over the chunks c = d (mod p) of stage_peak_bytes(params_c, kept_c,
+               transient_c, microbatches_in_flight("interleaved", B, p, d, v), ...)  <= budget
+
+and the `KEEP` fastest (submesh, option, recomputation, v) per layer clustering are kept; the
+search (`planner.size_search`) prices them as plans (`planner.plans.assemble`: tied copies, the
+sends between the chunks' real devices) beside the stage DP's 1F1B candidates and returns the
+fastest. The cut is a heuristic for the interleaved objective (B max_d T_d + ...: minimising the
+largest chunk, then balancing all chunks, balances the groups' sums); the price is the plan's own.
+A (submesh, option) is skipped without cutting when ``B sum_l t_l / p`` (a lower bound of its
+time: the busiest group carries at least the mean) is no better than the K-th kept, or when its
+parameter state alone, spread evenly over the p groups, exceeds the budget.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cost_models.communication import LogicalMesh
+from cost_models.memory import microbatches_in_flight, stage_peak_bytes
+from cost_models.pipeline import pipeline_time
+from planner.inter import stage_table as st
+from planner.inter.layers import auto_num_layers, cluster_layers
+from planner.tracing.blocks import block_of
+from planner.tracing.opgraph import OpGraph
+from planner.vocab.plan_check import RECOMPUTE_MODES
+
+#: Model chunks per device group tried: 2 to 8 (the manual grid's 2, 4, 5 and 8 among them,
+#: `benchmarks.manual_grid.VIRTUAL_STAGES`).
+VIRTUAL_STAGES = (2, 3, 4, 5, 6, 8)
+#: Interleaved options kept per layer clustering for the plan's own pricing.
+KEEP = 3
+#: Most layers of the interleaving clustering (its DPs are O(C L^2)).
+MAX_LAYERS = 128
+
+
+def interleave_layering(graph: OpGraph) -> list[tuple[int, int]]:
+    """One layer per transformer block (at most `MAX_LAYERS`), or the automatic count
+    (`planner.inter.layers.auto_num_layers`) for a model without blocks."""
+    ops = graph.ops
+    index = {n.name: i for i, n in enumerate(ops)}
+    edges = [
+        (index[u], i, graph.node(u).output_bytes)
+        for i, n in enumerate(ops)
+        for u in dict.fromkeys(n.inputs)
+        if u in index
+    ]
+    flops = [n.fwd_flops + n.bwd_flops for n in ops]
+    blocks = len({block_of(n.module_path) for n in ops if block_of(n.module_path)})
+    compute_ops = sum(1 for f in flops if f > 0)
+    n = min(blocks, MAX_LAYERS, compute_ops) if blocks else auto_num_layers(flops)
+    return cluster_layers(flops, edges, max(1, n))
+
+
+def balanced_cut(cost: np.ndarray, C: int) -> list[tuple[int, int]] | None:
+    """Split layers 0..L-1 into C contiguous non-empty chunks minimising the largest
+    ``cost[k, j]`` of a chunk k..j, and among those cuts ``sum cost^2`` (module docstring); None
+    when no cut has every chunk finite. Exact: a min-max DP, then a sum DP over the chunks within
+    that maximum. ``cost[k, j]`` for j < k is ignored."""
+    L = cost.shape[0]
+    if not 1 <= C <= L:
+        return None
+    # c[i, n]: a chunk of layers i..n-1 (n layers consumed after it)
+    c = np.full((L + 1, L + 1), np.inf)
+    upper = np.triu(np.ones((L, L), dtype=bool))
+    c[:L, 1:] = np.where(upper, cost, np.inf)
+    G = np.full(L + 1, np.inf)
+    G[0] = 0.0
+    for _ in range(C):
+        G = np.min(np.maximum(G[:, None], c), axis=0)
+    top = G[L]
+    if not np.isfinite(top):
+        return None
+    allowed = np.where(c <= top, c * c, np.inf)
+    H = np.full(L + 1, np.inf)
+    H[0] = 0.0
+    back = []
+    for _ in range(C):
+        total = H[:, None] + allowed
+        back.append(np.argmin(total, axis=0))
+        H = total[back[-1], np.arange(L + 1)]
+    if not np.isfinite(H[L]):
+        return None
+    cuts, n = [], L
+    for arg in reversed(back):
+        i = int(arg[n])
+        cuts.append((i, n - 1))
+        n = i
+    return cuts[::-1]
+
+
+@dataclass(frozen=True)
+class InterleavedPick:
+    """One interleaved option: chunks (layer ranges, in chunk order) on submesh `submesh`, all
+    run as `option` (a `planner.inter.mesh_search.StageOption`), v chunks per device group."""
+
+    seconds: float  # the cheap price of the module docstring (no tied copies, no step overhead)
+    chunks: list[tuple[int, int]]
+    submesh: tuple[int, int]
+    virtual_stages: int
+    option: object = field(compare=False)
+
+
+class InterleavedSearch:
+    """The `KEEP` fastest interleaved options of one layer clustering, fed profile by profile."""
+
+    def __init__(
+        self,
+        graph: OpGraph,
+        layers: list[tuple[int, int]],
+        num_devices: int,
+        num_microbatches: int,
+        budget: float,
+    ) -> None:
+        self.layers = layers
+        self.L = len(layers)
+        self.layer_of = st.layer_of_nodes(graph, layers)
+        self.bounds = st.boundary_values(graph, self.layer_of, self.L)
+        self.boundary_bytes = st.boundary_bytes(graph, self.bounds)
+        self.D, self.B, self.budget = num_devices, num_microbatches, budget
+        self._kept: list[
+            tuple[float, int, InterleavedPick]
+        ] = []  # max-heap by -seconds
+        self._count = 0
+
+    def groups(self, sub: tuple[int, int]) -> int:
+        """p: the device groups of submesh `sub` tiling the cluster, 0 when they cannot be
+        interleaved (p < 2, p not dividing B, or too few layers for two chunks per group)."""
+        size = sub[0] * sub[1]
+        p = self.D // size if self.D % size == 0 else 0
+        if p < 2 or self.B % p or 2 * p > self.L:
+            return 0
+        return p
+
+    def _bar(self) -> float:
+        return -self._kept[0][0] if len(self._kept) >= KEEP else np.inf
+
+    def add(
+        self,
+        sub: tuple[int, int],
+        mesh: LogicalMesh,
+        prof: st.LayerProfile,
+        crosses_hosts: bool,
+        make_option,
+    ) -> None:
+        """Try every recomputation mode and v for one profile (attributed to this clustering)
+        on submesh `sub`; `make_option(recompute)` builds the chunks' `StageOption`."""
+        p = self.groups(sub)
+        if not p:
+            return
+        send = st.send_times(mesh, self.boundary_bytes, crosses_hosts=crosses_hosts)
+        modes = RECOMPUTE_MODES if prof.core_time is not None else ("none", "full")
+        if prof.gathered is not None:  # the runtime does not recompute FSDP stages
+            modes = ("none",)
+        B = self.B
+        for rc in modes:
+            params, kept, transient = st.range_footprint(prof, rc)
+            if params[0, self.L - 1] / p > self.budget:
+                continue
+            per_layer = prof.time + prof.extra_time(rc)
+            if B * float(np.sum(per_layer)) / p >= self._bar():
+                continue
+            time = prof.range_times(rc) + send[None, :]
+            acc = prof.accumulate_bytes(rc)
+            for v in VIRTUAL_STAGES:
+                C = p * v
+                if C > self.L:
+                    break
+                cuts = balanced_cut(time, C)
+                if cuts is None:
+                    continue
+                t = [float(time[k, j]) for k, j in cuts]
+                seconds = pipeline_time(t, B, "interleaved", virtual_stages=v)
+                if seconds >= self._bar():
+                    continue
+                memory = np.zeros(p)
+                for c, (k, j) in enumerate(cuts):
+                    d = c % p
+                    memory[d] += stage_peak_bytes(
+                        params[k, j],
+                        kept[k, j],
+                        transient[k, j],
+                        microbatches_in_flight(
+                            "interleaved", B, p, d, virtual_stages=v
+                        ),
+                        acc[k, j],
+                        B,
+                    )
+                if memory.max() > self.budget:
+                    continue
+                pick = InterleavedPick(seconds, cuts, sub, v, make_option(rc))
+                self._count += 1
+                item = (-seconds, self._count, pick)
+                if len(self._kept) < KEEP:
+                    heapq.heappush(self._kept, item)
+                else:
+                    heapq.heappushpop(self._kept, item)
+
+    def best(self) -> list[InterleavedPick]:
+        """The kept options, fastest first."""
+        return [pick for _, _, pick in sorted(self._kept, key=lambda x: (-x[0], x[1]))]
