@@ -172,15 +172,17 @@ class InterleavedSearch:
             return
         send = st.send_times(mesh, self.boundary_bytes, crosses_hosts=crosses_hosts)
         modes = RECOMPUTE_MODES if prof.core_time is not None else ("none", "full")
-        if prof.gathered is not None:  # the runtime does not recompute FSDP stages
-            modes = ("none",)
         B = self.B
         for rc in modes:
             params, kept, transient = st.range_footprint(prof, rc)
             if params[0, self.L - 1] / p > self.budget:
                 continue
             per_layer = prof.time + prof.extra_time(rc)
-            if B * float(np.sum(per_layer)) / p >= self._bar():
+            # FSDP with recomputation: the recomputed forward hides more of FSDP's collectives
+            # (`LayerProfile.fsdp_recompute`, terms that can be negative), so the compute alone
+            # is no lower bound there
+            bounded = prof.gathered is None or rc == "none"
+            if bounded and B * float(np.sum(per_layer)) / p >= self._bar():
                 continue
             time = prof.range_times(rc) + send[None, :]
             acc = prof.accumulate_bytes(rc)
