@@ -225,3 +225,32 @@ def test_held_memory_kept_per_solution_matches_fresh() -> None:
         assert hm.resharded_saves(sol, graph) == hm.resharded_saves(fresh, graph)
         assert fresh._derived  # it keeps them too
     assert hm._weight_copies(sol, graph, 2.0) is copies
+
+
+def test_reshard_plans_kept_per_placements_price_every_size_alike() -> None:
+    """`cost_models.resharding.reshard_steps` keeps its steps per (mesh, tensor dims, source,
+    target) and prices each tensor's bytes on them: a plan made for one tensor prices another of
+    the same dims as a fresh computation does."""
+    import itertools
+
+    from cost_models import resharding as rs
+
+    cluster = Cluster.from_spec("2x4xA100-80GB")
+    placements = ["R", "P", "S(0)", "S(1)", "S(-1)"]
+    for sub, shape in [((1, 4), (2, 2)), ((2, 4), (2, 4)), ((2, 4), (4, 2))]:
+        mesh = LogicalMesh(cluster, sub, shape)
+        for src, dst in itertools.product(
+            itertools.product(placements, repeat=2), repeat=2
+        ):
+            rs._PLANS.clear()
+            try:
+                rs.reshard_steps(mesh, (8, 64, 4), 2.0, src, dst)  # makes the plan
+            except Exception as e:  # noqa: BLE001 - the fresh computation must raise alike
+                rs._PLANS.clear()
+                with pytest.raises(type(e)):
+                    rs.reshard_steps(mesh, (16, 32, 2), 4.0, src, dst)
+                continue
+            kept = rs.reshard_steps(mesh, (16, 32, 2), 4.0, src, dst)
+            rs._PLANS.clear()
+            fresh = rs.reshard_steps(mesh, (16, 32, 2), 4.0, src, dst)
+            assert kept == fresh
