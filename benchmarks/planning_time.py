@@ -88,6 +88,44 @@ CPU; target 90 s). The single runs of 08:22-08:31 took 100.5, 183.4 and 194.7 s 
 load, and no change between them aimed at speed (the exact DP and the new seeds add work); what
 made the difference was not found. This machine's speed moved by a quarter within minutes that
 day (above), so these are not yet a median of 3 except llama3-70b's.
+
+2026-11-26 afternoon, where the time goes now (issue 23), per micro-batch size: one
+`planner.api.plan` at the size of the case's plan with MESHPLAN_PLANNER_PROCESSES=1 and the
+per-mesh solves run in the calling thread, under cProfile with ``time.process_time`` as its
+clock (CPU seconds, the profiler's own overhead included: about twice an unprofiled run; the
+machine was at load 5-24, shared by other agents). Phases are cumulative times of
+`planner.inter.stage_table.profile` (layer profiles), `planner.intra.prices.node_options`
+(DTensor strategies), `planner.intra.prices.edge_matrices`, `planner.intra.ilp.ILPModel.solve`
+(HiGHS), `planner.intra.solve._reduce` and `ILPModel.__init__` less the prices (ILP build),
+`_summarise` (solution summaries). "before": commit b7cf74a; "after": held-memory terms kept
+per solution (`planner.inter.held_memory`: they were recomputed for each of the 3-4 layer
+clusterings a solution is attributed to) and resharding steps kept per placements
+(`cost_models.resharding.reshard_steps`). Unprofiled, gpt-39b's size took 14.6-17.9 s of CPU
+before and 12.7-16.5 s after (four alternating runs each, load 5-8, the spread is the
+machine's): the profiler inflates small Python calls, which is where the saving lies.
+
+==========================  ==============  ==============  ===============  ===============
+CPU s (profiled)            gpt-39b before  gpt-39b after   mixtral before   mixtral after
+==========================  ==============  ==============  ===============  ===============
+DTensor strategies                    12.0            11.3             78.1             79.7
+edge (resharding) prices               8.5             6.0             58.7             42.8
+tracing (one size)                    12.3            12.5             45.8             39.0
+layer profiles                        27.3            11.5             79.5             33.6
+ILP build                              3.7             3.5             22.5             23.5
+HiGHS (ILP solves)                     1.2             1.1             16.0             16.2
+solution summaries                     5.2             4.8             14.2             14.2
+node prices                            1.0             0.9              3.9              4.1
+stage tables and DP                    0.4             0.4              3.0              3.2
+the rest (model build, ...)           12.5            12.0             15.0             14.5
+total                                 84.3            64.0            336.8            270.9
+==========================  ==============  ==============  ===============  ===============
+
+gpt-39b: 8x8xV100-16GB, global batch 1024, 1 row per micro-batch (its plan: tp4 x pp16,
+55.359 s per iteration before and after). mixtral-8x7b: 8x8xH100-80GB, global batch 512, 16
+rows per micro-batch (7.604 s per iteration before and after, the same three stages). HiGHS is
+no longer what planning waits for: what is left is Python work repeated per micro-batch size
+and per logical mesh (the trace, DTensor's strategies and the resharding prices differ with the
+batch dimension and the mesh), each of which would need sharing across processes or meshes.
 """
 
 from __future__ import annotations

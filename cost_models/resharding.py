@@ -223,33 +223,61 @@ def reshard_steps(
     also how the runtime must perform it. DTensor may fuse consecutive same-kind steps over a
     flattened mesh when one exists; we price the steps separately.
     """
-    lm, s, d = _prepare(mesh, shape, src, dst)
-    sizes = lm.shape
+    lm = mesh if isinstance(mesh, LogicalMesh) else LogicalMesh.of(mesh)
+    try:
+        key = (lm.shape, len(shape), src, dst)
+        plan = _PLANS.get(key)
+    except TypeError:  # unhashable placements (lists): not kept
+        key, plan = None, None
+    if plan is None:
+        plan = _steps_plan(lm, shape, src, dst)
+        if key is not None:
+            _PLANS[key] = plan
     total = float(dtype_bytes)
     for n in shape:
         total *= n
-    cur = list(s)
     out: list[ReshardStep] = []
-    expanded: list[tuple[int, Placement, Placement]] = []
-    for i, c, t in _transitions(sizes, s, d):
-        if c.is_shard and t.kind == "P":
-            expanded += [(i, c, REPLICATE), (i, REPLICATE, t)]
-        else:
-            expanded.append((i, c, t))
-    for i, c, t in expanded:
+    for i, c, t, divisors, op in plan:
         group = total
-        for j, p in enumerate(cur):
-            if j != i and p.is_shard:
-                group /= sizes[j]
-        op = _step_collective(c, t)
+        for n in divisors:
+            group /= n
         if op == "all_to_all" and _is_gloo(lm.cluster):
             # DTensor's shard-to-shard on a CPU (gloo) mesh is an all-gather of the group's tensor
             # followed by a local chunk: gloo has no all-to-all (torch 2.13, shard_dim_alltoall).
             op = "all_gather"
         seconds = lm.collective(op, group, i) if op else 0.0
         out.append(ReshardStep(i, c, t, op, group, seconds))
-        cur[i] = t
     return out
+
+
+# (logical mesh shape, tensor dims, source, target) -> `_steps_plan`: what `reshard_steps` reads
+# of neither the tensor's bytes nor the cluster, the same for every tensor of that many dims
+_PLANS: dict[
+    tuple, list[tuple[int, Placement, Placement, tuple[int, ...], str | None]]
+] = {}
+
+
+def _steps_plan(
+    lm: LogicalMesh, shape: tuple[int, ...], src: object, dst: object
+) -> list[tuple[int, Placement, Placement, tuple[int, ...], str | None]]:
+    """`reshard_steps` without the bytes: per step its axis, placements before and after, the
+    sizes of the other axes then sharding the tensor (its group's bytes are the tensor's divided
+    by them, in this order) and its collective (before gloo's substitution)."""
+    _, s, d = _prepare(lm, shape, src, dst)
+    sizes = lm.shape
+    cur = list(s)
+    expanded: list[tuple[int, Placement, Placement]] = []
+    for i, c, t in _transitions(sizes, s, d):
+        if c.is_shard and t.kind == "P":
+            expanded += [(i, c, REPLICATE), (i, REPLICATE, t)]
+        else:
+            expanded.append((i, c, t))
+    plan = []
+    for i, c, t in expanded:
+        divisors = tuple(sizes[j] for j, p in enumerate(cur) if j != i and p.is_shard)
+        plan.append((i, c, t, divisors, _step_collective(c, t)))
+        cur[i] = t
+    return plan
 
 
 def backward_placements(

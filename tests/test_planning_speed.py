@@ -189,3 +189,68 @@ def test_plans_with_and_without_pruning_agree(monkeypatch) -> None:
     a, b = fast.to_json(), full.to_json()
     a.pop("planner_time_s"), b.pop("planner_time_s")
     assert a == b
+
+
+def test_held_memory_kept_per_solution_matches_fresh() -> None:
+    """What `planner.inter.held_memory` keeps per solution (it is attributed to several layer
+    clusterings) gives, clustering after clustering, what a fresh solution gives."""
+    from dataclasses import replace
+
+    from planner.inter import held_memory as hm
+    from planner.inter.stage_table import layer_of_nodes
+
+    model, batch = build_model("llama-tiny", batch=2, dtype=torch.float16)
+    graph = trace(model, batch)
+    cluster = Cluster.from_spec("1x4xA100-80GB")
+    mesh = LogicalMesh(cluster, cluster.shape, (2, 2))
+    # every weight stored sharded or fully sharded (FSDP): gathered copies to count
+    sol = solve_stage(
+        graph,
+        mesh,
+        num_microbatches=2,
+        param_filter=lambda path, o: (
+            o.zero == 3 or any(p.startswith("S") for p in o.strategy.output[0])
+        ),
+    )
+    n = len(graph.ops)
+    clusterings = [[(0, n - 1)], [(0, n // 3), (n // 3 + 1, n - 1)], [(0, n - 1)]]
+    copies = hm._weight_copies(sol, graph, 2.0)
+    assert copies  # the filter's point: some op reads a weight redistributed
+    for layers in clusterings:
+        layer_of = layer_of_nodes(graph, layers)
+        fresh = replace(sol, _derived={})
+        assert hm.backward_terms(sol, graph, layer_of) == hm.backward_terms(
+            fresh, graph, layer_of
+        )
+        assert hm.resharded_saves(sol, graph) == hm.resharded_saves(fresh, graph)
+        assert fresh._derived  # it keeps them too
+    assert hm._weight_copies(sol, graph, 2.0) is copies
+
+
+def test_reshard_plans_kept_per_placements_price_every_size_alike() -> None:
+    """`cost_models.resharding.reshard_steps` keeps its steps per (mesh, tensor dims, source,
+    target) and prices each tensor's bytes on them: a plan made for one tensor prices another of
+    the same dims as a fresh computation does."""
+    import itertools
+
+    from cost_models import resharding as rs
+
+    cluster = Cluster.from_spec("2x4xA100-80GB")
+    placements = ["R", "P", "S(0)", "S(1)", "S(-1)"]
+    for sub, shape in [((1, 4), (2, 2)), ((2, 4), (2, 4)), ((2, 4), (4, 2))]:
+        mesh = LogicalMesh(cluster, sub, shape)
+        for src, dst in itertools.product(
+            itertools.product(placements, repeat=2), repeat=2
+        ):
+            rs._PLANS.clear()
+            try:
+                rs.reshard_steps(mesh, (8, 64, 4), 2.0, src, dst)  # makes the plan
+            except Exception as e:  # noqa: BLE001 - the fresh computation must raise alike
+                rs._PLANS.clear()
+                with pytest.raises(type(e)):
+                    rs.reshard_steps(mesh, (16, 32, 2), 4.0, src, dst)
+                continue
+            kept = rs.reshard_steps(mesh, (16, 32, 2), 4.0, src, dst)
+            rs._PLANS.clear()
+            fresh = rs.reshard_steps(mesh, (16, 32, 2), 4.0, src, dst)
+            assert kept == fresh

@@ -52,6 +52,8 @@ coexisted with the largest backward working set (measured on the local suite: 2 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 from cost_models.memory import state_bytes_per_param
 from planner.intra.solve import StageSolution
@@ -74,8 +76,46 @@ def backward_terms(
     `sol` was priced for. With `layer_of`, a parameter's gathered gradients count only from its
     readers in its own layer (a tied parameter's readers in later stages are its copies':
     `param_grad_terms`, `planner.plans.assemble`)."""
-    mesh = sol.mesh_shape
     grad_bytes = state_bytes_per_param(sol.optimizer or "adam_mixed").grad
+    work, base = _own_terms(sol, graph, grad_bytes)
+    grads = dict(base)
+    for param, nbytes in _gathered_weight_grads(
+        sol, graph, grad_bytes, layer_of
+    ).items():
+        if param in grads:
+            grads[param] = (max(grads[param][0], nbytes), grads[param][1])
+    return work, grads
+
+
+def _cached(sol: StageSolution, graph: OpGraph, key: tuple, compute: Callable) -> Any:
+    """``compute()``, kept in the solution's cache under `key`: what these functions derive from
+    a solution does not change (its choice is fixed), and the search attributes every solution
+    to several layer clusterings (`planner.inter.stage_table.profile`)."""
+    if sol._ctx is None or sol._ctx.graph is not graph:
+        return compute()  # not the solution's own graph: nothing to keep
+    cache = sol._derived
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
+
+
+def _own_terms(
+    sol: StageSolution, graph: OpGraph, grad_bytes: float
+) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
+    """`backward_terms` before the gathered weight gradients: ``work`` per op and
+    (``fresh``, ``priced``) per parameter from its own placement; computed once per solution."""
+    return _cached(
+        sol,
+        graph,
+        ("own_terms", grad_bytes),
+        lambda: _compute_own_terms(sol, graph, grad_bytes),
+    )
+
+
+def _compute_own_terms(
+    sol: StageSolution, graph: OpGraph, grad_bytes: float
+) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
+    mesh = sol.mesh_shape
     work: dict[str, float] = {}
     grads: dict[str, tuple[float, float]] = {}
     for name, opt in sol.choice.items():
@@ -117,11 +157,6 @@ def backward_terms(
                 shards(placement, mesh) if placement else 1
             )
         work[name] = total
-    for param, nbytes in _gathered_weight_grads(
-        sol, graph, grad_bytes, layer_of
-    ).items():
-        if param in grads:
-            grads[param] = (max(grads[param][0], nbytes), grads[param][1])
     return work, grads
 
 
@@ -156,13 +191,38 @@ def _gathered_weight_grads(
     with. The backward computes the weight's gradient there first, then reduces it to the
     parameter's placement. `layer_of`: only ops in the parameter's own layer; `readers`: only
     those ops."""
-    mesh = sol.mesh_shape
     out: dict[str, float] = {}
+    for name, root, nbytes in _weight_copies(sol, graph, grad_bytes):
+        if readers is not None and name not in readers:
+            continue
+        if layer_of is not None and layer_of.get(name) != layer_of.get(root):
+            continue
+        out[root] = out.get(root, 0.0) + nbytes
+    return out
+
+
+def _weight_copies(
+    sol: StageSolution, graph: OpGraph, grad_bytes: float
+) -> list[tuple[str, str, float]]:
+    """(op, parameter, gradient bytes) of every weight an op receives as a new tensor
+    (`_gathered_weight_grads` before its filters), in the order of ``sol.choice`` and the ops'
+    inputs; computed once per solution."""
+    return _cached(
+        sol,
+        graph,
+        ("weight_copies", grad_bytes),
+        lambda: _compute_weight_copies(sol, graph, grad_bytes),
+    )
+
+
+def _compute_weight_copies(
+    sol: StageSolution, graph: OpGraph, grad_bytes: float
+) -> list[tuple[str, str, float]]:
+    mesh = sol.mesh_shape
+    out = []
     for name, opt in sol.choice.items():
         node = graph.node(name)
         if node.op != "call" or node.is_view:
-            continue
-        if readers is not None and name not in readers:
             continue
         ins = opt.strategy.inputs
         if len(ins) != len(node.inputs):
@@ -171,12 +231,10 @@ def _gathered_weight_grads(
             root = _root(graph, w)
             if target is None or graph.node(root).op != "param":
                 continue
-            if layer_of is not None and layer_of.get(name) != layer_of.get(root):
-                continue
             if _copied_on_the_way(sol, graph, w, target):
                 meta = graph.node(w).outputs[0]
-                out[root] = out.get(root, 0.0) + (
-                    meta.numel() / shards(target, mesh) * grad_bytes
+                out.append(
+                    (name, root, meta.numel() / shards(target, mesh) * grad_bytes)
                 )
     return out
 
@@ -230,6 +288,12 @@ def _copied_on_the_way(
 def resharded_saves(sol: StageSolution, graph: OpGraph) -> dict[str, float]:
     """Per op node: bytes per micro-batch of the redistributed inputs it saves for backward
     (module docstring)."""
+    return _cached(
+        sol, graph, ("resharded_saves",), lambda: _compute_resharded_saves(sol, graph)
+    )
+
+
+def _compute_resharded_saves(sol: StageSolution, graph: OpGraph) -> dict[str, float]:
     mesh = sol.mesh_shape
     out: dict[str, float] = {}
     for name, opt in sol.choice.items():

@@ -80,6 +80,9 @@ class StageSolution:
     fsdp_params: list[str] = field(default_factory=list)
     _ctx: PricedStage | None = field(default=None, repr=False, compare=False)
     _fsdp_table: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # what other passes derive from this solution alone (`planner.inter.held_memory`), kept
+    # because one solution is attributed to several layer clusterings; read-only once made
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
     _cost_table: tuple[list[str], np.ndarray] | None = field(
         default=None, repr=False, compare=False
     )
