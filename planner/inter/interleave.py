@@ -42,8 +42,7 @@ from cost_models.communication import LogicalMesh
 from cost_models.memory import microbatches_in_flight, stage_peak_bytes
 from cost_models.pipeline import pipeline_time
 from planner.inter import stage_table as st
-from planner.inter.layers import auto_num_layers, cluster_layers
-from planner.tracing.blocks import block_of
+from planner.inter.layers import auto_num_layers, cluster_layers, op_terms
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.plan_check import RECOMPUTE_MODES
 
@@ -59,16 +58,7 @@ MAX_LAYERS = 128
 def interleave_layering(graph: OpGraph) -> list[tuple[int, int]]:
     """One layer per transformer block (at most `MAX_LAYERS`), or the automatic count
     (`planner.inter.layers.auto_num_layers`) for a model without blocks."""
-    ops = graph.ops
-    index = {n.name: i for i, n in enumerate(ops)}
-    edges = [
-        (index[u], i, graph.node(u).output_bytes)
-        for i, n in enumerate(ops)
-        for u in dict.fromkeys(n.inputs)
-        if u in index
-    ]
-    flops = [n.fwd_flops + n.bwd_flops for n in ops]
-    blocks = len({block_of(n.module_path) for n in ops if block_of(n.module_path)})
+    flops, edges, blocks = op_terms(graph)
     compute_ops = sum(1 for f in flops if f > 0)
     n = min(blocks, MAX_LAYERS, compute_ops) if blocks else auto_num_layers(flops)
     return cluster_layers(flops, edges, max(1, n))

@@ -56,6 +56,7 @@ __all__ = [
     "boundary_cut_bytes",
     "cluster_layers",
     "layer_objective",
+    "op_terms",
 ]
 
 REL_TOL = 1e-9
@@ -286,15 +287,12 @@ def auto_num_layers(
     return max(1, min(layers, compute_ops))
 
 
-def graph_layerings(
-    graph: OpGraph, num_layers: int | None, num_devices: int
-) -> list[list[tuple[int, int]]]:
-    """Layer clusterings to search: `num_layers` when given; else the automatic count L
-    (`auto_num_layers`) first, then every divisor p of the device count with 2 <= p < L, clustered
-    into exactly p layers. A manual configuration with p pipeline stages splits the model into p
-    balanced layers; with that clustering among the candidates, its stage split is in the search
-    space (an L-layer clustering's boundaries need not fall where the p-layer one's do: with an LM
-    head, say, the last of 12 equal layers is heavier than an even split of the model in two)."""
+def op_terms(
+    graph: OpGraph,
+) -> tuple[list[float], list[tuple[int, int, float]], int]:
+    """What `cluster_layers` reads of a graph: each op's forward + backward FLOPs, the edges
+    between ops (producer index, consumer index, bytes), and the number of transformer blocks
+    (`planner.tracing.blocks.block_of`; 0 without blocks)."""
     ops = graph.ops
     index = {n.name: i for i, n in enumerate(ops)}
     edges = [
@@ -304,9 +302,22 @@ def graph_layerings(
         if u in index
     ]
     flops = [n.fwd_flops + n.bwd_flops for n in ops]
+    blocks = len({block_of(n.module_path) for n in ops if block_of(n.module_path)})
+    return flops, edges, blocks
+
+
+def graph_layerings(
+    graph: OpGraph, num_layers: int | None, num_devices: int
+) -> list[list[tuple[int, int]]]:
+    """Layer clusterings to search: `num_layers` when given; else the automatic count L
+    (`auto_num_layers`) first, then every divisor p of the device count with 2 <= p < L, clustered
+    into exactly p layers. A manual configuration with p pipeline stages splits the model into p
+    balanced layers; with that clustering among the candidates, its stage split is in the search
+    space (an L-layer clustering's boundaries need not fall where the p-layer one's do: with an LM
+    head, say, the last of 12 equal layers is heavier than an even split of the model in two)."""
+    flops, edges, blocks = op_terms(graph)
     if num_layers:
         return [cluster_layers(flops, edges, num_layers)]
-    blocks = len({block_of(n.module_path) for n in ops if block_of(n.module_path)})
     L = auto_num_layers(flops, blocks=blocks or None)
     extra = [p for p in range(2, min(L, num_devices + 1)) if num_devices % p == 0]
     return [cluster_layers(flops, edges, n) for n in (L, *extra)]
