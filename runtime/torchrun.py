@@ -94,11 +94,20 @@ def agent_store(env: Mapping[str, str]) -> TCPStore | None:
         return None
     key = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
     if key not in _STORES:
-        _STORES[key] = dist.TCPStore(
-            *key,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
-        )
+        try:
+            _STORES[key] = dist.TCPStore(
+                *key,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
+            )
+        except (
+            RuntimeError
+        ) as exc:  # torch.distributed.DistNetworkError: nobody serves it
+            raise PeerFailed(
+                f"rank {env.get('RANK', '?')} lost torchrun's store at {key[0]}:{key[1]} "
+                "before joining (did the first host's launcher stop?): "
+                + " ".join(str(exc).split())[:200]
+            ) from None
     return _STORES[key]
 
 

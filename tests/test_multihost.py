@@ -277,3 +277,22 @@ def test_join_refuses_a_rank_given_another_plan(
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_a_store_nobody_serves_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that starts after the first host's launcher exited (taking torchrun's store with
+    it) stops saying so, not with torch's connection traceback."""
+    import runtime.torchrun as tr
+
+    monkeypatch.setattr(tr, "STORE_TIMEOUT_S", 1.0)
+    port = free_port()
+    env = {
+        "TORCHELASTIC_USE_AGENT_STORE": "true",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": "2",
+    }
+    with pytest.raises(
+        tr.PeerFailed, match=f"rank 2 lost torchrun's store at 127.0.0.1:{port}"
+    ):
+        tr.agent_store(env)
