@@ -4,6 +4,7 @@ configurations and the committed results. Single process, prediction only."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -209,22 +210,21 @@ def test_published_configs_price_or_say_why_not() -> None:
     nemo_cp2 = next(c for c in PUBLISHED if c.cp == 2 and c.model == "llama3-8b")
     assert "with data parallelism (DP 4)" in reasons[("llama3-8b", nemo_cp2.label())]
     # CP without data parallelism is priced, as manual_plan(context_parallel=...) prices it
-    cp8 = tt_cp8
     cluster = Cluster.from_spec("1x8xH100-80GB")
-    rec = price_published(cp8, cluster, TINY, 8)
-    direct = manual_plan(
-        TINY,
-        cluster,
+
+    def direct_plan(**kw: Any) -> Any:  # the published layout, as manual_plan prices it
+        return manual_plan(
+            TINY, cluster, tp=1, pp=1, dtype="bfloat16", allow_oom=True, **kw
+        )
+
+    rec = price_published(tt_cp8, cluster, TINY, 8)
+    direct = direct_plan(
         dp=1,
-        tp=1,
-        pp=1,
         num_microbatches=1,
         global_batch=1,
         fsdp="full",
         recompute="full",
         context_parallel=8,
-        dtype="bfloat16",
-        allow_oom=True,
     )
     assert rec["priced"] and rec["iteration_time_s"] == direct.estimate.iteration_time_s
     fsdp8 = next(
@@ -239,17 +239,11 @@ def test_published_configs_price_or_say_why_not() -> None:
     # priced as published (the layout on a small Llama, so the test stays cheap): FSDP over 8,
     # MBS 1 of GBS 128 = 16 micro-batches, the same plan as manual_plan's
     rec = price_published(fsdp8, cluster, TINY, 8)
-    direct = manual_plan(
-        TINY,
-        cluster,
+    direct = direct_plan(
         dp=8,
-        tp=1,
-        pp=1,
         num_microbatches=16,
         global_batch=128,
         fsdp="full",
-        dtype="bfloat16",
-        allow_oom=True,
     )
     assert rec["priced"] and rec["iteration_time_s"] == direct.estimate.iteration_time_s
     assert rec["fits"] == direct.manual["fits"] and rec["label"] == fsdp8.label()
@@ -258,18 +252,12 @@ def test_published_configs_price_or_say_why_not() -> None:
     assert (tt8.fsdp, tt8.recompute) == ("full", "selective")
     assert unpriced_reason(tt8, 8) is None
     rec = price_published(tt8, cluster, TINY, 8)
-    direct = manual_plan(
-        TINY,
-        cluster,
+    direct = direct_plan(
         dp=8,
-        tp=1,
-        pp=1,
         num_microbatches=1,
         global_batch=16,
         fsdp="full",
         recompute="selective",
-        dtype="bfloat16",
-        allow_oom=True,
     )
     assert rec["priced"] and rec["iteration_time_s"] == direct.estimate.iteration_time_s
 
