@@ -121,6 +121,30 @@ def test_kept_strategies_are_not_dominated_and_copies_go() -> None:
     assert [k.tolist() for k in _kept(q)] == [[2], [0]]
 
 
+def _same_as_pulps(p: ILPProblem) -> None:
+    """`ILPModel.highs_arrays` of `p` equals what `_BulkHiGHS` hands highspy for
+    `ILPModel.pulp_problem`, and both routes choose alike."""
+    model = ILPModel(p, prune=False)
+    prob = model.pulp_problem(p.memory_budget)
+    bulk = _BulkHiGHS(msg=False)
+    bulk.createAndConfigureSolver(prob)
+    bulk.buildSolverModel(prob)
+    lp = prob.solverModel.getLp()
+    a = model.highs_arrays(p.memory_budget)
+    assert np.array_equal(lp.col_cost_, a.cost)
+    assert np.array_equal(lp.col_lower_, np.zeros_like(a.cost))
+    assert np.array_equal(lp.col_upper_, a.upper)
+    assert np.array_equal(lp.row_lower_, a.row_lower)
+    assert np.array_equal(lp.row_upper_, a.row_upper)
+    assert np.array_equal(lp.a_matrix_.start_, np.r_[a.starts, len(a.index)])
+    assert np.array_equal(lp.a_matrix_.index_, a.index)
+    assert np.array_equal(lp.a_matrix_.value_, a.value)
+    integer = [i for i, t in enumerate(lp.integrality_) if t.value]
+    assert integer == a.integer.tolist()
+    direct = model.solve(p.memory_budget)
+    assert direct.choice == model.solve(p.memory_budget, via_pulp=True).choice
+
+
 @pytest.mark.parametrize("budget_at", [None, 0.3])
 def test_highs_arrays_are_pulps_model(budget_at) -> None:
     """`ILPModel.highs_arrays` equals what `_BulkHiGHS` (checked against pulp's own HiGHS
@@ -128,26 +152,25 @@ def test_highs_arrays_are_pulps_model(budget_at) -> None:
     alike."""
     rng = np.random.default_rng(5)
     for _ in range(10):
-        p = _problem(rng, budget_at)
-        model = ILPModel(p, prune=False)
-        prob = model.pulp_problem(p.memory_budget)
-        bulk = _BulkHiGHS(msg=False)
-        bulk.createAndConfigureSolver(prob)
-        bulk.buildSolverModel(prob)
-        lp = prob.solverModel.getLp()
-        a = model.highs_arrays(p.memory_budget)
-        assert np.array_equal(lp.col_cost_, a.cost)
-        assert np.array_equal(lp.col_lower_, np.zeros_like(a.cost))
-        assert np.array_equal(lp.col_upper_, a.upper)
-        assert np.array_equal(lp.row_lower_, a.row_lower)
-        assert np.array_equal(lp.row_upper_, a.row_upper)
-        assert np.array_equal(lp.a_matrix_.start_, np.r_[a.starts, len(a.index)])
-        assert np.array_equal(lp.a_matrix_.index_, a.index)
-        assert np.array_equal(lp.a_matrix_.value_, a.value)
-        integer = [i for i, t in enumerate(lp.integrality_) if t.value]
-        assert integer == a.integer.tolist()
-        direct = model.solve(p.memory_budget)
-        assert direct.choice == model.solve(p.memory_budget, via_pulp=True).choice
+        _same_as_pulps(_problem(rng, budget_at))
+
+
+def test_highs_arrays_order_columns_as_pulp_past_ten() -> None:
+    """Columns in pulp's order (by name) where node, strategy, edge and group numbers pass 9
+    (``e_10_...`` sorts before ``e_1_...``; `planner.intra.ilp._name_order` makes that order
+    without the names), with fixed nodes, dropped strategies and all-zero edges among them."""
+    rng = np.random.default_rng(7)
+    n = 14
+    k = [1, 3] + [int(rng.integers(11, 15)) for _ in range(n - 2)]
+    costs = [rng.integers(0, 5, size=kv).astype(float) for kv in k]
+    memory = [rng.uniform(1, 9, size=kv) for kv in k]
+    edges = [
+        (u, v, rng.integers(0, 12, size=(k[u], k[v])) * float(v % 5 != 0))
+        for v in range(1, n)
+        for u in sorted({v - 1, int(rng.integers(0, v))})
+    ]
+    lo, hi = sum(m.min() for m in memory), sum(m.max() for m in memory)
+    _same_as_pulps(ILPProblem(costs, edges, memory, float(lo + 0.4 * (hi - lo))))
 
 
 def test_copies_of_a_block_are_priced_as_each_alone() -> None:

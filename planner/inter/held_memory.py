@@ -115,49 +115,65 @@ def _own_terms(
 def _compute_own_terms(
     sol: StageSolution, graph: OpGraph, grad_bytes: float
 ) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
-    mesh = sol.mesh_shape
+    # a node's term depends on its option alone (unless its strategy does not give its inputs'
+    # placements): kept per (node, option) for every solution of the pricing
+    memo = sol._ctx.shared.setdefault(("own_terms", grad_bytes), {})
     work: dict[str, float] = {}
     grads: dict[str, tuple[float, float]] = {}
     for name, opt in sol.choice.items():
-        node = graph.node(name)
-        strategy = opt.strategy
-        if node.op == "param":
-            if opt.zero == 3 or not strategy.output or not strategy.output[0]:
-                continue
-            placement = strategy.output[0]
-            fresh = node.outputs[0].numel() / shards(placement, mesh) * grad_bytes
-            zero = (
-                math.prod(n for p, n in zip(placement, mesh) if p == "R")
-                if opt.zero
-                else 1
-            )
-            grads[name] = (fresh, fresh / zero)
-            continue
-        if node.op != "call" or not node.requires_grad or node.is_view:
-            continue
-        out = node.outputs[0]
-        total = 0.0
-        if _is_float(out.dtype) and strategy.output and strategy.output[0]:
-            total += out.nbytes / shards(strategy.output[0], mesh)
-        by_index = len(strategy.inputs) == len(node.inputs)
-        seen = set()
-        for i, u in enumerate(node.inputs):
-            if u in seen:
-                continue
-            seen.add(u)
-            src = graph.node(u)
-            if src.op == "param" or not src.requires_grad or not src.outputs:
-                continue
-            if not _is_float(src.outputs[0].dtype):
-                continue
-            placement = strategy.inputs[i] if by_index else None
-            if placement is None and u in sol.choice:
-                placement = sol.choice[u].strategy.output[0]
-            total += src.outputs[0].nbytes / (
-                shards(placement, mesh) if placement else 1
-            )
-        work[name] = total
+        key = (name, id(opt))
+        term = memo.get(key)
+        if term is None:
+            term, alone = _own_term(sol, graph, grad_bytes, name, opt)
+            if alone:
+                memo[key] = term
+        kind, value = term
+        if kind == "work":
+            work[name] = value
+        elif kind == "grads":
+            grads[name] = value
     return work, grads
+
+
+def _own_term(
+    sol: StageSolution, graph: OpGraph, grad_bytes: float, name: str, opt
+) -> tuple[tuple[str | None, Any], bool]:
+    """(("work", work(v)) for an op, ("grads", (fresh, priced)) for a parameter, or (None,
+    None)), and whether it depends on `opt` alone (not on the inputs' choices)."""
+    mesh = sol.mesh_shape
+    node = graph.node(name)
+    strategy = opt.strategy
+    if node.op == "param":
+        if opt.zero == 3 or not strategy.output or not strategy.output[0]:
+            return (None, None), True
+        placement = strategy.output[0]
+        fresh = node.outputs[0].numel() / shards(placement, mesh) * grad_bytes
+        zero = (
+            math.prod(n for p, n in zip(placement, mesh) if p == "R") if opt.zero else 1
+        )
+        return ("grads", (fresh, fresh / zero)), True
+    if node.op != "call" or not node.requires_grad or node.is_view:
+        return (None, None), True
+    out = node.outputs[0]
+    total = 0.0
+    if _is_float(out.dtype) and strategy.output and strategy.output[0]:
+        total += out.nbytes / shards(strategy.output[0], mesh)
+    by_index = len(strategy.inputs) == len(node.inputs)
+    seen = set()
+    for i, u in enumerate(node.inputs):
+        if u in seen:
+            continue
+        seen.add(u)
+        src = graph.node(u)
+        if src.op == "param" or not src.requires_grad or not src.outputs:
+            continue
+        if not _is_float(src.outputs[0].dtype):
+            continue
+        placement = strategy.inputs[i] if by_index else None
+        if placement is None and u in sol.choice:
+            placement = sol.choice[u].strategy.output[0]
+        total += src.outputs[0].nbytes / (shards(placement, mesh) if placement else 1)
+    return ("work", total), by_index and all(p is not None for p in strategy.inputs)
 
 
 def param_grad_terms(

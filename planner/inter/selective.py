@@ -57,6 +57,8 @@ def selective_table(
     dropped = np.zeros(len(names))
     core = np.full(len(names), -1)
     index = {n: i for i, n in enumerate(names)}
+    own = ctx.graph is graph  # then its node values hold these prices
+    values = sol.node_values() if own else {}
     for n, i in index.items():
         node, opt = graph.node(n), sol.choice[n]
         if node.op != "call":
@@ -64,19 +66,19 @@ def selective_table(
         inner = n in cores
         if not inner and (n not in ctx.saved or n in kept):
             continue
-        was = sc.activation_bytes(node, opt, n in ctx.saved, s)
+        # `PricedStage.values`: (cost, memory = `sc.activation_bytes` saved as priced, forward)
+        was = values[n][1] if own else sc.activation_bytes(node, opt, n in ctx.saved, s)
         now = sc.activation_bytes(node, opt, n in kept, s)
         if inner:
             now -= sc.activation_bytes(node, opt, False, s)  # its extra saved tensors
-            seconds[i] = sc.forward_time(node, opt, s)
+            seconds[i] = values[n][2] if own else sc.forward_time(node, opt, s)
             core[i] = cores[n]
         dropped[i] = (was - now) / s.in_flight
+    chosen = sol._chosen()
     for u, v in ctx.edges:
         if v not in cores or u in ctx.param_derived:
             continue
         act, _ = ctx.edge(u, v)
-        a = ctx.options[u].index(sol.choice[u])
-        b = ctx.options[v].index(sol.choice[v])
-        seconds[index[v]] += 0.5 * float(act[a, b])
+        seconds[index[v]] += 0.5 * float(act[chosen[u], chosen[v]])
     sol._selective = (seconds, dropped, core)
     return sol._selective

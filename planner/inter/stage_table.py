@@ -256,9 +256,7 @@ def profile(
     """Attribute a whole-model solution's time and memory to the L layers of one clustering (cheap:
     the per-node costs are computed once per solution, so one solution serves several clusterings)."""
     names, table = sol.node_cost_table()
-    index = np.fromiter(
-        (layer_of.get(n, 0) for n in names), dtype=int, count=len(names)
-    )
+    index = _layer_index(layer_of, names)
     arr = np.zeros((L, 4))
     np.add.at(arr, index, table)
     inputs = np.zeros(L)
@@ -338,6 +336,24 @@ def profile(
         priced_grads=priced,
         layer_of=layer_of,
     )
+
+
+# the last few (layer_of, node names, layer of each name): the search attributes many
+# solutions of one graph, whose node names come in one order, to each of a few clusterings
+_LAYER_INDEX: list[tuple[dict[str, int], list[str], np.ndarray]] = []
+
+
+def _layer_index(layer_of: dict[str, int], names: list[str]) -> np.ndarray:
+    """The layer of each of `names` (0 where `layer_of` has none); kept for the last few."""
+    for known, known_names, index in _LAYER_INDEX:
+        if known is layer_of and (known_names is names or known_names == names):
+            return index
+    index = np.fromiter(
+        (layer_of.get(n, 0) for n in names), dtype=int, count=len(names)
+    )
+    _LAYER_INDEX.insert(0, (layer_of, names, index))
+    del _LAYER_INDEX[8:]
+    return index
 
 
 # the last few graphs' attention cores: the search profiles many solutions of one graph

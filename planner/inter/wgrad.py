@@ -41,13 +41,18 @@ def wgrad_table(sol: StageSolution, graph: OpGraph) -> tuple[np.ndarray, np.ndar
     if sol._ctx is None:  # a solution without its pricing context: no split known
         return seconds, nbytes
     derived = graph.param_derived()
+    # the forward times of the solution's own graph are among its node values
+    own = sol._ctx.graph is graph
+    values = sol.node_values() if own else {}
     for i, n in enumerate(names):
         node = graph.node(n)
         if node.op != "call" or node.kind != "matmul" or not node.requires_grad:
             continue
         if any(u in derived for u in node.inputs):
             opt = sol.choice[n]
-            seconds[i] = sc.forward_time(node, opt, sol._ctx.settings)
+            seconds[i] = (
+                values[n][2] if own else sc.forward_time(node, opt, sol._ctx.settings)
+            )
             nbytes[i] = node.outputs[0].nbytes / shards(
                 opt.strategy.output[0], sol.mesh_shape
             )

@@ -86,36 +86,33 @@ class HighsArrays:
 
 
 def highs_arrays(
-    names: list[str],
+    order: np.ndarray,
     num_binary: int,
     objective: np.ndarray,
-    rows: list[tuple[np.ndarray, np.ndarray, float]],
+    cols: np.ndarray,
+    coefs: np.ndarray,
+    lengths: np.ndarray,
+    rhs: np.ndarray,
 ) -> HighsArrays:
-    """The arrays of a program whose columns are `names` (the first `num_binary` binary in [0, 1],
-    the others continuous in [0, inf)), with `objective` (a coefficient per column) and the
-    equality `rows` (columns, coefficients, right-hand side), columns in pulp's order (by name)
-    and zero coefficients left out as pulp's interface does."""
-    order = sorted(range(len(names)), key=names.__getitem__)
-    pos = np.empty(len(names), dtype=np.int64)
-    pos[order] = np.arange(len(names))
-    cost = np.zeros(len(names))
+    """The arrays of a program whose columns, in pulp's order (by name), are ``order`` (the
+    first `num_binary` columns binary in [0, 1], the others continuous in [0, inf)), with
+    `objective` (a coefficient per column) and equality rows given as their concatenated
+    `cols` and `coefs`, each row's length (`lengths`) and right-hand side (`rhs`); zero
+    coefficients are left out as pulp's interface does."""
+    n = len(objective)
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)
+    cost = np.zeros(n)
     cost[pos] = objective
-    upper = np.full(len(names), np.inf)
+    upper = np.full(n, np.inf)
     binaries = pos[:num_binary]
     upper[binaries] = 1.0
-    if rows:
-        cols = np.concatenate([c for c, _, _ in rows]).astype(np.int64)
-        coefs = np.concatenate([a for _, a, _ in rows]).astype(float)
-        row_of = np.repeat(np.arange(len(rows)), [len(c) for c, _, _ in rows])
-    else:
-        cols, coefs, row_of = (
-            np.zeros(0, dtype=np.int64),
-            np.zeros(0),
-            np.zeros(0, int),
-        )
+    cols = np.asarray(cols, dtype=np.int64)
+    coefs = np.asarray(coefs, dtype=float)
+    row_of = np.repeat(np.arange(len(lengths)), lengths)
     nonzero = coefs != 0
-    counts = np.bincount(row_of[nonzero], minlength=len(rows))
-    rhs = np.array([r[2] for r in rows], dtype=float)
+    counts = np.bincount(row_of[nonzero], minlength=len(lengths))
+    rhs = np.asarray(rhs, dtype=float)
     return HighsArrays(
         cost,
         upper,

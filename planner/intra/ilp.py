@@ -43,7 +43,6 @@ from __future__ import annotations
 import functools
 import itertools
 import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -181,23 +180,34 @@ class ILPModel:
         )
         self.keep = keep or [np.arange(c.size) for c in problem.node_costs]
         keep = self.keep
-        self.names: list[str] = []
-        # the binary columns of each node (None: one strategy left, a constant)
-        s: list[np.ndarray | None] = [
-            self._columns(f"s_{v}_{i}" for i in k.tolist()) if k.size > 1 else None
-            for v, k in enumerate(keep)
-        ]
+        # the binary columns of each node (None: one strategy left, a constant), labelled
+        # (v, i): column "s_{v}_{i}" with i the original index
+        s: list[np.ndarray | None] = []
+        labels_v, labels_i = [], []
+        count = 0
+        for v, k in enumerate(keep):
+            if k.size > 1:
+                s.append(np.arange(count, count + k.size))
+                labels_v.append(np.full(k.size, v))
+                labels_i.append(k)
+                count += k.size
+            else:
+                s.append(None)
         self.s = s
-        self.num_binary = len(self.names)
+        self.num_binary = count
         # objective coefficient per binary column, then per edge variable column (in chunks)
         binary_coefs = np.zeros(self.num_binary)
         edge_coefs: list[np.ndarray] = []
-        # (name, columns, coefficients, right-hand side) of each equality row, in order
-        rows: list[tuple[str, np.ndarray, np.ndarray, float]] = []
+        # the equality rows, in order, as blocks of rows: (label, columns, coefficients, row
+        # lengths, right-hand side); label ("one", v, 1), ("eu", n, rows) or ("ev", n, rows)
+        blocks: list[tuple[tuple, np.ndarray, np.ndarray, np.ndarray, float]] = []
         for v, c in enumerate(problem.node_costs):
             if s[v] is not None:
-                rows.append((f"one_{v}", s[v], np.ones(len(s[v])), 1.0))
+                size = np.array([len(s[v])])
+                blocks.append((("one", v, 1), s[v], np.ones(len(s[v])), size, 1.0))
                 binary_coefs[s[v]] += _objective_coefs(c, self.scale)[keep[v]]
+        # edge variable columns, labelled (n, g, h): column "e_{n}_{g}_{h}"
+        labels_n, labels_g, labels_h = [], [], []
         for n, (u, v, r) in enumerate(problem.edges):
             r = r[np.ix_(keep[u], keep[v])] / self.scale
             if not r.any():
@@ -216,24 +226,22 @@ class ILPModel:
             # depends only on the producer's output placement and the consumer's input placement.
             grouped, row_of, col_of = _groups(r.shape, r.tobytes())
             n_g, n_h = grouped.shape
-            e = self._columns(
-                f"e_{n}_{g}_{h}" for g in range(n_g) for h in range(n_h)
-            ).reshape(n_g, n_h)
-            for g in range(n_g):
-                members = s[u][row_of == g]
-                coefs = np.concatenate((np.ones(n_h), -np.ones(len(members))))
-                rows.append(
-                    (f"eu_{n}_{g}", np.concatenate((e[g], members)), coefs, 0.0)
-                )
-            for h in range(n_h):
-                members = s[v][col_of == h]
-                coefs = np.concatenate((np.ones(n_g), -np.ones(len(members))))
-                rows.append(
-                    (f"ev_{n}_{h}", np.concatenate((e[:, h], members)), coefs, 0.0)
-                )
+            first = count
+            count += n_g * n_h
+            e = np.arange(first, count).reshape(n_g, n_h)
+            labels_n.append(np.full(n_g * n_h, n))
+            labels_g.append(np.repeat(np.arange(n_g), n_h))
+            labels_h.append(np.tile(np.arange(n_h), n_g))
+            # row g: sum_h e[g, h] - sum_(i in g) s[u, i] = 0; row h likewise
+            blocks.append((("eu", n, n_g), *_marginal_rows(e, s[u], row_of), 0.0))
+            blocks.append((("ev", n, n_h), *_marginal_rows(e.T, s[v], col_of), 0.0))
             edge_coefs.append(grouped.ravel())
         self.objective = np.concatenate([binary_coefs, *edge_coefs])
-        self.rows = rows
+        self._blocks = blocks
+        self._labels = (
+            _cat(labels_v, labels_i),
+            _cat(labels_n, labels_g, labels_h),
+        )
         # The memory row in MiB: fixed nodes add constants, the others their variables.
         self.memory_row: dict[int, float] = {}
         self.memory_constant = 0.0
@@ -259,19 +267,38 @@ class ILPModel:
         )
         return ILPModel(self.problem, prune=False, keep=keep)
 
-    def _columns(self, names: Iterable[str]) -> np.ndarray:
-        """Add columns of these names; their indices."""
-        first = len(self.names)
-        self.names.extend(names)
-        return np.arange(first, len(self.names))
+    @functools.cached_property
+    def names(self) -> list[str]:
+        """The columns' names: "s_{v}_{i}" (node v's original strategy i), then "e_{n}_{g}_{h}"
+        (edge n of the problem, its row group g and column group h)."""
+        (v, i), (n, g, h) = self._labels
+        return [f"s_{a}_{b}" for a, b in zip(v.tolist(), i.tolist())] + [
+            f"e_{a}_{b}_{c}" for a, b, c in zip(n.tolist(), g.tolist(), h.tolist())
+        ]
+
+    @functools.cached_property
+    def rows(self) -> list[tuple[str, np.ndarray, np.ndarray, float]]:
+        """(name, columns, coefficients, right-hand side) of each equality row, in order."""
+        out = []
+        for (kind, n, count), cols, coefs, lengths, rhs in self._blocks:
+            ends = np.cumsum(lengths).tolist()
+            for k, (a, b) in enumerate(zip([0, *ends[:-1]], ends)):
+                name = f"one_{n}" if kind == "one" else f"{kind}_{n}_{k}"
+                out.append((name, cols[a:b], coefs[a:b], rhs))
+        return out
 
     @functools.cached_property
     def _arrays(self) -> highs.HighsArrays:
+        blocks = self._blocks
+        lengths = [b[3] for b in blocks]
         return highs.highs_arrays(
-            self.names,
+            _name_order(*self._labels),
             self.num_binary,
             self.objective,
-            [(cols, coefs, rhs) for _, cols, coefs, rhs in self.rows],
+            _cat([b[1] for b in blocks]),
+            _cat([b[2] for b in blocks], dtype=float),
+            _cat(lengths),
+            np.repeat([b[4] for b in blocks], [len(x) for x in lengths]).astype(float),
         )
 
     def highs_arrays(self, budget: float | None) -> highs.HighsArrays:
@@ -398,6 +425,61 @@ class ILPModel:
         return ILPSolution(
             choice, problem.objective(choice), problem.memory(choice), optimal
         )
+
+
+def _cat(*parts: list[np.ndarray], dtype: type = np.int64) -> np.ndarray | tuple:
+    """Each list of arrays concatenated (empty: an empty array of `dtype`); one array for one list."""
+    out = tuple(np.concatenate(p) if p else np.zeros(0, dtype=dtype) for p in parts)
+    return out[0] if len(out) == 1 else out
+
+
+def _marginal_rows(
+    e: np.ndarray, members: np.ndarray, group_of: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows g of an edge's marginals as (columns, coefficients, row lengths), concatenated: row
+    g holds the edge variables e[g, :] (coefficient 1), then the node variables ``members[i]``
+    of the strategies i of group g (``group_of[i] == g``, ascending; coefficient -1)."""
+    n_g, width = e.shape
+    count = np.bincount(group_of, minlength=n_g)
+    lengths = width + count
+    starts = np.cumsum(lengths) - lengths
+    cols = np.empty(int(lengths.sum()), dtype=np.int64)
+    coefs = np.empty(len(cols))
+    at = (starts[:, None] + np.arange(width)).ravel()
+    cols[at], coefs[at] = e.ravel(), 1.0
+    order = np.argsort(group_of, kind="stable")
+    g = group_of[order]
+    at = starts[g] + width + np.arange(len(order)) - (np.cumsum(count) - count)[g]
+    cols[at], coefs[at] = members[order], -1.0
+    return cols, coefs, lengths
+
+
+@functools.lru_cache(maxsize=8)
+def _digit_ranks(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rank of str(x) + "_", rank of str(x)) among x = 0..size-1, in string order."""
+    out = []
+    for suffix in ("_", ""):
+        order = sorted(range(size), key=lambda x: f"{x}{suffix}")
+        rank = np.empty(size, dtype=np.int64)
+        rank[order] = np.arange(size)
+        out.append(rank)
+    return out[0], out[1]
+
+
+def _name_order(
+    binaries: tuple[np.ndarray, np.ndarray],
+    edges: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> np.ndarray:
+    """The columns in order of their names (`ILPModel.names`, the order pulp sorts variables
+    in), from their labels, without making the names: "e_..." before "s_...", and names whose
+    numbers end in "_" compare number by number as decimal strings, where a number followed by
+    "_" sorts after any longer one it begins (the digits come before "_")."""
+    (v, i), (n, g, h) = binaries, edges
+    top = max([1, *(int(x.max()) + 1 for x in (v, i, n, g, h) if x.size)])
+    mid, last = _digit_ranks(1 << (top - 1).bit_length())
+    by_edge = np.lexsort((last[h], mid[g], mid[n]))
+    by_binary = np.lexsort((last[i], mid[v]))
+    return np.concatenate([len(v) + by_edge, by_binary])
 
 
 @functools.lru_cache(maxsize=4096)

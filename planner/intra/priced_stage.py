@@ -66,8 +66,13 @@ class PricedStage:
     _keys: dict[tuple[str, str], tuple[str, str, int]] = field(
         default_factory=dict
     )  # edge -> edge_key; shared like _edges
+    # what other passes derive per node and option, alike in every solution of this pricing
+    # (`planner.inter.held_memory`); shared like _edges
+    shared: dict = field(default_factory=dict)
     # positions in `edges` of each edge key (`edge_terms`)
     _edge_groups: list[np.ndarray] | None = None
+    # (the nodes at either end of an edge, each edge's producer and consumer among them)
+    _edge_ends: tuple[list[str], np.ndarray, np.ndarray] | None = None
 
     def price_key(self, name: str) -> int:
         """The number of what `node_cost`, `node_memory` and `sc.forward_time` read of node
@@ -145,6 +150,7 @@ class PricedStage:
             _price_keys=self._price_keys,
             _price_ids=self._price_ids,
             _keys=self._keys,
+            shared=self.shared,
         )
         out.__dict__["param_grad_edges"] = self.param_grad_edges  # the same graph's
         return out
@@ -189,11 +195,20 @@ class PricedStage:
             for e, (u, v) in enumerate(self.edges):
                 groups.setdefault(self.edge_key(u, v), []).append(e)
             self._edge_groups = [np.array(g) for g in groups.values()]
+            nodes = list(dict.fromkeys(n for edge in self.edges for n in edge))
+            where = {n: k for k, n in enumerate(nodes)}
+            self._edge_ends = (
+                nodes,
+                np.array([where[u] for u, _ in self.edges], dtype=np.int64),
+                np.array([where[v] for _, v in self.edges], dtype=np.int64),
+            )
+        nodes, producers, consumers = self._edge_ends
+        chosen = np.fromiter(map(index.__getitem__, nodes), np.int64, len(nodes))
+        i_all, j_all = chosen[producers], chosen[consumers]
         acts, grads = np.empty(len(self.edges)), np.empty(len(self.edges))
         for group in self._edge_groups:
             act, grad = self.edge(*self.edges[group[0]])
-            i = [index[self.edges[e][0]] for e in group.tolist()]
-            j = [index[self.edges[e][1]] for e in group.tolist()]
+            i, j = i_all[group], j_all[group]
             acts[group], grads[group] = act[i, j], grad[i, j]
         return acts.tolist(), grads.tolist()
 

@@ -513,22 +513,35 @@ def _placement_matrices(
     param_derived: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`edge_matrices` per distinct source placement (rows) and distinct (input placement,
-    gradient placement) of the consumer (columns); None: no placement (no tensor)."""
+    gradient placement) of the consumer (columns); None: no placement (no tensor). Each entry
+    is `_reshard`'s (looked up in the same cache, the tensor's size key made once)."""
     act = np.zeros((len(srcs), len(dsts)))
     grad = np.zeros_like(act)
-    for a, src in enumerate(srcs):
+    size, cache = _size_key(shape, dtype_bytes), s.cache
+
+    def price(src: tuple[str, ...], dst: tuple[str, ...]) -> float:
+        if src == dst:
+            return 0.0
+        key = (size, src, dst)
+        seconds = cache.get(key)
+        if seconds is None:
+            seconds = cache[key] = reshard_cost(s.mesh, shape, dtype_bytes, src, dst)
+        return seconds
+
+    wants = [None if src is None else expected_grad(src) for src in srcs]
+    for a, (src, want) in enumerate(zip(srcs, wants)):
+        if src is None:
+            continue
         for b, dst in enumerate(dsts):
-            if src is None or dst is None:
+            if dst is None:
                 continue
-            act[a, b] = _reshard(s, shape, dtype_bytes, src, dst[0])
+            act[a, b] = price(src, dst[0])
             if with_grad:
-                back = _reshard(s, shape, dtype_bytes, dst[1], expected_grad(src))
+                back = price(dst[1], want)
                 if param_derived:
-                    if bucketed_axes(dst[1], expected_grad(src)):
+                    if bucketed_axes(dst[1], want):
                         # bandwidth only: the latency is charged per bucket (`grad_buckets`)
-                        back = _bucket_bandwidth(
-                            s, shape, dtype_bytes, dst[1], expected_grad(src)
-                        )
+                        back = _bucket_bandwidth(s, shape, dtype_bytes, dst[1], want)
                     grad[a, b] = back / s.num_microbatches
                 else:
                     act[a, b] += back

@@ -21,6 +21,7 @@ placement of every parameter, the cost broken down, and `explain(node)` for debu
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -251,6 +252,9 @@ class StagePricing:
     _programs: dict[tuple, tuple[Reduction, ILPModel]] = field(
         default_factory=dict, repr=False
     )  # per set of options kept (`solve_stage`)
+    _summaries: dict[tuple, StageSolution] = field(
+        default_factory=dict, repr=False
+    )  # per set of options kept and choice of the program (`solve_stage`)
 
     def node_arrays(self, n: str) -> tuple[np.ndarray, np.ndarray]:
         """(compute time, memory) of every option of representative n, over all its options."""
@@ -409,10 +413,15 @@ def solve_stage(
         pricing._programs[key] = (red, ILPModel(red.graph.problem(None)))
     red, program = pricing._programs[key]
     sol = program.solve(memory_budget, time_limit=time_limit, gap=gap)
+    # A memory ladder's rungs often land on the same choice: its summary (and what later passes
+    # derive from it, `StageSolution._derived`) is made once per program and choice.
+    same = pricing._summaries.get((key, tuple(sol.choice)))
+    if same is not None:
+        return _again(same, sol.optimal, time.perf_counter() - t0)
     picked = red.expand(sol.choice)
     index = {n: picked[rep.get(n, n)] for n in names}
     choice = {n: options[n][index[n]] for n in names}
-    return _summarise(
+    out = pricing._summaries[key, tuple(sol.choice)] = _summarise(
         ctx,
         choice,
         index,
@@ -421,6 +430,16 @@ def solve_stage(
         sol.optimal,
         time.perf_counter() - t0,
     )
+    return out
+
+
+def _again(sol: StageSolution, optimal: bool, seconds: float) -> StageSolution:
+    """`sol` as another solve returned it, sharing what was derived from its choice."""
+    out = dataclasses.replace(sol, optimal=optimal, solve_time_s=seconds)
+    for name in ("_selective", "_wgrad"):  # set by later passes, not fields
+        if hasattr(sol, name):
+            setattr(out, name, getattr(sol, name))
+    return out
 
 
 def _reduce(
