@@ -126,6 +126,28 @@ rows per micro-batch (7.604 s per iteration before and after, the same three sta
 no longer what planning waits for: what is left is Python work repeated per micro-batch size
 and per logical mesh (the trace, DTensor's strategies and the resharding prices differ with the
 batch dimension and the mesh), each of which would need sharing across processes or meshes.
+
+2026-11-26 evening (issue 23, the intra-op program side): the ILP is built without a Python
+loop per variable or row (`planner.intra.ilp.ILPModel`: each edge's marginal rows as arrays,
+the columns put in pulp's order, by name, from their numbers without making the names), edge
+prices make the tensor's size key once per matrix and each gradient's expected placement once
+per row, the backward terms of `planner.inter.held_memory` are kept per (node, option) for
+every solution of a pricing, recomputation and zero-bubble tables read forward times and
+activation bytes from the solution's node values, the layer of each node is kept per
+clustering, and memory-ladder rungs that land on an earlier solve's choice of the same
+program reuse its summary (gpt-39b at 1 row per micro-batch: 44 distinct choices in 54
+solves). Plans are unchanged: the whole plan JSON (planner time aside) is equal before and
+after for llama3-8b (1x8xH100-80GB, batch 8), llama3-70b at 4 rows per micro-batch,
+mixtral-8x7b at 16 and gpt-39b at 1. gpt-39b at 1 row, one process, solves in the calling
+thread, cProfile with ``time.process_time`` (load 4-7): 62.7 -> 55.3 s of CPU in all, the
+per-mesh passes (`profiles_for`) 44.9 -> 35.9 s, edge prices 6.8 -> 4.4 s, layer profiles
+12.2 -> 7.7 s, ILP build 1.9 -> 1.0 s. Unprofiled (one process, `/usr/bin/time`), the saving
+is within this machine's noise (shared by other agents): gpt-39b at 1 row 17.6 and 16.3 s of
+CPU before, 17.0 and 13.7 s after (alternating, load 7-13); llama3-70b at 4 rows 42.4 s
+before, 43.4 s after (load 6-7); mixtral-8x7b at 16 rows 61.8 and 79.1 s before, 62.2 and
+66.3 s after (run before, after, after, before; load 4-6). No target was re-measured. What
+planning waits for is still outside this side: DTensor's strategies and the trace, per
+micro-batch size and logical mesh.
 """
 
 from __future__ import annotations

@@ -147,12 +147,14 @@ class ILPModel:
     problem's own `memory_budget` is ignored: `solve` takes the budget). The memory row is the
     program's last row, replaced for each budget, so a memory ladder builds the program once.
 
-    The program is held as columns (names; the binaries first, in the order of the nodes and
-    their strategies, then the edge variables), objective coefficients and equality rows, each
-    coefficient summed from the same terms in the same order as a term-by-term pulp build
-    (``prob += lpSum(terms)``) would. `pulp_problem` makes that pulp model (for CBC); HiGHS gets
-    the same program as arrays (`planner.intra.highs.highs_arrays`), without a pulp object per
-    variable. `keep[v]` are the strategies of node v that get a variable (original indices;
+    The program is held as columns (the binaries first, in the order of the nodes and their
+    strategies, then the edge variables; each labelled by its numbers, `names` made from them
+    only for pulp), objective coefficients and equality rows (as arrays, a block of rows per
+    node and per edge side), each coefficient summed from the same terms in the same order as
+    a term-by-term pulp build (``prob += lpSum(terms)``) would. `pulp_problem` makes that pulp
+    model (for CBC); HiGHS gets the same program as arrays (`planner.intra.highs.highs_arrays`,
+    columns in pulp's order by name: `_name_order`), without a pulp object per variable and
+    without a Python step per variable or row. `keep[v]` are the strategies of node v that get a variable (original indices;
     names and tie-breaks keep the original indices too; default: all), and `solve` returns
     original indices.
 
