@@ -200,7 +200,8 @@ def evaluate_all(
         return share(
             n,
             workers - 1,
-            lambda k: evaluate(job, make, sizes[k], _numbered(say, k, n)),
+            # assembled as a worker's are: this process does not keep every size's graph
+            lambda k: _assembled(evaluate(job, make, sizes[k], _numbered(say, k, n))),
             lambda k: pool.submit(_evaluate_in_worker, job, sizes[k], k, n).result(),
         )
     finally:
@@ -275,7 +276,11 @@ def _evaluate_in_worker(job: SizeJob, b: int, k: int, n: int) -> SizeResult:
     """`evaluate` of the k-th of n sizes in a worker: the model rebuilt from its name, the best
     plan assembled (a `PlanSpec` holds the traced graph, which does not cross processes)."""
     _, make, _ = resolve_model(job.model, job.example_batch, job.dtype, job.model_name)
-    out = evaluate(job, make, b, _numbered(_messages.put, k, n))
+    return _assembled(evaluate(job, make, b, _numbered(_messages.put, k, n)))
+
+
+def _assembled(out: SizeResult) -> SizeResult:
+    """`out` with its best plan assembled and the traced graph let go."""
     if out.best is not None:
         out.plan, out.best = assemble(out.best.spec), None
     return out
