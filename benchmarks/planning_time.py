@@ -129,7 +129,9 @@ batch dimension and the mesh), each of which would need sharing across processes
 
 2026-11-26 evening (the machine at load 7-30, shared with other agents and the runs below, so
 whole-run times are not comparable with the figures above). Two changes, the same plans (the
-whole plan JSON but the planner time, for llama3-8b and gpt-39b): (1) the planning process
+whole plan JSON but the planner time, for llama3-8b, gpt-39b, llama3-70b and mixtral-8x7b).
+gpt-39b before and after run side by side (the same load, 3-7), twice: 182.4 -> 165.1 s and
+160.0 -> 152.8 s wall, 104.4 -> 93.1 and 97.5 -> 89.3 s of CPU. (1) the planning process
 searches sizes itself, from the back of the list, while n - 1 workers take them from the front
 (`planner.size_search.share`): one spawned worker fewer on two cores, whose imports alone
 (``import planner.size_search``) take 3.3-4.4 s of CPU at that load; llama3-8b 67.1 -> 58.0 s
