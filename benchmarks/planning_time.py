@@ -148,6 +148,31 @@ before, 43.4 s after (load 6-7); mixtral-8x7b at 16 rows 61.8 and 79.1 s before,
 66.3 s after (run before, after, after, before; load 4-6). No target was re-measured. What
 planning waits for is still outside this side: DTensor's strategies and the trace, per
 micro-batch size and logical mesh.
+
+2026-11-26 evening (the machine at load 7-30, shared with other agents and the runs below, so
+whole-run times are not comparable with the figures above). Two changes, the same plans (the
+whole plan JSON but the planner time, for llama3-8b, gpt-39b, llama3-70b and mixtral-8x7b).
+gpt-39b before and after run side by side (the same load, 3-7), twice: 182.4 -> 165.1 s and
+160.0 -> 152.8 s wall, 104.4 -> 93.1 and 97.5 -> 89.3 s of CPU. (1) the planning process
+searches sizes itself, from the back of the list, while n - 1 workers take them from the front
+(`planner.size_search.share`): one spawned worker fewer on two cores, whose imports alone
+(``import planner.size_search``) take 3.3-4.4 s of CPU at that load; llama3-8b 67.1 -> 58.0 s
+of CPU and gpt-39b 96.7 -> 82.4 s (single runs of the CLI, load 7-17). (2) DTensor's strategy
+functions run without their redistribution costs (`planner.intra.dtensor_rules`, the same
+strategies on seven models): DTensor's part of the strategies of one size, every op signature
+on every mesh of the case, alternating with and without in one process, CPU s: llama3-70b at 4
+rows 4.4-7.0 -> 2.3-2.7, mixtral-8x7b at 16 rows 15.2-15.9 -> 9.6-10.4, gpt-39b at 1 row
+2.0-2.5 -> 1.2-1.7.
+
+Pruning by a proven lower bound (issue 23) would skip nothing on these cases: the least
+iteration time any plan can be predicted to take (`benchmarks.ceiling`, the whole model on one
+device at the whole batch over the devices) is 0.75-0.80 of the best plan's time in the suites'
+records (`benchmarks/results/REPORT.md`: bound against automatic TFLOP/s per device, 635 vs
+503 for llama3-70b and 560 vs 417 for mixtral-8x7b on 64 H100s, 96 vs 71 for gpt-39b on 64
+V100s). A micro-batch size's own bound (each GEMM at that size's efficiency) is barely above
+it for the llama and mixtral cases, whose GEMMs' smallest dimension is the hidden size at every
+size (4096-8192 rows of sequence per micro-batch); it falls as the size grows, so for gpt-39b,
+fastest at 1 row, no size's bound exceeds the 1-row bound, which its best plan already exceeds.
 """
 
 from __future__ import annotations

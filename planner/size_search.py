@@ -8,8 +8,8 @@ worker rebuilds the model from its name (an `nn.Module` object is searched in th
 need not be picklable), searches one size and returns that size's best plan, assembled. The
 results are those of the serial search: the sizes' best plans are compared in the order the
 serial search visits them (ties go to the earlier), so the plan does not depend on the process
-count. `MESHPLAN_PLANNER_PROCESSES` sets the count (1: everything in this process); by default
-one per core this process may use, at most one per size.
+count. `MESHPLAN_PLANNER_PROCESSES` sets the count, this process included (1: everything in this
+process); by default one per core this process may use, at most one per size.
 """
 
 from __future__ import annotations
@@ -176,30 +176,81 @@ def evaluate_all(
     job: SizeJob, make: Callable, sizes: list[int], say: Progress
 ) -> list[SizeResult]:
     """`evaluate` every size, in worker processes when `processes` says so; results in the
-    order of `sizes`."""
+    order of `sizes`.
+
+    With n > 1 processes this process is one of them: n - 1 workers take the sizes from the
+    front of the list, one at a time each (a feeder thread per worker hands it the next when it
+    returns one), while this process takes them from the back. This process has its imports
+    done and the model built, where a spawned worker first imports the planner (seconds of CPU):
+    one worker fewer saves that, and no process sits idle waiting for the others."""
     workers = processes(job, len(sizes))
+    n = len(sizes)
     if workers <= 1:
         return [
-            evaluate(job, make, b, _numbered(say, k, len(sizes)))
-            for k, b in enumerate(sizes)
+            evaluate(job, make, b, _numbered(say, k, n)) for k, b in enumerate(sizes)
         ]
     context = multiprocessing.get_context("spawn")
     messages = context.Queue()
     relay = threading.Thread(target=_relay, args=(messages, say), daemon=True)
     relay.start()
     pool = ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_init_worker, initargs=(messages,)
+        workers - 1, mp_context=context, initializer=_init_worker, initargs=(messages,)
     )
     try:
-        futures = [
-            pool.submit(_evaluate_in_worker, job, b, k, len(sizes))
-            for k, b in enumerate(sizes)
-        ]
-        return [f.result() for f in futures]
+        return share(
+            n,
+            workers - 1,
+            # assembled as a worker's are: this process does not keep every size's graph
+            lambda k: _assembled(evaluate(job, make, sizes[k], _numbered(say, k, n))),
+            lambda k: pool.submit(_evaluate_in_worker, job, sizes[k], k, n).result(),
+        )
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         messages.put(None)
         relay.join()
+
+
+def share(
+    n: int, helpers: int, here: Callable[[int], Any], there: Callable[[int], Any]
+) -> list[Any]:
+    """[f(0), ..., f(n - 1)] where each k is run once, by `here(k)` in the calling thread or
+    `there(k)` on one of `helpers` threads (each waiting on a worker process): the helpers take
+    indices from the front, the calling thread from the back, each the next one nobody has
+    taken when it is free. The first exception (either side) is raised once every thread is
+    done with the index it has; no index is taken after it."""
+    left = list(range(n))  # indices nobody has taken
+    lock = threading.Lock()
+    results: dict[int, Any] = {}
+    failed: list[BaseException] = []
+
+    def take(front: bool) -> int | None:
+        with lock:
+            if failed or not left:
+                return None
+            return left.pop(0 if front else -1)
+
+    def run(front: bool, f: Callable[[int], Any]) -> None:
+        try:
+            while (k := take(front)) is not None:
+                results[k] = f(k)
+        except BaseException as exc:  # noqa: BLE001 - raised by the calling thread
+            with lock:
+                failed.append(exc)
+
+    threads = [
+        threading.Thread(target=run, args=(True, there), daemon=True)
+        for _ in range(helpers)
+    ]
+    for t in threads:
+        t.start()
+    try:
+        run(False, here)
+    finally:
+        for t in threads:
+            t.join()
+    if failed:
+        raise failed[0]
+    return [results[k] for k in range(n)]
 
 
 def _numbered(say: Progress, k: int, n: int) -> Progress:
@@ -225,7 +276,11 @@ def _evaluate_in_worker(job: SizeJob, b: int, k: int, n: int) -> SizeResult:
     """`evaluate` of the k-th of n sizes in a worker: the model rebuilt from its name, the best
     plan assembled (a `PlanSpec` holds the traced graph, which does not cross processes)."""
     _, make, _ = resolve_model(job.model, job.example_batch, job.dtype, job.model_name)
-    out = evaluate(job, make, b, _numbered(_messages.put, k, n))
+    return _assembled(evaluate(job, make, b, _numbered(_messages.put, k, n)))
+
+
+def _assembled(out: SizeResult) -> SizeResult:
+    """`out` with its best plan assembled and the traced graph let go."""
     if out.best is not None:
         out.plan, out.best = assemble(out.best.spec), None
     return out

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from cost_models.errors import MeshplanError
 from planner.api import plan
-from planner.size_search import SizeJob, processes
+from planner.size_search import SizeJob, processes, share
 
 
 def _without_time(p) -> dict:
@@ -25,6 +27,60 @@ def test_worker_processes_give_the_serial_plan(monkeypatch: pytest.MonkeyPatch) 
     # the workers' progress reaches the caller: every size traced
     for b in (8, 4, 2, 1):
         assert any(f"with micro-batch {b}" in m for m in said), said
+
+
+@pytest.mark.parametrize("helpers", [1, 3])
+def test_share_runs_each_index_once_in_order(helpers: int) -> None:
+    """The calling thread takes indices from the back, the helpers from the front: each index
+    runs once, the results come back in index order, and the calling thread's indices are a
+    suffix (it has imports done; a worker's first size waits for the worker's start)."""
+    me = threading.get_ident()
+    ran: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def f(k: int) -> int:
+        with lock:
+            assert k not in ran
+            ran[k] = threading.get_ident()
+        return k * k
+
+    started = threading.Event()  # the helpers wait until the calling thread has run one
+
+    def here(k: int) -> int:
+        started.set()
+        return f(k)
+
+    def there(k: int) -> int:
+        assert started.wait(30)
+        return f(k)
+
+    n = 9
+    assert share(n, helpers, here, there) == [k * k for k in range(n)]
+    assert sorted(ran) == list(range(n))
+    mine = sorted(k for k, t in ran.items() if t == me)
+    assert mine and mine == list(range(n - len(mine), n))
+
+
+@pytest.mark.parametrize("failing", ["here", "there"])
+def test_share_raises_the_first_failure(failing: str) -> None:
+    """A failure on either side is raised, and no index is taken after it."""
+    failed = threading.Event()
+    ran: list[int] = []
+
+    def boom(k: int) -> int:
+        ran.append(k)
+        failed.set()
+        raise MeshplanError(f"size {k} failed")
+
+    def waits(k: int) -> int:  # still running when the other side fails
+        ran.append(k)
+        assert failed.wait(30)
+        return k
+
+    sides = (boom, waits) if failing == "here" else (waits, boom)
+    with pytest.raises(MeshplanError, match="failed"):
+        share(4, 1, *sides)
+    assert 1 not in ran and 2 not in ran, ran
 
 
 def test_process_count(monkeypatch: pytest.MonkeyPatch) -> None:

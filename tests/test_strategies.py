@@ -8,6 +8,7 @@ and return the planned output placements and the single-device values.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import operator
 import os
@@ -516,3 +517,45 @@ def test_ground_truth_on_gloo(gm: torch.fx.GraphModule, tmp_path: object) -> Non
         result = json.load(f)
     assert result["ran"] == len(cases) > 60
     assert result["failures"] == [], "\n".join(result["failures"])
+
+
+def test_strategies_without_redistribute_costs_are_the_same(
+    gm: torch.fx.GraphModule, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Enumerating without DTensor's redistribution costs (`dtensor_rules` docstring) gives
+    the same strategies as with them, on the tiny block and llama-tiny (rotary `cat`, gated
+    MLP) on 1-D and 2-D meshes; outside the switch DTensor's costs are intact."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
+    from torch.distributed.tensor._ops import utils
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    from planner.tracing.inputs import resolve_model
+    from planner.tracing.tracer import trace
+
+    _, make, _ = resolve_model("llama-tiny", None, torch.float16, None)
+    graphs = [gm, trace(*make(2), model_name="llama-tiny").gm]
+    meshes = [(1, 4), (2, 2)]
+
+    def every(g: torch.fx.GraphModule) -> dict:
+        st.clear_cache()
+        return {m: st.graph_strategies(g, m) for m in meshes}
+
+    fast = [every(g) for g in graphs]
+    monkeypatch.setattr(dr, "without_redistribute_costs", contextlib.nullcontext)
+    assert [every(g) for g in graphs] == fast
+    st.clear_cache()
+    # the switch is installed, and only zeroes the costs inside the context
+    mesh = dr.get_mesh((2, 2))
+    spec = DTensorSpec(
+        mesh,
+        (Shard(0), Replicate()),
+        TensorMeta(torch.Size([8, 8]), (8, 1), torch.float32),
+    )
+    src = OpStrategy([OpSpec(spec)])
+    dst = DTensorSpec(mesh, (Replicate(), Replicate()), spec.tensor_meta)
+    assert utils.generate_redistribute_costs(src, dst)[0] > 0
+    monkeypatch.undo()
+    with dr.without_redistribute_costs():
+        assert utils.generate_redistribute_costs(src, dst) == [0.0]
+    assert utils.generate_redistribute_costs(src, dst)[0] > 0
