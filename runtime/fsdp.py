@@ -1,5 +1,5 @@
 """FSDP (ZeRO stage 3) parameters of one stage: gathered around their use, gradients
-reduce-scattered (``StagePlan.fsdp_params``; priced in `planner.intra.prices`).
+reduce-scattered (``StagePlan.fsdp_params``; priced in `planner.intra.fsdp_prices`).
 
 The optimizer's leaf of such a parameter is its shard (`planner.vocab.placements.zero_shard`,
 placed by `runtime.pipeline.PipelineRunner.place_params`). In every micro-batch:

@@ -28,6 +28,7 @@ import torch
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
+from planner.intra import fsdp_prices as fp
 from planner.intra import prices as sc
 from planner.intra.context import attention_nodes
 from planner.intra.prices import Option, StageSettings
@@ -322,5 +323,5 @@ def test_holds_the_priced_bytes(runs: list[dict[str, Any]], name: str) -> None:
             meta = graph.node(names[path]).outputs[0]
             strategy = Strategy((tuple(sp.param_placements[path]),), (), "param")
             zero = 3 if path in sp.fsdp_params else 0
-            priced = sc.param_state_bytes(meta, Option(strategy, zero=zero), s)
+            priced = fp.param_state_bytes(meta, Option(strategy, zero=zero), s)
             assert param + grad + adam == priced, path

@@ -1,4 +1,4 @@
-"""FSDP (ZeRO stage 3): priced (`planner.intra.prices`), chosen by the search when memory
+"""FSDP (ZeRO stage 3): priced (`planner.intra.fsdp_prices`), chosen by the search when memory
 demands, and executed as priced (`runtime.fsdp`).
 
 One gloo launch of 2 ranks trains a small Llama (hidden 64, 4 layers) data-parallel over both with
@@ -24,7 +24,7 @@ from profiles import cpu_cluster
 
 from cost_models.communication import LogicalMesh
 from cost_models.memory import param_state_bytes
-from planner.intra import prices as sc
+from planner.intra import fsdp_prices as fp
 from planner.intra.prices import Option, StageSettings
 from planner.models import build_model
 from planner.plans.manual import manual_plan
@@ -58,19 +58,19 @@ def test_fsdp_price_follows_its_derivation() -> None:
     meta = TensorMeta((64, 32), "float32", 8192)
     fsdp = Option(Strategy((("R", "R"),), (), "param"), zero=3)
     # memory: 2048 elements / 4 devices * (2 + 2 + 12) bytes
-    assert sc.param_state_bytes(meta, fsdp, s) == 2048 / 4 * 16
+    assert fp.param_state_bytes(meta, fsdp, s) == 2048 / 4 * 16
     assert param_state_bytes(2048, shards=1, zero_shards=4, zero_stage=3) == 8192
     # ZeRO-2 unchanged: weights whole, gradients and state / 4
     assert param_state_bytes(2048, zero_shards=4) == 2048 * (2 + 14 / 4)
     # the gathered copy while live: weights + unsharded gradient
-    assert sc.fsdp_gathered_bytes(meta, fsdp, s) == 2048 * (2 + 2)
+    assert fp.fsdp_gathered_bytes(meta, fsdp, s) == 2048 * (2 + 2)
     one = 20e-6 + 1e-9 * 8192  # an all-gather or reduce-scatter of the 8192 B tensor
-    assert sc.fsdp_placements(meta, fsdp, s) == (("R", "R"), ("R", "S(0)"), ("R", "P"))
-    assert sc.fsdp_gather(meta, fsdp, s) == pytest.approx(2 * one)
-    assert sc.fsdp_comm(meta, fsdp, s) == pytest.approx(3 * one)
+    assert fp.fsdp_placements(meta, fsdp, s) == (("R", "R"), ("R", "S(0)"), ("R", "P"))
+    assert fp.fsdp_gather(meta, fsdp, s) == pytest.approx(2 * one)
+    assert fp.fsdp_comm(meta, fsdp, s) == pytest.approx(3 * one)
     # node cost: less the all-reduce's bandwidth share the consumers' edges charge per
     # micro-batch (2 micro-batches; the all-reduce line's slope is 1 ns per byte)
-    assert sc.zero_cost(meta, fsdp, s) == pytest.approx(3 * one - 1e-9 * 8192 / 2)
+    assert fp.zero_cost(meta, fsdp, s) == pytest.approx(3 * one - 1e-9 * 8192 / 2)
 
 
 def test_fsdp_overlap_follows_its_formula() -> None:
@@ -163,8 +163,8 @@ def test_search_picks_fsdp_when_memory_forces_it() -> None:
             K[k] += values[n][0] - values[n][2]
         elif opt.zero == 3:
             s = tight._ctx.settings
-            G[k] += sc.fsdp_gather(node.outputs[0], opt, s) / 2
-            R[k] += sc.fsdp_reduce_scatter(node.outputs[0], opt, s)
+            G[k] += fp.fsdp_gather(node.outputs[0], opt, s) / 2
+            R[k] += fp.fsdp_reduce_scatter(node.outputs[0], opt, s)
     assert (G > 0).all() and (R > 0).all() and (K > F).all()
     names, table = tight.node_cost_table()
     full = np.zeros(L)
@@ -382,7 +382,7 @@ def test_fsdp_holds_the_priced_bytes(runs: list[dict[str, Any]]) -> None:
         for path, (param, grad, adam) in r["held"].items():
             meta = graph.node(names[path]).outputs[0]
             strategy = Strategy((tuple(sp.param_placements[path]),), (), "param")
-            priced = sc.param_state_bytes(meta, Option(strategy, zero=3), s)
+            priced = fp.param_state_bytes(meta, Option(strategy, zero=3), s)
             assert param + grad + adam == priced, path
             assert param < meta.nbytes, path  # sharded
     assert all(r["checkpoint"] == (True, 3) for r in runs)

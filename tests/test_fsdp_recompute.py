@@ -26,7 +26,7 @@ import torch
 from profiles import cpu_cluster
 
 from cost_models.communication import LogicalMesh
-from planner.intra import prices as sc
+from planner.intra import fsdp_prices as fp
 from planner.intra.prices import Option, StageSettings
 from planner.models import build_model
 from planner.plans.manual import manual_plan
@@ -334,6 +334,6 @@ def test_holds_the_priced_bytes(runs: list[dict[str, Any]], mode: str) -> None:
         for path, (param, grad, adam) in r[mode]["held"].items():
             meta = graph.node(names[path]).outputs[0]
             strategy = Strategy((tuple(sp.param_placements[path]),), (), "param")
-            priced = sc.param_state_bytes(meta, Option(strategy, zero=3), s)
+            priced = fp.param_state_bytes(meta, Option(strategy, zero=3), s)
             assert param + grad + adam == priced, path
             assert param < meta.nbytes, path  # sharded

@@ -1,5 +1,5 @@
 """Hybrid sharding (HSDP): FSDP inside a host, replicated across hosts; priced
-(`planner.intra.prices`), chosen by the search where the inter-host link is slow and memory needs
+(`planner.intra.fsdp_prices`), chosen by the search where the inter-host link is slow and memory needs
 sharding inside a host only, and executed as priced (`runtime.fsdp`).
 
 One gloo launch of 4 ranks plays a 2x2xCPU cluster (2 hosts of 2; ranks host-major) and trains a
@@ -31,6 +31,7 @@ from cost_models.cluster import Cluster, LinkSpec
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from cost_models.resharding import reshard_steps
+from planner.intra import fsdp_prices as fp
 from planner.intra import prices as sc
 from planner.intra.prices import Option, StageSettings
 from planner.models import build_model
@@ -64,42 +65,42 @@ def test_hsdp_price_follows_its_derivation() -> None:
     across hosts: 1 ms + 1 us per byte; axis 1 inside: 20 us + 1 ns per byte), 2 micro-batches,
     sharded inside the host only."""
     s = StageSettings(LogicalMesh(_slow_cluster(), (2, 2), (2, 2)), num_microbatches=2)
-    assert sc.hybrid_axes(s.mesh) == (1,)
-    assert sc.hybrid_axes(LogicalMesh(_slow_cluster(), (2, 2), (4, 1))) == ()
+    assert fp.hybrid_axes(s.mesh) == (1,)
+    assert fp.hybrid_axes(LogicalMesh(_slow_cluster(), (2, 2), (4, 1))) == ()
     meta = TensorMeta((64, 32), "float32", 8192)
     hsdp = Option(REPLICATED, zero=3, shard_axes=(1,))
     fsdp = Option(REPLICATED, zero=3)
     # the shard: dim 0 split inside the host; the gradient partial on both axes; reduced first
     # onto the shard inside the host (still partial across hosts)
-    assert sc.fsdp_placements(meta, hsdp, s) == (("R", "R"), ("R", "S(0)"), ("P", "P"))
+    assert fp.fsdp_placements(meta, hsdp, s) == (("R", "R"), ("R", "S(0)"), ("P", "P"))
     # memory: 2048 elements / 2 devices * (2 + 2 + 12) bytes; FSDP over all 4: / 4
-    assert sc.param_state_bytes(meta, hsdp, s) == 2048 / 2 * 16
-    assert sc.param_state_bytes(meta, fsdp, s) == 2048 / 4 * 16
+    assert fp.param_state_bytes(meta, hsdp, s) == 2048 / 2 * 16
+    assert fp.param_state_bytes(meta, fsdp, s) == 2048 / 4 * 16
     intra = (
         20e-6 + 1e-9 * 8192
     )  # an all-gather or reduce-scatter of 8192 B inside a host
     inter_ar = (
         2 * 1e-3 + 1e-6 * 4096
     )  # ring all-reduce of the 4096 B shard over 2 hosts
-    assert sc.fsdp_gather(meta, hsdp, s) == pytest.approx(2 * intra)
-    assert sc.fsdp_reduce_scatter(meta, hsdp, s) == pytest.approx(intra + inter_ar)
-    assert sc.fsdp_comm(meta, hsdp, s) == pytest.approx(3 * intra + inter_ar)
+    assert fp.fsdp_gather(meta, hsdp, s) == pytest.approx(2 * intra)
+    assert fp.fsdp_reduce_scatter(meta, hsdp, s) == pytest.approx(intra + inter_ar)
+    assert fp.fsdp_comm(meta, hsdp, s) == pytest.approx(3 * intra + inter_ar)
     # node cost: less the gradient all-reduce's bandwidth the consumers' edges charge per
     # micro-batch (both axes, 8192 B each: 1 us and 1 ns per byte on the all-reduce lines)
     charged = 8192 * 1e-6 + 8192 * 1e-9
-    assert sc.zero_cost(meta, hsdp, s) == pytest.approx(
+    assert fp.zero_cost(meta, hsdp, s) == pytest.approx(
         3 * intra + inter_ar - charged / 2
     )
     # FSDP on this mesh gathers across hosts too: each pass all-gathers the [32, 32] piece
     # inside the host (4096 B), then the whole 8192 B across hosts (1 ms + 1 us * 4096)
     inter_ag = 1e-3 + 1e-6 * 4096
-    assert sc.fsdp_gather(meta, fsdp, s) == pytest.approx(
+    assert fp.fsdp_gather(meta, fsdp, s) == pytest.approx(
         2 * (inter_ag + 20e-6 + 1e-9 * 4096)
     )
     # FSDP's midpoint is its shard: its reduce-scatter is the one redistribution it was
-    _, held, grad = sc.fsdp_placements(meta, fsdp, s)
+    _, held, grad = fp.fsdp_placements(meta, fsdp, s)
     one = sum(st.seconds for st in reshard_steps(s.mesh, (64, 32), 4, grad, held))
-    assert sc.fsdp_reduce_scatter(meta, fsdp, s) == pytest.approx(one)
+    assert fp.fsdp_reduce_scatter(meta, fsdp, s) == pytest.approx(one)
     assert str(hsdp).endswith("+HSDP[1]")
 
 
@@ -120,9 +121,9 @@ def test_hsdp_is_offered_where_the_mesh_spans_hosts() -> None:
         (("R", "R"),)
     ]
     assert not any(o.shard_axes for o in sc.node_options(fx, g.node(name), (2, 2)))
-    assert sc.hybrid_axes(LogicalMesh(cpu_cluster(4), (1, 4), (2, 2))) == ()
-    assert sc.hybrid_axes(LogicalMesh(_slow_cluster(), (2, 2), (1, 4))) == ()
-    assert sc.hybrid_axes(LogicalMesh(_slow_cluster(), (2, 2), (2, 2))) == (1,)
+    assert fp.hybrid_axes(LogicalMesh(cpu_cluster(4), (1, 4), (2, 2))) == ()
+    assert fp.hybrid_axes(LogicalMesh(_slow_cluster(), (2, 2), (1, 4))) == ()
+    assert fp.hybrid_axes(LogicalMesh(_slow_cluster(), (2, 2), (2, 2))) == (1,)
     # the search also solves pure data parallelism with every parameter HSDP there (a seed)
     from planner.intra.megatron import seed_filters
 
@@ -165,13 +166,13 @@ def test_search_picks_hsdp_where_it_should() -> None:
     )
     assert all(a == [1] for a in hybrid.fsdp_axes.values())
     # without the data split on both axes the gradient need not be partial across hosts as
-    # HSDP's price takes it: not offered (`prices.hsdp_holds`)
+    # HSDP's price takes it: not offered (`fsdp_prices.hsdp_holds`)
     loose = solve_stage(
         g, slow, memory_budget=budget, param_filter=replicated, optimizer="adam_fp32"
     )
     assert loose.memory_bytes <= budget and not loose.fsdp_axes
     hsdp = Option(REPLICATED, zero=3, shard_axes=(1,))
-    assert sc.hsdp_holds(hsdp, (2, 2), (0, 1)) and not sc.hsdp_holds(hsdp, (2, 2), (1,))
+    assert fp.hsdp_holds(hsdp, (2, 2), (0, 1)) and not fp.hsdp_holds(hsdp, (2, 2), (1,))
     flat = solve_stage(g, fast, memory_budget=budget, **kw)
     assert flat.memory_bytes <= budget and not flat.fsdp_axes
     assert flat.zero_params or flat.fsdp_params
@@ -412,7 +413,7 @@ def test_hsdp_holds_the_priced_bytes(runs: list[dict[str, Any]]) -> None:
             meta = graph.node(names[path]).outputs[0]
             strategy = Strategy((tuple(sp.param_placements[path]),), (), "param")
             option = Option(strategy, zero=3, shard_axes=sp.shard_axes(path))
-            assert param + grad + adam == sc.param_state_bytes(meta, option, s), path
+            assert param + grad + adam == fp.param_state_bytes(meta, option, s), path
             assert 2 * param == meta.nbytes, path
     for path in runs[0][
         "shards"

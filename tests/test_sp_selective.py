@@ -30,7 +30,7 @@ from torch import nn
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from planner.inter import stage_table as st
-from planner.intra import prices as sc
+from planner.intra import fsdp_prices as fp
 from planner.intra.prices import Option, StageSettings
 from planner.models import build_model
 from planner.plans.manual import manual_plan
@@ -454,7 +454,7 @@ def test_holds_the_priced_bytes(runs: list[dict[str, Any]], name: str) -> None:
         for path, (param, grad, adam) in r[name]["held"].items():
             meta = graph.node(names[path]).outputs[0]
             strategy = Strategy((tuple(sp.param_placements[path]),), (), "param")
-            priced = sc.param_state_bytes(meta, Option(strategy), s)
+            priced = fp.param_state_bytes(meta, Option(strategy), s)
             assert param + grad + adam == priced, path
     assert np.isfinite(plan.estimate.peak_memory_bytes)
 

@@ -22,9 +22,10 @@ from planner.inter import stage_table as st
 from planner.inter.interleave import InterleavedSearch, interleave_layering
 from planner.inter.stage_dp import stage_dp
 from planner.intra.context import without_context
+from planner.intra.fsdp_prices import hybrid_axes
 from planner.intra.highs import solves_overlap
 from planner.intra.megatron import context_seeds, is_expert_weight, seed_filters
-from planner.intra.prices import Option, hybrid_axes
+from planner.intra.prices import Option
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.plan_check import RECOMPUTE_MODES
 

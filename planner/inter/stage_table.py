@@ -21,9 +21,9 @@ gradients, ZeRO gradients held whole until the step's sync; and a second set of 
 during later micro-batches' backward on compiled graphs, `LayerProfile.accumulate_bytes`),
 and recomputation adds to the time the layers' forward compute (full) or their attention cores'
 forward (selective; the core bytes and seconds are `planner.inter.selective`'s). FSDP parameters
-(`planner.intra.prices`, ZeRO stage 3) add twice the largest layer's gathered bytes to the
+(`planner.intra.fsdp_prices`, ZeRO stage 3) add twice the largest layer's gathered bytes to the
 transient term (the layer running and the next one gathered), and their collectives count only by
-the part compute does not hide (`fsdp_exposed`, the overlap model of `planner.intra.prices`):
+the part compute does not hide (`fsdp_exposed`, the overlap model of `planner.intra.fsdp_prices`):
 forward gathers behind the layer's forward compute, backward gathers and the next layer's
 reduce-scatters behind its backward compute; the first layer's reduce-scatters and the first gather
 of each pass (the first layer's in forward, the last layer's in backward) in full (range terms in
@@ -84,7 +84,7 @@ class LayerProfile:
     # and what of its FSDP collectives only the range's ends decide (`fsdp_exposed`: the first
     # layer's reduce-scatter, the first gather of each pass)
     fixed: np.ndarray
-    # bytes per layer of its FSDP parameters' gathered copies (`prices.fsdp_gathered_bytes`)
+    # bytes per layer of its FSDP parameters' gathered copies (`fsdp_prices.fsdp_gathered_bytes`)
     gathered: np.ndarray | None = None
     # per layer, rows F, K, G, R of `fsdp_exposed` (forward and backward compute, all-gathers
     # of one pass, reduce-scatters); `time` and `fixed` hide them as without recomputation,
@@ -287,7 +287,7 @@ def profile(
         K = both - F  # backward compute
         exposed, first, last = fsdp_exposed(F, K, G, R)
         terms = np.stack([F, K, G, R])
-        # `time` has the collectives in full (`prices.zero_cost` + edges)
+        # `time` has the collectives in full (`fsdp_prices.zero_cost` + edges)
         time -= 2 * G + R - exposed
         fixed += first[:, None] + last[None, :]
     cores = _cores(graph)
@@ -373,7 +373,7 @@ def fsdp_exposed(
     F: np.ndarray, K: np.ndarray, G: np.ndarray, R: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The seconds per micro-batch of FSDP collectives that compute does not hide
-    (`planner.intra.prices`, module docstring), from per-layer forward compute F, backward
+    (`planner.intra.fsdp_prices`, module docstring), from per-layer forward compute F, backward
     compute K, all-gathers of one pass G and reduce-scatters R: (e, first, last) with a stage of
     layers k..j exposed for ``e[k..j].sum() + first[k] + last[j]``. Per layer, with
     s_l = max(0, K_l - G_l) the backward compute its gathers leave and s_{-1} = 0:

@@ -150,7 +150,7 @@ def seed_filters(
     * pure data parallelism with every parameter FSDP-sharded (ZeRO stage 3, as torchtitan runs
       FSDP over all devices; a model with a parameter the runtime cannot shard has no solution
       under it, and the search skips it); and where the mesh spans hosts (`hybrid`: the axes
-      inside a host, `planner.intra.prices.hybrid_axes`) with every parameter HSDP-sharded
+      inside a host, `planner.intra.fsdp_prices.hybrid_axes`) with every parameter HSDP-sharded
       over those (torchtitan's HSDP).
 
     Activations split the batch on the data-parallel axes (`batch_axes`). None on a single

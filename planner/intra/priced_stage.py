@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from planner.intra import fsdp_prices as fp
 from planner.intra import prices as sc
 from planner.intra.prices import Option, StageSettings
 from planner.tracing.opgraph import OpGraph
@@ -38,13 +39,13 @@ class PricedStage:
     def node_cost(self, name: str, opt: Option) -> float:
         node = self.graph.node(name)
         if name in self.graph.placeholder_paths and node.op == "param":
-            return sc.zero_cost(node.outputs[0], opt, self.settings)
+            return fp.zero_cost(node.outputs[0], opt, self.settings)
         return sc.compute_time(node, opt, self.settings)
 
     def node_memory(self, name: str, opt: Option) -> float:
         node = self.graph.node(name)
         if node.op == "param":
-            return sc.param_state_bytes(node.outputs[0], opt, self.settings)
+            return fp.param_state_bytes(node.outputs[0], opt, self.settings)
         return sc.activation_bytes(node, opt, name in self.saved, self.settings)
 
     rep: dict[str, str] = field(default_factory=dict)

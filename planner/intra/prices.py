@@ -25,74 +25,8 @@ All prices come from `cost_models` (principle 2) and cover forward and backward:
   few collectives per stage. When a plan is assembled, `planner.inter.dp_overlap` cuts a stage's
   buckets at DDP's cap (a latency per bucket and key) and hides what the runtime overlaps with
   the last micro-batch's backward.
-* ZeRO: a parameter replicated on some mesh axes may also keep its gradient and optimizer state
-  sharded over those axes ("zero" option). Reduce-scatter + all-gather cost what the all-reduce
-  would, and we charge one more all-gather of the parameter per iteration (an upper bound), so the
-  solver picks it only when memory demands.
-* FSDP (ZeRO stage 3, ``Option.zero == 3``): weights, gradients and optimizer state all sharded
-  over the replicating axes (`planner.vocab.placements.zero_shard`: the shard the runtime keeps),
-  so memory is ``numel / shards / zero_shards * (param + grad + optimizer)``
-  (`cost_models.memory.param_state_bytes`). The runtime (`runtime.fsdp`) gathers the weight
-  before its first use in every micro-batch's forward, drops it after its last, gathers it again
-  in backward, and reduce-scatters its gradient onto the shard once per micro-batch (FSDP's
-  default: no unsharded gradient is kept across micro-batches). Per micro-batch:
-
-      fsdp_comm = 2 * reshard(shard -> planned) + reshard(grad -> shard)
-
-  with grad = the planned placement with P on the sharded axes (the consumers are split there,
-  as data parallelism splits them). The consumers' edges still charge this gradient's all-reduce
-  (its bandwidth per micro-batch, `_bucket_bandwidth` / B), which the runtime does not run for an
-  FSDP parameter, so the node cost is ``fsdp_comm - that all-reduce share`` (`zero_cost`):
-  node + edges = what runs. The ILP sees ``fsdp_comm`` unhidden (linear, an upper bound: it picks
-  FSDP when memory demands); the stage's price (`planner.inter.stage_table.profile`,
-  `planner.inter.stage_table.fsdp_exposed`) then hides what the runtime overlaps with compute.
-  Per layer l of a stage holding layers k..j (a parameter in its first consumer's layer):
-  G_l = its parameters' all-gathers of one pass (`fsdp_gather` / 2: the same in forward and in
-  backward), R_l = their reduce-scatters (`fsdp_reduce_scatter`), F_l = the layer's forward
-  compute, K_l = its backward compute (forward + backward less forward). The forward gathers,
-  prefetched one parameter ahead, overlap forward compute; in backward the gathers (prefetched)
-  and the reduce-scatters (issued as each gradient is complete, waited one layer later: the
-  runtime waits for layer l's reduce-scatters when layer l-1 issues its first) share the
-  backward compute, so layer l's backward hides its own gathers and layer l+1's
-  reduce-scatters; the first layer's, issued last in backward, are waited for at its end:
-
-      exposed = sum_{l=k..j} [ max(0, G_l - F_l) + max(0, G_l + R_{l+1} - K_l) ] + R_k
-                + min(G_k, F_k) + min(G_j, K_j)
-                (R_{j+1} = 0: the stage's last layer hides no reduce-scatter)
-
-  The first gather of each pass has no compute before it to hide behind: layer k's in forward,
-  layer j's in backward, charged in full by the last two terms.
-
-  With recomputation (FSDP2 with activation checkpointing) the communication is the same: the
-  forward gathers, drops the copy after its last use; backward gathers once, before the
-  recomputed forward, which reads that copy, and the layer's backward uses it too (`runtime.fsdp`).
-  The recomputed forward X_l (the layer's forward compute for full, its attention cores' for
-  selective) is compute of the layer's backward pass: the formula above with K_l + X_l for K_l
-  (`planner.inter.stage_table.LayerProfile.fsdp_recompute`).
-
-  With equal layers the neighbour's compute is the layer's own (a gather is prefetched while the
-  parameter before it computes; layer l's reduce-scatters run behind the rest of its backward and
-  the start of layer l-1's: about one layer's backward in all). The gathered copy
-  (`fsdp_gathered_bytes`) is live only around its use: a stage adds twice its largest layer's
-  gathered bytes (the layer running and the one gathered next, or its gradient being reduced).
-* HSDP (hybrid sharding, ``Option.shard_axes``; torch FSDP2's ``fully_shard`` on a 2D mesh):
-  FSDP over the axes inside a host only (`hybrid_axes`), replicated over an axis that spans
-  hosts (offered where a stage's mesh has both). With m the devices of the shard axes, and
-  grad = P on every replicating axis (`planner.vocab.placements.fsdp_gradient`):
-
-      memory         = numel / shards / m * (param + grad + optimizer)
-      gather         = reshard(shard -> planned)           (an all-gather inside the host)
-      reduce-scatter = reshard(grad -> mid) + reshard(mid -> shard)
-                     = RS_intra(B) + AR_inter(B / m)      (mid = `reduce_midpoint`: the shard on
-                                                           the intra axes, P across hosts)
-
-  HSDP is chosen only in solves that split the data on every axis replicating the parameter
-  (`hsdp_holds`: Megatron-style data parallelism, its seeds, `meshplan manual --fsdp hybrid`),
-  where the gradient is partial there as priced. Per micro-batch, in `fsdp_comm`, `zero_cost`
-  and the overlap model above exactly as FSDP's
-  (G_l from the gathers, R_l from the reduce-scatter + all-reduce, which the runtime issues
-  together and waits one layer later). For FSDP ``mid`` is the shard: the formulas above are
-  this one with the second step empty.
+* ZeRO-2, FSDP (ZeRO stage 3) and HSDP: their memory and collectives are priced in
+  `planner.intra.fsdp_prices`.
 """
 
 from __future__ import annotations
@@ -105,20 +39,12 @@ import torch
 
 from cost_models.communication import LogicalMesh
 from cost_models.compute import measured_op_time, op_overhead, op_time
-from cost_models.memory import gathered_bytes
-from cost_models.memory import param_state_bytes as state_bytes
 from cost_models.resharding import reshard_cost, reshard_steps
 from planner.intra.context import gathered_kv_bytes
 from planner.intra.strategies import node_strategies
 from planner.tracing.opgraph import OpGraph, OpNode, TensorMeta
 from planner.vocab.grads import bucketed_axes, expected_grad, grad_from_consumer
-from planner.vocab.placements import (
-    fsdp_gradient,
-    norm,
-    reduce_midpoint,
-    shards,
-    zero_shard,
-)
+from planner.vocab.placements import norm, shards, zero_shard
 from planner.vocab.strategy import Strategy, consumed_output
 
 
@@ -160,32 +86,6 @@ def split_factor(strategy: Strategy, mesh_shape: tuple[int, int]) -> int:
         if any(p != "R" for p in places):
             f *= size
     return f
-
-
-def hybrid_axes(mesh: LogicalMesh) -> tuple[int, ...]:
-    """The axes HSDP may shard over on `mesh`: those of more than one device inside one host,
-    when another axis of more than one device spans hosts (else none: no hybrid to make)."""
-    inside = tuple(
-        a for a, n in enumerate(mesh.shape) if n > 1 and mesh.axis(a).hosts == 1
-    )
-    across = any(n > 1 and mesh.axis(a).hosts > 1 for a, n in enumerate(mesh.shape))
-    return inside if across else ()
-
-
-def hsdp_holds(
-    option: Option, mesh_shape: tuple[int, ...], batch_axes: tuple[int, ...]
-) -> bool:
-    """Whether `option` may be chosen in a solve splitting the data on `batch_axes`: any but
-    HSDP; HSDP where the data is split on every axis that replicates the parameter. Its price
-    takes the gradient as partial there (`fsdp_gradient`: the consumers split on those axes);
-    with a consumer computing whole on such an axis, a collective that the price counts (and
-    subtracts from the consumers' edges: the all-reduce across hosts) would not run."""
-    if option.shard_axes is None:
-        return True
-    planned = option.strategy.output[0]
-    return all(
-        a in batch_axes for a, n in enumerate(mesh_shape) if n > 1 and planned[a] == "R"
-    )
 
 
 def node_options(
@@ -316,112 +216,9 @@ def _sharded_bytes(node: OpNode, option: Option, f: int, s: StageSettings) -> fl
     return (node.bytes_read + node.bytes_written) / f + extra
 
 
-def param_state_bytes(meta: TensorMeta, option: Option, s: StageSettings) -> float:
-    """Weights + gradients + optimizer state of one parameter on one device
-    (`cost_models.memory.param_state_bytes`; ZeRO over the axes that replicate it)."""
-    placements = option.strategy.output[0]
-    if option.zero == 3:
-        planned, held, _ = fsdp_placements(meta, option, s)
-        return state_bytes(
-            meta.numel(),
-            s.optimizer,
-            shards=shards(planned, s.mesh.shape),
-            zero_shards=shards(held, s.mesh.shape) / shards(planned, s.mesh.shape),
-            zero_stage=3,
-        )
-    zero = (
-        math.prod(size for p, size in zip(placements, s.mesh.shape) if p == "R")
-        if option.zero
-        else 1
-    )
-    return state_bytes(
-        meta.numel(),
-        s.optimizer,
-        shards=shards(placements, s.mesh.shape),
-        zero_shards=zero,
-    )
-
-
 def _element_bytes(meta: TensorMeta) -> float:
     """Bytes of one element of `meta` (what `_reshard` takes)."""
     return meta.nbytes / max(meta.numel(), 1)
-
-
-def fsdp_placements(
-    meta: TensorMeta, option: Option, s: StageSettings
-) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    """(planned, shard, gradient) placements of an FSDP / HSDP parameter: the placement its
-    consumers read, the shard the runtime keeps (`zero_shard` over ``option.shard_axes``), and
-    its gradient as the consumers hand it back (`fsdp_gradient`: partial on the replicating
-    axes)."""
-    planned = tuple(map(norm, option.strategy.output[0]))
-    held = zero_shard(meta.shape, planned, s.mesh.shape, option.shard_axes)
-    return planned, held, fsdp_gradient(planned, s.mesh.shape)
-
-
-def fsdp_gather(meta: TensorMeta, option: Option, s: StageSettings) -> float:
-    """Seconds per micro-batch of an FSDP parameter's all-gathers: in forward and again in
-    backward (the part `planner.inter.stage_table` hides behind compute)."""
-    if option.zero != 3:
-        return 0.0
-    planned, held, _ = fsdp_placements(meta, option, s)
-    width = _element_bytes(meta)
-    return 2 * _reshard(s, meta.shape, width, held, planned)
-
-
-def fsdp_reduce_scatter(meta: TensorMeta, option: Option, s: StageSettings) -> float:
-    """Seconds per micro-batch of an FSDP parameter's gradient reduce-scatter onto its shard,
-    through `reduce_midpoint` (HSDP: reduce-scatter inside the host, then all-reduce of the
-    shard across hosts; module docstring). The runtime issues it asynchronously;
-    `planner.inter.stage_table` hides it behind the next layer's backward."""
-    if option.zero != 3:
-        return 0.0
-    planned, held, grad = fsdp_placements(meta, option, s)
-    mid = reduce_midpoint(planned, held, grad)
-    width = _element_bytes(meta)
-    return _reshard(s, meta.shape, width, grad, mid) + _reshard(
-        s, meta.shape, width, mid, held
-    )
-
-
-def fsdp_comm(meta: TensorMeta, option: Option, s: StageSettings) -> float:
-    """Seconds per micro-batch of an FSDP parameter's collectives (module docstring): the
-    all-gather in forward and again in backward (`fsdp_gather`), and the gradient's
-    reduce-scatter (`fsdp_reduce_scatter`)."""
-    return fsdp_gather(meta, option, s) + fsdp_reduce_scatter(meta, option, s)
-
-
-def fsdp_gathered_bytes(meta: TensorMeta, option: Option, s: StageSettings) -> float:
-    """Bytes of an FSDP parameter's gathered copy (weights and unsharded gradient, planned
-    placement) while it is live; 0 for other options."""
-    if option.zero != 3:
-        return 0.0
-    planned = tuple(map(norm, option.strategy.output[0]))
-    return meta.numel() / shards(planned, s.mesh.shape) * gathered_bytes(s.optimizer)
-
-
-def zero_cost(meta: TensorMeta, option: Option, s: StageSettings) -> float:
-    """ZeRO-2: the extra all-gather of a ZeRO-sharded parameter over its replicated axes, once per
-    iteration (returned as its share per micro-batch). FSDP: `fsdp_comm` less the gradient
-    all-reduce its consumers' edges charge and the runtime does not run (module docstring)."""
-    if option.zero == 3:
-        planned, _, grad = fsdp_placements(meta, option, s)
-        width = _element_bytes(meta)
-        if bucketed_axes(grad, planned):
-            charged = _bucket_bandwidth(s, meta.shape, width, grad, planned)
-        else:
-            charged = _reshard(s, meta.shape, width, grad, planned)
-        return fsdp_comm(meta, option, s) - charged / s.num_microbatches
-    if not option.zero:
-        return 0.0
-    placements = option.strategy.output[0]
-    local = meta.nbytes / shards(placements, s.mesh.shape)
-    seconds = sum(
-        s.mesh.all_gather(local, a)
-        for a, (p, size) in enumerate(zip(placements, s.mesh.shape))
-        if p == "R" and size > 1
-    )
-    return seconds / s.num_microbatches
 
 
 def _reshard(

@@ -33,6 +33,7 @@ from cost_models.communication import LogicalMesh
 from cost_models.compute import microbatch_overhead
 from cost_models.errors import MeshplanError
 from cost_models.resharding import ReshardStep, reshard_steps
+from planner.intra import fsdp_prices as fp
 from planner.intra import prices as sc
 from planner.intra.batch_split import batch_split_options
 from planner.intra.cost_graph import CostGraph, Reduction, identity, merge_followers
@@ -77,7 +78,7 @@ class StageSolution:
     )
     # the runtime's fixed seconds per stage and micro-batch (`cost_models.compute`), once a stage
     overhead_s: float = 0.0
-    # parameters fully sharded (FSDP, ZeRO stage 3; `planner.intra.prices`), by path
+    # parameters fully sharded (FSDP, ZeRO stage 3; `planner.intra.fsdp_prices`), by path
     fsdp_params: list[str] = field(default_factory=list)
     _ctx: PricedStage | None = field(default=None, repr=False, compare=False)
     _fsdp_table: np.ndarray | None = field(default=None, repr=False, compare=False)
@@ -171,8 +172,8 @@ class StageSolution:
     def fsdp_table(self) -> np.ndarray:
         """Per node, in `node_cost_table`'s order (nodes, 5): an op's own compute forward and
         backward and its forward compute; an FSDP parameter's all-gathers of one pass
-        (`prices.fsdp_gather` / 2), its reduce-scatter (`prices.fsdp_reduce_scatter`) and its
-        gathered bytes (`prices.fsdp_gathered_bytes`). Computed once."""
+        (`fsdp_prices.fsdp_gather` / 2), its reduce-scatter (`fsdp_prices.fsdp_reduce_scatter`) and its
+        gathered bytes (`fsdp_prices.fsdp_gathered_bytes`). Computed once."""
         if self._fsdp_table is None:
             names, _ = self.node_cost_table()
             ctx, values = self._ctx, self.node_values()
@@ -184,9 +185,9 @@ class StageSolution:
                 elif opt.zero == 3:
                     meta, s = node.outputs[0], ctx.settings
                     table[i, 2:] = (
-                        sc.fsdp_gather(meta, opt, s) / 2,
-                        sc.fsdp_reduce_scatter(meta, opt, s),
-                        sc.fsdp_gathered_bytes(meta, opt, s),
+                        fp.fsdp_gather(meta, opt, s) / 2,
+                        fp.fsdp_reduce_scatter(meta, opt, s),
+                        fp.fsdp_gathered_bytes(meta, opt, s),
                     )
             self._fsdp_table = table
         return self._fsdp_table
@@ -285,7 +286,7 @@ def price_stage(
     names = [n.name for n in graph.nodes if n.name in in_scope or n.name in boundary]
     rep = representatives(graph, names)
     options: dict[str, list[Option]] = {}
-    hybrid = sc.hybrid_axes(mesh)  # HSDP's axes (none unless the mesh spans hosts)
+    hybrid = fp.hybrid_axes(mesh)  # HSDP's axes (none unless the mesh spans hosts)
     for n in names:
         node = graph.node(n)
         if (
@@ -369,7 +370,7 @@ def solve_stage(
     hsdp_dropped = False
     for n in names:
         if rep.get(n, n) == n and graph.node(n).op == "param":
-            kept = [o for o in options[n] if sc.hsdp_holds(o, mesh.shape, batch_axes)]
+            kept = [o for o in options[n] if fp.hsdp_holds(o, mesh.shape, batch_axes)]
             hsdp_dropped |= len(kept) < len(options[n])
             options[n] = kept
     if param_filter is not None:
