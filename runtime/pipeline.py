@@ -56,11 +56,8 @@ The hooks `_build_meshes` (the stage meshes), `_program` (each chunk's stage pro
 `_finish_grads` (ZeRO reduce-scatter and gradient sync after the last backward) are shared with
 the torch-pipelining subclass.
 
-Recomputation (``StagePlan.recompute``): "full" - the stage's executor runs each layer under a
-non-reentrant ``torch.utils.checkpoint`` (`runtime.executor.PlanExecutor`, ``recompute_layers``);
-"selective" - only each attention core (`planner.tracing.attention.attention_cores`: its ops form
-one checkpointed segment, every other op runs as usual and keeps its saved tensors), as
-`planner.inter.selective` prices it; a stage without an attention core has nothing to recompute.
+Recomputation (``StagePlan.recompute``): each executor checkpoints the segments
+`runtime.stages.recomputed` gives.
 
 FSDP (``StagePlan.fsdp_params``, ZeRO stage 3): the parameter's leaf is its shard
 (`shard_placements`); the stage's executor gathers it around its use in every micro-batch and
@@ -100,8 +97,6 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
-from planner.tracing.attention import attention_cores
-from planner.tracing.blocks import block_of
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.dtensor_ext import str_to_placement
 from planner.vocab.placements import device_mesh_shape, mesh_axes, norm, zero_shard
@@ -122,9 +117,16 @@ from runtime.schedules import (
     interleaved_order,
     schedule_order,
 )
-from runtime.stages import StageGraph, check_tied, split_stages, stage_program
+from runtime.stages import (
+    StageGraph,
+    check_tied,
+    layer_of_nodes,
+    recomputed,
+    split_stages,
+    stage_program,
+)
 
-__all__ = ["PipelineRunner", "layer_of_nodes", "schedule_order", "stage_mesh"]
+__all__ = ["PipelineRunner", "schedule_order", "stage_mesh"]
 
 
 def stage_mesh(stage: StagePlan, device_type: str = "cpu") -> DeviceMesh:
@@ -168,16 +170,6 @@ def shard_placements(
     return out
 
 
-def layer_of_nodes(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:
-    """Op node name -> index of the plan's layer (``plan.layer_nodes``) that holds it."""
-    index = {n.name: i for i, n in enumerate(graph.ops)}
-    out: dict[str, int] = {}
-    for k, (a, b) in enumerate(plan.layer_nodes):
-        for n in graph.ops[index[a] : index[b] + 1]:
-            out[n.name] = k
-    return out
-
-
 def _check_devices(plan: ParallelPlan, world: int) -> int:
     """The number of device groups of `plan` (its stages, or ``len(stages) // v`` when
     interleaved). The plan must be valid (`planner.vocab.plan_check.validate`: disjoint device
@@ -190,31 +182,6 @@ def _check_devices(plan: ParallelPlan, world: int) -> int:
             f"the plan runs on ranks up to {max(used)}, but the group has {world} ranks"
         )
     return p
-
-
-def recomputed(
-    graph: OpGraph, recompute: str, layer_of: dict[str, int], per_block: bool = False
-) -> dict[str, int] | None:
-    """The executor's ``recompute_layers`` for a stage's recomputation (module docstring): op ->
-    its checkpointed segment (the plan's layer for "full", the attention core for "selective"),
-    or None when nothing is recomputed. ``per_block`` (a manual plan: Megatron's checkpointing,
-    as `planner.plans.recompute` prices it): "full" checkpoints each transformer block on its own
-    and leaves the ops outside the blocks (embedding, final norm, head, loss) unrecomputed; a
-    stage without numbered blocks is checkpointed by layer."""
-    if recompute == "full":
-        if per_block:
-            index: dict[str, int] = {}  # block -> its segment number
-            blocks = {
-                n.name: index.setdefault(b, len(index))
-                for n in graph.ops
-                if (b := block_of(n.module_path)) is not None
-            }
-            if blocks:
-                return blocks
-        return layer_of
-    if recompute == "selective":
-        return attention_cores(graph) or None
-    return None
 
 
 def _all_reduced(stage: StagePlan) -> list[list[str]]:

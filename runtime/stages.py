@@ -1,5 +1,5 @@
 """Split a traced graph into the per-stage sub-graphs of a pipeline plan, and drive the executor
-from a plan's string strategies.
+from a plan's string strategies and its recomputation.
 
 `split_stages(graph, plan)` cuts ``graph.gm`` (the aten fx graph of `planner.tracing.tracer.trace`) at the
 plan's stage boundaries (``plan.layer_nodes`` and ``StagePlan.layers``). Stage ``i`` gets a
@@ -22,6 +22,12 @@ of the stage holds the full tensor, and the edge to the first consumer only slic
 A parameter read by the ops of several stages (tied weights: one placeholder in the traced graph,
 listed once by ``named_parameters``) is a placeholder of each of those stage graphs; the plan must
 list it in ``tied_params`` with exactly those stages (`check_tied`).
+
+Recomputation (``StagePlan.recompute``): "full" - the stage's executor runs each layer under a
+non-reentrant ``torch.utils.checkpoint`` (`runtime.executor.PlanExecutor`, ``recompute_layers``);
+"selective" - only each attention core (`planner.tracing.attention.attention_cores`: its ops form
+one checkpointed segment, every other op runs as usual and keeps its saved tensors), as
+`planner.inter.selective` prices it; a stage without an attention core has nothing to recompute.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import torch
 from torch import fx
 
 from cost_models.errors import MeshplanError
+from planner.tracing.attention import attention_cores
+from planner.tracing.blocks import block_of
 from planner.tracing.opgraph import OpGraph, OpNode
 from planner.vocab.plan_file import ParallelPlan, StagePlan
 from planner.vocab.strategy import StageProgram
@@ -40,6 +48,8 @@ from planner.vocab.strategy import StageProgram
 __all__ = [
     "StageGraph",
     "check_tied",
+    "layer_of_nodes",
+    "recomputed",
     "shared_params",
     "split_stages",
     "stage_of_nodes",
@@ -80,6 +90,41 @@ def stage_of_nodes(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:
             f"the plan's stages leave {len(missing)} ops unassigned ({missing[0]}, ...)"
         )
     return out
+
+
+def layer_of_nodes(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:
+    """Op node name -> index of the plan's layer (``plan.layer_nodes``) that holds it."""
+    index = {n.name: i for i, n in enumerate(graph.ops)}
+    out: dict[str, int] = {}
+    for k, (a, b) in enumerate(plan.layer_nodes):
+        for n in graph.ops[index[a] : index[b] + 1]:
+            out[n.name] = k
+    return out
+
+
+def recomputed(
+    graph: OpGraph, recompute: str, layer_of: dict[str, int], per_block: bool = False
+) -> dict[str, int] | None:
+    """The executor's ``recompute_layers`` for a stage's recomputation (module docstring): op ->
+    its checkpointed segment (the plan's layer for "full", the attention core for "selective"),
+    or None when nothing is recomputed. ``per_block`` (a manual plan: Megatron's checkpointing,
+    as `planner.plans.recompute` prices it): "full" checkpoints each transformer block on its own
+    and leaves the ops outside the blocks (embedding, final norm, head, loss) unrecomputed; a
+    stage without numbered blocks is checkpointed by layer."""
+    if recompute == "full":
+        if per_block:
+            index: dict[str, int] = {}  # block -> its segment number
+            blocks = {
+                n.name: index.setdefault(b, len(index))
+                for n in graph.ops
+                if (b := block_of(n.module_path)) is not None
+            }
+            if blocks:
+                return blocks
+        return layer_of
+    if recompute == "selective":
+        return attention_cores(graph) or None
+    return None
 
 
 def _is_tensor(node: fx.Node) -> bool:
