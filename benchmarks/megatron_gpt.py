@@ -47,7 +47,7 @@ from cost_models.compute import (
     unfused_attention_time,
 )
 from cost_models.pipeline import iteration_time
-from planner.inter.stage_table import stage_boundary_bytes
+from planner.inter.boundaries import stage_boundary_bytes
 from planner.intra.prices import (
     Option,
     StageSettings,

@@ -1,7 +1,7 @@
 """Stage-boundary values sent in pieces: each byte of a boundary value crosses between two stages once.
 
 The planner prices a boundary value of B bytes (one micro-batch) as ``B / n`` bytes sent by each of
-the sending stage's n devices, in parallel, each way (`planner.inter.stage_table.send_times`, Alpa's
+the sending stage's n devices, in parallel, each way (`planner.inter.boundaries.send_times`, Alpa's
 cross-mesh transfer): B bytes in total forward, and B bytes of gradient backward. The runner
 (`runtime.pipeline`) makes the value replicated on the sending mesh first; sending the whole value
 to each of the m receiving devices would move m * B bytes. Instead the value is cut into m equal

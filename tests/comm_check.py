@@ -1,13 +1,13 @@
 """Predicted against measured communication, for the runtime tests: the collectives the planner
 prices (`planner.intra.priced_comm.predicted_collectives`, and the stage boundaries'
-`planner.inter.stage_table.stage_boundary_bytes`) against `runtime.comm_count.CommCounter`'s
+`planner.inter.boundaries.stage_boundary_bytes`) against `runtime.comm_count.CommCounter`'s
 records."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from planner.inter.stage_table import stage_boundary_bytes
+from planner.inter.boundaries import stage_boundary_bytes
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.plan_file import ParallelPlan
 from runtime.comm_count import Collective
@@ -53,7 +53,7 @@ DIRECTIONS = ("fwd", "bwd")
 def predicted_boundary(graph: OpGraph, plan: ParallelPlan) -> dict[str, float]:
     """Point-to-point bytes of one step between stages as the planner prices them, per direction:
     ``{"fwd": activations, "bwd": their gradients}``. For every stage boundary, the full values
-    crossing it (`planner.inter.stage_table.stage_boundary_bytes`; the planner's send time is that many
+    crossing it (`planner.inter.boundaries.stage_boundary_bytes`; the planner's send time is that many
     bytes split over the sending stage's devices, once each way) times the micro-batches. `graph`:
     the model traced on one micro-batch."""
     per_mb = stage_boundary_bytes(

@@ -146,12 +146,13 @@ def test_search_picks_fsdp_when_memory_forces_it() -> None:
 
     # the stage table hides per layer what `fsdp_exposed` says, and the ranges add up to the
     # closed form (4 layers of this solution)
+    from planner.inter import boundaries as bd
     from planner.inter import stage_table as stt
     from planner.inter.layers import layers_in
 
     L = 4
-    layer_of = stt.layer_of_nodes(g, layers_in(g, L))
-    prof = stt.profile(tight, g, layer_of, stt.boundary_values(g, layer_of, L), L)
+    layer_of = bd.layer_of_nodes(g, layers_in(g, L))
+    prof = stt.profile(tight, g, layer_of, bd.boundary_values(g, layer_of, L), L)
     # per layer, node by node: ops' forward (F) and backward (K) compute, FSDP parameters'
     # all-gathers of one pass (G) and reduce-scatters (R)
     F, K, G, R = (np.zeros(L) for _ in range(4))

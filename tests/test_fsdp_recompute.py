@@ -61,6 +61,7 @@ _KW = {
 def _fsdp_profile() -> Any:
     """4 layers of a data-parallel solution over 2 devices with every weight FSDP-sharded."""
     from cost_models.cluster import Cluster
+    from planner.inter import boundaries as bd
     from planner.inter import stage_table as stt
     from planner.inter.layers import layers_in
     from planner.intra.solve import solve_stage
@@ -76,8 +77,8 @@ def _fsdp_profile() -> Any:
 
     sol = solve_stage(g, mesh, batch_axes=(1,), param_filter=fsdp)
     L = 4
-    layer_of = stt.layer_of_nodes(g, layers_in(g, L))
-    return stt.profile(sol, g, layer_of, stt.boundary_values(g, layer_of, L), L)
+    layer_of = bd.layer_of_nodes(g, layers_in(g, L))
+    return stt.profile(sol, g, layer_of, bd.boundary_values(g, layer_of, L), L)
 
 
 def _closed_form(F: Any, K: Any, G: Any, R: Any, k: int, j: int) -> float:

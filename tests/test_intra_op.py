@@ -170,6 +170,7 @@ def test_gradient_all_reduce_latency_is_paid_once_per_bucket() -> None:
     bucket, so the priced synchronisation is one all-reduce of all their bytes (up to the byte of
     the latency probe, `planner.intra.prices.bucket_line`), not four all-reduces; a stage holding
     either layer or both pays the latency once."""
+    from planner.inter import boundaries as bd
     from planner.inter import stage_table as st
 
     model = _MLP()
@@ -186,7 +187,7 @@ def test_gradient_all_reduce_latency_is_paid_once_per_bucket() -> None:
 
     half = len(g.ops) // 2
     layers = [(0, half - 1), (half, len(g.ops) - 1)]
-    layer_of = st.layer_of_nodes(g, layers)
-    prof = st.profile(sol, g, layer_of, st.boundary_values(g, layer_of, 2), 2)
+    layer_of = bd.layer_of_nodes(g, layers)
+    prof = st.profile(sol, g, layer_of, bd.boundary_values(g, layer_of, 2), 2)
     assert prof.fixed[0, 0] == prof.fixed[1, 1] == prof.fixed[0, 1] == latency / 2
     assert prof.range_time(0, 1, False) == pytest.approx(sol.time_s, rel=1e-9)

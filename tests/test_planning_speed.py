@@ -220,7 +220,7 @@ def test_held_memory_kept_per_solution_matches_fresh() -> None:
     from dataclasses import replace
 
     from planner.inter import held_memory as hm
-    from planner.inter.stage_table import layer_of_nodes
+    from planner.inter.boundaries import layer_of_nodes
 
     model, batch = build_model("llama-tiny", batch=2, dtype=torch.float16)
     graph = trace(model, batch)

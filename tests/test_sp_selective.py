@@ -29,6 +29,7 @@ from torch import nn
 
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
+from planner.inter import boundaries as bd
 from planner.inter import stage_table as st
 from planner.intra import fsdp_prices as fp
 from planner.intra.prices import Option, StageSettings
@@ -84,9 +85,9 @@ def _profile(graph: Any, layers: int) -> st.LayerProfile:
 
     mesh = LogicalMesh(Cluster.from_spec("1x1xA100-80GB"), (1, 1), (1, 1))
     sol = solve_stage(graph, mesh)
-    layer_of = st.layer_of_nodes(graph, layers_in(graph, layers))
+    layer_of = bd.layer_of_nodes(graph, layers_in(graph, layers))
     return st.profile(
-        sol, graph, layer_of, st.boundary_values(graph, layer_of, layers), layers
+        sol, graph, layer_of, bd.boundary_values(graph, layer_of, layers), layers
     )
 
 

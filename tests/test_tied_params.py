@@ -32,7 +32,7 @@ from cost_models.compute import step_overhead
 from cost_models.errors import MeshplanError
 from cost_models.pipeline import iteration_time
 from planner import plan as auto_plan
-from planner.inter.stage_table import stage_boundary_bytes
+from planner.inter.boundaries import stage_boundary_bytes
 from planner.plans.manual import manual_plan
 from planner.tracing.tracer import trace
 from planner.vocab.plan_check import validate

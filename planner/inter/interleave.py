@@ -41,6 +41,7 @@ import numpy as np
 from cost_models.communication import LogicalMesh
 from cost_models.memory import microbatches_in_flight, stage_peak_bytes
 from cost_models.pipeline import pipeline_time
+from planner.inter import boundaries as bd
 from planner.inter import stage_table as st
 from planner.inter.layers import auto_num_layers, cluster_layers, op_terms
 from planner.tracing.opgraph import OpGraph
@@ -126,9 +127,9 @@ class InterleavedSearch:
     ) -> None:
         self.layers = layers
         self.L = len(layers)
-        self.layer_of = st.layer_of_nodes(graph, layers)
-        self.bounds = st.boundary_values(graph, self.layer_of, self.L)
-        self.boundary_bytes = st.boundary_bytes(graph, self.bounds)
+        self.layer_of = bd.layer_of_nodes(graph, layers)
+        self.bounds = bd.boundary_values(graph, self.layer_of, self.L)
+        self.boundary_bytes = bd.boundary_bytes(graph, self.bounds)
         self.D, self.B, self.budget = num_devices, num_microbatches, budget
         self._kept: list[
             tuple[float, int, InterleavedPick]
@@ -160,7 +161,7 @@ class InterleavedSearch:
         p = self.groups(sub)
         if not p:
             return
-        send = st.send_times(mesh, self.boundary_bytes, crosses_hosts=crosses_hosts)
+        send = bd.send_times(mesh, self.boundary_bytes, crosses_hosts=crosses_hosts)
         modes = RECOMPUTE_MODES if prof.core_time is not None else ("none", "full")
         B = self.B
         for rc in modes:

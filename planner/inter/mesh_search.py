@@ -18,6 +18,7 @@ from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from cost_models.memory import microbatches_in_flight
+from planner.inter import boundaries as bd
 from planner.inter import stage_table as st
 from planner.inter.interleave import InterleavedSearch, interleave_layering
 from planner.inter.stage_dp import stage_dp
@@ -142,9 +143,9 @@ class _Table:
     def __init__(self, graph, layers, cluster, subs, B, mode, schedule) -> None:
         self.layers = layers
         self.L = L = len(layers)
-        self.layer_of = st.layer_of_nodes(graph, layers)
-        self.bounds = st.boundary_values(graph, self.layer_of, L)
-        self.boundary_bytes = st.boundary_bytes(graph, self.bounds)
+        self.layer_of = bd.layer_of_nodes(graph, layers)
+        self.bounds = bd.boundary_values(graph, self.layer_of, L)
+        self.boundary_bytes = bd.boundary_bytes(graph, self.bounds)
         S = min(L, cluster.num_devices) if mode != "intra-only" else 1
         self.zero_bubble = schedule == "zero_bubble"
         schedule = "1f1b" if schedule in SEARCHED else schedule
@@ -165,7 +166,7 @@ class _Table:
     def add(self, m, mesh, prof, budget, crosses_hosts, whole) -> float:
         """Enter one profile for submesh index m; returns the least memory of all layers as one
         stage (for the error message when nothing fits) when `whole`, else inf."""
-        send = st.send_times(mesh, self.boundary_bytes, crosses_hosts=crosses_hosts)
+        send = bd.send_times(mesh, self.boundary_bytes, crosses_hosts=crosses_hosts)
         least = np.inf
         # selective only where the model has attention cores (`planner.tracing.attention`)
         modes = RECOMPUTE_MODES if prof.core_time is not None else ("none", "full")

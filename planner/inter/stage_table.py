@@ -42,8 +42,8 @@ gradients it defers (`planner.inter.wgrad`) times min(B, s), the most any of its
 (`planner.plans.assemble`) counts each stage's exact number.
 A range's cost is the fastest option (logical mesh, memory level, recomputation none, selective
 or full; `RECOMPUTE_MODES`) that fits the
-budget, plus sending the boundary activations to the next stage and their gradient back; +inf if
-none fits.
+budget, plus sending the boundary activations to the next stage and their gradient back
+(`planner.inter.boundaries.send_times`); +inf if none fits.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cost_models.communication import LogicalMesh, boundary_send_times
+from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from cost_models.memory import stage_peak_bytes
 from planner.inter.held_memory import backward_terms, resharded_saves
@@ -183,67 +183,6 @@ def _need_cores(x: np.ndarray | None) -> np.ndarray:
             "or a softmax between two matrix products of activations); this model has none"
         )
     return x
-
-
-def layer_of_nodes(graph: OpGraph, layers: list[tuple[int, int]]) -> dict[str, int]:
-    """Node -> layer: ops by their position, placeholders by their first consumer."""
-    ops = graph.ops
-    out = {}
-    for k, (a, b) in enumerate(layers):
-        for n in ops[a : b + 1]:
-            out[n.name] = k
-    # Ops are in topological order and layers ascend with it: the first consumer has the least layer.
-    for o in ops:
-        for u in o.inputs:
-            if graph.node(u).op != "call":
-                out.setdefault(u, out[o.name])
-    for n in graph.nodes:
-        if n.op != "call" and n.op != "output":
-            out.setdefault(n.name, 0)  # consumed by no op
-    return out
-
-
-def boundary_values(
-    graph: OpGraph, layer_of: dict[str, int], num_layers: int
-) -> list[list[str]]:
-    """Values produced before layer k (ops or batch inputs) and read in or after it, for each k."""
-    out: list[set[str]] = [set() for _ in range(num_layers)]
-    for n in graph.ops:
-        for u in n.inputs:
-            if graph.node(u).op in ("param", "buffer"):
-                continue
-            a, b = layer_of.get(u, 0), layer_of[n.name]
-            for k in range(a + 1, b + 1):
-                out[k].add(u)
-        for u in n.inputs:
-            if graph.node(u).op == "input":
-                out[0].add(u)
-    return [sorted(s) for s in out]
-
-
-def boundary_bytes(graph: OpGraph, bounds: list[list[str]]) -> np.ndarray:
-    """Per layer j: bytes of the full values crossing from layer j to layer j + 1 (``bounds[j + 1]``),
-    one micro-batch; 0 for the last layer. `send_times` prices them each way (activations forward,
-    their gradients backward)."""
-    L = len(bounds)
-    return np.array(
-        [
-            sum(graph.node(v).output_bytes for v in bounds[k + 1]) if k + 1 < L else 0
-            for k in range(L)
-        ]
-    )
-
-
-def stage_boundary_bytes(
-    graph: OpGraph, layers: list[tuple[int, int]], last_layers: list[int]
-) -> list[float]:
-    """What a plan prices as sent from each stage to the next, per micro-batch and direction:
-    `boundary_bytes` after each stage's last layer but the last stage's. `layers`: the op index
-    ranges of the layers; `last_layers`: every stage's last layer. `graph` is traced on one
-    micro-batch."""
-    bounds = boundary_values(graph, layer_of_nodes(graph, layers), len(layers))
-    sent = boundary_bytes(graph, bounds)
-    return [float(sent[k]) for k in last_layers[:-1]]
 
 
 def profile(
@@ -608,23 +547,3 @@ def range_costs(
     valid = np.triu(np.ones((L, L), dtype=bool))[:, :, None]
     cost = np.where(valid & (mem <= budget), (time + send[None, :])[:, :, None], np.inf)
     return np.broadcast_to(cost, mem.shape).copy(), mem
-
-
-def send_times(
-    mesh: LogicalMesh, boundary_bytes: np.ndarray, crosses_hosts: bool
-) -> np.ndarray:
-    """Per layer j: a stage on `mesh` ending at layer j sending its boundary values to the next
-    stage and receiving their gradient (`cost_models.communication.boundary_send_times`, every
-    device of the mesh sending; over the inter-host link when `crosses_hosts`), 0 for the last
-    layer."""
-    L = len(boundary_bytes)
-    out = np.array(
-        boundary_send_times(
-            mesh.cluster,
-            boundary_bytes,
-            [mesh.num_devices] * L,
-            [crosses_hosts] * L,
-        )
-    )
-    out[-1] = 0.0
-    return out

@@ -39,6 +39,7 @@ from cost_models.memory import (
     weight_grads_pending,
 )
 from cost_models.pipeline import iteration_time
+from planner.inter import boundaries as bd
 from planner.inter import stage_table as st
 from planner.inter.dp_overlap import NO_SYNC, DpSync, stage_dp_sync
 from planner.inter.held_memory import param_grad_terms
@@ -334,7 +335,7 @@ def predicted_iteration_time(
     return iteration_time(
         spec.cluster,
         [s.cost.time_s + c[0] for s, c in zip(spec.stages, copies)],
-        st.stage_boundary_bytes(
+        bd.stage_boundary_bytes(
             spec.graph, spec.layers, [s.layers[1] for s in spec.stages]
         ),
         devices,
@@ -484,7 +485,7 @@ def assemble(spec: PlanSpec) -> ParallelPlan:
     graph, cluster = spec.graph, spec.cluster
     devices = stage_devices(spec)
     memory = device_memory(spec)
-    layer_of = st.layer_of_nodes(graph, spec.layers)
+    layer_of = bd.layer_of_nodes(graph, spec.layers)
     readers = param_readers(spec)
     copies = _copy_costs(spec)
     stages = [

@@ -59,6 +59,7 @@ from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError, gib
 from cost_models.memory import canonical_schedule
+from planner.inter import boundaries as bd
 from planner.inter import stage_table as st
 from planner.inter.layers import layers_in
 from planner.intra.context import context_filter, without_context
@@ -217,8 +218,8 @@ def manual_plan(
             param_filter = axes_filter(
                 1 if tp > 1 else None, 0 if expert_parallel and dp > 1 else None, True
             )
-    layer_of = st.layer_of_nodes(graph, layers)
-    bounds = st.boundary_values(graph, layer_of, chunks)
+    layer_of = bd.layer_of_nodes(graph, layers)
+    bounds = bd.boundary_values(graph, layer_of, chunks)
     budget = float(memory_budget or cluster.device.memory_bytes)
     prof = st.profiles_for(
         graph,
