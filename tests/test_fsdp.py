@@ -78,7 +78,7 @@ def test_fsdp_overlap_follows_its_formula() -> None:
     pass G, reduce-scatters R. Exposed, for a stage of layers k..j:
     sum_l [max(0, G_l - F_l) + max(0, G_l + R_{l+1} - K_l)] + R_k + min(G_k, F_k)
     + min(G_j, K_j) (R_{j+1} = 0)."""
-    from planner.inter.stage_table import fsdp_exposed
+    from planner.intra.fsdp_prices import fsdp_exposed
 
     F, K = np.array([1.0, 2.0]), np.array([2.0, 4.0])
     G, R = np.array([0.5, 3.0]), np.array([1.5, 2.5])
@@ -170,7 +170,7 @@ def test_search_picks_fsdp_when_memory_forces_it() -> None:
     names, table = tight.node_cost_table()
     full = np.zeros(L)
     np.add.at(full, [layer_of.get(n, 0) for n in names], table[:, 0])
-    e, first, last = stt.fsdp_exposed(F, K, G, R)
+    e, first, last = fp.fsdp_exposed(F, K, G, R)
     assert prof.time == pytest.approx(full - (2 * G + R) + e)
     for k in range(L):
         for j in range(k, L):

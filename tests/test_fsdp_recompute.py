@@ -108,7 +108,7 @@ def test_recomputed_fsdp_stage_follows_its_derivation() -> None:
     F, K, G, R = prof.fsdp_terms
     assert (G > 0).all() and (R > 0).all()
     L = len(F)
-    e, first, last = stt.fsdp_exposed(F, K, G, R)
+    e, first, last = fp.fsdp_exposed(F, K, G, R)
     # what `time` and `fixed` hold without the exposed collectives
     ops = prof.time - e
     base = prof.fixed - first[:, None] - last[None, :]

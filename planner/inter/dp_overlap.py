@@ -50,7 +50,7 @@ the backward, smaller buckets would hide nothing and add latencies), t = T, hidd
 adjust = 0, as the stage table prices it: a stage run as AOTAutograd-compiled graphs (`runtime.compiled`:
 no recomputation, no FSDP parameters; its backward returns every gradient at its end), and a
 stage with FSDP parameters (whose gathers and reduce-scatters already claim its backward
-compute, `planner.inter.stage_table.fsdp_exposed`; priced exposed there, an upper bound).
+compute, `planner.intra.fsdp_prices.fsdp_exposed`; priced exposed there, an upper bound).
 Recomputed forward compute in backward is not counted in K (it would hide more; an upper bound).
 Not modelled: the backward's own collectives (a tensor-parallel all-reduce of an activation
 gradient) sharing the links with the buckets' (on NCCL they run on their own communicators'

@@ -23,7 +23,7 @@ and recomputation adds to the time the layers' forward compute (full) or their a
 forward (selective; the core bytes and seconds are `planner.inter.selective`'s). FSDP parameters
 (`planner.intra.fsdp_prices`, ZeRO stage 3) add twice the largest layer's gathered bytes to the
 transient term (the layer running and the next one gathered), and their collectives count only by
-the part compute does not hide (`fsdp_exposed`, the overlap model of `planner.intra.fsdp_prices`):
+the part compute does not hide (`planner.intra.fsdp_prices.fsdp_exposed`, its overlap model):
 forward gathers behind the layer's forward compute, backward gathers and the next layer's
 reduce-scatters behind its backward compute; the first layer's reduce-scatters and the first gather
 of each pass (the first layer's in forward, the last layer's in backward) in full (range terms in
@@ -61,6 +61,7 @@ from planner.inter.selective import selective_table
 from planner.inter.wgrad import wgrad_table
 from planner.intra.batch_split import batch_split_options
 from planner.intra.context import context_filter
+from planner.intra.fsdp_prices import fsdp_exposed
 from planner.intra.megatron import ParamFilter, Seed, sequence_filter
 from planner.intra.prices import Option
 from planner.intra.solve import StagePricing, StageSolution, price_stage, solve_stage
@@ -306,29 +307,6 @@ def _cores(graph: OpGraph) -> dict[str, int]:
     _CORES.insert(0, (graph, attention_cores(graph)))
     del _CORES[4:]
     return _CORES[0][1]
-
-
-def fsdp_exposed(
-    F: np.ndarray, K: np.ndarray, G: np.ndarray, R: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The seconds per micro-batch of FSDP collectives that compute does not hide
-    (`planner.intra.fsdp_prices`, module docstring), from per-layer forward compute F, backward
-    compute K, all-gathers of one pass G and reduce-scatters R: (e, first, last) with a stage of
-    layers k..j exposed for ``e[k..j].sum() + first[k] + last[j]``. Per layer, with
-    s_l = max(0, K_l - G_l) the backward compute its gathers leave and s_{-1} = 0:
-
-        e_l = max(0, G_l - F_l) + max(0, G_l - K_l) + max(0, R_l - s_{l-1})
-        first_k = min(R_k, s_{k-1}) + min(G_k, F_k)
-        last_j = min(G_j, K_j)
-
-    which equals sum_l [max(0, G_l - F_l) + max(0, G_l + R_{l+1} - K_l)] + R_k (R_{j+1} = 0)
-    + min(G_k, F_k) + min(G_j, K_j): layer k's reduce-scatter, issued last in backward, and the
-    first gather of each pass (layer k's in forward, layer j's in backward: nothing computes
-    before them) in full."""
-    slack = np.maximum(0.0, K - G)
-    before = np.concatenate([[0.0], slack[:-1]])  # s_{l-1}
-    e = np.maximum(0.0, G - F) + np.maximum(0.0, G - K) + np.maximum(0.0, R - before)
-    return e, np.minimum(R, before) + np.minimum(G, F), np.minimum(G, K)
 
 
 #: Relative optimality gap of the memory ladder's solves. A rung is a sample of the trade-off

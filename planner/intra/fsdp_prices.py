@@ -1,5 +1,6 @@
 """What sharding a parameter's state costs: its bytes per device and, for ZeRO-2, FSDP (ZeRO
-stage 3) and HSDP, the collectives that sharding adds, per micro-batch; and where HSDP is offered.
+stage 3) and HSDP, the collectives that sharding adds, per micro-batch, with the part of FSDP's
+that compute leaves exposed (`fsdp_exposed`); and where HSDP is offered.
 
 Node and edge prices are in `planner.intra.prices`; this module adds the parameter options' own
 terms (`planner.intra.priced_stage` calls both).
@@ -21,10 +22,11 @@ terms (`planner.intra.priced_stage` calls both).
   with grad = the planned placement with P on the sharded axes (the consumers are split there,
   as data parallelism splits them). The consumers' edges still charge this gradient's all-reduce
   (its bandwidth per micro-batch, `planner.intra.prices._bucket_bandwidth` / B), which the
-  runtime does not run for an FSDP parameter, so the node cost is ``fsdp_comm - that all-reduce share`` (`zero_cost`):
-  node + edges = what runs. The ILP sees ``fsdp_comm`` unhidden (linear, an upper bound: it picks
-  FSDP when memory demands); the stage's price (`planner.inter.stage_table.profile`,
-  `planner.inter.stage_table.fsdp_exposed`) then hides what the runtime overlaps with compute.
+  runtime does not run for an FSDP parameter, so the node cost is
+  ``fsdp_comm - that all-reduce share`` (`zero_cost`): node + edges = what runs. The ILP sees
+  ``fsdp_comm`` unhidden (linear, an upper bound: it picks FSDP when memory demands); the
+  stage's price (`planner.inter.stage_table.profile`, `fsdp_exposed`) then hides what the
+  runtime overlaps with compute.
   Per layer l of a stage holding layers k..j (a parameter in its first consumer's layer):
   G_l = its parameters' all-gathers of one pass (`fsdp_gather` / 2: the same in forward and in
   backward), R_l = their reduce-scatters (`fsdp_reduce_scatter`), F_l = the layer's forward
@@ -77,6 +79,8 @@ terms (`planner.intra.priced_stage` calls both).
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 from cost_models.communication import LogicalMesh
 from cost_models.memory import gathered_bytes
@@ -226,3 +230,26 @@ def zero_cost(meta: TensorMeta, option: Option, s: StageSettings) -> float:
         if p == "R" and size > 1
     )
     return seconds / s.num_microbatches
+
+
+def fsdp_exposed(
+    F: np.ndarray, K: np.ndarray, G: np.ndarray, R: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The seconds per micro-batch of FSDP collectives that compute does not hide (module
+    docstring), from per-layer forward compute F, backward compute K, all-gathers of one pass G
+    and reduce-scatters R: (e, first, last) with a stage of
+    layers k..j exposed for ``e[k..j].sum() + first[k] + last[j]``. Per layer, with
+    s_l = max(0, K_l - G_l) the backward compute its gathers leave and s_{-1} = 0:
+
+        e_l = max(0, G_l - F_l) + max(0, G_l - K_l) + max(0, R_l - s_{l-1})
+        first_k = min(R_k, s_{k-1}) + min(G_k, F_k)
+        last_j = min(G_j, K_j)
+
+    which equals sum_l [max(0, G_l - F_l) + max(0, G_l + R_{l+1} - K_l)] + R_k (R_{j+1} = 0)
+    + min(G_k, F_k) + min(G_j, K_j): layer k's reduce-scatter, issued last in backward, and the
+    first gather of each pass (layer k's in forward, layer j's in backward: nothing computes
+    before them) in full."""
+    slack = np.maximum(0.0, K - G)
+    before = np.concatenate([[0.0], slack[:-1]])  # s_{l-1}
+    e = np.maximum(0.0, G - F) + np.maximum(0.0, G - K) + np.maximum(0.0, R - before)
+    return e, np.minimum(R, before) + np.minimum(G, F), np.minimum(G, K)

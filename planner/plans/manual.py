@@ -42,7 +42,7 @@ Recomputation: "full" checkpoints every transformer block (`planner.plans.recomp
 own prices (`planner.inter.stage_table`, `planner.inter.selective`); with FSDP or HSDP too
 (torchtitan's default: the recomputed forward gathers the parameters again, `runtime.fsdp`).
 A manual stage is one layer of the stage table, whose FSDP collectives are all exposed
-(`planner.inter.stage_table.fsdp_exposed` of a one-layer range), with or without recomputation.
+(`planner.intra.fsdp_prices.fsdp_exposed` of a one-layer range), with or without recomputation.
 """
 
 from __future__ import annotations
