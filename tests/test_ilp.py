@@ -7,7 +7,8 @@ import pytest
 
 from cost_models.errors import MeshplanError
 from planner.intra import ilp
-from planner.intra.ilp import ILPModel, ILPProblem, _BulkHiGHS, brute_force, solve
+from planner.intra.ilp import ILPModel, ILPProblem, brute_force, solve
+from planner.intra.pulp_route import _BulkHiGHS
 
 
 def _random_problem(rng: np.random.Generator, with_memory: bool) -> ILPProblem:

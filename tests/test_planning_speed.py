@@ -15,7 +15,8 @@ from cost_models.communication import LogicalMesh
 from planner import plan, trace
 from planner.intra import dominance, ilp
 from planner.intra import prices as sc
-from planner.intra.ilp import ILPModel, ILPProblem, _BulkHiGHS, brute_force
+from planner.intra.ilp import ILPModel, ILPProblem, brute_force
+from planner.intra.pulp_route import _BulkHiGHS
 from planner.intra.solve import solve_stage
 from planner.models import build_model
 

@@ -1,12 +1,13 @@
 """The intra-op program handed to HiGHS (highspy) as arrays, and the planner's solver lock.
 
 `HighsArrays` is the program of `planner.intra.ilp.ILPModel` in the form pulp's HiGHS interface
-would pass it (`planner.intra.ilp._BulkHiGHS` on `ILPModel.pulp_problem`): columns in pulp's order
-(sorted by variable name) with the objective's coefficients, bounds and integrality, then the rows
-in the order they were added as a CSR matrix without zero coefficients, the memory row last. It
-is built from the model's columns and rows without making a pulp object per variable, so a
-program of 30,000 edge variables is passed in a few milliseconds; `tests/test_planning_speed.py`
-checks the arrays against pulp's. HiGHS then runs with the options the pulp route sets.
+would pass it (`planner.intra.pulp_route._BulkHiGHS` on `ILPModel.pulp_problem`): columns in
+pulp's order (sorted by variable name) with the objective's coefficients, bounds and
+integrality, then the rows in the order they were added as a CSR matrix without zero
+coefficients, the memory row last. It is built from the model's columns and rows without
+making a pulp object per variable, so a program of 30,000 edge variables is passed in a few
+milliseconds; `tests/test_planning_speed.py` checks the arrays against pulp's. HiGHS then runs
+with the options the pulp route sets.
 
 `solves_overlap`: the planner's threads (`planner.inter.mesh_search`) hold one lock for their
 Python work and release it only while HiGHS runs (highspy releases the GIL).

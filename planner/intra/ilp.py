@@ -35,7 +35,7 @@ then lowest index.
 `ILPModel` builds the program once (its columns and rows, no solver objects) and solves it under
 any budget: only the memory row changes, so the solves of a memory ladder share the build. HiGHS
 gets it as arrays (`planner.intra.highs`); CBC through pulp (`ILPModel.pulp_problem`, which
-`_BulkHiGHS` can also hand to HiGHS: the same arrays, tested).
+`planner.intra.pulp_route._BulkHiGHS` can also hand to HiGHS: the same arrays, tested).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import pulp
 from cost_models.errors import MeshplanError, gib
 from planner.intra import dominance, highs
 from planner.intra.highs import solves_overlap
+from planner.intra.pulp_route import _solver, _solver_name, _variable_factory
 
 __all__ = [
     "ILPModel",
@@ -305,7 +306,7 @@ class ILPModel:
 
     def highs_arrays(self, budget: float | None) -> highs.HighsArrays:
         """The program under `budget` bytes per device (None: no memory row) as HiGHS takes it:
-        the arrays `_BulkHiGHS` makes of `pulp_problem(budget)`."""
+        the arrays `planner.intra.pulp_route._BulkHiGHS` makes of `pulp_problem(budget)`."""
         if budget is None or self.problem.node_memory is None:
             return self._arrays
         # pulp keeps the expression's constant on the left: upper bound -(constant - budget)
@@ -549,111 +550,6 @@ TIE = 1e-9
 def _objective_coefs(c: np.ndarray, scale: float) -> np.ndarray:
     """A node's objective coefficients in the model: its costs over `scale`, plus the tie-break."""
     return c / scale + TIE * np.arange(c.size)
-
-
-def _variable_factory(prob: pulp.LpProblem):
-    """PuLP >= 3.3 attaches variables to the model (`add_variable`); older PuLP builds them directly."""
-    if hasattr(prob, "add_variable"):
-        return lambda name, **kw: prob.add_variable(name, **kw)
-    return lambda name, **kw: pulp.LpVariable(name, **kw)
-
-
-SOLVERS = ("highs", "cbc")
-
-
-def _solver_name(name: str | None) -> str:
-    """ "highs" or "cbc": the one asked for (checked), else HiGHS when highspy is installed."""
-    if name not in (None, *SOLVERS):
-        raise MeshplanError(
-            f"unknown ILP solver {name!r}; expected one of {', '.join(SOLVERS)}"
-        )
-    if name == "highs":
-        highs.check_highs()
-        return name
-    if name is None:
-        return "highs" if "HiGHS" in _available_solvers() else "cbc"
-    return name
-
-
-def _solver(time_limit: float | None, msg: bool, name: str) -> pulp.LpSolver:
-    """The pulp solver of the pulp route, with the options of the array route."""
-    kwargs = {"msg": msg, "timeLimit": time_limit, "gapRel": highs.GAP_REL}
-    if name == "highs":
-        highs.silence_banner()
-        return _BulkHiGHS(**highs.HIGHS_OPTIONS, **kwargs)
-    return pulp.PULP_CBC_CMD(threads=1, options=["randomSeed 0"], **kwargs)
-
-
-@functools.cache
-def _available_solvers() -> tuple[str, ...]:
-    return tuple(pulp.listSolvers(onlyAvailable=True))
-
-
-class _BulkHiGHS(pulp.HiGHS):
-    """pulp's HiGHS interface, passing the model to highspy in three calls (all columns, their
-    integrality, all rows as CSR arrays) instead of one to three calls per column and one per
-    row. The model is the same as pulp's own `buildSolverModel` makes: columns in
-    `lp.variables()` order with the objective's coefficients and the variables' bounds, rows in
-    `lp.constraints` order with their zero coefficients left out."""
-
-    def callSolver(self, lp: pulp.LpProblem) -> None:
-        # highspy releases the GIL while it solves; let the other planner threads run meanwhile
-        with highs.released():
-            return super().callSolver(lp)
-
-    def buildSolverModel(self, lp: pulp.LpProblem) -> None:
-        import highspy
-
-        inf = highspy.kHighsInf
-        sign = -1 if lp.sense == pulp.LpMaximize else 1
-        variables = lp.variables()
-        objective = lp.objective
-        cost, lower, upper, integer = [], [], [], []
-        for i, var in enumerate(variables):
-            var.index = i
-            cost.append(sign * objective.get(var, 0.0))
-            lower.append(-inf if var.lowBound is None else var.lowBound)
-            upper.append(inf if var.upBound is None else var.upBound)
-            if var.cat == pulp.LpInteger and self.mip:
-                integer.append(i)
-        model = lp.solverModel
-        model.addCols(
-            len(variables),
-            np.array(cost, dtype=float),
-            np.array(lower, dtype=float),
-            np.array(upper, dtype=float),
-            0,
-            np.zeros(0, dtype=np.int32),
-            np.zeros(0, dtype=np.int32),
-            np.zeros(0, dtype=float),
-        )
-        if integer:
-            model.changeColsIntegrality(
-                len(integer),
-                np.array(integer, dtype=np.int32),
-                np.full(len(integer), highspy.HighsVarType.kInteger.value, np.uint8),
-            )
-        starts, index, value, row_lower, row_upper = [], [], [], [], []
-        for i, constraint in enumerate(lp._constraints.values()):
-            constraint.index = i
-            starts.append(len(index))
-            for var, coefficient in constraint.items():
-                if coefficient != 0:
-                    index.append(var.index)
-                    value.append(coefficient)
-            lb, ub = constraint.getLb(), constraint.getUb()
-            row_lower.append(-inf if lb is None else lb)
-            row_upper.append(inf if ub is None else ub)
-        if starts:
-            model.addRows(
-                len(starts),
-                np.array(row_lower, dtype=float),
-                np.array(row_upper, dtype=float),
-                len(index),
-                np.array(starts, dtype=np.int32),
-                np.array(index, dtype=np.int32),
-                np.array(value, dtype=float),
-            )
 
 
 def brute_force(problem: ILPProblem) -> ILPSolution:
