@@ -38,12 +38,17 @@ def assert_same_parameters(
         assert err < rel, (k, err.item())
 
 
-def train_plan(plan, model: torch.nn.Module, batches: list, lr: float) -> dict:
+def train_plan(
+    plan, model: torch.nn.Module, batches: list, lr: float, compile: bool = True
+) -> dict:
     """In a rank of a launched group: the losses of SGD steps on `batches` under `plan` and this
-    rank's full parameters afterwards (numpy arrays, for the launcher to send back)."""
+    rank's full parameters afterwards (numpy arrays, for the launcher to send back).
+    ``compile=False``: the stages run eagerly (the same arithmetic, `runtime.train.Trainer`);
+    the model-zoo launches compile one plan per model and run the others eagerly, since
+    AOTAutograd's tracing is about three quarters of a small model's time in a launch."""
     from runtime.train import Trainer
 
-    tr = Trainer(plan, model, batches[0], lr=lr)
+    tr = Trainer(plan, model, batches[0], lr=lr, compile=compile)
     losses = [tr.step(b) for b in batches]
     return {
         "losses": losses,

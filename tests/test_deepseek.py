@@ -224,14 +224,17 @@ def _train(plans: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for name, p in plans.items():
         model, batches = _model_and_batches()
-        out[name] = single_device.train_plan(p, model, batches, LR)
+        # one plan compiled, the others eager (`single_device.train_plan`)
+        out[name] = single_device.train_plan(
+            p, model, batches, LR, compile=name == "ep2_tp2"
+        )
     return out
 
 
 @pytest.mark.slow
 def test_small_deepseek_trains_like_one_device() -> None:
     """tp4 (2 key/value heads on 4 devices), dp4, two pipeline stages of dp2, routed experts split
-    over dp2 with tp2, on 4 gloo processes: 3 SGD steps give the losses
+    over dp2 with tp2 (compiled; the others eager), on 4 gloo processes: 3 SGD steps give the losses
     and parameters of one device within 1e-5."""
     model, batches = _model_and_batches()
     ref_losses, ref_params = single_device.train(
