@@ -17,8 +17,9 @@ Plans, all on 4 gloo processes in one launch: data parallel (dp4), tensor x data
 same with per-block recomputation on our own runner (the recomputed forward must reuse the
 masks), and the automatic plan for a CPU cluster. Control: dp4 with every rank drawing its own
 masks (the runtime before `runtime.dropout`) does not match, so the comparison can fail.
-The stages run compiled (AOTAutograd, the masks as graph inputs) except under recomputation
-(eagerly, the masks as checkpoint inputs).
+One case per model runs compiled (AOTAutograd, the masks as graph inputs: `COMPILED`), the
+recomputed one asks for compilation and runs eagerly (the masks as checkpoint inputs), the others
+run eagerly (the same arithmetic; AOTAutograd's tracing was most of this launch's time).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ from runtime.train import _random_batches
 V, H, S, BATCH = 64, 32, 8, 8
 LR, STEPS, SEED = 0.1, 3, 5
 P = 0.1
+#: the cases run compiled: the pipeline (masks per micro-batch and stage as graph inputs) and
+#: tensor x data parallel over the in-place ops (functionalised by AOTAutograd)
+COMPILED = {("dropout_gpt", "pp2_dp2"), ("inplace", "tp2_dp2")}
 
 
 class Block(nn.Module):
@@ -176,6 +180,8 @@ def _train(plans: dict[str, dict[str, tuple[Any, dict]]]) -> dict[str, Any]:
             own = kw.pop("own_draws", False)
             if kw.get("seed", SEED) is None:
                 torch.manual_seed(SEED)
+            # compiled: `COMPILED`, and the recomputed case, whose stages must still run eagerly
+            kw["compile"] = (name, case) in COMPILED or "recompute" in case
             tr = Trainer(p, model, batches[0], lr=LR, **({"seed": SEED} | kw))
             if own:
                 for ex in tr.runner.executors.values():
@@ -216,8 +222,8 @@ def test_plans_train_like_one_device(name: str) -> None:
         params: dict[str, torch.Tensor] = {}
         for r in got:  # a pipeline stage's ranks hold that stage's parameters
             assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), case
-            # the AOTAutograd graphs ran (recomputed stages run eagerly)
-            assert all(r["compiled"]) != ("recompute" in case), case
+            # the AOTAutograd graphs ran where compiled (recomputed stages run eagerly)
+            assert all(r["compiled"]) == ((name, case) in COMPILED), case
             params |= {k: torch.from_numpy(v) for k, v in r["params"].items()}
         single_device.assert_same_parameters(params, ref_params)
 
