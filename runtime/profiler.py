@@ -99,6 +99,9 @@ class ProfileOptions:
     #: The plans `op_overhead` trains (`runtime.overhead.calibration_plans` for `nproc` ranks):
     #: None until `check_options` makes them, before the launch.
     calibration_plans: list[ParallelPlan] | None = None
+    #: `op_overhead`'s (steps, warmup, repeats) for `runtime.overhead.measure_op_overhead`;
+    #: None: its defaults (tests shrink them).
+    calibration_rounds: tuple[int, int, int] | None = None
     #: Time a collective of w ranks on every group of w consecutive ranks at once (rank 0's
     #: group's figures are kept), as a mesh axis's groups all communicate at once in training.
     #: False: ranks 0..w-1 alone, the others idle (an upper bound on speed where the groups share
@@ -404,11 +407,13 @@ def _profile_worker(opts: ProfileOptions) -> dict[str, Any] | None:
     if opts.op_overhead and dist.get_backend() == "gloo":
         from runtime.overhead import REPEATS, measure_op_overhead
 
+        rounds = opts.calibration_rounds or ()
+        times = rounds[2] if rounds else REPEATS
         _log(
             opts,
-            f"runtime overheads per op and per step (two tiny GPTs, every rank, {REPEATS} times)",
+            f"runtime overheads per op and per step (two tiny GPTs, every rank, {times} times)",
         )
-        out["op_overhead"] = measure_op_overhead(opts.calibration_plans)
+        out["op_overhead"] = measure_op_overhead(opts.calibration_plans, *rounds)
     pairs = _plan_collectives(opts)
     groups = _collective_groups(opts, sorted({w for _, w in pairs}), rank)
     fits: list[tuple[str, int, list[tuple[int, float]]]] = []

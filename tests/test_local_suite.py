@@ -7,6 +7,7 @@ grid, both plans trained); the report and the overhead's pricing are checked wit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -44,6 +45,19 @@ MEMORY_TOLERANCE = (
 )
 
 
+#: the calibration's (steps, warmup, repeats), in the suite's launch and in its own
+CALIBRATION_ROUNDS = (2, 1, 2)
+
+
+@functools.cache
+def _calibration_plans(world: int) -> list:
+    """`calibration_plans` for `world` ranks, made once (three CLI child processes) for both
+    launches of this module."""
+    from runtime.overhead import calibration_plans
+
+    return calibration_plans(world)
+
+
 def _tiny_options(n: int):
     opts = profile_options(n)
     opts.sizes = [4 * KB, 64 * KB]
@@ -51,6 +65,8 @@ def _tiny_options(n: int):
     opts.matmul_shapes = [(64, 64, 64), (256, 128, 128)]
     opts.matmul_repeats = 1
     opts.bandwidth_bytes = 4 << 20
+    opts.calibration_plans = _calibration_plans(n)
+    opts.calibration_rounds = CALIBRATION_ROUNDS
     return opts
 
 
@@ -487,7 +503,8 @@ def _calibrate_in_order(plans: list) -> tuple[dict, list[int]]:
         step(self)
 
     overhead._Calibration.step = logged
-    return overhead.measure_op_overhead(plans, steps=2, warmup=1, repeats=2), order
+    steps, warmup, repeats = CALIBRATION_ROUNDS
+    return overhead.measure_op_overhead(plans, steps, warmup, repeats), order
 
 
 @pytest.mark.slow
@@ -496,9 +513,9 @@ def test_calibration_runs_are_interleaved():
     each per round), so the line through their times compares them on the same machine; the
     record has every run's figures per repeat."""
     from runtime.launch import launch
-    from runtime.overhead import MICROBATCHES, calibration_plans
+    from runtime.overhead import MICROBATCHES
 
-    plans = calibration_plans(2)
+    plans = _calibration_plans(2)
     raw, order = launch(_calibrate_in_order, 2, (plans,), timeout_s=300)[0]
     assert order == [0, 1, 2] + [0, 1, 2] * 2 * 2  # warm-up, then 2 repeats of 2 rounds
     assert len(raw["repeats"]) == 2
