@@ -23,6 +23,10 @@ point-to-point transfers of one `Trainer.step` (`runtime.comm_count.CommCounter`
   received pieces (``fwd:<v>->recv``), makes the receiver's gradient replicated
   (``bwd:<v>->recv``) and all-gathers its pieces on the sender (``bwd:<v>->send``): collectives the
   planner does not price, reported apart.
+
+``pp2_dp2`` runs compiled (AOTAutograd; its buckets are launched after backward), ``pp2_dp2_full``
+asks for compilation and runs eagerly (recomputed), ``pp2`` and ``pp2_tp2`` run eagerly: the
+compiled graphs issue the eager collectives at the same sites (`tests/test_compiled.py`).
 """
 
 from __future__ import annotations
@@ -109,7 +113,10 @@ def _count(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
             torch.manual_seed(0)
             model, b = build_model(SPEC, batch=8, device="cpu")
             batch = _random_batches(tuple(b), 1, seed=1)[0]
-            tr = Trainer(plan, model, batch, lr=0.1, pipeline=impl)
+            compile = name.startswith(
+                "pp2_dp2"
+            )  # the others eagerly (module docstring)
+            tr = Trainer(plan, model, batch, lr=0.1, pipeline=impl, compile=compile)
             tr.step(batch)  # warm-up (process groups, caches)
             with CommCounter() as counter:
                 tr.step(batch)

@@ -18,7 +18,9 @@ gloo launch of 4 ranks runs them all; ranks outside a plan idle):
   data-parallel axis, trained with SGD + momentum 0.9 (its state lives on the shards only).
 
 For each: the losses of 3 steps and the parameters after them equal single-device training within
-1e-5 (relative). The pipeline plans run on our own runner (``pipeline="ours"``);
+1e-5 (relative). ``pp2_tp2`` and ``dp2_tp2_zero_momentum`` run compiled (AOTAutograd), the others
+eagerly (the same arithmetic; the compiled executor is checked against the eager one in
+`tests/test_compiled.py`). The pipeline plans run on our own runner (``pipeline="ours"``);
 `tests/test_runtime_torch_pipeline.py` runs MoE pipelines on torch.distributed.pipelining.
 """
 
@@ -43,6 +45,8 @@ pytestmark = pytest.mark.slow  # every test reads the launch of 4 gloo ranks
 SPEC = "moe:hidden=32,layers=2,experts=4,heads=4,seq=8,vocab=64,group_size=8"
 LR = 0.1
 STEPS = 3
+#: the plans trained compiled; the others run eagerly
+COMPILED = ("pp2_tp2", "dp2_tp2_zero_momentum")
 ONE = "1x4xA100-80GB"
 NAMES = [
     "dp4",
@@ -114,7 +118,9 @@ def _train_all(plans: dict[str, tuple[ParallelPlan, str]]) -> dict[str, Any]:
     out = {}
     for name, (plan, optimizer) in plans.items():
         model, batches = _model_and_batches()
-        tr = Trainer(plan, model, batches[0], lr=LR, pipeline="ours")
+        tr = Trainer(
+            plan, model, batches[0], lr=LR, pipeline="ours", compile=name in COMPILED
+        )
         if tr.optimizer is not None:
             tr.optimizer = _optimizer(list(tr.params.values()), optimizer)
         losses = [tr.step(b) for b in batches]

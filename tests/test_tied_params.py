@@ -10,7 +10,8 @@ under two-stage plans (data and tensor parallel inside the stages, on both pipel
 copies placed alike and not, ZeRO-sharded or not; stages of different sizes; interleaved chunks)
 and under the automatic plan to the losses and parameters of one device, the copies staying
 bitwise equal; a checkpoint holds the tied weight once and loads into every stage holding a
-copy.
+copy. The runs of `COMPILED` train compiled (AOTAutograd), the others eagerly (the same
+arithmetic; AOTAutograd's tracing was most of this launch's time).
 """
 
 from __future__ import annotations
@@ -323,6 +324,10 @@ RUNS = {
 }
 
 
+#: the runs trained compiled: the automatic plan and the copies ZeRO-sharded on torch's runner
+COMPILED = ("auto", "zero")
+
+
 def _train_all(plans: dict[str, ParallelPlan], root: str) -> dict[str, Any]:
     """Body of every rank: each run's losses and full stage parameters after 3 SGD steps; then
     the misaligned run's parameters saved and loaded under pp2_dp2."""
@@ -339,7 +344,14 @@ def _train_all(plans: dict[str, ParallelPlan], root: str) -> dict[str, Any]:
     trainers = {}
     for run, (name, pipeline, _) in RUNS.items():
         model, batches = _model_and_batches()
-        tr = Trainer(plans[name], model, batches[0], lr=LR, pipeline=pipeline)
+        tr = Trainer(
+            plans[name],
+            model,
+            batches[0],
+            lr=LR,
+            pipeline=pipeline,
+            compile=run in COMPILED,
+        )
         losses = [tr.step(b) for b in batches]
         out[run] = {
             "losses": losses,
