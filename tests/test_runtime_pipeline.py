@@ -14,7 +14,8 @@ For each: the losses of 3 SGD steps and the parameters after them equal single-d
 the whole batch within 1e-5 (relative). These run on our own runner (``pipeline="ours"``; the
 equal-submesh plans would otherwise take torch.distributed.pipelining, tested in
 `tests/test_runtime_torch_pipeline.py`). `run_local` is checked once, in its own launch (on the
-default choice).
+default choice). ``pp2_tp2`` runs compiled (AOTAutograd), the other plans eagerly (the same
+arithmetic; AOTAutograd's tracing was most of the launch's time).
 """
 
 from __future__ import annotations
@@ -88,7 +89,15 @@ def _train_all(plans: dict[str, tuple[ParallelPlan, str | None]]) -> dict[str, A
     out = {}
     for name, (plan, schedule) in plans.items():
         model, batches = _model_and_batches()
-        tr = Trainer(plan, model, batches[0], lr=LR, schedule=schedule, pipeline="ours")
+        tr = Trainer(
+            plan,
+            model,
+            batches[0],
+            lr=LR,
+            schedule=schedule,
+            pipeline="ours",
+            compile=name == "pp2_tp2",  # the other plans eagerly (module docstring)
+        )
         losses = [tr.step(b) for b in batches]
         params = {k: v.numpy().copy() for k, v in tr.full_params().items()}
         ex = tr.runner.executor
