@@ -257,12 +257,8 @@ class PipelineRunner:
                 self._program(c, fallback),
                 self.meshes[c],
                 sync_param_grads=False,
-                recompute_layers=recomputed(
-                    st.graph,
-                    stage_plan.recompute,
-                    layer_of,
-                    per_block=plan.kind == "manual",
-                ),
+                # blocks found in the whole model, as the planner prices it
+                recompute_layers=recomputed(graph, stage_plan.recompute, layer_of),
                 compile=compile,
                 fsdp=shard_placements(st.graph, stage_plan, stage_plan.fsdp_params),
                 layers=layer_of,

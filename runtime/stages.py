@@ -23,8 +23,9 @@ A parameter read by the ops of several stages (tied weights: one placeholder in 
 listed once by ``named_parameters``) is a placeholder of each of those stage graphs; the plan must
 list it in ``tied_params`` with exactly those stages (`check_tied`).
 
-Recomputation (``StagePlan.recompute``): "full" - the stage's executor runs each layer under a
-non-reentrant ``torch.utils.checkpoint`` (`runtime.executor.PlanExecutor`, ``recompute_layers``);
+Recomputation (``StagePlan.recompute``, `recomputed`): "full" - the stage's executor runs each
+transformer block ("layer": each of the plan's layers) under a non-reentrant
+``torch.utils.checkpoint`` (`runtime.executor.PlanExecutor`, ``recompute_layers``);
 "selective" - only each attention core (`planner.tracing.attention.attention_cores`: its ops form
 one checkpointed segment, every other op runs as usual and keeps its saved tensors), as
 `planner.inter.selective` prices it; a stage without an attention core has nothing to recompute.
@@ -103,24 +104,23 @@ def layer_of_nodes(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:
 
 
 def recomputed(
-    graph: OpGraph, recompute: str, layer_of: dict[str, int], per_block: bool = False
+    graph: OpGraph, recompute: str, layer_of: dict[str, int]
 ) -> dict[str, int] | None:
-    """The executor's ``recompute_layers`` for a stage's recomputation (module docstring): op ->
-    its checkpointed segment (the plan's layer for "full", the attention core for "selective"),
-    or None when nothing is recomputed. ``per_block`` (a manual plan: Megatron's checkpointing,
-    as `planner.plans.recompute` prices it): "full" checkpoints each transformer block on its own
-    and leaves the ops outside the blocks (embedding, final norm, head, loss) unrecomputed; a
-    stage without numbered blocks is checkpointed by layer."""
+    """The executor's ``recompute_layers`` for a stage's recomputation (module docstring): op of
+    the model's `graph` -> its checkpointed segment, or None when nothing is recomputed. "full": each transformer block
+    (`planner.tracing.blocks.block_of`) on its own, the ops outside the blocks (embedding, final
+    norm, head, loss) not recomputed; in a model without numbered blocks, each of the plan's
+    layers. "layer": each of the plan's layers. "selective": each attention core
+    (`planner.inter.full_recompute` and `planner.inter.selective` price them)."""
     if recompute == "full":
-        if per_block:
-            index: dict[str, int] = {}  # block -> its segment number
-            blocks = {
-                n.name: index.setdefault(b, len(index))
-                for n in graph.ops
-                if (b := block_of(n.module_path)) is not None
-            }
-            if blocks:
-                return blocks
+        index: dict[str, int] = {}  # block -> its segment number
+        blocks = {
+            n.name: index.setdefault(b, len(index))
+            for n in graph.ops
+            if (b := block_of(n.module_path)) is not None
+        }
+        return blocks or layer_of
+    if recompute == "layer":
         return layer_of
     if recompute == "selective":
         return attention_cores(graph) or None

@@ -4,8 +4,9 @@ executed as priced (`runtime.fsdp`: the recomputed forward reads the backward's 
 
 One gloo launch of 2 ranks trains a small Llama (hidden 64, 4 layers) data-parallel over both
 with every parameter FSDP-sharded (`manual_plan(fsdp="full")`), 2 micro-batches, Adam
-(lr 1e-3), 3 steps, once with full recomputation (each transformer block checkpointed) and once
-with selective (the attention cores), and checks against one device (losses and parameters
+(lr 1e-3), 3 steps, once with full recomputation (each transformer block checkpointed), once
+with layer (each of the plan's layers, the embedding and head with the first and last block)
+and once with selective (the attention cores), and checks against one device (losses and parameters
 within 1e-5), the collectives of one step against the priced ones site by site (two all-gathers
 and one reduce-scatter per parameter and micro-batch: no more with recomputation), the blocks'
 ops run twice per micro-batch (recomputed) with their parameters gathered once in backward, in
@@ -40,7 +41,7 @@ SPEC = "llama:hidden=64,layers=4,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"
 CLUSTER = "1x2xA100-80GB"
 STEPS, LR, BATCH, B = 3, 1e-3, 8, 2
 UNPRICED_SITES = ("fwd:output", "bwd:nll_loss_forward", "bwd:embedding")  # test_fsdp's
-MODES = ("full", "selective")
+MODES = ("full", "layer", "selective")
 _KW = {
     "dp": 2,
     "tp": 1,
@@ -97,7 +98,7 @@ def _closed_form(F: Any, K: Any, G: Any, R: Any, k: int, j: int) -> float:
 
 def test_recomputed_fsdp_stage_follows_its_derivation() -> None:
     """A stage of layers k..j with FSDP parameters and recomputation: its ops' time (the
-    collectives taken out), the recomputed forward X_l (the layers' forward compute for full,
+    collectives taken out), the recomputed forward X_l (the blocks' forward for full, the layers' for layer,
     the attention cores' for selective), and the FSDP collectives exposed as without
     recomputation but with the backward compute K_l + X_l hiding them. One layer alone exposes
     every collective whatever the compute; ranges of several may hide more than without
@@ -112,7 +113,12 @@ def test_recomputed_fsdp_stage_follows_its_derivation() -> None:
     # what `time` and `fixed` hold without the exposed collectives
     ops = prof.time - e
     base = prof.fixed - first[:, None] - last[None, :]
-    for mode, X in (("full", prof.fwd), ("selective", prof.core_time)):
+    assert prof.block_redo is not None
+    for mode, X in (
+        ("full", prof.block_redo),
+        ("layer", prof.redo),
+        ("selective", prof.core_time),
+    ):
         assert (X > 0).all()
         table = prof.range_times(mode)
         for k in range(L):
@@ -141,14 +147,22 @@ def test_recomputed_fsdp_stage_follows_its_derivation() -> None:
     for mode in MODES:
         cost, _ = stt.range_costs(prof, inflight, np.inf, send, mode)
         assert np.isfinite(cost[0, L - 1, 1])
-    # memory of layers 0..L-1: full keeps the layers' inputs, selective all but the cores'
-    # bytes; live while one layer (one core) is recomputed: its saved bytes, and in every mode
-    # what the backward holds and two layers' gathered copies (the layer running, the next)
-    held = prof.backward_bytes()[0, L - 1] + 2 * prof.gathered.max()
+    # memory of layers 0..L-1: layer keeps the layers' inputs, full the blocks' inputs and what
+    # runs outside the blocks, selective all but the cores' bytes; live while one layer (one
+    # block, one core) is recomputed: its saved bytes, and in every mode what the backward holds
+    # and two segments' gathered copies (the one running, the next; full: blocks, else layers)
+    held = prof.backward_bytes()[0, L - 1]
+    layers, blocks = 2 * prof.gathered.max(), 2 * prof.block_gathered.max()
+    assert 0 < blocks < layers
     for mode, kept, transient in (
-        ("full", prof.inputs.sum(), prof.acts.max()),
-        ("selective", (prof.acts - prof.core_bytes).sum(), prof.core_peak.max()),
-        ("none", prof.acts.sum(), 0.0),
+        ("layer", prof.inputs.sum(), prof.acts.max() + layers),
+        ("full", prof.block_kept.sum(), prof.block_peak.max() + blocks),
+        (
+            "selective",
+            (prof.acts - prof.core_bytes).sum(),
+            prof.core_peak.max() + layers,
+        ),
+        ("none", prof.acts.sum(), layers),
     ):
         _, k, t = stt.range_footprint(prof, mode)
         assert (k[0, L - 1], t[0, L - 1]) == pytest.approx((kept, transient + held))
@@ -301,7 +315,8 @@ def test_recomputed_forward_reads_the_backward_gathers(
     backward; a block's last ops may be left out, as its residual add: torch's checkpoint
     stops once backward has what it needs), the ops outside the blocks once; every block parameter is read by the
     recomputed forward (gathered there, the gather counted once above), the others never.
-    Selective: only attention cores are recomputed, and they read no parameter."""
+    Layer: the ops outside the blocks as well. Selective: only attention cores are recomputed,
+    and they read no parameter."""
     g = _graph()
     blocks = {n.name for n in g.ops if block_of(n.module_path) is not None}
     for r in runs:
@@ -315,6 +330,13 @@ def test_recomputed_forward_reads_the_backward_gathers(
         in_blocks = {p for p in full["paths"].values() if p.startswith("blocks.")}
         assert read == in_blocks, sorted(read ^ in_blocks)
         assert len(full["recomputed"]) >= B * len(in_blocks)
+        # layer: the manual plan's layers (a block each, the embedding in the first, the
+        # head and loss in the last) checkpointed whole: ops outside the blocks run twice too,
+        # and their parameters are read by the recomputed forward
+        layer = r["layer"]
+        again = {n for n, c in layer["runs"].items() if c == 2 * B}
+        assert twice < again and again - blocks
+        assert {layer["paths"][n] for n in layer["recomputed"]} > read
         assert r["selective"]["recomputed"] == []
         assert max(r["selective"]["runs"].values()) == 2 * B
 

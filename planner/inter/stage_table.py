@@ -13,16 +13,20 @@ keeps there, `cost_models.memory.microbatches_in_flight`: min(B, s) for 1F1B, B 
     recompute none:      params[k..j] + inflight * activations[k..j]
     recompute selective: params[k..j] + inflight * (activations - core bytes)[k..j]
                          + max core bytes of one attention core
-    recompute full:      params[k..j] + inflight * layer_inputs[k..j] + max activations of one layer
+    recompute full:      params[k..j] + inflight * block_kept[k..j] + max activations of one block
+    recompute layer:     params[k..j] + inflight * layer_inputs[k..j] + max activations of one layer
 
 plus, in every mode, what the backward holds besides saved activations and priced gradients
 (`LayerProfile.backward_bytes`, `planner.inter.held_memory`: the largest op's activation
 gradients, ZeRO gradients held whole until the step's sync; and a second set of fresh gradients
 during later micro-batches' backward on compiled graphs, `LayerProfile.accumulate_bytes`),
-and recomputation adds to the time the layers' forward compute (full) or their attention cores'
-forward (selective; the core bytes and seconds are `planner.inter.selective`'s). FSDP parameters
+and recomputation adds to the time the blocks' (full) or the layers' (layer) forward, or their
+attention cores' (selective), each with half the resharding on the edges into the recomputed ops
+(`planner.inter.full_recompute`, `planner.inter.selective`; full checkpoints each transformer block,
+keeping the blocks' inputs and what runs outside the blocks). FSDP parameters
 (`planner.intra.fsdp_prices`, ZeRO stage 3) add twice the largest layer's gathered bytes to the
-transient term (the layer running and the next one gathered), and their collectives count only by
+transient term (the layer running and the next one gathered; with full recomputation the
+largest block's), and their collectives count only by
 the part compute does not hide (`planner.intra.fsdp_prices.fsdp_exposed`, its overlap model):
 forward gathers behind the layer's forward compute, backward gathers and the next layer's
 reduce-scatters behind its backward compute; the first layer's reduce-scatters and the first gather
@@ -40,8 +44,8 @@ keeps min(B, s) micro-batches in flight on every stage and adds the weight produ
 gradients it defers (`planner.inter.wgrad`) times min(B, s), the most any of its stages defers
 (`cost_models.memory.weight_grads_pending`: stage i defers min(B, i + 1)); the plan's own memory
 (`planner.plans.assemble`) counts each stage's exact number.
-A range's cost is the fastest option (logical mesh, memory level, recomputation none, selective
-or full; `RECOMPUTE_MODES`) that fits the
+A range's cost is the fastest option (logical mesh, memory level, recomputation none, selective,
+full or layer; `LayerProfile.recompute_modes`) that fits the
 budget, plus sending the boundary activations to the next stage and their gradient back
 (`planner.inter.boundaries.send_times`); +inf if none fits.
 """
@@ -56,6 +60,7 @@ import numpy as np
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from cost_models.memory import stage_peak_bytes
+from planner.inter.full_recompute import layer_terms, node_terms
 from planner.inter.held_memory import backward_terms, resharded_saves
 from planner.inter.selective import selective_table
 from planner.inter.wgrad import wgrad_table
@@ -110,6 +115,15 @@ class LayerProfile:
     # node -> layer of the clustering the profile attributes to (`planner.inter.dp_overlap`
     # finds a stage's gradient buckets from it)
     layer_of: dict[str, int] | None = None
+    # full recomputation (`planner.inter.full_recompute`), per layer: the seconds "layer" adds,
+    # and "full"'s (each transformer block checkpointed) seconds, kept bytes per micro-batch and
+    # bytes live while one block is recomputed; the "full" ones None for a model without blocks
+    # (it is checkpointed by layer)
+    redo: np.ndarray | None = None
+    block_redo: np.ndarray | None = None
+    block_kept: np.ndarray | None = None
+    block_peak: np.ndarray | None = None
+    block_gathered: np.ndarray | None = None
 
     def backward_bytes(self) -> np.ndarray:
         """[k, j]: the backward's bytes beyond activations and parameter state for a stage of
@@ -133,12 +147,25 @@ class LayerProfile:
             return np.zeros((L, L))
         return _range_sums(self.fresh_grads)
 
+    def recompute_modes(self) -> tuple[str, ...]:
+        """The recomputation modes worth pricing: selective only where the model has attention
+        cores (`planner.tracing.attention`), "layer" only where "full" checkpoints blocks
+        (without blocks both checkpoint each layer)."""
+        return tuple(
+            m
+            for m in RECOMPUTE_MODES
+            if (m != "selective" or self.core_time is not None)
+            and (m != "layer" or self.block_kept is not None)
+        )
+
     def extra_time(self, recompute: str) -> np.ndarray | float:
         """Per layer: the seconds per micro-batch recomputation `recompute` adds (True and
         False read as full and none)."""
         recompute = recompute_mode(recompute)
+        if recompute == "layer" or (recompute == "full" and self.block_redo is None):
+            return self.fwd if self.redo is None else self.redo
         if recompute == "full":
-            return self.fwd
+            return self.block_redo
         if recompute == "selective":
             return _need_cores(self.core_time)
         return 0.0
@@ -248,8 +275,18 @@ def profile(
     wgrad = np.zeros((2, L))
     for row, per_node in zip(wgrad, wgrad_table(sol, graph)):
         np.add.at(row, index, per_node)
+    saved = table[:, 3].copy()
+    position = {n: i for i, n in enumerate(names)}
     for n, b in resharded_saves(sol, graph).items():
         acts[layer_of.get(n, 0)] += b
+        saved[position[n]] += b
+    full = layer_terms(
+        node_terms(sol, graph),
+        index,
+        saved,
+        sol.fsdp_table()[:, 4] if sol.fsdp_params else None,
+        L,
+    )
     work, grads = backward_terms(sol, graph, layer_of)
     grad_work = np.zeros(L)
     for n, w in work.items():
@@ -275,6 +312,11 @@ def profile(
         fresh_grads=fresh,
         priced_grads=priced,
         layer_of=layer_of,
+        redo=full[0],
+        block_redo=full[1],
+        block_kept=full[2],
+        block_peak=full[3],
+        block_gathered=full[4],
     )
 
 
@@ -334,6 +376,7 @@ def profiles_for(
     ladder: tuple[float, ...] = (0.35, 0.12, 0.04),
     seeds: Sequence[Seed] = (),
     lean_layers: tuple[dict[str, int], list[list[str]], int] | None = None,
+    seeds_only: bool = False,
 ) -> list[LayerProfile]:
     """The time-optimal solution, then solutions under shrinking whole-model memory budgets
     (`ladder`, fractions of the time-optimal solution's memory, until the layers are lean: those
@@ -344,7 +387,8 @@ def profiles_for(
     then repeats that solution) or when its placements put more parameter state in every layer
     than `budget` (no stage could use it). `param_filter`, `batch_axes` and `activation_filter`
     restrict every solve
-    (`planner.intra.solve.solve_stage`)."""
+    (`planner.intra.solve.solve_stage`). `seeds_only`: the seeds' solutions alone (no
+    time-optimal solution, no ladder)."""
     pricing = price_stage(
         graph, mesh, num_microbatches=num_microbatches, optimizer=optimizer
     )
@@ -356,24 +400,23 @@ def profiles_for(
         "activation_filter": activation_filter,
         "pricing": pricing,
     }
-    first = solve_stage(graph, mesh, **kw)
-    out = [profile(first, graph, layer_of, bounds, num_layers)]
-    total = first.memory_bytes
+    first = None if seeds_only else solve_stage(graph, mesh, **kw)
+    out = [] if first is None else [profile(first, graph, layer_of, bounds, num_layers)]
     last = first
-    for f in ladder:
+    for f in ladder if first is not None else ():
         lean = out[-1] if lean_layers is None else profile(last, graph, *lean_layers)
         if lean.params.max() + lean.acts.max() <= budget / 4:
             break  # already lean enough for several layers per stage
         try:
             last = solve_stage(
-                graph, mesh, memory_budget=total * f, gap=LADDER_GAP, **kw
+                graph, mesh, memory_budget=first.memory_bytes * f, gap=LADDER_GAP, **kw
             )
         except MeshplanError:
             break
         out.append(profile(last, graph, layer_of, bounds, num_layers))
     paths = graph.placeholder_paths
-    params = [n for n in first.choice if graph.node(n).op == "param"]
     names, rep = pricing.names, pricing.ctx.rep
+    params = [n for n in names if graph.node(n).op == "param"]
     for seed, seed_axes, sequence_axis, context_axis in seeds:
         axes = tuple(sorted(set(batch_axes) | set(seed_axes)))
         acts = activation_filter
@@ -390,7 +433,7 @@ def profiles_for(
         split = batch_split_options(
             graph, names, pricing.ctx.options, rep, axes, mesh.shape
         )
-        if (
+        if first is not None and (
             all(seed(paths[n], first.choice[n]) for n in params)
             and all(first.choice[n] in allowed for n, allowed in split.items())
             and (acts is None or all(acts(n, o) for n, o in first.choice.items()))
@@ -411,7 +454,7 @@ def profiles_for(
             )
         except MeshplanError:  # the seed leaves a parameter no placement on this mesh
             continue
-        if (
+        if first is None or (
             sol.param_placements,
             sol.zero_params,
             sol.fsdp_params,
@@ -485,9 +528,13 @@ def range_footprint(
         )
     params = _range_sums(prof.params)
     extra = prof.backward_bytes()
+    if recompute == "full" and prof.block_kept is not None:  # each block on its own
+        if prof.block_gathered is not None:
+            extra = extra + 2 * _range_max(prof.block_gathered)
+        return params, _range_sums(prof.block_kept), _range_max(prof.block_peak) + extra
     if prof.gathered is not None:
         extra = extra + 2 * _range_max(prof.gathered)
-    if recompute == "full":
+    if recompute in ("full", "layer"):  # each layer whole
         return params, _range_sums(prof.inputs), _range_max(prof.acts) + extra
     if recompute == "selective":
         kept = _range_sums(prof.acts - _need_cores(prof.core_bytes))
