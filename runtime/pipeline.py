@@ -120,6 +120,7 @@ from runtime.schedules import (
 from runtime.stages import (
     StageGraph,
     check_tied,
+    fsdp_units,
     layer_of_nodes,
     recomputed,
     split_stages,
@@ -248,6 +249,7 @@ class PipelineRunner:
         self.index: int | None = self.chunks[0] if self.chunks else None
         fallback = {f.split(":")[0] for f in plan.fallback_ops}
         layer_of = layer_of_nodes(graph, plan)
+        units = fsdp_units(graph, plan)  # FSDP's reduce-scatters paced per block
         self.executors: dict[int, PlanExecutor] = {}
         self._zero: dict[int, dict[str, tuple[Placement, ...]]] = {}
         for c in self.chunks:
@@ -261,7 +263,7 @@ class PipelineRunner:
                 recompute_layers=recomputed(graph, stage_plan.recompute, layer_of),
                 compile=compile,
                 fsdp=shard_placements(st.graph, stage_plan, stage_plan.fsdp_params),
-                layers=layer_of,
+                layers=units,
             )
             self._zero[c] = {
                 st.graph.placeholder_paths[n]: places

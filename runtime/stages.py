@@ -40,6 +40,7 @@ import torch
 from torch import fx
 
 from cost_models.errors import MeshplanError
+from planner.inter.boundaries import block_units
 from planner.tracing.attention import attention_cores
 from planner.tracing.blocks import block_of
 from planner.tracing.opgraph import OpGraph, OpNode
@@ -49,6 +50,7 @@ from planner.vocab.strategy import StageProgram
 __all__ = [
     "StageGraph",
     "check_tied",
+    "fsdp_units",
     "layer_of_nodes",
     "recomputed",
     "shared_params",
@@ -101,6 +103,16 @@ def layer_of_nodes(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:
         for n in graph.ops[index[a] : index[b] + 1]:
             out[n.name] = k
     return out
+
+
+def fsdp_units(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:
+    """Op node name -> its FSDP unit: the plan's layers cut where each transformer block begins
+    (`planner.inter.boundaries.block_units`), the units whose reduce-scatters `runtime.fsdp`
+    paces and `planner.inter.stage_table` prices one after another."""
+    index = {n.name: i for i, n in enumerate(graph.ops)}
+    layers = [(index[a], index[b]) for a, b in plan.layer_nodes]
+    units, _ = block_units(graph, layers)
+    return {n.name: k for k, (a, b) in enumerate(units) for n in graph.ops[a : b + 1]}
 
 
 def recomputed(

@@ -60,7 +60,7 @@ _KW = {
 
 @functools.cache
 def _fsdp_profile() -> Any:
-    """4 layers of a data-parallel solution over 2 devices with every weight FSDP-sharded."""
+    """3 layers of a data-parallel solution over 2 devices with every weight FSDP-sharded."""
     from cost_models.cluster import Cluster
     from planner.inter import boundaries as bd
     from planner.inter import stage_table as stt
@@ -77,7 +77,7 @@ def _fsdp_profile() -> Any:
         return option.zero == 3 and all(p == "R" for p in option.strategy.output[0])
 
     sol = solve_stage(g, mesh, batch_axes=(1,), param_filter=fsdp)
-    L = 4
+    L = 3  # of 4 blocks: a layer of one block and one of two
     layer_of = bd.layer_of_nodes(g, layers_in(g, L))
     return stt.profile(sol, g, layer_of, bd.boundary_values(g, layer_of, L), L)
 
@@ -98,21 +98,27 @@ def _closed_form(F: Any, K: Any, G: Any, R: Any, k: int, j: int) -> float:
 
 def test_recomputed_fsdp_stage_follows_its_derivation() -> None:
     """A stage of layers k..j with FSDP parameters and recomputation: its ops' time (the
-    collectives taken out), the recomputed forward X_l (the blocks' forward for full, the layers' for layer,
-    the attention cores' for selective), and the FSDP collectives exposed as without
-    recomputation but with the backward compute K_l + X_l hiding them. One layer alone exposes
-    every collective whatever the compute; ranges of several may hide more than without
-    recomputation."""
+    collectives taken out), the recomputed forward X (the blocks' forward for full, the layers'
+    for layer, the attention cores' for selective), and the FSDP collectives exposed as without
+    recomputation but with the backward compute K + X hiding them, unit by unit (a layer cut
+    where each transformer block begins, `planner.inter.boundaries.block_units`): the closed
+    form over the units from layer k's first to layer j's last. A layer of one unit alone
+    exposes every collective whatever the compute; ranges of several may hide more than
+    without recomputation."""
     from planner.inter import stage_table as stt
 
     prof = _fsdp_profile()
     F, K, G, R = prof.fsdp_terms
     assert (G > 0).all() and (R > 0).all()
-    L = len(F)
-    e, first, last = fp.fsdp_exposed(F, K, G, R)
+    L, units = len(prof.time), prof.unit_layer
+    assert len(units) > L  # the embedding's layer holds a block too
+    start = [int(np.searchsorted(units, k)) for k in range(L)]
+    end = [int(np.searchsorted(units, k, side="right")) - 1 for k in range(L)]
+    e_u, first_u, last_u = fp.fsdp_exposed(F, K, G, R)
+    e = np.array([e_u[start[k] : end[k] + 1].sum() for k in range(L)])
     # what `time` and `fixed` hold without the exposed collectives
     ops = prof.time - e
-    base = prof.fixed - first[:, None] - last[None, :]
+    base = prof.fixed - first_u[start][:, None] - last_u[end][None, :]
     assert prof.block_redo is not None
     for mode, X in (
         ("full", prof.block_redo),
@@ -120,6 +126,9 @@ def test_recomputed_fsdp_stage_follows_its_derivation() -> None:
         ("selective", prof.core_time),
     ):
         assert (X > 0).all()
+        Xu = prof.unit_extra[mode]
+        per_layer = [Xu[start[k] : end[k] + 1].sum() for k in range(L)]
+        assert per_layer == pytest.approx(X)
         table = prof.range_times(mode)
         for k in range(L):
             for j in range(k, L):
@@ -127,21 +136,23 @@ def test_recomputed_fsdp_stage_follows_its_derivation() -> None:
                     ops[k : j + 1].sum()
                     + X[k : j + 1].sum()
                     + base[k, j]
-                    + _closed_form(F, K + X, G, R, k, j)
+                    + _closed_form(F, K + Xu, G, R, start[k], end[j])
                 )
                 assert table[k, j] == pytest.approx(want), (mode, k, j)
                 assert prof.range_time(k, j, mode) == pytest.approx(want)
         none = prof.range_times("none")
         single = np.diag(table) - np.diag(none)
-        # one layer: all its collectives exposed either way
-        assert single == pytest.approx(X)
+        # a layer of one unit: all its collectives exposed either way
+        alone = [k for k in range(L) if start[k] == end[k]]
+        assert alone and single[alone] == pytest.approx(X[alone])
         # several layers: recomputation's compute may hide more of them (here compute already
         # hides the backward's; with gathers 1000 times slower it hides some)
         assert table[0, L - 1] - none[0, L - 1] <= X.sum() * (1 + 1e-12)
         slow = dataclasses.replace(prof, fsdp_terms=np.stack([F, K, G * 1e3, R]))
         per_layer, fixed = slow.fsdp_recompute(mode)
         assert per_layer.sum() + fixed[0, L - 1] < 0
-        assert per_layer[0] + fixed[0, 0] == pytest.approx(0.0, abs=1e-12)
+        k = alone[0]
+        assert per_layer[k] + fixed[k, k] == pytest.approx(0.0, abs=1e-12)
     # the search's table takes such stages (memory permitting)
     inflight, send = np.array([0.0, 1.0]), np.zeros(L)
     for mode in MODES:

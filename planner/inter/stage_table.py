@@ -60,6 +60,7 @@ import numpy as np
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from cost_models.memory import stage_peak_bytes
+from planner.inter import boundaries as bd
 from planner.inter.full_recompute import layer_terms, node_terms
 from planner.inter.held_memory import backward_terms, resharded_saves
 from planner.inter.selective import selective_table
@@ -92,7 +93,8 @@ class LayerProfile:
     fixed: np.ndarray
     # bytes per layer of its FSDP parameters' gathered copies (`fsdp_prices.fsdp_gathered_bytes`)
     gathered: np.ndarray | None = None
-    # per layer, rows F, K, G, R of `fsdp_exposed` (forward and backward compute, all-gathers
+    # per FSDP unit (`planner.inter.boundaries.block_units`: a layer cut where each transformer
+    # block begins), rows F, K, G, R of `fsdp_exposed` (forward and backward compute, all-gathers
     # of one pass, reduce-scatters); `time` and `fixed` hide them as without recomputation,
     # `fsdp_recompute` says what recomputation changes; None without FSDP parameters
     fsdp_terms: np.ndarray | None = None
@@ -124,6 +126,10 @@ class LayerProfile:
     block_kept: np.ndarray | None = None
     block_peak: np.ndarray | None = None
     block_gathered: np.ndarray | None = None
+    # with FSDP parameters: each unit's layer, and per recomputation mode the seconds it adds
+    # to each unit (`fsdp_recompute`)
+    unit_layer: np.ndarray | None = None
+    unit_extra: dict[str, np.ndarray] | None = None
 
     def backward_bytes(self) -> np.ndarray:
         """[k, j]: the backward's bytes beyond activations and parameter state for a stage of
@@ -178,13 +184,19 @@ class LayerProfile:
         backward's gathered copies; the same two all-gathers and one reduce-scatter per
         parameter and micro-batch). Zeros without FSDP or recomputation."""
         L = len(self.time)
-        if self.fsdp_terms is None or recompute_mode(recompute) == "none":
+        recompute = recompute_mode(recompute)
+        if self.fsdp_terms is None or recompute == "none":
             return np.zeros(L), np.zeros((L, L))
+        if recompute == "selective":
+            _need_cores(self.core_time)
         F, K, G, R = self.fsdp_terms
-        X = np.broadcast_to(self.extra_time(recompute), K.shape)
+        X = self.unit_extra[recompute]
         e0, first0, last0 = fsdp_exposed(F, K, G, R)
         e1, first1, last1 = fsdp_exposed(F, K + X, G, R)
-        return e1 - e0, (first1 - first0)[:, None] + (last1 - last0)[None, :]
+        per_layer, first, last = _by_layer(
+            self.unit_layer, e1 - e0, first1 - first0, last1 - last0, L
+        )
+        return per_layer, first[:, None] + last[None, :]
 
     def range_times(self, recompute: str) -> np.ndarray:
         """[k, j]: per-micro-batch time of a stage holding layers k..j (recomputation adds its
@@ -244,18 +256,26 @@ def profile(
         fixed += (_range_sums(held) > 0) * (bucket.latency_s / sol.num_microbatches)
     time, fwd, params, acts = arr.T.copy()
     gathered = terms = None
+    unit_layer = unit = None
     if sol.fsdp_params:
-        # per layer: its ops' forward + backward and forward compute, its FSDP parameters'
+        # per unit: its ops' forward + backward and forward compute, its FSDP parameters'
         # all-gathers of one pass, reduce-scatters and gathered bytes (`StageSolution.fsdp_table`;
-        # a parameter counts in the layer of its first consumer)
-        sums = np.zeros((L, 5))
-        np.add.at(sums, index, sol.fsdp_table())
-        both, F, G, R, gathered = sums.T
+        # a parameter counts in the unit of its first consumer); `fsdp_exposed` of a range of
+        # units is the sum of its per-unit terms plus its ends' (so per layer: sums, and the
+        # layer's first and last unit's ends)
+        unit, unit_layer = _units(graph, layer_of, names)
+        sums = np.zeros((len(unit_layer), 5))
+        np.add.at(sums, unit, sol.fsdp_table())
+        both, F, G, R, _ = sums.T
         K = both - F  # backward compute
-        exposed, first, last = fsdp_exposed(F, K, G, R)
+        exposed, first, last = _by_layer(unit_layer, *fsdp_exposed(F, K, G, R), L)
         terms = np.stack([F, K, G, R])
+        gathered = np.zeros(L)
+        np.add.at(gathered, index, sol.fsdp_table()[:, 4])
         # `time` has the collectives in full (`fsdp_prices.zero_cost` + edges)
-        time -= 2 * G + R - exposed
+        collectives = np.zeros(L)
+        np.add.at(collectives, unit_layer, 2 * G + R)
+        time -= collectives - exposed
         fixed += first[:, None] + last[None, :]
     cores = _cores(graph)
     selective: tuple[np.ndarray | None, ...] = (None, None, None)
@@ -296,6 +316,21 @@ def profile(
     for n, (f, p) in grads.items():
         fresh[layer_of.get(n, 0)] += f
         priced[layer_of.get(n, 0)] += p
+    unit_extra = None
+    if unit is not None:
+        rc = node_terms(sol, graph)
+        per_node = {
+            "layer": rc.redo,
+            "full": np.where(rc.block >= 0, rc.redo, 0.0)
+            if (rc.block >= 0).any()
+            else rc.redo,
+        }
+        if cores:
+            per_node["selective"] = seconds
+        unit_extra = {}
+        for mode, x in per_node.items():
+            unit_extra[mode] = np.zeros(len(unit_layer))
+            np.add.at(unit_extra[mode], unit, x)
     return LayerProfile(
         sol,
         time,
@@ -317,6 +352,8 @@ def profile(
         block_kept=full[2],
         block_peak=full[3],
         block_gathered=full[4],
+        unit_layer=unit_layer,
+        unit_extra=unit_extra,
     )
 
 
@@ -336,6 +373,41 @@ def _layer_index(layer_of: dict[str, int], names: list[str]) -> np.ndarray:
     _LAYER_INDEX.insert(0, (layer_of, names, index))
     del _LAYER_INDEX[8:]
     return index
+
+
+def _by_layer(
+    unit_layer: np.ndarray, e: np.ndarray, first: np.ndarray, last: np.ndarray, L: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`fsdp_exposed`'s (e, first, last) of units as those of their layers: e summed, first of a
+    layer its first unit's, last its last unit's."""
+    out = np.zeros(L)
+    np.add.at(out, unit_layer, e)
+    starts = np.searchsorted(unit_layer, np.arange(L))
+    ends = np.searchsorted(unit_layer, np.arange(L), side="right") - 1
+    return out, first[starts], last[ends]
+
+
+# the last few (layer_of, node names): each node's FSDP unit and each unit's layer
+_UNITS: list[tuple[dict[str, int], list[str], tuple[np.ndarray, np.ndarray]]] = []
+
+
+def _units(
+    graph: OpGraph, layer_of: dict[str, int], names: list[str]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The FSDP unit of each of `names` (`planner.inter.boundaries.block_units` of the layers)
+    and each unit's layer; kept for the last few clusterings."""
+    for known, known_names, out in _UNITS:
+        if known is layer_of and (known_names is names or known_names == names):
+            return out
+    units, ranges = bd.block_units(graph, bd.layer_ranges(graph, layer_of))
+    unit_of = bd.layer_of_nodes(graph, units)
+    unit_layer = np.zeros(len(units), dtype=int)
+    for k, (a, b) in enumerate(ranges):
+        unit_layer[a : b + 1] = k
+    out = (np.fromiter((unit_of.get(n, 0) for n in names), int, len(names)), unit_layer)
+    _UNITS.insert(0, (layer_of, names, out))
+    del _UNITS[8:]
+    return out
 
 
 # the last few graphs' attention cores: the search profiles many solutions of one graph

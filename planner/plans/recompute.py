@@ -38,31 +38,3 @@ def block_chunks(graph: OpGraph, chunks: int) -> list[tuple[int, int]]:
     starts = [0] + [first[keys[c * per]] for c in range(1, chunks)]
     ends = [s - 1 for s in starts[1:]] + [len(ops) - 1]
     return list(zip(starts, ends))
-
-
-def block_layers(
-    graph: OpGraph, chunks: list[tuple[int, int]]
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """Each chunk's op range cut where a transformer block begins: (the layers, and each chunk's
-    first and last layer). A manual stage's FSDP parameters are gathered one layer at a time
-    and its collectives overlap the neighbouring layers' compute (`runtime.fsdp`,
-    `planner.intra.fsdp_prices.fsdp_exposed`), as FSDP2 wraps every transformer block in
-    torchtitan; ops before a chunk's first block join its first layer. A chunk without a block
-    start stays one layer."""
-    ops = graph.ops
-    starts: set[int] = set()
-    seen: set[str] = set()
-    for i, n in enumerate(ops):
-        key = block_of(n.module_path)
-        if key is not None and key not in seen:
-            seen.add(key)
-            starts.add(i)
-    layers: list[tuple[int, int]] = []
-    ranges = []
-    for a, b in chunks:
-        inside = sorted(i for i in starts if a < i <= b)
-        cuts = [a] + inside[a not in starts :]  # ops before the first block join it
-        first = len(layers)
-        layers += list(zip(cuts, [c - 1 for c in cuts[1:]] + [b]))
-        ranges.append((first, len(layers) - 1))
-    return layers, ranges
