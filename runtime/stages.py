@@ -40,9 +40,8 @@ import torch
 from torch import fx
 
 from cost_models.errors import MeshplanError
-from planner.inter.boundaries import block_units
 from planner.tracing.attention import attention_cores
-from planner.tracing.blocks import block_of
+from planner.tracing.blocks import block_of, block_units
 from planner.tracing.opgraph import OpGraph, OpNode
 from planner.vocab.plan_file import ParallelPlan, StagePlan
 from planner.vocab.strategy import StageProgram
@@ -107,7 +106,7 @@ def layer_of_nodes(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:
 
 def fsdp_units(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:
     """Op node name -> its FSDP unit: the plan's layers cut where each transformer block begins
-    (`planner.inter.boundaries.block_units`), the units whose reduce-scatters `runtime.fsdp`
+    (`planner.tracing.blocks.block_units`), the units whose reduce-scatters `runtime.fsdp`
     paces and `planner.inter.stage_table` prices one after another."""
     index = {n.name: i for i, n in enumerate(graph.ops)}
     layers = [(index[a], index[b]) for a, b in plan.layer_nodes]

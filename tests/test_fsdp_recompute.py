@@ -101,7 +101,7 @@ def test_recomputed_fsdp_stage_follows_its_derivation() -> None:
     collectives taken out), the recomputed forward X (the blocks' forward for full, the layers'
     for layer, the attention cores' for selective), and the FSDP collectives exposed as without
     recomputation but with the backward compute K + X hiding them, unit by unit (a layer cut
-    where each transformer block begins, `planner.inter.boundaries.block_units`): the closed
+    where each transformer block begins, `planner.tracing.blocks.block_units`): the closed
     form over the units from layer k's first to layer j's last. A layer of one unit alone
     exposes every collective whatever the compute; ranges of several may hide more than
     without recomputation."""

@@ -17,6 +17,7 @@ from planner.inter import boundaries as bd
 from planner.inter import stage_table as st
 from planner.intra.solve import solve_stage
 from planner.models.gpt import GPTConfig
+from planner.tracing.blocks import block_units
 from planner.tracing.inputs import resolve_model
 from planner.tracing.tracer import trace
 
@@ -29,7 +30,7 @@ def _profile(per_block: bool) -> st.LayerProfile:
     module, example = resolve_model(SPEC, None, torch.float16, None)[1](BATCH)
     graph = trace(module, example, model_name=SPEC)
     whole = [(0, len(graph.ops) - 1)]
-    layers = bd.block_units(graph, whole)[0] if per_block else whole
+    layers = block_units(graph, whole)[0] if per_block else whole
     num_layers = len(layers)
     layer_of = bd.layer_of_nodes(graph, layers)
     bounds = bd.boundary_values(graph, layer_of, num_layers)
@@ -62,7 +63,7 @@ def test_full_keeps_block_inputs_and_recomputes_one_block_at_a_time() -> None:
 
 
 def test_layers_of_one_block_each_price_both_alike_inside() -> None:
-    """With a layer per block (`planner.inter.boundaries.block_units`: the embedding joins the
+    """With a layer per block (`planner.tracing.blocks.block_units`: the embedding joins the
     first, the head the last), the inner layers' full and layer prices agree: the same ops
     recomputed, the same saved set live, and the same residual stream kept."""
     prof = _profile(per_block=True)

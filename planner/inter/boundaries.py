@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 
 from cost_models.communication import LogicalMesh, boundary_send_times
-from planner.tracing.blocks import block_of
 from planner.tracing.opgraph import OpGraph
 
 
@@ -92,43 +91,3 @@ def send_times(
     )
     out[-1] = 0.0
     return out
-
-
-def block_units(
-    graph: OpGraph, chunks: list[tuple[int, int]]
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """Each chunk's op range (a layer, a manual plan's pipeline chunk) cut where a transformer block
-    begins (`planner.tracing.blocks.block_of`): (the units, and each chunk's first and last unit).
-    Ops before a chunk's first block join its first unit; a chunk without a block start stays
-    one unit. FSDP gathers and overlaps one unit at a time (`runtime.fsdp`,
-    `planner.intra.fsdp_prices.fsdp_exposed`), as torchtitan wraps every transformer block in
-    FSDP2; a manual plan's layers are these units."""
-    ops = graph.ops
-    starts: set[int] = set()
-    seen: set[str] = set()
-    for i, n in enumerate(ops):
-        key = block_of(n.module_path)
-        if key is not None and key not in seen:
-            seen.add(key)
-            starts.add(i)
-    units: list[tuple[int, int]] = []
-    ranges = []
-    for a, b in chunks:
-        inside = sorted(i for i in starts if a < i <= b)
-        cuts = [a] + inside[a not in starts :]  # ops before the first block join it
-        first = len(units)
-        units += list(zip(cuts, [c - 1 for c in cuts[1:]] + [b]))
-        ranges.append((first, len(units) - 1))
-    return units, ranges
-
-
-def layer_ranges(graph: OpGraph, layer_of: dict[str, int]) -> list[tuple[int, int]]:
-    """The op index range of each layer of `layer_of` (layers are consecutive ops)."""
-    out: list[list[int]] = []
-    for i, n in enumerate(graph.ops):
-        k = layer_of[n.name]
-        if k == len(out):
-            out.append([i, i])
-        else:
-            out[k][1] = i
-    return [(a, b) for a, b in out]

@@ -72,6 +72,7 @@ from planner.intra.megatron import ParamFilter, Seed, sequence_filter
 from planner.intra.prices import Option
 from planner.intra.solve import StagePricing, StageSolution, price_stage, solve_stage
 from planner.tracing.attention import attention_cores
+from planner.tracing.blocks import block_units, layer_ranges
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.placements import shards
 from planner.vocab.plan_check import RECOMPUTE_MODES, recompute_mode
@@ -93,7 +94,7 @@ class LayerProfile:
     fixed: np.ndarray
     # bytes per layer of its FSDP parameters' gathered copies (`fsdp_prices.fsdp_gathered_bytes`)
     gathered: np.ndarray | None = None
-    # per FSDP unit (`planner.inter.boundaries.block_units`: a layer cut where each transformer
+    # per FSDP unit (`planner.tracing.blocks.block_units`: a layer cut where each transformer
     # block begins), rows F, K, G, R of `fsdp_exposed` (forward and backward compute, all-gathers
     # of one pass, reduce-scatters); `time` and `fixed` hide them as without recomputation,
     # `fsdp_recompute` says what recomputation changes; None without FSDP parameters
@@ -394,12 +395,12 @@ _UNITS: list[tuple[dict[str, int], list[str], tuple[np.ndarray, np.ndarray]]] = 
 def _units(
     graph: OpGraph, layer_of: dict[str, int], names: list[str]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The FSDP unit of each of `names` (`planner.inter.boundaries.block_units` of the layers)
+    """The FSDP unit of each of `names` (`planner.tracing.blocks.block_units` of the layers)
     and each unit's layer; kept for the last few clusterings."""
     for known, known_names, out in _UNITS:
         if known is layer_of and (known_names is names or known_names == names):
             return out
-    units, ranges = bd.block_units(graph, bd.layer_ranges(graph, layer_of))
+    units, ranges = block_units(graph, layer_ranges(graph, layer_of))
     unit_of = bd.layer_of_nodes(graph, units)
     unit_layer = np.zeros(len(units), dtype=int)
     for k, (a, b) in enumerate(ranges):

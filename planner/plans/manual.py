@@ -42,7 +42,7 @@ whole, "selective" only the attention cores (`planner.tracing.attention`), price
 DP's own prices (`planner.inter.full_recompute`, `planner.inter.selective`); with FSDP or HSDP too
 (torchtitan's default: the recomputed forward gathers the parameters again, `runtime.fsdp`).
 A manual chunk is a range of the stage table's layers, one per transformer block
-(`planner.inter.boundaries.block_units`): FSDP gathers one block at a time, its collectives
+(`planner.tracing.blocks.block_units`): FSDP gathers one block at a time, its collectives
 overlapping the neighbouring blocks' compute (`planner.intra.fsdp_prices.fsdp_exposed`), as
 torchtitan wraps every block in FSDP2.
 """
@@ -74,6 +74,7 @@ from planner.intra.megatron import (
 )
 from planner.plans.assemble import PlanSpec, assemble, stage_from_profile
 from planner.plans.recompute import block_chunks
+from planner.tracing.blocks import block_units
 from planner.tracing.inputs import resolve_model
 from planner.tracing.tracer import trace
 from planner.vocab.plan_check import RECOMPUTE_MODES, recompute_mode
@@ -206,7 +207,7 @@ def manual_plan(
     )
     if len(layers) != chunks:
         raise MeshplanError(f"{name} has too few ops for {chunks} pipeline chunks")
-    layers, ranges = bd.block_units(graph, layers)
+    layers, ranges = block_units(graph, layers)
     n = dp * cp * tp
     sub = (1, n) if n <= M else (n // M, M)
     experts = any(is_expert_weight(p) for p in graph.placeholder_paths.values())
