@@ -62,16 +62,30 @@ def microbatch_sizes(global_batch: int, cluster: Cluster | None = None) -> list[
 
 def larger_microbatch_sizes(global_batch: int, cluster: Cluster) -> list[int]:
     """Sizes above `microbatch_sizes`' up to 16 rows per device, in increasing order. `plan` tries
-    them one by one only while the best plan so far uses the largest size tried: evaluating all
-    of them would add passes to the largest searches that cannot win (gpt-39b on 64 V100s does not
-    fit at 64 rows and is fastest at 1; one more size costs about 13 s of its planning,
-    `benchmarks/bench_planner.py`), while a data-parallel MoE on 16 H100s gains from 32 rows to
-    64 and 128 (the manual grid's dp8 x pp2 runs 64)."""
+    them one by one only while the best plan so far uses the largest size tried, and in any case
+    the first of at least one row per device: evaluating all of them would add passes to the
+    largest searches that cannot win (gpt-39b on 64 V100s does not fit at 64 rows and is fastest
+    at 1; one more size costs about 13 s of its planning, `benchmarks/bench_planner.py`), while
+    a data-parallel MoE on 16 H100s gains from 32 rows to 64 and 128 (the manual grid's
+    dp8 x pp2 runs 64), and data parallelism or FSDP over every device needs a row per device:
+    llama3-70b on 64 H100s (global batch 128) is fastest FSDP-sharded over all 64 at 128 rows
+    (460.7 TFLOP/s per device), where the best of 1 to 32 rows ran 1 row (419.8) and 64 rows
+    reach 424.7."""
     return _pow2_divisors(
         global_batch,
         max(microbatch_sizes(global_batch, cluster), default=0) + 1,
         16 * cluster.num_devices,
     )
+
+
+def next_size_step(size: int, tried: int, best: int, devices: int) -> str:
+    """What `plan` does with `size`, the next of `larger_microbatch_sizes`, when `tried` is the
+    largest size evaluated so far and `best` the size of the fastest plan: "try" it while the
+    best plan uses the largest size tried, and in any case when it is the first of at least one
+    row per device; "skip" it on the way to that one; else "stop"."""
+    if best == tried or tried < devices <= size:
+        return "try"
+    return "skip" if size < devices else "stop"
 
 
 def _pow2_divisors(n: int, low: int, high: int) -> list[int]:
@@ -163,9 +177,11 @@ def plan(
     larger = [] if microbatch_size else larger_microbatch_sizes(G, cluster)
     tried = max(sizes_b)
     for b in larger:
-        if _best(results).size != tried:
-            break  # the best plan so far runs smaller micro-batches than the largest tried
-        results.append(evaluate(job, make, tried := b, say))
+        step = next_size_step(b, tried, _best(results).size, cluster.num_devices)
+        if step == "stop":
+            break
+        if step == "try":
+            results.append(evaluate(job, make, tried := b, say))
     best = _best(results)
     if not best.found:
         untraceable = [r.untraceable for r in results if r.untraceable is not None]

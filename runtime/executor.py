@@ -141,7 +141,7 @@ class PlanExecutor(torch.fx.Interpreter):
 
     FSDP: ``fsdp`` (placeholder name -> the placements of its shard) are gathered around their
     use and reduce-scattered in backward (`runtime.fsdp.FsdpParams`), the reduce-scatters waited
-    one layer of ``layers`` (op node name -> the plan's layer) later; with ``recompute_layers``
+    one unit of ``layers`` (op node name -> its FSDP unit, `runtime.stages.fsdp_units`) later; with ``recompute_layers``
     a segment's recomputed forward reads the backward's gathered copies (FSDP2 with activation
     checkpointing: gathered in forward, freed, gathered once more for recompute and backward).
 
@@ -209,7 +209,7 @@ class PlanExecutor(torch.fx.Interpreter):
                 )
         self._parsed: dict[Strs, tuple[Placement, ...]] = {}
         # FSDP parameters (placeholder name -> shard placements; `runtime.fsdp`): eager only;
-        # `layers` (op node name -> plan layer) paces their reduce-scatters
+        # `layers` (op node name -> FSDP unit) paces their reduce-scatters
         # with recomputation, the recomputed forward gathers them again (`runtime.fsdp`)
         self.fsdp = FsdpParams(self, fsdp, layers, recompute_layers) if fsdp else None
         self.compile = compile and recompute_layers is None and self.fsdp is None

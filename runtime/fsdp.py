@@ -23,7 +23,8 @@ placed by `runtime.pipeline.PipelineRunner.place_params`). In every micro-batch:
   collective, an ``AsyncCollectiveTensor``); it hands autograd no gradient for the shard.
   Reduce-scatters are waited for one layer later, as FSDP2 waits for a module group's
   reduce-scatter before the next group issues its own: before the first reduce-scatter of an
-  earlier layer (``layers``: the plan's layer of the parameter's first consumer; without them
+  earlier unit (``layers``: the FSDP unit of the parameter's first consumer, a plan layer cut at
+  each transformer block, `runtime.stages.fsdp_units`; without them
   every parameter is its own layer) is issued, and at the latest when that backward pass ends
   (a callback queued on autograd's engine, as FSDP2 queues its final callback). Waited, each is
   added into the shard's ``.grad``, as autograd would accumulate it: the gradient accumulates over
@@ -143,7 +144,7 @@ class _Gather(torch.autograd.Function):
 class FsdpParams:
     """The FSDP parameters of one executor: placeholder name -> the placements of its shard
     (module docstring). `value` and `done` are called by the executor around every node.
-    ``layers``: op node name -> the plan's layer (a parameter's is its first consumer's).
+    ``layers``: op node name -> its FSDP unit (a parameter's is its first consumer's).
     ``segments``: the executor's ``recompute_layers`` (op node name -> its checkpointed
     segment; None: nothing recomputed), which orders the backward's gathers (`bwd_order`)."""
 

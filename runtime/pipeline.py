@@ -120,6 +120,7 @@ from runtime.schedules import (
 from runtime.stages import (
     StageGraph,
     check_tied,
+    fsdp_units,
     layer_of_nodes,
     recomputed,
     split_stages,
@@ -248,6 +249,7 @@ class PipelineRunner:
         self.index: int | None = self.chunks[0] if self.chunks else None
         fallback = {f.split(":")[0] for f in plan.fallback_ops}
         layer_of = layer_of_nodes(graph, plan)
+        units = fsdp_units(graph, plan)  # FSDP's reduce-scatters paced per block
         self.executors: dict[int, PlanExecutor] = {}
         self._zero: dict[int, dict[str, tuple[Placement, ...]]] = {}
         for c in self.chunks:
@@ -257,15 +259,11 @@ class PipelineRunner:
                 self._program(c, fallback),
                 self.meshes[c],
                 sync_param_grads=False,
-                recompute_layers=recomputed(
-                    st.graph,
-                    stage_plan.recompute,
-                    layer_of,
-                    per_block=plan.kind == "manual",
-                ),
+                # blocks found in the whole model, as the planner prices it
+                recompute_layers=recomputed(graph, stage_plan.recompute, layer_of),
                 compile=compile,
                 fsdp=shard_placements(st.graph, stage_plan, stage_plan.fsdp_params),
-                layers=layer_of,
+                layers=units,
             )
             self._zero[c] = {
                 st.graph.placeholder_paths[n]: places

@@ -23,8 +23,9 @@ A parameter read by the ops of several stages (tied weights: one placeholder in 
 listed once by ``named_parameters``) is a placeholder of each of those stage graphs; the plan must
 list it in ``tied_params`` with exactly those stages (`check_tied`).
 
-Recomputation (``StagePlan.recompute``): "full" - the stage's executor runs each layer under a
-non-reentrant ``torch.utils.checkpoint`` (`runtime.executor.PlanExecutor`, ``recompute_layers``);
+Recomputation (``StagePlan.recompute``, `recomputed`): "full" - the stage's executor runs each
+transformer block ("layer": each of the plan's layers) under a non-reentrant
+``torch.utils.checkpoint`` (`runtime.executor.PlanExecutor`, ``recompute_layers``);
 "selective" - only each attention core (`planner.tracing.attention.attention_cores`: its ops form
 one checkpointed segment, every other op runs as usual and keeps its saved tensors), as
 `planner.inter.selective` prices it; a stage without an attention core has nothing to recompute.
@@ -40,7 +41,7 @@ from torch import fx
 
 from cost_models.errors import MeshplanError
 from planner.tracing.attention import attention_cores
-from planner.tracing.blocks import block_of
+from planner.tracing.blocks import block_of, block_units
 from planner.tracing.opgraph import OpGraph, OpNode
 from planner.vocab.plan_file import ParallelPlan, StagePlan
 from planner.vocab.strategy import StageProgram
@@ -48,6 +49,7 @@ from planner.vocab.strategy import StageProgram
 __all__ = [
     "StageGraph",
     "check_tied",
+    "fsdp_units",
     "layer_of_nodes",
     "recomputed",
     "shared_params",
@@ -102,25 +104,34 @@ def layer_of_nodes(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:
     return out
 
 
+def fsdp_units(graph: OpGraph, plan: ParallelPlan) -> dict[str, int]:
+    """Op node name -> its FSDP unit: the plan's layers cut where each transformer block begins
+    (`planner.tracing.blocks.block_units`), the units whose reduce-scatters `runtime.fsdp`
+    paces and `planner.inter.stage_table` prices one after another."""
+    index = {n.name: i for i, n in enumerate(graph.ops)}
+    layers = [(index[a], index[b]) for a, b in plan.layer_nodes]
+    units, _ = block_units(graph, layers)
+    return {n.name: k for k, (a, b) in enumerate(units) for n in graph.ops[a : b + 1]}
+
+
 def recomputed(
-    graph: OpGraph, recompute: str, layer_of: dict[str, int], per_block: bool = False
+    graph: OpGraph, recompute: str, layer_of: dict[str, int]
 ) -> dict[str, int] | None:
-    """The executor's ``recompute_layers`` for a stage's recomputation (module docstring): op ->
-    its checkpointed segment (the plan's layer for "full", the attention core for "selective"),
-    or None when nothing is recomputed. ``per_block`` (a manual plan: Megatron's checkpointing,
-    as `planner.plans.recompute` prices it): "full" checkpoints each transformer block on its own
-    and leaves the ops outside the blocks (embedding, final norm, head, loss) unrecomputed; a
-    stage without numbered blocks is checkpointed by layer."""
+    """The executor's ``recompute_layers`` for a stage's recomputation (module docstring): op of
+    the model's `graph` -> its checkpointed segment, or None when nothing is recomputed. "full": each transformer block
+    (`planner.tracing.blocks.block_of`) on its own, the ops outside the blocks (embedding, final
+    norm, head, loss) not recomputed; in a model without numbered blocks, each of the plan's
+    layers. "layer": each of the plan's layers. "selective": each attention core
+    (`planner.inter.full_recompute` and `planner.inter.selective` price them)."""
     if recompute == "full":
-        if per_block:
-            index: dict[str, int] = {}  # block -> its segment number
-            blocks = {
-                n.name: index.setdefault(b, len(index))
-                for n in graph.ops
-                if (b := block_of(n.module_path)) is not None
-            }
-            if blocks:
-                return blocks
+        index: dict[str, int] = {}  # block -> its segment number
+        blocks = {
+            n.name: index.setdefault(b, len(index))
+            for n in graph.ops
+            if (b := block_of(n.module_path)) is not None
+        }
+        return blocks or layer_of
+    if recompute == "layer":
         return layer_of
     if recompute == "selective":
         return attention_cores(graph) or None

@@ -4,8 +4,9 @@ executed as priced (`runtime.fsdp`: the recomputed forward reads the backward's 
 
 One gloo launch of 2 ranks trains a small Llama (hidden 64, 4 layers) data-parallel over both
 with every parameter FSDP-sharded (`manual_plan(fsdp="full")`), 2 micro-batches, Adam
-(lr 1e-3), 3 steps, once with full recomputation (each transformer block checkpointed) and once
-with selective (the attention cores), and checks against one device (losses and parameters
+(lr 1e-3), 3 steps, once with full recomputation (each transformer block checkpointed), once
+with layer (each of the plan's layers, the embedding and head with the first and last block)
+and once with selective (the attention cores), and checks against one device (losses and parameters
 within 1e-5), the collectives of one step against the priced ones site by site (two all-gathers
 and one reduce-scatter per parameter and micro-batch: no more with recomputation), the blocks'
 ops run twice per micro-batch (recomputed) with their parameters gathered once in backward, in
@@ -40,7 +41,7 @@ SPEC = "llama:hidden=64,layers=4,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"
 CLUSTER = "1x2xA100-80GB"
 STEPS, LR, BATCH, B = 3, 1e-3, 8, 2
 UNPRICED_SITES = ("fwd:output", "bwd:nll_loss_forward", "bwd:embedding")  # test_fsdp's
-MODES = ("full", "selective")
+MODES = ("full", "layer", "selective")
 _KW = {
     "dp": 2,
     "tp": 1,
@@ -59,7 +60,7 @@ _KW = {
 
 @functools.cache
 def _fsdp_profile() -> Any:
-    """4 layers of a data-parallel solution over 2 devices with every weight FSDP-sharded."""
+    """3 layers of a data-parallel solution over 2 devices with every weight FSDP-sharded."""
     from cost_models.cluster import Cluster
     from planner.inter import boundaries as bd
     from planner.inter import stage_table as stt
@@ -76,7 +77,7 @@ def _fsdp_profile() -> Any:
         return option.zero == 3 and all(p == "R" for p in option.strategy.output[0])
 
     sol = solve_stage(g, mesh, batch_axes=(1,), param_filter=fsdp)
-    L = 4
+    L = 3  # of 4 blocks: a layer of one block and one of two
     layer_of = bd.layer_of_nodes(g, layers_in(g, L))
     return stt.profile(sol, g, layer_of, bd.boundary_values(g, layer_of, L), L)
 
@@ -97,23 +98,37 @@ def _closed_form(F: Any, K: Any, G: Any, R: Any, k: int, j: int) -> float:
 
 def test_recomputed_fsdp_stage_follows_its_derivation() -> None:
     """A stage of layers k..j with FSDP parameters and recomputation: its ops' time (the
-    collectives taken out), the recomputed forward X_l (the layers' forward compute for full,
-    the attention cores' for selective), and the FSDP collectives exposed as without
-    recomputation but with the backward compute K_l + X_l hiding them. One layer alone exposes
-    every collective whatever the compute; ranges of several may hide more than without
-    recomputation."""
+    collectives taken out), the recomputed forward X (the blocks' forward for full, the layers'
+    for layer, the attention cores' for selective), and the FSDP collectives exposed as without
+    recomputation but with the backward compute K + X hiding them, unit by unit (a layer cut
+    where each transformer block begins, `planner.tracing.blocks.block_units`): the closed
+    form over the units from layer k's first to layer j's last. A layer of one unit alone
+    exposes every collective whatever the compute; ranges of several may hide more than
+    without recomputation."""
     from planner.inter import stage_table as stt
 
     prof = _fsdp_profile()
     F, K, G, R = prof.fsdp_terms
     assert (G > 0).all() and (R > 0).all()
-    L = len(F)
-    e, first, last = fp.fsdp_exposed(F, K, G, R)
+    L, units = len(prof.time), prof.unit_layer
+    assert len(units) > L  # the embedding's layer holds a block too
+    start = [int(np.searchsorted(units, k)) for k in range(L)]
+    end = [int(np.searchsorted(units, k, side="right")) - 1 for k in range(L)]
+    e_u, first_u, last_u = fp.fsdp_exposed(F, K, G, R)
+    e = np.array([e_u[start[k] : end[k] + 1].sum() for k in range(L)])
     # what `time` and `fixed` hold without the exposed collectives
     ops = prof.time - e
-    base = prof.fixed - first[:, None] - last[None, :]
-    for mode, X in (("full", prof.fwd), ("selective", prof.core_time)):
+    base = prof.fixed - first_u[start][:, None] - last_u[end][None, :]
+    assert prof.block_redo is not None
+    for mode, X in (
+        ("full", prof.block_redo),
+        ("layer", prof.redo),
+        ("selective", prof.core_time),
+    ):
         assert (X > 0).all()
+        Xu = prof.unit_extra[mode]
+        per_layer = [Xu[start[k] : end[k] + 1].sum() for k in range(L)]
+        assert per_layer == pytest.approx(X)
         table = prof.range_times(mode)
         for k in range(L):
             for j in range(k, L):
@@ -121,34 +136,44 @@ def test_recomputed_fsdp_stage_follows_its_derivation() -> None:
                     ops[k : j + 1].sum()
                     + X[k : j + 1].sum()
                     + base[k, j]
-                    + _closed_form(F, K + X, G, R, k, j)
+                    + _closed_form(F, K + Xu, G, R, start[k], end[j])
                 )
                 assert table[k, j] == pytest.approx(want), (mode, k, j)
                 assert prof.range_time(k, j, mode) == pytest.approx(want)
         none = prof.range_times("none")
         single = np.diag(table) - np.diag(none)
-        # one layer: all its collectives exposed either way
-        assert single == pytest.approx(X)
+        # a layer of one unit: all its collectives exposed either way
+        alone = [k for k in range(L) if start[k] == end[k]]
+        assert alone and single[alone] == pytest.approx(X[alone])
         # several layers: recomputation's compute may hide more of them (here compute already
         # hides the backward's; with gathers 1000 times slower it hides some)
         assert table[0, L - 1] - none[0, L - 1] <= X.sum() * (1 + 1e-12)
         slow = dataclasses.replace(prof, fsdp_terms=np.stack([F, K, G * 1e3, R]))
         per_layer, fixed = slow.fsdp_recompute(mode)
         assert per_layer.sum() + fixed[0, L - 1] < 0
-        assert per_layer[0] + fixed[0, 0] == pytest.approx(0.0, abs=1e-12)
+        k = alone[0]
+        assert per_layer[k] + fixed[k, k] == pytest.approx(0.0, abs=1e-12)
     # the search's table takes such stages (memory permitting)
     inflight, send = np.array([0.0, 1.0]), np.zeros(L)
     for mode in MODES:
         cost, _ = stt.range_costs(prof, inflight, np.inf, send, mode)
         assert np.isfinite(cost[0, L - 1, 1])
-    # memory of layers 0..L-1: full keeps the layers' inputs, selective all but the cores'
-    # bytes; live while one layer (one core) is recomputed: its saved bytes, and in every mode
-    # what the backward holds and two layers' gathered copies (the layer running, the next)
-    held = prof.backward_bytes()[0, L - 1] + 2 * prof.gathered.max()
+    # memory of layers 0..L-1: layer keeps the layers' inputs, full the blocks' inputs and what
+    # runs outside the blocks, selective all but the cores' bytes; live while one layer (one
+    # block, one core) is recomputed: its saved bytes, and in every mode what the backward holds
+    # and two segments' gathered copies (the one running, the next; full: blocks, else layers)
+    held = prof.backward_bytes()[0, L - 1]
+    layers, blocks = 2 * prof.gathered.max(), 2 * prof.block_gathered.max()
+    assert 0 < blocks < layers
     for mode, kept, transient in (
-        ("full", prof.inputs.sum(), prof.acts.max()),
-        ("selective", (prof.acts - prof.core_bytes).sum(), prof.core_peak.max()),
-        ("none", prof.acts.sum(), 0.0),
+        ("layer", prof.inputs.sum(), prof.acts.max() + layers),
+        ("full", prof.block_kept.sum(), prof.block_peak.max() + blocks),
+        (
+            "selective",
+            (prof.acts - prof.core_bytes).sum(),
+            prof.core_peak.max() + layers,
+        ),
+        ("none", prof.acts.sum(), layers),
     ):
         _, k, t = stt.range_footprint(prof, mode)
         assert (k[0, L - 1], t[0, L - 1]) == pytest.approx((kept, transient + held))
@@ -301,7 +326,8 @@ def test_recomputed_forward_reads_the_backward_gathers(
     backward; a block's last ops may be left out, as its residual add: torch's checkpoint
     stops once backward has what it needs), the ops outside the blocks once; every block parameter is read by the
     recomputed forward (gathered there, the gather counted once above), the others never.
-    Selective: only attention cores are recomputed, and they read no parameter."""
+    Layer: the ops outside the blocks as well. Selective: only attention cores are recomputed,
+    and they read no parameter."""
     g = _graph()
     blocks = {n.name for n in g.ops if block_of(n.module_path) is not None}
     for r in runs:
@@ -315,6 +341,13 @@ def test_recomputed_forward_reads_the_backward_gathers(
         in_blocks = {p for p in full["paths"].values() if p.startswith("blocks.")}
         assert read == in_blocks, sorted(read ^ in_blocks)
         assert len(full["recomputed"]) >= B * len(in_blocks)
+        # layer: the manual plan's layers (a block each, the embedding in the first, the
+        # head and loss in the last) checkpointed whole: ops outside the blocks run twice too,
+        # and their parameters are read by the recomputed forward
+        layer = r["layer"]
+        again = {n for n, c in layer["runs"].items() if c == 2 * B}
+        assert twice < again and again - blocks
+        assert {layer["paths"][n] for n in layer["recomputed"]} > read
         assert r["selective"]["recomputed"] == []
         assert max(r["selective"]["runs"].values()) == 2 * B
 

@@ -388,6 +388,34 @@ def test_larger_microbatches_are_tried_only_while_they_win() -> None:
         assert 64 // p.num_microbatches == best[1]
 
 
+def test_larger_sizes_reach_one_row_per_device() -> None:
+    """The rule over `larger_microbatch_sizes`, brute force: walking sizes 64 to 1024 on 256
+    devices with a best size drawn at random after each evaluation, every size evaluated is
+    either one the largest-so-far rule takes or the first of at least 256 rows, and that one
+    is always evaluated."""
+    import random
+
+    from planner.api import next_size_step
+
+    D, larger = 256, [64, 128, 256, 512, 1024]
+    rng = random.Random(0)
+    for _ in range(200):
+        tried, best, evaluated = 32, rng.choice([1, 32]), []
+        for b in larger:
+            step = next_size_step(b, tried, best, D)
+            if step == "stop":
+                break
+            if step == "try":
+                assert best == tried or (tried < D <= b)
+                evaluated.append(b)
+                tried, best = b, rng.choice([best, b])
+            else:
+                assert b < D and best != tried
+        assert 256 in evaluated
+        # the sizes past 256 only while the largest tried keeps winning
+        assert evaluated == sorted(evaluated)
+
+
 @pytest.mark.slow
 def test_cli_output_into_a_closed_pipe_is_not_an_error(tmp_path) -> None:
     import subprocess
@@ -439,8 +467,8 @@ def test_logical_shapes_offer_both_orientations_inside_a_host() -> None:
     assert logical_shapes((1, 8)) == [(1, 8), (2, 4), (4, 2)]
     assert logical_shapes((1, 4)) == [(1, 4), (2, 2)]
     assert logical_shapes((1, 2)) == [(1, 2)]
-    assert logical_shapes((2, 8)) == [(2, 8), (8, 2)]
-    assert logical_shapes((4, 8)) == [(4, 8)]
+    assert logical_shapes((2, 8)) == [(2, 8), (8, 2), (1, 16)]
+    assert logical_shapes((4, 8)) == [(4, 8), (1, 32)]
     # Why a mesh and its transpose both count: Megatron's dp4 x tp2 activation layout (batch split
     # over every device, dp outer) gathered over tp before a column-parallel matmul. On 4 x 2 (tp on
     # axis 1) that is one all-gather among 2 devices; with tp on axis 0 of 2 x 4 the nested shard

@@ -24,7 +24,8 @@ SPEC = "gpt:hidden=64,layers=4,heads=4,seq=16,vocab=128"
 
 @pytest.fixture(scope="module")
 def plan_json(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """A valid tp2 x pp2 plan of a tiny GPT on 4 devices, as its file holds it."""
+    """A valid tp2 x pp2 plan of a tiny GPT on 4 devices, as its file holds it (4 layers, one
+    per block, 2 per stage)."""
     plan = manual_plan(
         SPEC,
         "1x4xA100-80GB",
@@ -122,7 +123,7 @@ CASES = [
     (
         "layer out of range",
         _set("stages.1.layers", [1, 99]),
-        "stages[1].layers: [1, 99] is not [first, last] with 0 <= first <= last < 2",
+        "stages[1].layers: [1, 99] is not [first, last] with 0 <= first <= last < 4",
     ),
     (
         "layers from 0",
@@ -132,12 +133,12 @@ CASES = [
     (
         "layer overlap",
         _set("stages.1.layers", [0, 1]),
-        "stages[1].layers: [0, 1] starts at layer 0, expected 1",
+        "stages[1].layers: [0, 1] starts at layer 0, expected 2",
     ),
     (
         "layer gap",
         lambda d: d["layer_nodes"].append(d["layer_nodes"][-1]),
-        "stages[1].layers: [1, 1] ends at layer 1, but the last stage must end at the last layer, 2",
+        "stages[1].layers: [2, 3] ends at layer 3, but the last stage must end at the last layer, 4",
     ),
     ("no layers", _set("layer_nodes", []), "layer_nodes: [] is not a non-empty list"),
     ("layer node", _set("layer_nodes.0", ["a"]), "layer_nodes[0]"),

@@ -10,6 +10,7 @@ from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from cost_models.memory import OPTIMIZERS
 from planner.commands.fmt import nbytes, table
+from planner.vocab.plan_check import RECOMPUTE_MODES
 from planner.vocab.plan_file import ParallelPlan, StagePlan
 
 
@@ -124,9 +125,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         nargs="?",
         const="full",
         default="none",
-        choices=("none", "selective", "full"),
+        choices=RECOMPUTE_MODES,
         help="recompute activations in backward: none (default), selective (only the "
-        "attention cores) or full (every transformer block); --recompute alone is full",
+        "attention cores), full (every transformer block on its own) or layer (each of "
+        "the plan's layers whole); --recompute alone is full",
     )
     sp = m.add_mutually_exclusive_group()
     sp.add_argument(

@@ -45,7 +45,6 @@ from planner.inter import boundaries as bd
 from planner.inter import stage_table as st
 from planner.inter.layers import auto_num_layers, cluster_layers, op_terms
 from planner.tracing.opgraph import OpGraph
-from planner.vocab.plan_check import RECOMPUTE_MODES
 
 #: Model chunks per device group tried: 2 to 8 (the manual grid's 2, 4, 5 and 8 among them,
 #: `benchmarks.manual_grid.VIRTUAL_STAGES`).
@@ -162,7 +161,7 @@ class InterleavedSearch:
         if not p:
             return
         send = bd.send_times(mesh, self.boundary_bytes, crosses_hosts=crosses_hosts)
-        modes = RECOMPUTE_MODES if prof.core_time is not None else ("none", "full")
+        modes = prof.recompute_modes()
         B = self.B
         for rc in modes:
             params, kept, transient = st.range_footprint(prof, rc)

@@ -28,7 +28,6 @@ from planner.intra.highs import solves_overlap
 from planner.intra.megatron import context_seeds, is_expert_weight, seed_filters
 from planner.intra.prices import Option
 from planner.tracing.opgraph import OpGraph
-from planner.vocab.plan_check import RECOMPUTE_MODES
 
 
 @dataclass(frozen=True)
@@ -87,8 +86,14 @@ def logical_shapes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
 
     * Inside one host: one flat axis and every a x m/a with 1 < a < m (both 2 x 4 and 4 x 2 on 8
       devices).
-    * Across n hosts: n x m (a flat axis across hosts would run every collective through the slow
-      inter-host link, which the n x m mesh can always match); on two hosts also m x 2, tensor
+    * Across n hosts: n x m, and one flat axis of n * m devices: FSDP over all of them, as
+      torchtitan shards over a flat data-parallel mesh. On n x m, a parameter sharded on both
+      axes is gathered inner axis first (DTensor's nested shard order), so the inter-host step
+      moves (n - 1) / n of the parameter from every device; a flat collective is priced at the
+      cluster's all-device bandwidth (llama3-70b on 8x8 H100s, FSDP over all 64 at 2 rows per
+      device: one pass's all-gathers 2.57 s on 8 x 8, 0.65 s flat; the step 17.12 against
+      16.71 s with full recomputation); only its seeds are solved (`_flat_across_hosts`). On two
+      hosts also m x 2, tensor
       parallelism in device pairs inside a host with data parallelism over the rest (the best
       manual configuration of gpt-15b on 4x8 A100s: dp8 x tp2 per 16-device stage). Larger
       multi-host submeshes do not get it: it is one of the costliest intra-op programs, and
@@ -104,8 +109,20 @@ def logical_shapes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
     with micro-batch 8 plans 19.14 s per iteration without 4 x 2, 19.04 s with it."""
     n, m = submesh
     if n > 1:
-        return [(n, m), (m, 2)] if n == 2 and m % 2 == 0 and m > 2 else [(n, m)]
+        flat = [(1, n * m)]
+        if n == 2 and m % 2 == 0 and m > 2:
+            return [(n, m), (m, 2), *flat]
+        return [(n, m), *flat]
     return [(1, m)] + [(a, m // a) for a in range(2, m) if m % a == 0]
+
+
+def _flat_across_hosts(sub: tuple[int, int], shape: tuple[int, int], mode: str) -> bool:
+    """Whether the logical mesh is the flat axis over several hosts that `logical_shapes` adds
+    for FSDP over all devices: only its seeds are solved there (data parallelism, FSDP,
+    context parallelism; `planner.intra.megatron.seed_filters`), as tensor parallelism across
+    hosts cannot win, and the time-optimal program with its memory ladder would be the
+    costliest of the submesh's passes."""
+    return mode != "inter-only" and sub[0] > 1 and shape[0] == 1
 
 
 def _param_filter(mode: str) -> Callable[[str, Option], bool] | None:
@@ -168,8 +185,7 @@ class _Table:
         stage (for the error message when nothing fits) when `whole`, else inf."""
         send = bd.send_times(mesh, self.boundary_bytes, crosses_hosts=crosses_hosts)
         least = np.inf
-        # selective only where the model has attention cores (`planner.tracing.attention`)
-        modes = RECOMPUTE_MODES if prof.core_time is not None else ("none", "full")
+        modes = prof.recompute_modes()
         # zero bubble is priced and run without recomputation or FSDP (manual_plan)
         if self.zero_bubble:
             if prof.solution.fsdp_params:
@@ -281,6 +297,7 @@ def search(
                 activation_filter=acts,
                 seeds=_seeds(graph, mesh, mode, context_parallel),
                 lean_layers=_lean_layers(tables, sub, cluster.num_devices),
+                seeds_only=_flat_across_hosts(sub, shape, mode),
             )
 
     # The meshes' intra-op programs are independent: threads overlap one mesh's HiGHS solve with

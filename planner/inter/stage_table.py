@@ -13,16 +13,20 @@ keeps there, `cost_models.memory.microbatches_in_flight`: min(B, s) for 1F1B, B 
     recompute none:      params[k..j] + inflight * activations[k..j]
     recompute selective: params[k..j] + inflight * (activations - core bytes)[k..j]
                          + max core bytes of one attention core
-    recompute full:      params[k..j] + inflight * layer_inputs[k..j] + max activations of one layer
+    recompute full:      params[k..j] + inflight * block_kept[k..j] + max activations of one block
+    recompute layer:     params[k..j] + inflight * layer_inputs[k..j] + max activations of one layer
 
 plus, in every mode, what the backward holds besides saved activations and priced gradients
 (`LayerProfile.backward_bytes`, `planner.inter.held_memory`: the largest op's activation
 gradients, ZeRO gradients held whole until the step's sync; and a second set of fresh gradients
 during later micro-batches' backward on compiled graphs, `LayerProfile.accumulate_bytes`),
-and recomputation adds to the time the layers' forward compute (full) or their attention cores'
-forward (selective; the core bytes and seconds are `planner.inter.selective`'s). FSDP parameters
+and recomputation adds to the time the blocks' (full) or the layers' (layer) forward, or their
+attention cores' (selective), each with half the resharding on the edges into the recomputed ops
+(`planner.inter.full_recompute`, `planner.inter.selective`; full checkpoints each transformer block,
+keeping the blocks' inputs and what runs outside the blocks). FSDP parameters
 (`planner.intra.fsdp_prices`, ZeRO stage 3) add twice the largest layer's gathered bytes to the
-transient term (the layer running and the next one gathered), and their collectives count only by
+transient term (the layer running and the next one gathered; with full recomputation the
+largest block's), and their collectives count only by
 the part compute does not hide (`planner.intra.fsdp_prices.fsdp_exposed`, its overlap model):
 forward gathers behind the layer's forward compute, backward gathers and the next layer's
 reduce-scatters behind its backward compute; the first layer's reduce-scatters and the first gather
@@ -40,8 +44,8 @@ keeps min(B, s) micro-batches in flight on every stage and adds the weight produ
 gradients it defers (`planner.inter.wgrad`) times min(B, s), the most any of its stages defers
 (`cost_models.memory.weight_grads_pending`: stage i defers min(B, i + 1)); the plan's own memory
 (`planner.plans.assemble`) counts each stage's exact number.
-A range's cost is the fastest option (logical mesh, memory level, recomputation none, selective
-or full; `RECOMPUTE_MODES`) that fits the
+A range's cost is the fastest option (logical mesh, memory level, recomputation none, selective,
+full or layer; `LayerProfile.recompute_modes`) that fits the
 budget, plus sending the boundary activations to the next stage and their gradient back
 (`planner.inter.boundaries.send_times`); +inf if none fits.
 """
@@ -56,6 +60,8 @@ import numpy as np
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from cost_models.memory import stage_peak_bytes
+from planner.inter import boundaries as bd
+from planner.inter.full_recompute import layer_terms, node_terms
 from planner.inter.held_memory import backward_terms, resharded_saves
 from planner.inter.selective import selective_table
 from planner.inter.wgrad import wgrad_table
@@ -66,6 +72,7 @@ from planner.intra.megatron import ParamFilter, Seed, sequence_filter
 from planner.intra.prices import Option
 from planner.intra.solve import StagePricing, StageSolution, price_stage, solve_stage
 from planner.tracing.attention import attention_cores
+from planner.tracing.blocks import block_units, layer_ranges
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.placements import shards
 from planner.vocab.plan_check import RECOMPUTE_MODES, recompute_mode
@@ -87,7 +94,8 @@ class LayerProfile:
     fixed: np.ndarray
     # bytes per layer of its FSDP parameters' gathered copies (`fsdp_prices.fsdp_gathered_bytes`)
     gathered: np.ndarray | None = None
-    # per layer, rows F, K, G, R of `fsdp_exposed` (forward and backward compute, all-gathers
+    # per FSDP unit (`planner.tracing.blocks.block_units`: a layer cut where each transformer
+    # block begins), rows F, K, G, R of `fsdp_exposed` (forward and backward compute, all-gathers
     # of one pass, reduce-scatters); `time` and `fixed` hide them as without recomputation,
     # `fsdp_recompute` says what recomputation changes; None without FSDP parameters
     fsdp_terms: np.ndarray | None = None
@@ -110,6 +118,19 @@ class LayerProfile:
     # node -> layer of the clustering the profile attributes to (`planner.inter.dp_overlap`
     # finds a stage's gradient buckets from it)
     layer_of: dict[str, int] | None = None
+    # full recomputation (`planner.inter.full_recompute`), per layer: the seconds "layer" adds,
+    # and "full"'s (each transformer block checkpointed) seconds, kept bytes per micro-batch and
+    # bytes live while one block is recomputed; the "full" ones None for a model without blocks
+    # (it is checkpointed by layer)
+    redo: np.ndarray | None = None
+    block_redo: np.ndarray | None = None
+    block_kept: np.ndarray | None = None
+    block_peak: np.ndarray | None = None
+    block_gathered: np.ndarray | None = None
+    # with FSDP parameters: each unit's layer, and per recomputation mode the seconds it adds
+    # to each unit (`fsdp_recompute`)
+    unit_layer: np.ndarray | None = None
+    unit_extra: dict[str, np.ndarray] | None = None
 
     def backward_bytes(self) -> np.ndarray:
         """[k, j]: the backward's bytes beyond activations and parameter state for a stage of
@@ -133,12 +154,25 @@ class LayerProfile:
             return np.zeros((L, L))
         return _range_sums(self.fresh_grads)
 
+    def recompute_modes(self) -> tuple[str, ...]:
+        """The recomputation modes worth pricing: selective only where the model has attention
+        cores (`planner.tracing.attention`), "layer" only where "full" checkpoints blocks
+        (without blocks both checkpoint each layer)."""
+        return tuple(
+            m
+            for m in RECOMPUTE_MODES
+            if (m != "selective" or self.core_time is not None)
+            and (m != "layer" or self.block_kept is not None)
+        )
+
     def extra_time(self, recompute: str) -> np.ndarray | float:
         """Per layer: the seconds per micro-batch recomputation `recompute` adds (True and
         False read as full and none)."""
         recompute = recompute_mode(recompute)
+        if recompute == "layer" or (recompute == "full" and self.block_redo is None):
+            return self.fwd if self.redo is None else self.redo
         if recompute == "full":
-            return self.fwd
+            return self.block_redo
         if recompute == "selective":
             return _need_cores(self.core_time)
         return 0.0
@@ -151,13 +185,19 @@ class LayerProfile:
         backward's gathered copies; the same two all-gathers and one reduce-scatter per
         parameter and micro-batch). Zeros without FSDP or recomputation."""
         L = len(self.time)
-        if self.fsdp_terms is None or recompute_mode(recompute) == "none":
+        recompute = recompute_mode(recompute)
+        if self.fsdp_terms is None or recompute == "none":
             return np.zeros(L), np.zeros((L, L))
+        if recompute == "selective":
+            _need_cores(self.core_time)
         F, K, G, R = self.fsdp_terms
-        X = np.broadcast_to(self.extra_time(recompute), K.shape)
+        X = self.unit_extra[recompute]
         e0, first0, last0 = fsdp_exposed(F, K, G, R)
         e1, first1, last1 = fsdp_exposed(F, K + X, G, R)
-        return e1 - e0, (first1 - first0)[:, None] + (last1 - last0)[None, :]
+        per_layer, first, last = _by_layer(
+            self.unit_layer, e1 - e0, first1 - first0, last1 - last0, L
+        )
+        return per_layer, first[:, None] + last[None, :]
 
     def range_times(self, recompute: str) -> np.ndarray:
         """[k, j]: per-micro-batch time of a stage holding layers k..j (recomputation adds its
@@ -217,18 +257,26 @@ def profile(
         fixed += (_range_sums(held) > 0) * (bucket.latency_s / sol.num_microbatches)
     time, fwd, params, acts = arr.T.copy()
     gathered = terms = None
+    unit_layer = unit = None
     if sol.fsdp_params:
-        # per layer: its ops' forward + backward and forward compute, its FSDP parameters'
+        # per unit: its ops' forward + backward and forward compute, its FSDP parameters'
         # all-gathers of one pass, reduce-scatters and gathered bytes (`StageSolution.fsdp_table`;
-        # a parameter counts in the layer of its first consumer)
-        sums = np.zeros((L, 5))
-        np.add.at(sums, index, sol.fsdp_table())
-        both, F, G, R, gathered = sums.T
+        # a parameter counts in the unit of its first consumer); `fsdp_exposed` of a range of
+        # units is the sum of its per-unit terms plus its ends' (so per layer: sums, and the
+        # layer's first and last unit's ends)
+        unit, unit_layer = _units(graph, layer_of, names)
+        sums = np.zeros((len(unit_layer), 5))
+        np.add.at(sums, unit, sol.fsdp_table())
+        both, F, G, R, _ = sums.T
         K = both - F  # backward compute
-        exposed, first, last = fsdp_exposed(F, K, G, R)
+        exposed, first, last = _by_layer(unit_layer, *fsdp_exposed(F, K, G, R), L)
         terms = np.stack([F, K, G, R])
+        gathered = np.zeros(L)
+        np.add.at(gathered, index, sol.fsdp_table()[:, 4])
         # `time` has the collectives in full (`fsdp_prices.zero_cost` + edges)
-        time -= 2 * G + R - exposed
+        collectives = np.zeros(L)
+        np.add.at(collectives, unit_layer, 2 * G + R)
+        time -= collectives - exposed
         fixed += first[:, None] + last[None, :]
     cores = _cores(graph)
     selective: tuple[np.ndarray | None, ...] = (None, None, None)
@@ -248,8 +296,18 @@ def profile(
     wgrad = np.zeros((2, L))
     for row, per_node in zip(wgrad, wgrad_table(sol, graph)):
         np.add.at(row, index, per_node)
+    saved = table[:, 3].copy()
+    position = {n: i for i, n in enumerate(names)}
     for n, b in resharded_saves(sol, graph).items():
         acts[layer_of.get(n, 0)] += b
+        saved[position[n]] += b
+    full = layer_terms(
+        node_terms(sol, graph),
+        index,
+        saved,
+        sol.fsdp_table()[:, 4] if sol.fsdp_params else None,
+        L,
+    )
     work, grads = backward_terms(sol, graph, layer_of)
     grad_work = np.zeros(L)
     for n, w in work.items():
@@ -259,6 +317,21 @@ def profile(
     for n, (f, p) in grads.items():
         fresh[layer_of.get(n, 0)] += f
         priced[layer_of.get(n, 0)] += p
+    unit_extra = None
+    if unit is not None:
+        rc = node_terms(sol, graph)
+        per_node = {
+            "layer": rc.redo,
+            "full": np.where(rc.block >= 0, rc.redo, 0.0)
+            if (rc.block >= 0).any()
+            else rc.redo,
+        }
+        if cores:
+            per_node["selective"] = seconds
+        unit_extra = {}
+        for mode, x in per_node.items():
+            unit_extra[mode] = np.zeros(len(unit_layer))
+            np.add.at(unit_extra[mode], unit, x)
     return LayerProfile(
         sol,
         time,
@@ -275,6 +348,13 @@ def profile(
         fresh_grads=fresh,
         priced_grads=priced,
         layer_of=layer_of,
+        redo=full[0],
+        block_redo=full[1],
+        block_kept=full[2],
+        block_peak=full[3],
+        block_gathered=full[4],
+        unit_layer=unit_layer,
+        unit_extra=unit_extra,
     )
 
 
@@ -294,6 +374,41 @@ def _layer_index(layer_of: dict[str, int], names: list[str]) -> np.ndarray:
     _LAYER_INDEX.insert(0, (layer_of, names, index))
     del _LAYER_INDEX[8:]
     return index
+
+
+def _by_layer(
+    unit_layer: np.ndarray, e: np.ndarray, first: np.ndarray, last: np.ndarray, L: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`fsdp_exposed`'s (e, first, last) of units as those of their layers: e summed, first of a
+    layer its first unit's, last its last unit's."""
+    out = np.zeros(L)
+    np.add.at(out, unit_layer, e)
+    starts = np.searchsorted(unit_layer, np.arange(L))
+    ends = np.searchsorted(unit_layer, np.arange(L), side="right") - 1
+    return out, first[starts], last[ends]
+
+
+# the last few (layer_of, node names): each node's FSDP unit and each unit's layer
+_UNITS: list[tuple[dict[str, int], list[str], tuple[np.ndarray, np.ndarray]]] = []
+
+
+def _units(
+    graph: OpGraph, layer_of: dict[str, int], names: list[str]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The FSDP unit of each of `names` (`planner.tracing.blocks.block_units` of the layers)
+    and each unit's layer; kept for the last few clusterings."""
+    for known, known_names, out in _UNITS:
+        if known is layer_of and (known_names is names or known_names == names):
+            return out
+    units, ranges = block_units(graph, layer_ranges(graph, layer_of))
+    unit_of = bd.layer_of_nodes(graph, units)
+    unit_layer = np.zeros(len(units), dtype=int)
+    for k, (a, b) in enumerate(ranges):
+        unit_layer[a : b + 1] = k
+    out = (np.fromiter((unit_of.get(n, 0) for n in names), int, len(names)), unit_layer)
+    _UNITS.insert(0, (layer_of, names, out))
+    del _UNITS[8:]
+    return out
 
 
 # the last few graphs' attention cores: the search profiles many solutions of one graph
@@ -334,6 +449,7 @@ def profiles_for(
     ladder: tuple[float, ...] = (0.35, 0.12, 0.04),
     seeds: Sequence[Seed] = (),
     lean_layers: tuple[dict[str, int], list[list[str]], int] | None = None,
+    seeds_only: bool = False,
 ) -> list[LayerProfile]:
     """The time-optimal solution, then solutions under shrinking whole-model memory budgets
     (`ladder`, fractions of the time-optimal solution's memory, until the layers are lean: those
@@ -344,7 +460,8 @@ def profiles_for(
     then repeats that solution) or when its placements put more parameter state in every layer
     than `budget` (no stage could use it). `param_filter`, `batch_axes` and `activation_filter`
     restrict every solve
-    (`planner.intra.solve.solve_stage`)."""
+    (`planner.intra.solve.solve_stage`). `seeds_only`: the seeds' solutions alone (no
+    time-optimal solution, no ladder)."""
     pricing = price_stage(
         graph, mesh, num_microbatches=num_microbatches, optimizer=optimizer
     )
@@ -356,24 +473,23 @@ def profiles_for(
         "activation_filter": activation_filter,
         "pricing": pricing,
     }
-    first = solve_stage(graph, mesh, **kw)
-    out = [profile(first, graph, layer_of, bounds, num_layers)]
-    total = first.memory_bytes
+    first = None if seeds_only else solve_stage(graph, mesh, **kw)
+    out = [] if first is None else [profile(first, graph, layer_of, bounds, num_layers)]
     last = first
-    for f in ladder:
+    for f in ladder if first is not None else ():
         lean = out[-1] if lean_layers is None else profile(last, graph, *lean_layers)
         if lean.params.max() + lean.acts.max() <= budget / 4:
             break  # already lean enough for several layers per stage
         try:
             last = solve_stage(
-                graph, mesh, memory_budget=total * f, gap=LADDER_GAP, **kw
+                graph, mesh, memory_budget=first.memory_bytes * f, gap=LADDER_GAP, **kw
             )
         except MeshplanError:
             break
         out.append(profile(last, graph, layer_of, bounds, num_layers))
     paths = graph.placeholder_paths
-    params = [n for n in first.choice if graph.node(n).op == "param"]
     names, rep = pricing.names, pricing.ctx.rep
+    params = [n for n in names if graph.node(n).op == "param"]
     for seed, seed_axes, sequence_axis, context_axis in seeds:
         axes = tuple(sorted(set(batch_axes) | set(seed_axes)))
         acts = activation_filter
@@ -390,7 +506,7 @@ def profiles_for(
         split = batch_split_options(
             graph, names, pricing.ctx.options, rep, axes, mesh.shape
         )
-        if (
+        if first is not None and (
             all(seed(paths[n], first.choice[n]) for n in params)
             and all(first.choice[n] in allowed for n, allowed in split.items())
             and (acts is None or all(acts(n, o) for n, o in first.choice.items()))
@@ -411,7 +527,7 @@ def profiles_for(
             )
         except MeshplanError:  # the seed leaves a parameter no placement on this mesh
             continue
-        if (
+        if first is None or (
             sol.param_placements,
             sol.zero_params,
             sol.fsdp_params,
@@ -485,9 +601,13 @@ def range_footprint(
         )
     params = _range_sums(prof.params)
     extra = prof.backward_bytes()
+    if recompute == "full" and prof.block_kept is not None:  # each block on its own
+        if prof.block_gathered is not None:
+            extra = extra + 2 * _range_max(prof.block_gathered)
+        return params, _range_sums(prof.block_kept), _range_max(prof.block_peak) + extra
     if prof.gathered is not None:
         extra = extra + 2 * _range_max(prof.gathered)
-    if recompute == "full":
+    if recompute in ("full", "layer"):  # each layer whole
         return params, _range_sums(prof.inputs), _range_max(prof.acts) + extra
     if recompute == "selective":
         kept = _range_sums(prof.acts - _need_cores(prof.core_bytes))

@@ -37,17 +37,18 @@ With cp = 1 (the default) no attention is context-parallel on any axis
 (`planner.intra.context.without_context`): a configuration without CP is priced without it,
 where the least cost would otherwise split a long sequence's attention on the tp axis.
 
-Recomputation: "full" checkpoints every transformer block (`planner.plans.recompute`),
-"selective" only the attention cores (`planner.tracing.attention`), priced by the stage DP's
-own prices (`planner.inter.stage_table`, `planner.inter.selective`); with FSDP or HSDP too
+Recomputation: "full" checkpoints every transformer block on its own, "layer" each chunk
+whole, "selective" only the attention cores (`planner.tracing.attention`), priced by the stage
+DP's own prices (`planner.inter.full_recompute`, `planner.inter.selective`); with FSDP or HSDP too
 (torchtitan's default: the recomputed forward gathers the parameters again, `runtime.fsdp`).
-A manual stage is one layer of the stage table, whose FSDP collectives are all exposed
-(`planner.intra.fsdp_prices.fsdp_exposed` of a one-layer range), with or without recomputation.
+A manual chunk is a range of the stage table's layers, one per transformer block
+(`planner.tracing.blocks.block_units`): FSDP gathers one block at a time, its collectives
+overlapping the neighbouring blocks' compute (`planner.intra.fsdp_prices.fsdp_exposed`), as
+torchtitan wraps every block in FSDP2.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -71,8 +72,9 @@ from planner.intra.megatron import (
     megatron_placement,
     sequence_filter,
 )
-from planner.plans.assemble import PlanSpec, assemble, dp_sync, stage_from_profile
-from planner.plans.recompute import block_chunks, recompute_costs
+from planner.plans.assemble import PlanSpec, assemble, stage_from_profile
+from planner.plans.recompute import block_chunks
+from planner.tracing.blocks import block_units
 from planner.tracing.inputs import resolve_model
 from planner.tracing.tracer import trace
 from planner.vocab.plan_check import RECOMPUTE_MODES, recompute_mode
@@ -112,9 +114,9 @@ def manual_plan(
     splits MoE expert weights by experts over the dp axis (module docstring). `split`: "balanced"
     cuts the layers into pp * v chunks of about equal FLOPs; "blocks" cuts as Megatron-LM does, the
     same number of transformer blocks per chunk, the embedding in the first and the head and loss in
-    the last (`block_chunks`). `recompute`: "none", "selective" (the attention cores) or "full"
-    (each transformer block checkpointed on its own, Megatron's --checkpoint-activations;
-    `recompute_costs`); True and False mean full and none. `sequence_parallel`: True for
+    the last (`block_chunks`). `recompute`: "none", "selective" (the attention cores), "full"
+    (each transformer block checkpointed on its own, Megatron's --checkpoint-activations) or
+    "layer" (each chunk checkpointed whole); True and False mean full and none. `sequence_parallel`: True for
     Megatron-SP on the tp axis, False for Megatron without it, None for the least cost (module
     docstring; True and False need tp > 1). `schedule`: "1f1b" (default), "gpipe",
     "interleaved" (the default when `virtual_stages` > 1) or "zero_bubble" (`cost_models.pipeline`). `fsdp`: "none" (Megatron's
@@ -205,6 +207,7 @@ def manual_plan(
     )
     if len(layers) != chunks:
         raise MeshplanError(f"{name} has too few ops for {chunks} pipeline chunks")
+    layers, ranges = block_units(graph, layers)
     n = dp * cp * tp
     sub = (1, n) if n <= M else (n // M, M)
     experts = any(is_expert_weight(p) for p in graph.placeholder_paths.values())
@@ -219,14 +222,14 @@ def manual_plan(
                 1 if tp > 1 else None, 0 if expert_parallel and dp > 1 else None, True
             )
     layer_of = bd.layer_of_nodes(graph, layers)
-    bounds = bd.boundary_values(graph, layer_of, chunks)
+    bounds = bd.boundary_values(graph, layer_of, len(layers))
     budget = float(memory_budget or cluster.device.memory_bytes)
     prof = st.profiles_for(
         graph,
         mesh,
         layer_of,
         bounds,
-        chunks,
+        len(layers),
         num_microbatches=B,
         budget=np.inf,
         optimizer=optimizer,
@@ -258,29 +261,7 @@ def manual_plan(
             f"the zero_bubble schedule is priced and run without recomputation and FSDP; got "
             f"recompute={recompute!r}, fsdp={fsdp!r}"
         )
-    block_costs = (
-        recompute_costs(prof.solution, graph, layer_of, chunks)
-        if recompute == "full"
-        else [None] * chunks
-    )
-    stages = []
-    for c in range(chunks):
-        stage = stage_from_profile((c, c), sub, prof, recompute)
-        if block_costs[c] is not None:  # each transformer block checkpointed on its own
-            seconds, kept, transient = block_costs[c]
-            stage = dataclasses.replace(
-                stage,
-                cost=dataclasses.replace(
-                    stage.cost,
-                    time_s=float(prof.time[c] + prof.fixed[c, c] + seconds)
-                    # the gradient buckets' overlap with backward, as every stage
-                    + dp_sync(prof, (c, c), recompute).adjust_s,
-                    kept_bytes=float(kept),
-                    # and what its backward holds (`LayerProfile.backward_bytes`)
-                    transient_bytes=float(transient + prof.backward_bytes()[c, c]),
-                ),
-            )
-        stages.append(stage)
+    stages = [stage_from_profile(r, sub, prof, recompute) for r in ranges]
     spec = PlanSpec(
         model_name=name,
         graph=graph,

@@ -18,8 +18,10 @@ from cost_models.memory import OPTIMIZERS, SCHEDULES, canonical_schedule
 Plan = Any
 
 # Activation recomputation of a stage: none; selective (only the attention cores,
-# `planner.tracing.attention`); full (every layer checkpointed)
-RECOMPUTE_MODES = ("none", "selective", "full")
+# `planner.tracing.attention`); full (each transformer block checkpointed on its own, as
+# Megatron-LM and torchtitan do); layer (each of the plan's layers checkpointed whole);
+# `planner.inter.full_recompute` prices the last two
+RECOMPUTE_MODES = ("none", "selective", "full", "layer")
 
 
 def recompute_mode(value: object) -> object:

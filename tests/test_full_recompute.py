@@ -1,0 +1,78 @@
+"""Full recomputation's two granularities in the automatic plan's prices
+(`planner.inter.full_recompute`): "full" checkpoints each transformer block on its own, "layer"
+each of the plan's layers whole. On one device, a 4-block GPT clustered into one layer: the
+closed forms of `test_megatron_gpt`'s per-block derivation hold for "full" in the search's own
+table, and "layer" holds the whole layer's saved set while it is recomputed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from closed_forms import gpt_layer_activation_bytes
+
+from cost_models.cluster import Cluster
+from cost_models.communication import LogicalMesh
+from planner.inter import boundaries as bd
+from planner.inter import stage_table as st
+from planner.intra.solve import solve_stage
+from planner.models.gpt import GPTConfig
+from planner.tracing.blocks import block_units
+from planner.tracing.inputs import resolve_model
+from planner.tracing.tracer import trace
+
+SPEC = "gpt:hidden=256,layers=4,heads=4,seq=128,vocab=1024"
+CFG = GPTConfig(hidden=256, layers=4, heads=4, seq=128, vocab=1024)
+BATCH, P = 8, 2  # rows, fp16 bytes
+
+
+def _profile(per_block: bool) -> st.LayerProfile:
+    module, example = resolve_model(SPEC, None, torch.float16, None)[1](BATCH)
+    graph = trace(module, example, model_name=SPEC)
+    whole = [(0, len(graph.ops) - 1)]
+    layers = block_units(graph, whole)[0] if per_block else whole
+    num_layers = len(layers)
+    layer_of = bd.layer_of_nodes(graph, layers)
+    bounds = bd.boundary_values(graph, layer_of, num_layers)
+    mesh = LogicalMesh(Cluster.from_spec("1x1xV100-16GB"), (1, 1), (1, 1))
+    sol = solve_stage(graph, mesh)
+    return st.profile(sol, graph, layer_of, bounds, num_layers)
+
+
+def test_full_keeps_block_inputs_and_recomputes_one_block_at_a_time() -> None:
+    """One layer of 4 blocks. full: kept = every block's input (2 s b h each) + the head's saved
+    tensors (not checkpointed); live while recomputing: ONE block's saved set. layer: kept = the
+    layer's input (the token ids); live: all 4 blocks' saved sets and the head's. Both add the
+    backward's bytes (`LayerProfile.backward_bytes`) alike; full re-runs the blocks' forward,
+    layer the head's too."""
+    prof = _profile(per_block=False)
+    s, b, h, v = CFG.seq, BATCH, CFG.hidden, CFG.vocab
+    one_block = gpt_layer_activation_bytes(s, b, h, CFG.heads, P, recompute=False)
+    head = P * s * b * h + 8 * s * b + P * s * b * h + P * s * b * v
+    held = prof.backward_bytes()[0, 0]
+    _, kept, transient = st.range_footprint(prof, "full")
+    assert kept[0, 0] == pytest.approx(CFG.layers * P * s * b * h + head, rel=0.02)
+    assert transient[0, 0] - held == pytest.approx(one_block, rel=0.02)
+    _, kept, transient = st.range_footprint(prof, "layer")
+    assert kept[0, 0] == prof.inputs[0] <= 2 * 8 * s * b  # int64 token ids and labels
+    assert transient[0, 0] - held == prof.acts[0]
+    assert prof.acts[0] > CFG.layers * one_block + head * 0.98
+    full, layer = prof.extra_time("full")[0], prof.extra_time("layer")[0]
+    assert 0 < full < layer <= prof.fwd[0] * (1 + 1e-9)
+    assert prof.recompute_modes() == ("none", "selective", "full", "layer")
+
+
+def test_layers_of_one_block_each_price_both_alike_inside() -> None:
+    """With a layer per block (`planner.tracing.blocks.block_units`: the embedding joins the
+    first, the head the last), the inner layers' full and layer prices agree: the same ops
+    recomputed, the same saved set live, and the same residual stream kept."""
+    prof = _profile(per_block=True)
+    assert len(prof.time) == CFG.layers
+    inner = slice(1, CFG.layers - 1)
+    assert np.allclose(prof.block_peak[inner], prof.acts[inner])
+    assert np.allclose(prof.block_redo[inner], prof.redo[inner])
+    assert np.allclose(prof.block_kept[inner], prof.inputs[inner])
+    # the outer layers: layer recomputes the embedding and the head as well, full keeps them
+    for end in (0, -1):
+        assert prof.block_redo[end] < prof.redo[end]
+        assert prof.block_peak[end] < prof.acts[end]
