@@ -161,19 +161,20 @@ def test_recomputed_fsdp_stage_follows_its_derivation() -> None:
     # memory of layers 0..L-1: layer keeps the layers' inputs, full the blocks' inputs and what
     # runs outside the blocks, selective all but the cores' bytes; live while one layer (one
     # block, one core) is recomputed: its saved bytes, and in every mode what the backward holds
-    # and two segments' gathered copies (the one running, the next; full: blocks, else layers)
+    # and two units' gathered copies (the one running, the next; layer: two layers')
     held = prof.backward_bytes()[0, L - 1]
-    layers, blocks = 2 * prof.gathered.max(), 2 * prof.block_gathered.max()
-    assert 0 < blocks < layers
+    assert (prof.unit_gathered <= prof.gathered).all()
+    assert (prof.unit_gathered < prof.gathered).any()  # a layer of two blocks
+    layers, blocks = 2 * prof.gathered.max(), 2 * prof.unit_gathered.max()
     for mode, kept, transient in (
         ("layer", prof.inputs.sum(), prof.acts.max() + layers),
         ("full", prof.block_kept.sum(), prof.block_peak.max() + blocks),
         (
             "selective",
             (prof.acts - prof.core_bytes).sum(),
-            prof.core_peak.max() + layers,
+            prof.core_peak.max() + blocks,
         ),
-        ("none", prof.acts.sum(), layers),
+        ("none", prof.acts.sum(), blocks),
     ):
         _, k, t = stt.range_footprint(prof, mode)
         assert (k[0, L - 1], t[0, L - 1]) == pytest.approx((kept, transient + held))

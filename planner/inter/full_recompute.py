@@ -30,11 +30,6 @@ collective and its gradient's, of equal size (`planner.inter.selective`'s conven
 bytes of a node include the redistributed inputs it saves (`planner.inter.held_memory.
 resharded_saves`), as `LayerProfile.acts` does.
 
-FSDP parameters (`runtime.fsdp`) are gathered at their use, and a recomputed segment holds its
-own gathered parameters and the next segment's (prefetched) while its backward runs: "full" holds
-twice the largest block's gathered bytes (a parameter belongs to its first reader's block),
-"layer" twice the largest layer's (`LayerProfile.gathered`).
-
 Which granularity needs less memory depends on the micro-batches in flight: "full" keeps every
 block's inputs (about 1/20 of a transformer block's saved bytes) for each of them, "layer" keeps
 one boundary per layer but holds a whole layer's saved bytes while it is recomputed; the stage DP
@@ -55,13 +50,11 @@ from planner.vocab.placements import shards
 
 @dataclass(frozen=True)
 class NodeTerms:
-    """Per node of ``sol.node_cost_table()``'s order: its block's index (-1 outside every block;
-    a parameter's is its first reader's, ``param_block``) and redo(n) (module docstring); and
-    every block input, as parallel arrays: the block, the value read (a node position), its
-    bytes, and the position of the op reading it."""
+    """Per node of ``sol.node_cost_table()``'s order: its block's index (-1 outside every block)
+    and redo(n) (module docstring); and every block input, as parallel arrays: the block, the
+    value read (a node position), its bytes, and the position of the op reading it."""
 
     block: np.ndarray
-    param_block: np.ndarray
     redo: np.ndarray
     input_block: np.ndarray
     input_value: np.ndarray
@@ -91,28 +84,21 @@ def node_terms(sol: StageSolution, graph: OpGraph) -> NodeTerms:
             act, _ = ctx.edge(u, v)
             redo[index[v]] += 0.5 * float(act[chosen[u], chosen[v]])
     reads: dict[tuple[int, int], int] = {}  # (block, value) -> the first op reading it
-    param_block = np.full(len(names), -1)
     for n, i in index.items():
         b = block[i]
         if b < 0:
             continue
         for u in graph.node(n).inputs:
             j = index.get(u)
-            if j is None or block[j] == b:
+            if j is None or block[j] == b or graph.node(u).op in ("param", "buffer"):
                 continue
-            kind = graph.node(u).op
-            if kind == "param" and param_block[j] < 0:
-                param_block[j] = b
-            if kind not in ("param", "buffer"):
-                reads.setdefault((int(b), j), i)
+            reads.setdefault((int(b), j), i)
     pairs = np.array([(b, j, i) for (b, j), i in reads.items()], dtype=int)
     pairs = pairs.reshape(-1, 3)
     value_bytes = np.array(
         [_local_bytes(sol, graph, names[j]) for j in pairs[:, 1]], dtype=float
     )
-    terms = NodeTerms(
-        block, param_block, redo, pairs[:, 0], pairs[:, 1], value_bytes, pairs[:, 2]
-    )
+    terms = NodeTerms(block, redo, pairs[:, 0], pairs[:, 1], value_bytes, pairs[:, 2])
     if own:
         sol._derived["full_recompute"] = terms
     return terms
@@ -129,19 +115,16 @@ def layer_terms(
     terms: NodeTerms,
     index: np.ndarray,
     saved: np.ndarray,
-    gathered: np.ndarray | None,
     L: int,
 ) -> tuple[np.ndarray, ...]:
-    """Per layer (module docstring): the seconds of "layer", and the seconds, kept bytes, peak
-    bytes and the largest block's gathered FSDP parameters of "full" (None for a model without
-    blocks; the last also without FSDP parameters). `index` is each node's layer, `saved` each
-    node's saved bytes per micro-batch, `gathered` each FSDP parameter's gathered bytes
-    (`planner.intra.solve.StageSolution.fsdp_table`)."""
+    """Per layer (module docstring): the seconds of "layer", and the seconds, kept bytes and peak
+    bytes of "full" (None for a model without blocks). `index` is each node's layer, `saved`
+    each node's saved bytes per micro-batch."""
     redo_layer = np.zeros(L)
     np.add.at(redo_layer, index, terms.redo)
     inside = terms.block >= 0
     if not inside.any():
-        return redo_layer, None, None, None, None
+        return redo_layer, None, None, None
     seconds = np.zeros(L)
     np.add.at(seconds, index[inside], terms.redo[inside])
     kept = np.zeros(L)
@@ -156,10 +139,7 @@ def layer_terms(
         )
         np.add.at(kept, layer[first], terms.input_bytes[first])
     peak = _largest_block(terms.block, index, saved, L)
-    block_gathered = None
-    if gathered is not None:
-        block_gathered = _largest_block(terms.param_block, index, gathered, L)
-    return redo_layer, seconds, kept, peak, block_gathered
+    return redo_layer, seconds, kept, peak
 
 
 def _largest_block(

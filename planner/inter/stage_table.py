@@ -24,9 +24,10 @@ and recomputation adds to the time the blocks' (full) or the layers' (layer) for
 attention cores' (selective), each with half the resharding on the edges into the recomputed ops
 (`planner.inter.full_recompute`, `planner.inter.selective`; full checkpoints each transformer block,
 keeping the blocks' inputs and what runs outside the blocks). FSDP parameters
-(`planner.intra.fsdp_prices`, ZeRO stage 3) add twice the largest layer's gathered bytes to the
-transient term (the layer running and the next one gathered; with full recomputation the
-largest block's), and their collectives count only by
+(`planner.intra.fsdp_prices`, ZeRO stage 3) add twice the largest FSDP unit's gathered bytes to
+the transient term (the unit running and the next one gathered; a unit is a layer cut where each
+transformer block begins, `planner.tracing.blocks.block_units`; with "layer" recomputation twice
+the largest layer's), and their collectives count only by
 the part compute does not hide (`planner.intra.fsdp_prices.fsdp_exposed`, its overlap model):
 forward gathers behind the layer's forward compute, backward gathers and the next layer's
 reduce-scatters behind its backward compute; the first layer's reduce-scatters and the first gather
@@ -126,7 +127,9 @@ class LayerProfile:
     block_redo: np.ndarray | None = None
     block_kept: np.ndarray | None = None
     block_peak: np.ndarray | None = None
-    block_gathered: np.ndarray | None = None
+    # per layer: its largest FSDP unit's gathered bytes (a parameter counts in its first
+    # consumer's unit)
+    unit_gathered: np.ndarray | None = None
     # with FSDP parameters: each unit's layer, and per recomputation mode the seconds it adds
     # to each unit (`fsdp_recompute`)
     unit_layer: np.ndarray | None = None
@@ -257,7 +260,7 @@ def profile(
         fixed += (_range_sums(held) > 0) * (bucket.latency_s / sol.num_microbatches)
     time, fwd, params, acts = arr.T.copy()
     gathered = terms = None
-    unit_layer = unit = None
+    unit_layer = unit = unit_gathered = None
     if sol.fsdp_params:
         # per unit: its ops' forward + backward and forward compute, its FSDP parameters'
         # all-gathers of one pass, reduce-scatters and gathered bytes (`StageSolution.fsdp_table`;
@@ -267,12 +270,13 @@ def profile(
         unit, unit_layer = _units(graph, layer_of, names)
         sums = np.zeros((len(unit_layer), 5))
         np.add.at(sums, unit, sol.fsdp_table())
-        both, F, G, R, _ = sums.T
+        both, F, G, R, g = sums.T
         K = both - F  # backward compute
         exposed, first, last = _by_layer(unit_layer, *fsdp_exposed(F, K, G, R), L)
         terms = np.stack([F, K, G, R])
-        gathered = np.zeros(L)
+        gathered, unit_gathered = np.zeros(L), np.zeros(L)
         np.add.at(gathered, index, sol.fsdp_table()[:, 4])
+        np.maximum.at(unit_gathered, unit_layer, g)
         # `time` has the collectives in full (`fsdp_prices.zero_cost` + edges)
         collectives = np.zeros(L)
         np.add.at(collectives, unit_layer, 2 * G + R)
@@ -301,13 +305,7 @@ def profile(
     for n, b in resharded_saves(sol, graph).items():
         acts[layer_of.get(n, 0)] += b
         saved[position[n]] += b
-    full = layer_terms(
-        node_terms(sol, graph),
-        index,
-        saved,
-        sol.fsdp_table()[:, 4] if sol.fsdp_params else None,
-        L,
-    )
+    full = layer_terms(node_terms(sol, graph), index, saved, L)
     work, grads = backward_terms(sol, graph, layer_of)
     grad_work = np.zeros(L)
     for n, w in work.items():
@@ -352,7 +350,7 @@ def profile(
         block_redo=full[1],
         block_kept=full[2],
         block_peak=full[3],
-        block_gathered=full[4],
+        unit_gathered=unit_gathered,
         unit_layer=unit_layer,
         unit_extra=unit_extra,
     )
@@ -601,12 +599,14 @@ def range_footprint(
         )
     params = _range_sums(prof.params)
     extra = prof.backward_bytes()
-    if recompute == "full" and prof.block_kept is not None:  # each block on its own
-        if prof.block_gathered is not None:
-            extra = extra + 2 * _range_max(prof.block_gathered)
-        return params, _range_sums(prof.block_kept), _range_max(prof.block_peak) + extra
     if prof.gathered is not None:
-        extra = extra + 2 * _range_max(prof.gathered)
+        # FSDP parameters are gathered at their use and freed after it; a recomputed segment
+        # holds its own and the next one's (`runtime.fsdp`): with "layer" two layers', else
+        # two FSDP units' (the next prefetched)
+        held = prof.gathered if recompute == "layer" else prof.unit_gathered
+        extra = extra + 2 * _range_max(held)
+    if recompute == "full" and prof.block_kept is not None:  # each block on its own
+        return params, _range_sums(prof.block_kept), _range_max(prof.block_peak) + extra
     if recompute in ("full", "layer"):  # each layer whole
         return params, _range_sums(prof.inputs), _range_max(prof.acts) + extra
     if recompute == "selective":
