@@ -107,7 +107,11 @@ def run(args: argparse.Namespace) -> int:
         done = f"{len(results['cases'])} cases in {results['total_time_s']:.0f} s"
         # a re-run of some cases into an existing file keeps the file's other cases
         if args.gpus and path.exists():
-            results = merge_results(json.loads(path.read_text()), results)
+            order = [
+                (c.model, c.num_devices)
+                for c in suite_cases(args.suite, None, args.device)
+            ]
+            results = merge_results(json.loads(path.read_text()), results, order)
             done += ", merged with the file's other cases"
         write_results(results, path)
         print(f"{done}; wrote {path}")

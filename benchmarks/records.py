@@ -74,10 +74,29 @@ def write_results(results: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
-def merge_results(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+def order_cases(
+    cases: list[dict[str, Any]], order: list[tuple[str, int]] | None = None
+) -> list[dict[str, Any]]:
+    """`cases` in the suite's order: by position of (model, GPU count) in `order` (the suite's
+    `suite_cases`), else by GPU count; ties keep their order."""
+    if order is None:
+        return sorted(cases, key=lambda c: c["num_devices"])
+    rank = {key: i for i, key in enumerate(order)}
+    return sorted(
+        cases,
+        key=lambda c: (rank.get((c.get("model"), c["num_devices"]), len(rank)),),
+    )
+
+
+def merge_results(
+    old: dict[str, Any],
+    new: dict[str, Any],
+    order: list[tuple[str, int]] | None = None,
+) -> dict[str, Any]:
     """`old` with the cases of `new` (a run of some of the same suite's cases on the same device)
-    in place of its cases of the same GPU counts; the run is listed under `reruns` (its date,
-    machine, torch, time and GPU counts), the rest of `old` is kept."""
+    in place of its cases of the same GPU counts, in the suite's `order` (`order_cases`); the
+    run is listed under `reruns` (its date, machine, torch, time and GPU counts), the rest of
+    `old` is kept."""
     key = ("suite", "device")
     if [old.get(k) for k in key] != [new.get(k) for k in key]:
         raise MeshplanError(
@@ -88,7 +107,7 @@ def merge_results(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     cases = [c for c in old["cases"] if c["num_devices"] not in counts] + new["cases"]
     rerun = {k: new.get(k) for k in ("date", "machine", "torch", "total_time_s")}
     return old | {
-        "cases": sorted(cases, key=lambda c: c["num_devices"]),
+        "cases": order_cases(cases, order),
         "reruns": [*old.get("reruns", []), rerun | {"num_devices": counts}],
     }
 

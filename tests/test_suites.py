@@ -303,6 +303,18 @@ def test_merge_replaces_rerun_cases_and_keeps_the_others(tmp_path) -> None:
         MeshplanError, match="cannot merge moe on H100-80GB into .* gpt on"
     ):
         merge_results({**old, "suite": "gpt"}, new)
+    # in the suite's order (the llama suite's is not by GPU count)
+    old["cases"] = [
+        {"model": m, "num_devices": n} for m, n in (("a", 8), ("b", 64), ("c", 8))
+    ]
+    new["cases"] = [{"model": m, "num_devices": 8, "ratio": 1.0} for m in ("a", "c")]
+    order = [("a", 8), ("b", 64), ("c", 8)]
+    merged = merge_results(old, new, order)
+    assert [(c["model"], c.get("ratio")) for c in merged["cases"]] == [
+        ("a", 1.0),
+        ("b", None),
+        ("c", 1.0),
+    ]
 
 
 @pytest.mark.slow
