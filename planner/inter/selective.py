@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from planner.inter.full_recompute import node_terms
 from planner.intra import prices as sc
 from planner.intra.solve import StageSolution
 from planner.tracing.attention import storage_owner
@@ -59,6 +60,8 @@ def selective_table(
     index = {n: i for i, n in enumerate(names)}
     own = ctx.graph is graph  # then its node values hold these prices
     values = sol.node_values() if own else {}
+    # a core op's forward and half the resharding into it, as full recomputation re-runs it
+    redo = node_terms(sol, graph).redo
     for n, i in index.items():
         node, opt = graph.node(n), sol.choice[n]
         if node.op != "call":
@@ -71,14 +74,8 @@ def selective_table(
         now = sc.activation_bytes(node, opt, n in kept, s)
         if inner:
             now -= sc.activation_bytes(node, opt, False, s)  # its extra saved tensors
-            seconds[i] = values[n][2] if own else sc.forward_time(node, opt, s)
+            seconds[i] = redo[i]
             core[i] = cores[n]
         dropped[i] = (was - now) / s.in_flight
-    chosen = sol._chosen()
-    for u, v in ctx.edges:
-        if v not in cores or u in ctx.param_derived:
-            continue
-        act, _ = ctx.edge(u, v)
-        seconds[index[v]] += 0.5 * float(act[chosen[u], chosen[v]])
     sol._selective = (seconds, dropped, core)
     return sol._selective
