@@ -271,6 +271,17 @@ def test_profile_has_every_collective_and_dtype(measured):
     assert {s.dtype for s in measured.matmul} >= {"float32"}
 
 
+def _profiles(first: DeviceProfile, tmp_path):
+    """`first`, then up to two fresh profiles: a burst of outside load during one profile run
+    spoils its samples, so a check that fails on one profile is made again on a new one; a
+    systematic error fails all three."""
+    yield first
+    for attempt in (1, 2):
+        out = tmp_path / f"again{attempt}.json"
+        assert main(["profile", "--nproc", "2", "--quick", "--out", str(out)]) == 0
+        yield load_profile(out)
+
+
 def _all_reduce_fit_errors(profile: DeviceProfile) -> tuple[list[float], list[float]]:
     fit = profile.collective("all_reduce", 2)
     errors = [abs(fit.predict(b) - s) / s for b, s in fit.samples]
@@ -283,15 +294,9 @@ def _all_reduce_fit_errors(profile: DeviceProfile) -> tuple[list[float], list[fl
 def test_all_reduce_fit_reproduces_measurements(measured, tmp_path):
     """The fit must follow its own samples: median error and every >= 1 MiB sample within 25%.
     A burst of outside load during one size's repeats (CI once saw a 4 MiB sample far off the
-    curve of the others) leaves samples no 5-piece curve follows, so the profile is re-measured up
-    to twice; a fit that is systematically wrong fails all three attempts."""
+    curve of the others) leaves samples no 5-piece curve follows (`_profiles`)."""
     attempts = []
-    profile = measured
-    for attempt in range(3):
-        if attempt:
-            out = tmp_path / f"again{attempt}.json"
-            assert main(["profile", "--nproc", "2", "--quick", "--out", str(out)]) == 0
-            profile = load_profile(out)
+    for profile in _profiles(measured, tmp_path):
         errors, large = _all_reduce_fit_errors(profile)
         attempts.append(errors)
         if statistics.median(errors) <= TOLERANCE and max(large) <= TOLERANCE:
@@ -299,30 +304,34 @@ def test_all_reduce_fit_reproduces_measurements(measured, tmp_path):
     pytest.fail(f"all_reduce fit off its samples in 3 profile runs: {attempts}")
 
 
-@pytest.mark.slow
-def test_matmul_samples_are_self_consistent(measured):
-    """Re-measure the float32 products as rank 0 did (same cores, same threads). This machine is
-    shared, so a burst of outside load can spoil one attempt: the median ratio must be within 25% in
-    one of three attempts (a systematic error fails all three)."""
-    cpus = rank_cpu_sets(measured.devices_per_host)[0]
+def _rematmul_ratio(profile: DeviceProfile) -> float:
+    """Median over the profile's float32 products of re-measured / profiled time, re-measured
+    as rank 0 did (same cores, same threads)."""
+    cpus = rank_cpu_sets(profile.devices_per_host)[0]
     saved_cpus, saved_threads = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(len(cpus))
     try:
-        attempts = []
-        for _ in range(3):
-            ratios = []
-            for s in measured.matmul_samples("float32"):
-                a = torch.randn(s.m, s.k)
-                b = torch.randn(s.k, s.n)
-                ratios.append(time_call(lambda a=a, b=b: a @ b, repeats=3) / s.seconds)
-            attempts.append(statistics.median(ratios))
-            if 1 - TOLERANCE <= attempts[-1] <= 1 / (1 - TOLERANCE):
-                break
-        else:
-            pytest.fail(
-                f"re-measured / profiled matmul time, median per attempt: {attempts}"
-            )
+        ratios = []
+        for s in profile.matmul_samples("float32"):
+            a = torch.randn(s.m, s.k)
+            b = torch.randn(s.k, s.n)
+            ratios.append(time_call(lambda a=a, b=b: a @ b, repeats=3) / s.seconds)
+        return statistics.median(ratios)
     finally:
         os.sched_setaffinity(0, saved_cpus)
         torch.set_num_threads(saved_threads)
+
+
+@pytest.mark.slow
+def test_matmul_samples_are_self_consistent(measured, tmp_path):
+    """Re-measured products agree with the profile's within 25% (median ratio). Outside load can
+    spoil a re-measurement (three tries per profile) or the profile itself (CI once re-measured
+    every product at 0.57-0.60 of a profile taken under load: `_profiles`)."""
+    attempts = []
+    for profile in _profiles(measured, tmp_path):
+        for _ in range(3):
+            attempts.append(_rematmul_ratio(profile))
+            if 1 - TOLERANCE <= attempts[-1] <= 1 / (1 - TOLERANCE):
+                return
+    pytest.fail(f"re-measured / profiled matmul time, median per attempt: {attempts}")
