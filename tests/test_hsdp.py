@@ -5,7 +5,8 @@ sharding inside a host only, and executed as priced (`runtime.fsdp`).
 One gloo launch of 4 ranks plays a 2x2xCPU cluster (2 hosts of 2; ranks host-major) and trains a
 small Llama (hidden 64, 4 layers) data-parallel over all 4 with every parameter HSDP-sharded
 (`meshplan manual --fsdp hybrid`: the (2, 2) mesh, axis 0 across hosts, axis 1 inside one),
-2 micro-batches, Adam (lr 1e-3), 3 steps, and checks against one device (losses and parameters
+2 micro-batches, Adam (lr 1e-3), 3 steps, once without recomputation and once with each
+transformer block recomputed (`--recompute full`), and checks for each against one device (losses and parameters
 within 1e-5), the collectives of one step against the priced ones site by site and mesh axis by
 mesh axis (all-gathers and reduce-scatters inside the host, the all-reduce of the shard across
 hosts), the bytes each rank holds (parameter, gradient and Adam state shards) against the price,
@@ -217,8 +218,14 @@ def _cluster() -> Cluster:
     return cpu_cluster(2, hosts=2)
 
 
+#: HSDP without recomputation, and with each transformer block recomputed (torchtitan's HSDP +
+#: activation checkpointing): the recomputed forward reads the backward's gathered copies, so the
+#: collectives, the bytes held and the numbers are the same as without.
+RECOMPUTE = ("none", "full")
+
+
 @functools.cache
-def _plan() -> ParallelPlan:
+def _plan(recompute: str = "none") -> ParallelPlan:
     base = manual_plan(
         SPEC,
         _cluster(),
@@ -230,6 +237,7 @@ def _plan() -> ParallelPlan:
         dtype="float32",
         allow_oom=True,
         fsdp="hybrid",
+        recompute=recompute,
     )
     p = copy.deepcopy(base)
     from planner.inter.layers import layers_in
@@ -273,8 +281,16 @@ def _train(plan: ParallelPlan, ckpt: str) -> dict[str, Any]:
     axis_of = {mesh.get_group(i).group_name: i for i in range(mesh.ndim)}
     losses = [tr.step(batches[0])]
     events = _watch_reduce_scatters(tr.runner.executor.fsdp)
+    ex, runs = tr.runner.executor, Counter()
+
+    def counted(n: Any, run_node: Any = ex.run_node) -> Any:
+        runs[n.name] += 1
+        return run_node(n)
+
+    ex.run_node = counted
     with CommCounter(axis_of) as counter:
         losses.append(tr.step(batches[1]))
+    del ex.run_node
     events = list(events)
     for watched in ("_reduce", "_end_backward"):
         del tr.runner.executor.fsdp.__dict__[watched]
@@ -313,6 +329,8 @@ def _train(plan: ParallelPlan, ckpt: str) -> dict[str, Any]:
         for k, p in tr.params.items()
     )
     return {
+        "recompute": plan.stages[0].recompute,
+        "runs": runs,
         "losses": losses,
         "params": params,
         "records": counter.records,
@@ -326,10 +344,43 @@ def _train(plan: ParallelPlan, ckpt: str) -> dict[str, Any]:
     }
 
 
+def _train_each(plans: dict[str, ParallelPlan], ckpt: str) -> dict[str, Any]:
+    """Body of every rank: `_train` for every plan (one launch), each with its own checkpoint."""
+    import os
+
+    return {k: _train(p, os.path.join(ckpt, k)) for k, p in plans.items()}
+
+
 @pytest.fixture(scope="module")
-def runs() -> list[dict[str, Any]]:
+def launched() -> list[dict[str, Any]]:
+    plans = {mode: _plan(mode) for mode in RECOMPUTE}
     with tempfile.TemporaryDirectory() as d:
-        return launch(_train, 4, args=(_plan(), d), timeout_s=400)
+        return launch(_train_each, 4, args=(plans, d), timeout_s=400)
+
+
+@pytest.fixture(params=RECOMPUTE)
+def runs(request: Any, launched: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every rank's `_train` of the plan with recomputation mode ``request.param``."""
+    return [r[request.param] for r in launched]
+
+
+def test_plans_recompute_as_asked() -> None:
+    assert [_plan(m).stages[0].recompute for m in RECOMPUTE] == list(RECOMPUTE)
+
+
+@pytest.mark.slow
+def test_hsdp_recomputes_the_blocks(runs: list[dict[str, Any]]) -> None:
+    """In the counted step every matrix product of a transformer block runs once per
+    micro-batch, and twice with recomputation; those outside the blocks once."""
+    from planner.tracing.blocks import block_of
+
+    mms = [n for n in _graph().ops if n.name.startswith("mm")]
+    assert any(block_of(n.module_path) is not None for n in mms)
+    per_block = 2 if runs[0]["recompute"] == "full" else 1
+    for r in runs:
+        for n in mms:
+            inside = block_of(n.module_path) is not None
+            assert r["runs"][n.name] == B * (per_block if inside else 1), n.name
 
 
 @pytest.mark.slow
@@ -343,11 +394,10 @@ def test_hsdp_trains_like_one_device(runs: list[dict[str, Any]]) -> None:
         single_device.assert_same_parameters(got, ref_params)
 
 
-def _predicted() -> dict[str, list[tuple[str, float]]]:
+def _predicted(plan: ParallelPlan) -> dict[str, list[tuple[str, float]]]:
     from planner.intra.priced_comm import predicted_collectives
     from runtime.stages import split_stages, stage_program
 
-    plan = _plan()
     st, sp = split_stages(_graph(), plan)[0], plan.stages[0]
     lmesh = LogicalMesh(_cluster(), tuple(sp.submesh), tuple(sp.logical_mesh))
     once = predicted_collectives(
@@ -364,8 +414,9 @@ def test_hsdp_communicates_what_was_priced(runs: list[dict[str, Any]]) -> None:
     on half the bytes of the parameter)."""
     from comm_check import compare
 
-    predicted = _predicted()
-    sp = _plan().stages[0]
+    plan = _plan(runs[0]["recompute"])
+    predicted = _predicted(plan)
+    sp = plan.stages[0]
     assert sum(k.startswith("fwd:fsdp:") for k in predicted) == len(sp.fsdp_params)
     names = {p: n for n, p in _graph().placeholder_paths.items()}
     want: Counter = Counter()
@@ -391,7 +442,7 @@ def test_hsdp_communicates_what_was_priced(runs: list[dict[str, Any]]) -> None:
 def test_hsdp_reduces_one_layer_later(runs: list[dict[str, Any]]) -> None:
     """Every gradient's reduction (reduce-scatter, then the shard's all-reduce) is issued in
     flight and waited one layer later, as FSDP's (test_fsdp)."""
-    n = len(_plan().stages[0].fsdp_params)
+    n = len(_plan(runs[0]["recompute"]).stages[0].fsdp_params)
     for r in runs:
         issued = [e for e in r["events"] if e[0] != "end"]
         assert len(issued) == B * n and all(e[3] for e in issued)
@@ -404,7 +455,7 @@ def test_hsdp_holds_the_priced_bytes(runs: list[dict[str, Any]]) -> None:
     """Per parameter: the planner's weights + gradients + Adam state (fp32: 4 + 4 + 8 bytes per
     element) on one device, against the local shards each rank holds: half of each tensor
     (sharded inside the host), the same half on both hosts."""
-    plan, graph = _plan(), _graph()
+    plan, graph = _plan(runs[0]["recompute"]), _graph()
     s = StageSettings(LogicalMesh(_cluster(), (2, 2), (2, 2)), B, optimizer="adam_fp32")
     names = {p: n for n, p in graph.placeholder_paths.items()}
     sp = plan.stages[0]
