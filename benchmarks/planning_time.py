@@ -63,7 +63,7 @@ six memory-limited ones took 4-35 s each, mostly in sub-MIP heuristics and resta
 2026-11-26: HiGHS first solves each program's LP relaxation without presolve and keeps it
 when it is integral (`planner.intra.ilp.ILPModel.solve`); the memory ladder's rungs, whose
 relaxation is fractional where the budget binds, stop at a relative gap of 1e-4
-(`planner.inter.stage_table.LADDER_GAP`). mixtral-8x7b at 16 rows per micro-batch, one
+(`planner.inter.stage_solves.LADDER_GAP`). mixtral-8x7b at 16 rows per micro-batch, one
 process: 98 of 102 relaxations (16 and 4 rows) were integral; HiGHS 32.5 -> 3.2 s of CPU and
 the size's search 84.7 -> 45.1 s of CPU, with the same plan (6.797 s per iteration). The same
 day the search gained two seeds per mesh (Megatron-SP where a tensor-parallel axis exists,

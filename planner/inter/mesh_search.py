@@ -19,6 +19,7 @@ from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from cost_models.memory import microbatches_in_flight
 from planner.inter import boundaries as bd
+from planner.inter import stage_solves
 from planner.inter import stage_table as st
 from planner.inter.interleave import InterleavedSearch, interleave_layering
 from planner.inter.stage_dp import stage_dp
@@ -221,7 +222,7 @@ def _solver_threads() -> int:
 
 
 def _lean_layers(tables: list, sub: tuple[int, int], devices: int) -> tuple | None:
-    """The clustering whose layers the memory ladder (`planner.inter.stage_table.profiles_for`) must
+    """The clustering whose layers the memory ladder (`planner.inter.stage_solves.profiles_for`) must
     make lean on submesh `sub`: the p-layer one where p stages of this size fill the cluster, else
     None (the first clustering's). A p-stage manual pipeline's stage is one of those p layers;
     its time-optimal placements may not fit where the finer layers' do (gpt-15b on 4x8 A100s:
@@ -284,7 +285,7 @@ def search(
                 f"micro-batches {B}: submesh {sub[0]}x{sub[1]}, logical mesh "
                 f"{shape[0]}x{shape[1]} ({jobs.index(job) + 1} of {len(jobs)})"
             )
-            return st.profiles_for(
+            return stage_solves.profiles_for(
                 graph,
                 mesh,
                 first.layer_of,

@@ -3,7 +3,7 @@
 For one micro-batch size and one (submesh, logical mesh), the intra-op program is solved over the
 whole model (the repeated-block quotient keeps it small) at a ladder of memory budgets, and with the
 parameters restricted to Megatron's placements (seeds, `planner.intra.megatron`), all sharing one pricing
-of the options (`planner.intra.solve.price_stage`); each solution is a `LayerProfile`: its time and
+of the options (`planner.inter.stage_solves.profiles_for`); each solution is a `LayerProfile`: its time and
 memory attributed to layers (an edge to its consumer's layer, a parameter to its first consumer's;
 one solution serves several layer clusterings). A stage's cost for layers k..j is then a difference of prefix sums
 (principle 4: solved once, reused for every range). Memory of a stage holding layers k..j with s
@@ -53,12 +53,10 @@ budget, plus sending the boundary activations to the next stage and their gradie
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from cost_models.memory import stage_peak_bytes
 from planner.inter import boundaries as bd
@@ -66,12 +64,9 @@ from planner.inter.full_recompute import layer_terms, node_terms
 from planner.inter.held_memory import backward_terms, resharded_saves
 from planner.inter.selective import selective_table
 from planner.inter.wgrad import wgrad_table
-from planner.intra.batch_split import batch_split_options
-from planner.intra.context import context_filter
 from planner.intra.fsdp_prices import fsdp_exposed
-from planner.intra.megatron import ParamFilter, Seed, sequence_filter
 from planner.intra.prices import Option
-from planner.intra.solve import StagePricing, StageSolution, price_stage, solve_stage
+from planner.intra.solve import StageSolution
 from planner.tracing.attention import attention_cores
 from planner.tracing.blocks import block_units, layer_ranges
 from planner.tracing.opgraph import OpGraph
@@ -420,155 +415,6 @@ def _cores(graph: OpGraph) -> dict[str, int]:
     _CORES.insert(0, (graph, attention_cores(graph)))
     del _CORES[4:]
     return _CORES[0][1]
-
-
-#: Relative optimality gap of the memory ladder's solves. A rung is a sample of the trade-off
-#: between time and memory at a budget picked as a fraction of the time-optimal solution's
-#: memory; proving it within 1e-7 (`planner.intra.highs.GAP_REL`) took most of the search where
-#: the budget binds (mixtral-8x7b on 8x8 H100s: 20 rungs with a fractional relaxation, 113 s
-#: of CPU, the largest 37 s). Within 1e-4 a rung's stage is at most 0.01% slower than that
-#: budget's optimum.
-LADDER_GAP = 1e-4
-
-
-def profiles_for(
-    graph: OpGraph,
-    mesh: LogicalMesh,
-    layer_of: dict[str, int],
-    bounds: list[list[str]],
-    num_layers: int,
-    *,
-    num_microbatches: int,
-    budget: float,
-    optimizer: str,
-    param_filter: ParamFilter | None = None,
-    batch_axes: tuple[int, ...] = (),
-    activation_filter: ParamFilter | None = None,
-    ladder: tuple[float, ...] = (0.35, 0.12, 0.04),
-    seeds: Sequence[Seed] = (),
-    lean_layers: tuple[dict[str, int], list[list[str]], int] | None = None,
-    seeds_only: bool = False,
-) -> list[LayerProfile]:
-    """The time-optimal solution, then solutions under shrinking whole-model memory budgets
-    (`ladder`, fractions of the time-optimal solution's memory, until the layers are lean: those
-    of `layer_of`, or of `lean_layers` (layer_of, bounds, count) when given), then
-    the time-optimal solution with the parameters restricted to each of `seeds` (e.g. Megatron's
-    placements, `planner.intra.megatron.seed_filters`: their memory often lies between the ladder's
-    rungs). A seed is not solved when the time-optimal solution already obeys it (its optimum
-    then repeats that solution) or when its placements put more parameter state in every layer
-    than `budget` (no stage could use it). `param_filter`, `batch_axes` and `activation_filter`
-    restrict every solve
-    (`planner.intra.solve.solve_stage`). `seeds_only`: the seeds' solutions alone (no
-    time-optimal solution, no ladder)."""
-    pricing = price_stage(
-        graph, mesh, num_microbatches=num_microbatches, optimizer=optimizer
-    )
-    kw = {
-        "num_microbatches": num_microbatches,
-        "optimizer": optimizer,
-        "param_filter": param_filter,
-        "batch_axes": batch_axes,
-        "activation_filter": activation_filter,
-        "pricing": pricing,
-    }
-    first = None if seeds_only else solve_stage(graph, mesh, **kw)
-    out = [] if first is None else [profile(first, graph, layer_of, bounds, num_layers)]
-    last = first
-    for f in ladder if first is not None else ():
-        lean = out[-1] if lean_layers is None else profile(last, graph, *lean_layers)
-        if lean.params.max() + lean.acts.max() <= budget / 4:
-            break  # already lean enough for several layers per stage
-        try:
-            last = solve_stage(
-                graph, mesh, memory_budget=first.memory_bytes * f, gap=LADDER_GAP, **kw
-            )
-        except MeshplanError:
-            break
-        out.append(profile(last, graph, layer_of, bounds, num_layers))
-    paths = graph.placeholder_paths
-    names, rep = pricing.names, pricing.ctx.rep
-    params = [n for n in names if graph.node(n).op == "param"]
-    for seed, seed_axes, sequence_axis, context_axis in seeds:
-        axes = tuple(sorted(set(batch_axes) | set(seed_axes)))
-        acts = activation_filter
-        try:
-            for make, axis in (
-                (sequence_filter, sequence_axis),
-                (context_filter, context_axis),
-            ):
-                if axis is not None:
-                    extra = make(graph, axis, mesh.shape[axis])
-                    acts = extra if acts is None else _both(acts, extra)
-        except MeshplanError:
-            continue  # a sequence the axis does not divide; a graph CP cannot split
-        split = batch_split_options(
-            graph, names, pricing.ctx.options, rep, axes, mesh.shape
-        )
-        if first is not None and (
-            all(seed(paths[n], first.choice[n]) for n in params)
-            and all(first.choice[n] in allowed for n, allowed in split.items())
-            and (acts is None or all(acts(n, o) for n, o in first.choice.items()))
-        ):
-            continue  # the time-optimal solution already obeys the seed: its optimum too
-        if (
-            _seed_params_per_layer(pricing, graph, seed, params, layer_of, num_layers)
-            > budget
-        ):
-            continue  # no stage holds even the lightest layer's parameters
-        both = seed if param_filter is None else _both(param_filter, seed)
-        try:
-            sol = solve_stage(
-                graph,
-                mesh,
-                **kw
-                | {"param_filter": both, "batch_axes": axes, "activation_filter": acts},
-            )
-        except MeshplanError:  # the seed leaves a parameter no placement on this mesh
-            continue
-        if first is None or (
-            sol.param_placements,
-            sol.zero_params,
-            sol.fsdp_params,
-            sol.fsdp_axes,
-            acts is not activation_filter and sol.activation_bytes,
-        ) != (
-            first.param_placements,
-            first.zero_params,
-            first.fsdp_params,
-            first.fsdp_axes,
-            acts is not activation_filter and first.activation_bytes,
-        ):
-            out.append(profile(sol, graph, layer_of, bounds, num_layers))
-    return out
-
-
-def _seed_params_per_layer(
-    pricing: StagePricing,
-    graph: OpGraph,
-    seed: ParamFilter,
-    params: list[str],
-    layer_of: dict[str, int],
-    num_layers: int,
-) -> float:
-    """The least parameter-state bytes of any layer under a seed's placements (inf when a
-    parameter has no allowed placement): a lower bound on every stage's memory."""
-    rep = pricing.ctx.rep
-    per_layer = np.zeros(num_layers)
-    for n in params:
-        r = rep.get(n, n)
-        memory = pricing.node_arrays(r)[1]
-        path = graph.placeholder_paths[n]
-        allowed = [
-            memory[i] for i, o in enumerate(pricing.ctx.options[r]) if seed(path, o)
-        ]
-        if not allowed:
-            return np.inf
-        per_layer[layer_of.get(n, 0)] += min(allowed)
-    return float(per_layer.min())
-
-
-def _both(f: ParamFilter, g: ParamFilter) -> ParamFilter:
-    return lambda path, option: f(path, option) and g(path, option)
 
 
 def _range_sums(x: np.ndarray) -> np.ndarray:

@@ -61,7 +61,7 @@ from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError, gib
 from cost_models.memory import canonical_schedule
 from planner.inter import boundaries as bd
-from planner.inter import stage_table as st
+from planner.inter import stage_solves
 from planner.inter.layers import layers_in
 from planner.intra.context import context_filter, without_context
 from planner.intra.megatron import (
@@ -224,7 +224,7 @@ def manual_plan(
     layer_of = bd.layer_of_nodes(graph, layers)
     bounds = bd.boundary_values(graph, layer_of, len(layers))
     budget = float(memory_budget or cluster.device.memory_bytes)
-    prof = st.profiles_for(
+    prof = stage_solves.profiles_for(
         graph,
         mesh,
         layer_of,
