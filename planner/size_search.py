@@ -19,6 +19,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,12 +203,27 @@ def evaluate_all(
             workers - 1,
             # assembled as a worker's are: this process does not keep every size's graph
             lambda k: _assembled(evaluate(job, make, sizes[k], _numbered(say, k, n))),
-            lambda k: pool.submit(_evaluate_in_worker, job, sizes[k], k, n).result(),
+            lambda k: _in_worker(pool, job, sizes[k], k, n),
         )
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         messages.put(None)
         relay.join()
+
+
+def _in_worker(
+    pool: ProcessPoolExecutor, job: SizeJob, b: int, k: int, n: int
+) -> SizeResult:
+    """`_evaluate_in_worker` on `pool`; a worker that died (killed, say for memory, or unable to
+    start) is one line naming the size and what to do instead of the pool's traceback."""
+    try:
+        return pool.submit(_evaluate_in_worker, job, b, k, n).result()
+    except BrokenProcessPool as exc:
+        raise MeshplanError(
+            f"a planner worker process died while searching micro-batch size {b} (killed, "
+            "perhaps for memory, or unable to start: a script read from standard input cannot "
+            "start one); plan in this process alone with MESHPLAN_PLANNER_PROCESSES=1"
+        ) from exc
 
 
 def share(

@@ -29,6 +29,32 @@ def test_worker_processes_give_the_serial_plan(monkeypatch: pytest.MonkeyPatch) 
         assert any(f"with micro-batch {b}" in m for m in said), said
 
 
+DIES_IN_A_WORKER = """
+import multiprocessing, os
+from planner.models import build_model
+
+def make(batch=1, **kw):
+    if multiprocessing.parent_process() is not None:
+        os._exit(3)  # as a worker killed for memory
+    return build_model("gpt-tiny", batch=batch, **kw)
+"""
+
+
+@pytest.mark.slow
+def test_a_dead_worker_is_one_line(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker process that dies (here: exits at once) ends the plan with one line naming
+    the size and the way out, not the process pool's traceback."""
+    (tmp_path / "dies_in_worker.py").write_text(DIES_IN_A_WORKER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "2")
+    kw = {"global_batch": 8, "microbatch_size": [8, 4]}
+    with pytest.raises(MeshplanError, match="worker process died while searching "
+                       r"micro-batch size 8 .*MESHPLAN_PLANNER_PROCESSES=1"):  # fmt: skip
+        plan("dies_in_worker:make", "1x4xA100-80GB", **kw)
+    monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "1")
+    assert plan("dies_in_worker:make", "1x4xA100-80GB", **kw).stages
+
+
 @pytest.mark.parametrize("helpers", [1, 3])
 def test_share_runs_each_index_once_in_order(helpers: int) -> None:
     """The calling thread takes indices from the back, the helpers from the front: each index
