@@ -15,7 +15,9 @@ Fail fast: the parent watches every rank's process and result pipe. As soon as a
 (os._exit, a signal, the OOM killer), every other rank is terminated (SIGTERM, then SIGKILL after a
 short grace) and `launch` raises a one-line MeshplanError naming the rank and its error; the full
 traceback is kept on the exception (`LaunchError.tracebacks`). A launch that outlives `timeout_s`
-(for example a collective that deadlocks) is terminated the same way.
+(for example a collective that deadlocks) is terminated the same way. So is a rank that dies while
+starting: each rank reads its job (`fn` and its arguments, pickled once) from a pipe once it runs,
+so nothing waits on a rank that never will.
 
 Why not torchrun? Its programmatic form, `torch.distributed.launcher.api.elastic_launch` (checked on
 torch 2.13), does return every rank's value and does fail fast: a rank raising ValueError ended the
@@ -38,12 +40,15 @@ import datetime
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from cost_models.errors import MeshplanError
@@ -121,12 +126,11 @@ def _worker(
     cpus: list[int] | None,
     env: dict[str, str],
     timeout_s: float,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    job: mpc.Connection,
     conn: mpc.Connection,
 ) -> None:
-    """Body of one rank: init the group, run `fn`, send ("ok", value) or ("error", ...) to the parent."""
+    """Body of one rank: read (fn, args, kwargs) from `job`, init the group, run `fn`, send
+    ("ok", value) or ("error", ...) to the parent."""
     _set_parent_death_signal()
     os.environ.update(env)
     os.environ.update(
@@ -138,6 +142,8 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
+        fn, args, kwargs = pickle.loads(job.recv_bytes())
+        job.close()
         import torch
         import torch.distributed as dist
 
@@ -226,8 +232,14 @@ def launch(
     port = free_port()
     procs: list[Any] = []
     conns: dict[Any, int] = {}
+    # The job goes through a pipe once the rank runs, not with the process's arguments:
+    # multiprocessing writes those before it closes its copy of the child's end, so a rank that
+    # dies while starting (a script read from standard input cannot be re-imported) left a
+    # parent writing a large job (a plan) blocked for ever, past any deadline.
+    payload = ForkingPickler.dumps((fn, tuple(args), dict(kwargs or {})))
     for rank in range(world_size):
         recv, send = ctx.Pipe(duplex=False)
+        job_recv, job_send = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_worker,
             args=(
@@ -239,9 +251,7 @@ def launch(
                 cpu_sets[rank],
                 dict(env or {}),
                 timeout_s,
-                fn,
-                tuple(args),
-                dict(kwargs or {}),
+                job_recv,
                 send,
             ),
             name=f"meshplan-rank{rank}",
@@ -249,8 +259,13 @@ def launch(
         )
         p.start()
         send.close()
+        job_recv.close()
         procs.append(p)
         conns[recv] = rank
+        # a thread per rank: the deadline below holds while a rank is slow to read its job
+        threading.Thread(
+            target=_send_job, args=(job_send, payload), daemon=True
+        ).start()
 
     results: dict[int, Any] = {}
     # rank -> (time, one line, traceback) of a raised exception
@@ -308,6 +323,13 @@ def launch(
         for c in conns:
             c.close()
     return [results[r] for r in range(world_size)]
+
+
+def _send_job(conn: mpc.Connection, payload: bytes) -> None:
+    """Hand a rank its pickled job; a rank that died first is reported by its exit code."""
+    with contextlib.suppress(OSError):
+        conn.send_bytes(payload)
+    conn.close()
 
 
 def _failure(

@@ -237,6 +237,39 @@ def test_launch_fails_fast_naming_the_rank(fn, expected):
     assert expected in msg and "\n" not in msg
 
 
+FROM_STDIN = """
+from runtime.launch import launch
+
+def f(x):
+    return len(x)
+
+launch(f, 2, args=(b"x" * (1 << 20),), timeout_s=20)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_starting_stops_a_large_launch(tmp_path):
+    """A script read from standard input cannot be re-imported by a spawned rank, which dies
+    while starting. With a job larger than a pipe's buffer, the launch used to block writing it
+    to the dead rank, past its deadline; now it fails fast naming the rank."""
+    import subprocess
+    import sys
+
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-"],
+        check=False,
+        input=FROM_STDIN,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "LaunchError: rank " in done.stderr and "exited with code 1" in done.stderr
+    assert time.monotonic() - start < 20
+
+
 @pytest.mark.slow
 def test_launch_times_out():
     start = time.monotonic()
