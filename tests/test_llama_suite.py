@@ -156,6 +156,28 @@ def test_long_context_record_with_and_without_cp(
     )
 
 
+def test_checks_list_unfitting_published_configurations_apart() -> None:
+    """A published configuration predicted faster than the automatic plan fails the check
+    where it fits; where it does not fit it is named apart, with its memory."""
+
+    def doc(fits: bool) -> dict:
+        auto = {"iteration_time_s": 2.0}
+        faster = {"system": "S", "label": "L", "priced": True, "vs_auto": 0.9}
+        faster |= {"fits": fits, "peak_memory_bytes": 100 * 2**30}
+        slower = faster | {"label": "M", "vs_auto": 1.2, "fits": True}
+        case = {"model": "m", "num_devices": 8, "ratio": 1.0, "auto": auto}
+        return {"suite": "llama", "cases": [case | {"published": [faster, slower]}]}
+
+    def line(fits: bool) -> str:
+        return next(x for x in llama_checks([doc(fits)]) if "published" in x)
+
+    assert line(True).endswith("(2 of 2 priced): no: m on 8: S L (0.900)")
+    assert line(False).endswith(
+        "(2 of 2 priced): yes (predicted faster but not fitting: m on 8: S L (0.900, "
+        "needs 100.0 GiB))"
+    )
+
+
 def test_today_grid_prunes_by_the_sharded_state() -> None:
     # 8 B parameters x 16 bytes: 128 GB on one H100 without FSDP, 16 GB with FSDP over 8
     groups, pruned = grid(
