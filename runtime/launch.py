@@ -48,7 +48,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from cost_models.errors import MeshplanError
@@ -236,7 +235,11 @@ def launch(
     # multiprocessing writes those before it closes its copy of the child's end, so a rank that
     # dies while starting (a script read from standard input cannot be re-imported) left a
     # parent writing a large job (a plan) blocked for ever, past any deadline.
-    payload = ForkingPickler.dumps((fn, tuple(args), dict(kwargs or {})))
+    # Plain pickle, by value: multiprocessing's ForkingPickler shares a tensor's storage through
+    # a file descriptor that only one process can take, and every rank unpickles this payload.
+    payload = pickle.dumps(
+        (fn, tuple(args), dict(kwargs or {})), pickle.HIGHEST_PROTOCOL
+    )
     for rank in range(world_size):
         recv, send = ctx.Pipe(duplex=False)
         job_recv, job_send = ctx.Pipe(duplex=False)
