@@ -78,14 +78,24 @@ def larger_microbatch_sizes(global_batch: int, cluster: Cluster) -> list[int]:
     )
 
 
-def next_size_step(size: int, tried: int, best: int, devices: int) -> str:
+def rows_to_reach(larger: list[int], devices: int) -> int:
+    """The size of which `plan` evaluates the first at least as large (`next_size_step`): a
+    row per device, or the largest of `larger` (the whole batch) where the global batch has
+    fewer rows than the cluster has devices."""
+    return min(devices, max(larger, default=0))
+
+
+def next_size_step(size: int, tried: int, best: int, rows: int) -> str:
     """What `plan` does with `size`, the next of `larger_microbatch_sizes`, when `tried` is the
     largest size evaluated so far and `best` the size of the fastest plan: "try" it while the
-    best plan uses the largest size tried, and in any case when it is the first of at least one
-    row per device; "skip" it on the way to that one; else "stop"."""
-    if best == tried or tried < devices <= size:
+    best plan uses the largest size tried, and in any case when it is the first of at least
+    `rows` (one row per device, or the largest size where the global batch has fewer rows than
+    the cluster devices: llama3-405b on 512 H100s at global batch 256 is fastest at 256 rows,
+    FSDP over dp256 x tp2, where the best of 1 to 32 rows is 4); "skip" it on the way to that
+    one; else "stop"."""
+    if best == tried or tried < rows <= size:
         return "try"
-    return "skip" if size < devices else "stop"
+    return "skip" if size < rows else "stop"
 
 
 def _pow2_divisors(n: int, low: int, high: int) -> list[int]:
@@ -176,8 +186,9 @@ def plan(
     results = evaluate_all(job, make, sorted(sizes_b, reverse=True), say)
     larger = [] if microbatch_size else larger_microbatch_sizes(G, cluster)
     tried = max(sizes_b)
+    rows = rows_to_reach(larger, cluster.num_devices)
     for b in larger:
-        step = next_size_step(b, tried, _best(results).size, cluster.num_devices)
+        step = next_size_step(b, tried, _best(results).size, rows)
         if step == "stop":
             break
         if step == "try":

@@ -69,12 +69,21 @@ def test_seed_filters_cover_megatron_layouts() -> None:
     with pytest.raises(ValueError):
         axes_filter(1, 1)
     # activations split the batch on every data-parallel axis, never for models with experts
+    # with more than one data-parallel device: also tp + SP with FSDP over dp (torchtitan 2D)
     assert [s.batch_axes for s in seed_filters((2, 4), False, {2, 4})] == [
+        (0,),
         (0,),
         (0,),
         (0, 1),
         (0, 1),
     ]
+    fsdp_tp = seed_filters((2, 4), False, {2, 4})[2]
+    assert fsdp_tp.sequence_axis == 1
+    # tensor-parallel groups across hosts: only the two tp + SP seeds (with experts: tp, tp + EP)
+    groups = seed_filters((8, 2), False, {2, 4}, (1,), tensor_parallel_only=True)
+    assert [s.sequence_axis for s in groups] == [1, 1]
+    assert groups[1:] == [fsdp_tp._replace(params=groups[1].params)]
+    assert len(seed_filters((8, 2), True, {2, 4}, (), tensor_parallel_only=True)) == 2
     assert [s.batch_axes for s in seed_filters((1, 4), True, {2, 4})] == [
         (),
         (),

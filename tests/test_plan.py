@@ -416,6 +416,24 @@ def test_larger_sizes_reach_one_row_per_device() -> None:
         assert evaluated == sorted(evaluated)
 
 
+def test_a_batch_smaller_than_the_cluster_tries_its_largest_size() -> None:
+    """Global batch 256 on 512 devices (llama3-405b in the llama suite): no size reaches a row
+    per device; the largest, the whole batch (FSDP over dp256 x tp2), is evaluated even when
+    the best of 1 to 32 rows is 4, and the sizes between are skipped."""
+    from planner.api import larger_microbatch_sizes, next_size_step, rows_to_reach
+
+    cluster = Cluster.from_spec("64x8xH100-80GB")
+    larger = larger_microbatch_sizes(256, cluster)
+    assert larger == [64, 128, 256]
+    rows = rows_to_reach(larger, cluster.num_devices)
+    assert rows == 256
+    steps = [next_size_step(b, 32, 4, rows) for b in larger]
+    assert steps == ["skip", "skip", "try"]
+    # with a row per device reachable, as before: the first of at least 512 rows
+    assert [next_size_step(b, 32, 4, 512) for b in (256, 512)] == ["skip", "try"]
+    assert next_size_step(1024, 512, 4, 512) == "stop"
+
+
 @pytest.mark.slow
 def test_cli_output_into_a_closed_pipe_is_not_an_error(tmp_path) -> None:
     import subprocess
@@ -462,13 +480,18 @@ def test_boundary_sends_share_the_network_card_only_among_senders() -> None:
 def test_logical_shapes_offer_both_orientations_inside_a_host() -> None:
     from cost_models.communication import LogicalMesh
     from cost_models.resharding import reshard_cost
-    from planner.inter.mesh_search import logical_shapes
+    from planner.inter.mesh_search import _seeds_only, logical_shapes
 
     assert logical_shapes((1, 8)) == [(1, 8), (2, 4), (4, 2)]
     assert logical_shapes((1, 4)) == [(1, 4), (2, 2)]
     assert logical_shapes((1, 2)) == [(1, 2)]
-    assert logical_shapes((2, 8)) == [(2, 8), (8, 2), (1, 16)]
-    assert logical_shapes((4, 8)) == [(4, 8), (1, 32)]
+    assert logical_shapes((2, 8)) == [(2, 8), (8, 2), (4, 4), (1, 16)]
+    assert logical_shapes((4, 8)) == [(4, 8), (16, 2), (8, 4), (1, 32)]
+    assert logical_shapes((2, 2)) == [(2, 2), (1, 4)]
+    # across hosts only hosts x devices, and m x 2 on two hosts, get the free program
+    for sub, full in (((2, 8), {(2, 8), (8, 2)}), ((4, 8), {(4, 8)}), ((1, 8), None)):
+        free = {s for s in logical_shapes(sub) if not _seeds_only(sub, s, "auto")}
+        assert free == (full or set(logical_shapes(sub)))
     # Why a mesh and its transpose both count: Megatron's dp4 x tp2 activation layout (batch split
     # over every device, dp outer) gathered over tp before a column-parallel matmul. On 4 x 2 (tp on
     # axis 1) that is one all-gather among 2 devices; with tp on axis 0 of 2 x 4 the nested shard

@@ -58,9 +58,9 @@ MAX_LAYERS = 128
 def interleave_layering(graph: OpGraph) -> list[tuple[int, int]]:
     """One layer per transformer block (at most `MAX_LAYERS`), or the automatic count
     (`planner.inter.layers.auto_num_layers`) for a model without blocks."""
-    flops, edges, blocks = op_terms(graph)
+    flops, edges, starts = op_terms(graph)
     compute_ops = sum(1 for f in flops if f > 0)
-    n = min(blocks, MAX_LAYERS, compute_ops) if blocks else auto_num_layers(flops)
+    n = min(len(starts), MAX_LAYERS, compute_ops) if starts else auto_num_layers(flops)
     return cluster_layers(flops, edges, max(1, n))
 
 

@@ -87,17 +87,21 @@ def logical_shapes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
 
     * Inside one host: one flat axis and every a x m/a with 1 < a < m (both 2 x 4 and 4 x 2 on 8
       devices).
-    * Across n hosts: n x m, and one flat axis of n * m devices: FSDP over all of them, as
-      torchtitan shards over a flat data-parallel mesh. On n x m, a parameter sharded on both
+    * Across n hosts: n x m, one flat axis of n * m devices, and (n * m / t) x t for every t
+      with 1 < t < m dividing m: data parallelism (or FSDP) over all devices with tensor
+      parallelism in groups of t inside a host, as torchtitan's 2D meshes run it (llama3-405b
+      on 64x8 H100s: dp256 x tp2 with FSDP + SP, 482 TFLOP/s per device, where the best of
+      64 x 8 and 1 x 512 reached 387). Only their seeds are solved (`_seeds_only`), but for
+      m x 2 on two hosts. The flat axis is FSDP over all of them, as torchtitan shards over a
+      flat data-parallel mesh. On n x m, a parameter sharded on both
       axes is gathered inner axis first (DTensor's nested shard order), so the inter-host step
       moves (n - 1) / n of the parameter from every device; a flat collective is priced at the
       cluster's all-device bandwidth (llama3-70b on 8x8 H100s, FSDP over all 64 at 2 rows per
       device: one pass's all-gathers 2.57 s on 8 x 8, 0.65 s flat; the step 17.12 against
-      16.71 s with full recomputation); only its seeds are solved (`_flat_across_hosts`). On two
-      hosts also m x 2, tensor
-      parallelism in device pairs inside a host with data parallelism over the rest (the best
-      manual configuration of gpt-15b on 4x8 A100s: dp8 x tp2 per 16-device stage). Larger
-      multi-host submeshes do not get it: it is one of the costliest intra-op programs, and
+      16.71 s with full recomputation). On two hosts m x 2 (tensor parallelism in device pairs
+      inside a host with data parallelism over the rest: the best manual configuration of
+      gpt-15b on 4x8 A100s, dp8 x tp2 per 16-device stage) is solved in full. Larger
+      multi-host submeshes do not get that: it is one of the costliest intra-op programs, and
       planning gpt-39b on 8x8 V100s took 48 s with it on two hosts only, 100 s with it on every
       multi-host submesh (one run each).
 
@@ -110,20 +114,21 @@ def logical_shapes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
     with micro-batch 8 plans 19.14 s per iteration without 4 x 2, 19.04 s with it."""
     n, m = submesh
     if n > 1:
-        flat = [(1, n * m)]
-        if n == 2 and m % 2 == 0 and m > 2:
-            return [(n, m), (m, 2), *flat]
-        return [(n, m), *flat]
+        groups = [(n * m // t, t) for t in range(2, m) if m % t == 0]
+        return [(n, m), *groups, (1, n * m)]
     return [(1, m)] + [(a, m // a) for a in range(2, m) if m % a == 0]
 
 
-def _flat_across_hosts(sub: tuple[int, int], shape: tuple[int, int], mode: str) -> bool:
-    """Whether the logical mesh is the flat axis over several hosts that `logical_shapes` adds
-    for FSDP over all devices: only its seeds are solved there (data parallelism, FSDP,
-    context parallelism; `planner.intra.megatron.seed_filters`), as tensor parallelism across
-    hosts cannot win, and the time-optimal program with its memory ladder would be the
-    costliest of the submesh's passes."""
-    return mode != "inter-only" and sub[0] > 1 and shape[0] == 1
+def _seeds_only(sub: tuple[int, int], shape: tuple[int, int], mode: str) -> bool:
+    """Whether only the seeds are solved on this logical mesh (data parallelism, FSDP, tensor
+    parallelism inside a host, context parallelism; `planner.intra.megatron.seed_filters`):
+    on a submesh across hosts, every logical mesh `logical_shapes` offers but hosts x devices
+    and, on two hosts, m x 2. Their free time-optimal programs with the memory ladder would be
+    the costliest passes of the submesh, and tensor parallelism across hosts cannot win."""
+    n, m = sub
+    if mode == "inter-only" or n == 1 or shape == sub:
+        return False
+    return not (n == 2 and shape == (m, 2))
 
 
 def _param_filter(mode: str) -> Callable[[str, Option], bool] | None:
@@ -134,17 +139,23 @@ def _param_filter(mode: str) -> Callable[[str, Option], bool] | None:
     return None
 
 
-def _seeds(graph: OpGraph, mesh: LogicalMesh, mode: str, context_parallel: bool = True):
+def _seeds(
+    graph: OpGraph, mesh: LogicalMesh, mode: str, context_parallel: bool = True
+) -> list:
     """Megatron-style parameter placements solved as extra candidates (`planner.intra.megatron`);
     on a mesh spanning hosts also HSDP over the axes inside a host; context parallelism
-    (`planner.intra.megatron.context_seeds`) unless `context_parallel` is False."""
+    (`planner.intra.megatron.context_seeds`) unless `context_parallel` is False. On the
+    tensor-parallel groups across hosts (`logical_shapes`' (n * m / t) x t, seeds only) only
+    the tensor-parallel seeds: data parallelism, FSDP and context parallelism over all devices
+    are the flat mesh's."""
     if mode == "inter-only":
         return []
     experts = any(is_expert_weight(p) for p in graph.placeholder_paths.values())
     M = mesh.cluster.devices_per_host
     tps = {t for t in range(2, M + 1) if M % t == 0}
-    seeds = seed_filters(mesh.shape, experts, tps, hybrid_axes(mesh))
-    if context_parallel:
+    groups = _seeds_only(mesh.submesh, mesh.shape, mode) and mesh.shape[0] > 1
+    seeds = seed_filters(mesh.shape, experts, tps, hybrid_axes(mesh), groups)
+    if context_parallel and not groups:
         seeds += context_seeds(mesh.shape, experts, tps)
     return seeds
 
@@ -298,7 +309,7 @@ def search(
                 activation_filter=acts,
                 seeds=_seeds(graph, mesh, mode, context_parallel),
                 lean_layers=_lean_layers(tables, sub, cluster.num_devices),
-                seeds_only=_flat_across_hosts(sub, shape, mode),
+                seeds_only=_seeds_only(sub, shape, mode),
             )
 
     # The meshes' intra-op programs are independent: threads overlap one mesh's HiGHS solve with

@@ -136,13 +136,19 @@ def seed_filters(
     has_experts: bool,
     tp_sizes: set[int],
     hybrid: tuple[int, ...] = (),
+    tensor_parallel_only: bool = False,
 ) -> list[Seed]:
-    """Megatron-style layouts worth solving on a logical mesh (a, b), one `Seed` each:
+    """Megatron-style layouts worth solving on a logical mesh (a, b), one `Seed` each (with
+    `tensor_parallel_only`, only those with tensor parallelism on axis 1, and for models
+    without experts only with sequence parallelism: two seeds where the mesh crosses hosts,
+    against six):
 
     * tensor parallelism on axis 1 (b devices, when b > 1 and b is in `tp_sizes`, the sizes that
       fit in a host) with data parallelism on axis 0 - Megatron's (dp, tp) = (a, b); and the
       same with sequence parallelism (Megatron-SP, `sequence_filter`; for models without
-      experts): its activations are leaner than the free activations' time optimum;
+      experts): its activations are leaner than the free activations' time optimum; and that
+      with every weight also FSDP-sharded over axis 0 when a > 1 (torchtitan's 2D parallelism:
+      llama3-405b on 512 H100s, whose best manual configuration is dp256 x tp2 with FSDP + SP);
     * pure data parallelism (every parameter replicated) - Megatron's tp = 1 on all a * b devices;
     * for models with experts, each of those with the expert weights also split on the other axis
       of size > 1 (expert parallelism).
@@ -159,12 +165,17 @@ def seed_filters(
     if a * b == 1:
         return []
     out: list[Seed] = []
-    tps = ([1] if b > 1 and b in tp_sizes else []) + [None]
+    tps = [1] if b > 1 and b in tp_sizes else []
+    if not tensor_parallel_only:
+        tps.append(None)
     for tp in tps:
         axes = batch_axes(mesh_shape, tp, has_experts)
-        out.append(Seed(axes_filter(tp, None), axes))
+        if not (tensor_parallel_only and not has_experts):
+            out.append(Seed(axes_filter(tp, None), axes))
         if tp is not None and not has_experts:
             out.append(Seed(axes_filter(tp, None), axes, tp))
+            if a > 1:  # torchtitan's FSDP x TP + SP: weights also sharded over dp
+                out.append(Seed(axes_filter(tp, None, fsdp=True), axes, tp))
         if tp is None:
             out.append(Seed(axes_filter(None, None, fsdp=True), axes))
             if hybrid:
