@@ -33,9 +33,10 @@ greedy minimum (each layer extended as far as the cap allows; optimal since FLOP
 non-negative) and the number of allowed boundaries + 1 is reachable (splitting a layer keeps it
 under the cap), so feasibility of T costs O(n + L log n). Binary search over the distinct ``c_k``
 gives the smallest feasible T*. Where the boundaries at T* that begin a block admit L layers
-(the same greedy test), only those are kept. Then a DP over the allowed boundaries b_0 = 0 < ... < b_{m-1} = n
-with prefix FLOPs P_j: ``D_l(j) = min_i D_{l-1}(i) + (P_j - P_i - F / L)^2`` over i < j with
-``P_j - P_i <= cap`` gives the balance optimum. The layer cost is convex in ``P_j - P_i``, hence
+(the same greedy test), only those are kept. Then a DP over the allowed boundaries
+b_0 = 0 < ... < b_{m-1} = n with prefix FLOPs P_j:
+``D_l(j) = min_i D_{l-1}(i) + (P_j - P_i - F / L)^2`` over i < j with ``P_j - P_i <= cap``
+gives the balance optimum. The layer cost is convex in ``P_j - P_i``, hence
 satisfies the quadrangle inequality, and the admissible i form an interval whose ends never move
 left as j grows, so the leftmost optimal i is monotone in j: each of the L rounds is a divide and
 conquer in O(m log m) (vectorised one recursion level at a time). M* (when needed) is found by
