@@ -4,6 +4,8 @@ pipeline depth p, so auto plans are never slower than the manual grid under the 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from cost_models.cluster import Cluster
@@ -81,8 +83,15 @@ def test_seed_filters_cover_megatron_layouts() -> None:
     assert fsdp_tp.sequence_axis == 1
     # tensor-parallel groups across hosts: only the two tp + SP seeds (with experts: tp, tp + EP)
     groups = seed_filters((8, 2), False, {2, 4}, (1,), tensor_parallel_only=True)
-    assert [s.sequence_axis for s in groups] == [1, 1]
-    assert groups[1:] == [fsdp_tp._replace(params=groups[1].params)]
+    assert [(s.sequence_axis, s.batch_axes) for s in groups] == [(1, (0,)), (1, (0,))]
+    # the first keeps a column-parallel weight replicated over dp, the second FSDP-shards it
+    column = "blocks.0.attn.q.weight"
+    for zero, accepted in ((0, [True, False]), (3, [False, True])):
+        option = SimpleNamespace(
+            zero=zero, shard_axes=None, strategy=SimpleNamespace(output=[("R", "S(0)")])
+        )
+        assert [s.params(column, option) for s in groups] == accepted
+        assert fsdp_tp.params(column, option) == accepted[1]
     assert len(seed_filters((8, 2), True, {2, 4}, (), tensor_parallel_only=True)) == 2
     assert [s.batch_axes for s in seed_filters((1, 4), True, {2, 4})] == [
         (),
