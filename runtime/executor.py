@@ -93,7 +93,7 @@ from planner.vocab.dtensor_ext import (
     str_to_placement,
 )
 from planner.vocab.grads import expected_grad, grad_from_consumer
-from planner.vocab.placements import device_mesh_shape, mesh_axes
+from planner.vocab.placements import device_mesh_shape, fsdp_gradient, mesh_axes
 from planner.vocab.strategy import StageProgram, consumed_output
 from runtime import comm_count
 from runtime.compiled import CompiledStage
@@ -212,6 +212,9 @@ class PlanExecutor(torch.fx.Interpreter):
         # `layers` (op node name -> FSDP unit) paces their reduce-scatters
         # with recomputation, the recomputed forward gathers them again (`runtime.fsdp`)
         self.fsdp = FsdpParams(self, fsdp, layers, recompute_layers) if fsdp else None
+        # their views too: the gradient on an edge leaving one goes to `fsdp_gradient` of its
+        # placement (`_edge_plan`)
+        self.fsdp_derived = graph.views_of(set(fsdp or ()), self.param_derived)
         self.compile = compile and recompute_layers is None and self.fsdp is None
         self._compiled: CompiledStage | None = None
         self.last_run_compiled = False
@@ -244,8 +247,13 @@ class PlanExecutor(torch.fx.Interpreter):
         producer, or the gradient is left as it is - so no autograd function is needed (checked
         again at run time against the value's actual placements)."""
         src = self._planned_output(u.name, consumed_output(u, v))
-        sync = self.sync_param_grads or u.name not in self.param_derived
         dst_pl = self._parse(dst)
+        if u.name in self.fsdp_derived:
+            # an FSDP parameter or a view of one: the gradient goes where its reduce-scatter
+            # starts, every micro-batch (`planner.intra.fsdp_prices`: priced so)
+            grad_dst = self._parse(fsdp_gradient(src, tuple(self.program.mesh_shape)))
+            return dst_pl, grad_dst, f"{u.name}->{v.name}", False
+        sync = self.sync_param_grads or u.name not in self.param_derived
         grad_strs = expected_grad(src)
         grad_dst = self._parse(grad_strs) if sync else None
         src_pl = self._try_parse(src)

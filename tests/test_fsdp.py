@@ -68,9 +68,11 @@ def test_fsdp_price_follows_its_derivation() -> None:
     assert fp.fsdp_placements(meta, fsdp, s) == (("R", "R"), ("R", "S(0)"), ("R", "P"))
     assert fp.fsdp_gather(meta, fsdp, s) == pytest.approx(2 * one)
     assert fp.fsdp_comm(meta, fsdp, s) == pytest.approx(3 * one)
-    # node cost: less the all-reduce's bandwidth share the consumers' edges charge per
-    # micro-batch (2 micro-batches; the all-reduce line's slope is 1 ns per byte)
-    assert fp.zero_cost(meta, fsdp, s) == pytest.approx(3 * one - 1e-9 * 8192 / 2)
+    # node cost: all three; the ILP's less the all-reduce's bandwidth share the consumers'
+    # edges charge there per micro-batch (2 micro-batches; the all-reduce line's slope is
+    # 1 ns per byte)
+    assert fp.zero_cost(meta, fsdp, s) == pytest.approx(3 * one)
+    assert fp.ilp_credit(meta, fsdp, s) == pytest.approx(1e-9 * 8192 / 2)
 
 
 def test_fsdp_overlap_follows_its_formula() -> None:

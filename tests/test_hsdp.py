@@ -86,12 +86,12 @@ def test_hsdp_price_follows_its_derivation() -> None:
     assert fp.fsdp_gather(meta, hsdp, s) == pytest.approx(2 * intra)
     assert fp.fsdp_reduce_scatter(meta, hsdp, s) == pytest.approx(intra + inter_ar)
     assert fp.fsdp_comm(meta, hsdp, s) == pytest.approx(3 * intra + inter_ar)
-    # node cost: less the gradient all-reduce's bandwidth the consumers' edges charge per
-    # micro-batch (both axes, 8192 B each: 1 us and 1 ns per byte on the all-reduce lines)
+    # node cost: all of it; the ILP's less the gradient all-reduce's bandwidth the consumers'
+    # edges charge there per micro-batch (both axes, 8192 B each: 1 us and 1 ns per byte on the
+    # all-reduce lines)
+    assert fp.zero_cost(meta, hsdp, s) == fp.fsdp_comm(meta, hsdp, s)
     charged = 8192 * 1e-6 + 8192 * 1e-9
-    assert fp.zero_cost(meta, hsdp, s) == pytest.approx(
-        3 * intra + inter_ar - charged / 2
-    )
+    assert fp.ilp_credit(meta, hsdp, s) == pytest.approx(charged / 2)
     # FSDP on this mesh gathers across hosts too: each pass all-gathers the [32, 32] piece
     # inside the host (4096 B), then the whole 8192 B across hosts (1 ms + 1 us * 4096)
     inter_ag = 1e-3 + 1e-6 * 4096

@@ -272,7 +272,8 @@ def profile(
         gathered, unit_gathered = np.zeros(L), np.zeros(L)
         np.add.at(gathered, index, sol.fsdp_table()[:, 4])
         np.maximum.at(unit_gathered, unit_layer, g)
-        # `time` has the collectives in full (`fsdp_prices.zero_cost` + edges)
+        # `time` has the collectives in full (`fsdp_prices.zero_cost` on the node, no gradient
+        # all-reduce on its edges: `PricedStage.edge_terms`)
         collectives = np.zeros(L)
         np.add.at(collectives, unit_layer, 2 * G + R)
         time -= collectives - exposed

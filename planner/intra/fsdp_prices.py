@@ -19,14 +19,26 @@ terms (`planner.intra.priced_stage` calls both).
 
       fsdp_comm = 2 * reshard(shard -> planned) + reshard(grad -> shard)
 
-  with grad = the planned placement with P on the sharded axes (the consumers are split there,
-  as data parallelism splits them). The consumers' edges still charge this gradient's all-reduce
-  (its bandwidth per micro-batch, `planner.intra.prices._bucket_bandwidth` / B), which the
-  runtime does not run for an FSDP parameter, so the node cost is
-  ``fsdp_comm - that all-reduce share`` (`zero_cost`): node + edges = what runs. The ILP sees
-  ``fsdp_comm`` unhidden (linear, an upper bound: it picks FSDP when memory demands); the
-  stage's price (`planner.inter.stage_table.profile`, `fsdp_exposed`) then hides what the
-  runtime overlaps with compute.
+  with grad = `fsdp_gradient(planned)`: the planned placement with P on the sharded axes (the
+  consumers are split there, as data parallelism splits them). Each edge leaving the parameter
+  or a view of it brings its consumer's gradient there first (`fsdp_edge_time`: per micro-batch,
+  nothing where the consumer reads the planned placement of a data-parallel parameter; an
+  all-gather where it reads a slice of a weight planned whole, say), and the runtime does
+  exactly that (`runtime.executor`: the edge's gradient goes to `fsdp_gradient` of the value's
+  placement), so the gradients of several consumers add up in one placement and the
+  reduce-scatter starts from the one priced. A solution's price (`zero_cost` = `fsdp_comm` on
+  the node, `fsdp_edge_time` on those edges, no gradient all-reduce and no bucket:
+  `planner.intra.priced_stage.PricedStage.edge_terms`) is what runs.
+  In the ILP an edge's price cannot depend on whether the parameter behind a view is FSDP (the
+  view's options do not say), so its edges charge every parameter gradient's all-reduce share
+  (`planner.intra.prices._bucket_bandwidth` / B) and the ILP's node cost is
+  ``fsdp_comm - that share where the consumers read the planned placement`` (`ilp_credit`):
+  exact where they do (Megatron's and torchtitan's layouts), optimistic where they read another
+  placement; the stage's price is the solution's, never the ILP's objective, so such a program
+  is priced for what runs (and may lose to a seed). The ILP sees ``fsdp_comm`` unhidden
+  (linear, an upper bound: it picks FSDP when memory demands); the stage's price
+  (`planner.inter.stage_table.profile`, `fsdp_exposed`) then hides what the runtime overlaps
+  with compute.
   Per layer l of a stage holding layers k..j (a parameter in its first consumer's layer):
   G_l = its parameters' all-gathers of one pass (`fsdp_gather` / 2: the same in forward and in
   backward), R_l = their reduce-scatters (`fsdp_reduce_scatter`), F_l = the layer's forward
@@ -69,7 +81,7 @@ terms (`planner.intra.priced_stage` calls both).
 
   HSDP is chosen only in solves that split the data on every axis replicating the parameter
   (`hsdp_holds`: Megatron-style data parallelism, its seeds, `meshplan manual --fsdp hybrid`),
-  where the gradient is partial there as priced. Per micro-batch, in `fsdp_comm`, `zero_cost`
+  where the gradient is partial there as priced. Per micro-batch, in `fsdp_comm`, `ilp_credit`
   and the overlap model above exactly as FSDP's
   (G_l from the gathers, R_l from the reduce-scatter + all-reduce, which the runtime issues
   together and waits one layer later). For FSDP ``mid`` is the shard: the formulas above are
@@ -93,7 +105,7 @@ from planner.intra.prices import (
     _reshard,
 )
 from planner.tracing.opgraph import TensorMeta
-from planner.vocab.grads import bucketed_axes
+from planner.vocab.grads import bucketed_axes, grad_from_consumer
 from planner.vocab.placements import (
     fsdp_gradient,
     norm,
@@ -101,6 +113,7 @@ from planner.vocab.placements import (
     shards,
     zero_shard,
 )
+from planner.vocab.strategy import Strategy
 
 
 def hybrid_axes(mesh: LogicalMesh) -> tuple[int, ...]:
@@ -210,16 +223,9 @@ def fsdp_gathered_bytes(meta: TensorMeta, option: Option, s: StageSettings) -> f
 
 def zero_cost(meta: TensorMeta, option: Option, s: StageSettings) -> float:
     """ZeRO-2: the extra all-gather of a ZeRO-sharded parameter over its replicated axes, once per
-    iteration (returned as its share per micro-batch). FSDP: `fsdp_comm` less the gradient
-    all-reduce its consumers' edges charge and the runtime does not run (module docstring)."""
+    iteration (returned as its share per micro-batch). FSDP: `fsdp_comm` (module docstring)."""
     if option.zero == 3:
-        planned, _, grad = fsdp_placements(meta, option, s)
-        width = _element_bytes(meta)
-        if bucketed_axes(grad, planned):
-            charged = _bucket_bandwidth(s, meta.shape, width, grad, planned)
-        else:
-            charged = _reshard(s, meta.shape, width, grad, planned)
-        return fsdp_comm(meta, option, s) - charged / s.num_microbatches
+        return fsdp_comm(meta, option, s)
     if not option.zero:
         return 0.0
     placements = option.strategy.output[0]
@@ -230,6 +236,39 @@ def zero_cost(meta: TensorMeta, option: Option, s: StageSettings) -> float:
         if p == "R" and size > 1
     )
     return seconds / s.num_microbatches
+
+
+def ilp_credit(meta: TensorMeta, option: Option, s: StageSettings) -> float:
+    """What the intra-op program takes off an FSDP parameter's `zero_cost`: the share per
+    micro-batch of the gradient all-reduce its consumers' edges charge there when they read
+    the planned placement (module docstring, "In the ILP"); 0 for other options."""
+    if option.zero != 3:
+        return 0.0
+    planned, _, grad = fsdp_placements(meta, option, s)
+    width = _element_bytes(meta)
+    if bucketed_axes(grad, planned):
+        charged = _bucket_bandwidth(s, meta.shape, width, grad, planned)
+    else:
+        charged = _reshard(s, meta.shape, width, grad, planned)
+    return charged / s.num_microbatches
+
+
+def fsdp_edge_time(
+    meta: TensorMeta,
+    src: tuple[str, ...],
+    dst: tuple[str, ...],
+    consumer: Strategy,
+    s: StageSettings,
+) -> float:
+    """Seconds per micro-batch of the gradient's way back on an edge leaving an FSDP parameter
+    (or a view of one) placed `src`, read as `dst` by a consumer running `consumer`: from the
+    consumer's gradient (`grad_from_consumer`) to `fsdp_gradient(src)`, where the runtime
+    brings it before the reduce-scatter (module docstring). Nothing when the consumer reads the
+    planned placement of a data-parallel parameter: its gradient already is that."""
+    grad = grad_from_consumer(dst, consumer, s.mesh.shape)
+    return _reshard(
+        s, meta.shape, _element_bytes(meta), grad, fsdp_gradient(src, s.mesh.shape)
+    )
 
 
 def fsdp_exposed(

@@ -34,8 +34,9 @@ def predicted_collectives(
     forward + backward (the parameter-gradient part is not divided by the micro-batches).
 
     `fsdp`: paths of FSDP parameters (`planner.intra.prices`): ``"fwd:fsdp:<path>"`` their
-    all-gather, ``"bwd:fsdp:<path>"`` the all-gather again and the gradient's reduce-scatter,
-    and no collective for the gradients on the edges leaving them or their views.
+    all-gather, ``"bwd:fsdp:<path>"`` the all-gather again and the gradient's reduce-scatter;
+    on the edges leaving them or their views the gradient goes to `fsdp_gradient` of the
+    value's placement (every micro-batch; no all-reduce).
     `fsdp_axes`: the HSDP parameters' shard axes (``StagePlan.fsdp_axes``): their gradient's
     reduce-scatter is followed by the all-reduce of the shard (`reduce_midpoint`)."""
     out: dict[str, list[tuple[str, float]]] = {}
@@ -64,10 +65,12 @@ def predicted_collectives(
             if (
                 graph.node(u).requires_grad
                 and getattr(torch, meta.dtype).is_floating_point
-                and u not in roots
             ):
                 grad = grad_from_consumer(dst, vs, mesh.shape)
-                steps.append((f"bwd:{u}->{v.name}", grad, expected_grad(src)))
+                want = (
+                    fsdp_gradient(src, mesh.shape) if u in roots else expected_grad(src)
+                )
+                steps.append((f"bwd:{u}->{v.name}", grad, want))
             for label, a, b in steps:
                 if a == b:
                     continue
@@ -90,7 +93,7 @@ def _fsdp_derived(
     out: dict[str, list[tuple[str, float]]],
 ) -> set[str]:
     """Adds the FSDP parameters' sites to `out`; returns the nodes derived from them (the
-    parameters and their views), whose gradients the runtime leaves to the reduce-scatter."""
+    parameters and their views), whose gradients go to `fsdp_gradient` on their edges."""
     if not fsdp:
         return set()
     derived = graph.param_derived()
@@ -121,10 +124,7 @@ def _fsdp_derived(
             + _collectives(mesh, meta.shape, width, grad, mid)
             + _collectives(mesh, meta.shape, width, mid, held)
         )
-    for fx in graph.gm.graph.nodes:  # topological: a view after what it views
-        if fx.name in derived and any(u.name in found for u in fx.all_input_nodes):
-            found.add(fx.name)
-    return found
+    return graph.views_of(found, derived)
 
 
 def _collectives(

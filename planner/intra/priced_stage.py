@@ -20,6 +20,8 @@ from planner.intra import fsdp_prices as fp
 from planner.intra import prices as sc
 from planner.intra.prices import Option, StageSettings
 from planner.tracing.opgraph import OpGraph
+from planner.vocab.placements import norm
+from planner.vocab.strategy import consumed_output
 
 
 @dataclass
@@ -41,6 +43,14 @@ class PricedStage:
         if name in self.graph.placeholder_paths and node.op == "param":
             return fp.zero_cost(node.outputs[0], opt, self.settings)
         return sc.compute_time(node, opt, self.settings)
+
+    def ilp_node_cost(self, name: str, opt: Option) -> float:
+        """`node_cost` as the intra-op program sees it: less `fsdp_prices.ilp_credit` for an
+        FSDP parameter (the gradient all-reduce share its edges charge there)."""
+        cost = self.node_cost(name, opt)
+        if opt.zero == 3 and self.graph.node(name).op == "param":
+            cost -= fp.ilp_credit(self.graph.node(name).outputs[0], opt, self.settings)
+        return cost
 
     def node_memory(self, name: str, opt: Option) -> float:
         node = self.graph.node(name)
@@ -153,7 +163,8 @@ class PricedStage:
             _keys=self._keys,
             shared=self.shared,
         )
-        out.__dict__["param_grad_edges"] = self.param_grad_edges  # the same graph's
+        for same in ("param_grad_edges", "_param_edges"):  # the same graph's
+            out.__dict__[same] = getattr(self, same)
         return out
 
     def edge_key(self, u: str, v: str) -> tuple[str, str, int]:
@@ -190,7 +201,10 @@ class PricedStage:
 
     def edge_terms(self, index: dict[str, int]) -> tuple[list[float], list[float]]:
         """(act[i, j], grad[i, j]) of `edge` for every edge of `edges`, in order, when every
-        node n chooses its option index[n]; gathered per edge key, one lookup per distinct edge."""
+        node n chooses its option index[n]; gathered per edge key, one lookup per distinct edge.
+        An edge leaving an FSDP parameter or a view of one is priced as it runs instead
+        (`fsdp_prices`): its gradient's way to `fsdp_gradient` per micro-batch in act, no
+        gradient all-reduce."""
         if self._edge_groups is None:
             groups: dict[tuple, list[int]] = {}
             for e, (u, v) in enumerate(self.edges):
@@ -211,7 +225,65 @@ class PricedStage:
             act, grad = self.edge(*self.edges[group[0]])
             i, j = i_all[group], j_all[group]
             acts[group], grads[group] = act[i, j], grad[i, j]
+        for e in self._fsdp_edges(index):  # priced as they run (`fsdp_prices`)
+            acts[e] += self._fsdp_grad(*self.edges[e], index)
+            grads[e] = 0.0
         return acts.tolist(), grads.tolist()
+
+    @functools.cached_property
+    def _param_edges(self) -> dict[str, list[int]]:
+        """Parameter -> positions in `edges` of the edges leaving it or a view of it."""
+        roots: dict[str, set[str]] = {}
+        for node in self.graph.nodes:  # topological: a view after what it views
+            if node.name in self.param_derived:
+                roots[node.name] = (
+                    {node.name}
+                    if node.op == "param"
+                    else set().union(*(roots.get(i, set()) for i in node.inputs))
+                )
+        out: dict[str, list[int]] = {}
+        for e, (u, _) in enumerate(self.edges):
+            for r in roots.get(u, ()):
+                out.setdefault(r, []).append(e)
+        return out
+
+    def _fsdp_edges(self, index: dict[str, int]) -> list[int]:
+        """Positions in `edges` of the edges leaving the FSDP parameters of option choice
+        `index` or views of them."""
+        return sorted(
+            {
+                e
+                for p, edges in self._param_edges.items()
+                if self.options[p][index[p]].zero == 3
+                for e in edges
+            }
+        )
+
+    def fsdp_derived(self, index: dict[str, int]) -> set[str]:
+        """The FSDP parameters of option choice `index` and the views of them (those that
+        some edge of the stage leaves)."""
+        return {self.edges[e][0] for e in self._fsdp_edges(index)}
+
+    def _fsdp_grad(self, u: str, v: str, index: dict[str, int]) -> float:
+        """The gradient's way back on an edge leaving an FSDP parameter or a view of one, as it
+        runs (`fsdp_prices` docstring): brought to `fsdp_gradient` of u's placement every
+        micro-batch (`fsdp_prices.fsdp_edge_time`); 0 for a value without a gradient."""
+        fx_u, fx_v = self.fx[u], self.fx[v]
+        o = consumed_output(fx_u, fx_v)
+        value = self.graph.node(u)
+        meta = value.outputs[o] if o < len(value.outputs) else value.outputs[0]
+        src = self.options[u][index[u]].strategy.output[o]
+        vs = self.options[v][index[v]].strategy
+        dst = vs.inputs[fx_v.all_input_nodes.index(fx_u)]
+        if (
+            not src
+            or dst is None
+            or not value.requires_grad
+            or not getattr(torch, meta.dtype).is_floating_point
+        ):
+            return 0.0
+        src, dst = tuple(map(norm, src)), tuple(map(norm, dst))
+        return fp.fsdp_edge_time(meta, src, dst, vs, self.settings)
 
     def explain(self, name: str, choice: dict[str, Option]) -> str:
         lines = [

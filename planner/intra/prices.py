@@ -421,12 +421,13 @@ def grad_buckets(
     the runtime keys them: one per distinct key among the edges leaving parameters (and their
     views) whose gradient `bucketed_axes` all-reduces. `edge_matrices` prices those edges'
     bandwidth only; the latency here is added per stage (`planner.inter.stage_table.LayerProfile.fixed`).
-    `edges`: `param_grad_edges` of the graph, when the caller keeps them."""
+    `edges`: `param_grad_edges` of the graph, when the caller keeps them (those leaving values
+    outside `param_derived` are left out: an FSDP parameter's gradient is not all-reduced)."""
     out: dict[tuple, Bucket] = {}
     if edges is None:
         edges = param_grad_edges(graph, param_derived)
     for u, v, o, k, meta in edges:
-        if u not in choice or v not in choice:
+        if u not in choice or v not in choice or u not in param_derived:
             continue
         vs = choice[v].strategy
         src, dst = choice[u].strategy.output[o], vs.inputs[k]

@@ -258,11 +258,12 @@ class StagePricing:
     )  # per set of options kept and choice of the program (`solve_stage`)
 
     def node_arrays(self, n: str) -> tuple[np.ndarray, np.ndarray]:
-        """(compute time, memory) of every option of representative n, over all its options."""
+        """(the ILP's cost, memory) of every option of representative n, over all its options
+        (`PricedStage.ilp_node_cost`)."""
         if n not in self._node_arrays:
             ctx = self.ctx
             self._node_arrays[n] = (
-                np.array([ctx.node_cost(n, o) for o in ctx.options[n]]),
+                np.array([ctx.ilp_node_cost(n, o) for o in ctx.options[n]]),
                 np.array([ctx.node_memory(n, o) for o in ctx.options[n]]),
             )
         return self._node_arrays[n]
@@ -518,7 +519,11 @@ def _summarise(
         comm += act
         grad_sync += grad * s.num_microbatches
     buckets = sc.grad_buckets(
-        g, choice, s.mesh, ctx.param_derived, ctx.param_grad_edges
+        g,
+        choice,
+        s.mesh,
+        ctx.param_derived - ctx.fsdp_derived(index),
+        ctx.param_grad_edges,
     )
     grad_sync += sum(b.latency_s for b in buckets.values())
     params = {g.placeholder_paths[n]: choice[n] for n in choice if is_param[n]}

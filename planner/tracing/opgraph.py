@@ -136,6 +136,20 @@ class OpGraph:
                 out.add(name)
         return out
 
+    def views_of(self, roots: set[str], derived: set[str] | None = None) -> set[str]:
+        """`roots` (parameters) and the views of them among `derived` (default
+        `param_derived()`): the values whose gradient is a root's gradient, as FSDP's runtime and
+        prices treat them."""
+        out = set(roots)
+        if not out:
+            return out
+        if derived is None:
+            derived = self.param_derived()
+        for node in self.nodes:  # topological: a view after what it views
+            if node.name in derived and any(i in out for i in node.inputs):
+                out.add(node.name)
+        return out
+
     @property
     def num_params(self) -> int:
         return sum(m.numel() for m in self.params.values())
