@@ -33,9 +33,10 @@ terms (`planner.intra.priced_stage` calls both).
   view's options do not say), so its edges charge every parameter gradient's all-reduce share
   (`planner.intra.prices._bucket_bandwidth` / B) and the ILP's node cost is
   ``fsdp_comm - that share where the consumers read the planned placement`` (`ilp_credit`):
-  exact where they do (Megatron's and torchtitan's layouts), optimistic where they read another
-  placement; the stage's price is the solution's, never the ILP's objective, so such a program
-  is priced for what runs (and may lose to a seed). The ILP sees ``fsdp_comm`` unhidden
+  exact where they do, split on its replicating axes (Megatron's and torchtitan's layouts),
+  optimistic where they read another placement or compute whole on such an axis; the stage's
+  price is the solution's, never the ILP's objective, so such a program is priced for what runs
+  (and may lose to a seed's). The ILP sees ``fsdp_comm`` unhidden
   (linear, an upper bound: it picks FSDP when memory demands); the stage's price
   (`planner.inter.stage_table.profile`, `fsdp_exposed`) then hides what the runtime overlaps
   with compute.
