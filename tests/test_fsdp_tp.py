@@ -30,17 +30,13 @@ import pytest
 import single_device
 import torch
 from profiles import cpu_cluster
-from test_fsdp import UNPRICED_SITES
+from test_fsdp import BATCH, LR, SPEC, UNPRICED_SITES, B, _graph, _model_and_batches
 
 from cost_models.communication import LogicalMesh
-from planner.models import build_model
 from planner.plans import manual
 from planner.vocab.plan_file import ParallelPlan
 from runtime.launch import launch
-from runtime.train import _random_batches
 
-SPEC = "llama:hidden=64,layers=4,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"
-STEPS, LR, BATCH, B = 3, 1e-3, 8, 2
 SLICED = "blocks.0.attn.q.weight"
 PLANS = ("2d", "sliced")
 
@@ -96,21 +92,6 @@ def _planned(name: str) -> tuple[ParallelPlan, Any]:
         manual.axes_filter, manual.assemble = megatron, assemble
     (solution,) = solutions
     return copy.deepcopy(plan), solution
-
-
-@functools.cache
-def _graph() -> Any:
-    from planner.tracing.tracer import trace
-
-    torch.manual_seed(0)
-    model, b = build_model(SPEC, batch=BATCH // B, device="cpu")
-    return trace(model, b)
-
-
-def _model_and_batches() -> tuple[torch.nn.Module, list[tuple[torch.Tensor, ...]]]:
-    torch.manual_seed(0)
-    model, b = build_model(SPEC, batch=BATCH, device="cpu")
-    return model, _random_batches(tuple(b), STEPS, seed=1)
 
 
 def _train(plan: ParallelPlan) -> dict[str, Any]:
