@@ -235,8 +235,7 @@ def profile(
     the per-node costs are computed once per solution, so one solution serves several clusterings)."""
     names, table = sol.node_cost_table()
     index = _layer_index(layer_of, names)
-    arr = np.zeros((L, 4))
-    np.add.at(arr, index, table)
+    arr = _sum_rows(index, table, L)
     inputs = np.zeros(L)
     for k, values in enumerate(bounds):
         for v in values:
@@ -263,8 +262,7 @@ def profile(
         # units is the sum of its per-unit terms plus its ends' (so per layer: sums, and the
         # layer's first and last unit's ends)
         unit, unit_layer = _units(graph, layer_of, names)
-        sums = np.zeros((len(unit_layer), 5))
-        np.add.at(sums, unit, sol.fsdp_table())
+        sums = _sum_rows(unit, sol.fsdp_table(), len(unit_layer))
         both, F, G, R, g = sums.T
         K = both - F  # backward compute
         exposed, first, last = _by_layer(unit_layer, *fsdp_exposed(F, K, G, R), L)
@@ -416,6 +414,15 @@ def _cores(graph: OpGraph) -> dict[str, int]:
     _CORES.insert(0, (graph, attention_cores(graph)))
     del _CORES[4:]
     return _CORES[0][1]
+
+
+def _sum_rows(index: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
+    """``np.add.at(np.zeros((n, k)), index, rows)`` (row i of `rows` added into row index[i]),
+    one `np.bincount` per column: the same sums in the same order, several times faster than
+    ``add.at`` on 2-D arrays (numpy 2.4; on 1-D they are alike)."""
+    return np.stack(
+        [np.bincount(index, weights=col, minlength=n) for col in rows.T], axis=1
+    ).reshape(n, rows.shape[1])
 
 
 def _range_sums(x: np.ndarray) -> np.ndarray:
