@@ -216,7 +216,6 @@ def test_gradient_buckets_match_the_runtime(
 
     from cost_models.cluster import Cluster
     from cost_models.communication import LogicalMesh
-    from planner.inter.dp_overlap import param_roots
     from planner.intra.priced_comm import predicted_collectives
     from planner.tracing.tracer import trace
     from runtime.stages import split_stages, stage_program
@@ -229,7 +228,7 @@ def test_gradient_buckets_match_the_runtime(
     lmesh = LogicalMesh(
         Cluster.from_spec(CLUSTER), tuple(sp.submesh), tuple(sp.logical_mesh)
     )
-    roots, paths = param_roots(st.graph), st.graph.placeholder_paths
+    roots, paths = st.graph.param_roots(), st.graph.placeholder_paths
     per_param: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for label, colls in predicted_collectives(
         st.graph, stage_program(st, sp), lmesh

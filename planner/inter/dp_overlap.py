@@ -82,7 +82,6 @@ __all__ = [
     "exposed_seconds",
     "form_buckets",
     "overlaps",
-    "param_roots",
     "stage_dp_sync",
 ]
 
@@ -174,25 +173,9 @@ def _graph_tables(graph) -> tuple[dict[str, str], dict[str, int]]:
         if g is graph:
             return roots, index
     index = {n.name: i for i, n in enumerate(graph.ops)}
-    _PER_GRAPH.insert(0, (graph, param_roots(graph), index))
+    _PER_GRAPH.insert(0, (graph, graph.param_roots(), index))
     del _PER_GRAPH[4:]
     return _PER_GRAPH[0][1], _PER_GRAPH[0][2]
-
-
-def param_roots(graph) -> dict[str, str]:
-    """Parameter-derived node -> its parameter (a view of a view of p -> p)."""
-    derived = graph.param_derived()
-    out: dict[str, str] = {}
-    for fx in graph.gm.graph.nodes:
-        if fx.name not in derived:
-            continue
-        if graph.node(fx.name).op == "param":
-            out[fx.name] = fx.name
-        else:
-            ins = [u.name for u in fx.all_input_nodes if u.name in out]
-            if ins:
-                out[fx.name] = out[ins[0]]
-    return out
 
 
 def grad_items(sol, layer_of: dict[str, int], k: int, j: int) -> list[GradItem]:

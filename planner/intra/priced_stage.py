@@ -233,31 +233,22 @@ class PricedStage:
     @functools.cached_property
     def _param_edges(self) -> dict[str, list[int]]:
         """Parameter -> positions in `edges` of the edges leaving it or a view of it."""
-        roots: dict[str, set[str]] = {}
-        for node in self.graph.nodes:  # topological: a view after what it views
-            if node.name in self.param_derived:
-                roots[node.name] = (
-                    {node.name}
-                    if node.op == "param"
-                    else set().union(*(roots.get(i, set()) for i in node.inputs))
-                )
+        roots = self.graph.param_roots(self.param_derived)
         out: dict[str, list[int]] = {}
         for e, (u, _) in enumerate(self.edges):
-            for r in roots.get(u, ()):
-                out.setdefault(r, []).append(e)
+            if u in roots:
+                out.setdefault(roots[u], []).append(e)
         return out
 
     def _fsdp_edges(self, index: dict[str, int]) -> list[int]:
         """Positions in `edges` of the edges leaving the FSDP parameters of option choice
         `index` or views of them."""
-        return sorted(
-            {
-                e
-                for p, edges in self._param_edges.items()
-                if self.options[p][index[p]].zero == 3
-                for e in edges
-            }
-        )
+        return [
+            e
+            for p, edges in self._param_edges.items()
+            if self.options[p][index[p]].zero == 3
+            for e in edges
+        ]
 
     def fsdp_derived(self, index: dict[str, int]) -> set[str]:
         """The FSDP parameters of option choice `index` and the views of them (those that

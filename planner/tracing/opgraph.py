@@ -136,19 +136,27 @@ class OpGraph:
                 out.add(name)
         return out
 
-    def views_of(self, roots: set[str], derived: set[str] | None = None) -> set[str]:
-        """`roots` (parameters) and the views of them among `derived` (default
-        `param_derived()`): the values whose gradient is a root's gradient, as FSDP's runtime and
-        prices treat them."""
-        out = set(roots)
-        if not out:
-            return out
+    def param_roots(self, derived: set[str] | None = None) -> dict[str, str]:
+        """Each of `derived` (default `param_derived()`) -> its parameter (a view of a view of
+        p -> p; a view of several parameters -> its first input's)."""
         if derived is None:
             derived = self.param_derived()
+        out: dict[str, str] = {}
         for node in self.nodes:  # topological: a view after what it views
-            if node.name in derived and any(i in out for i in node.inputs):
-                out.add(node.name)
+            if node.name not in derived:
+                continue
+            if node.op == "param":
+                out[node.name] = node.name
+            elif ins := [i for i in node.inputs if i in out]:
+                out[node.name] = out[ins[0]]
         return out
+
+    def views_of(self, roots: set[str], derived: set[str] | None = None) -> set[str]:
+        """`roots` (parameters) and the views of them among `derived` (`param_roots`): the
+        values whose gradient is a root's gradient, as FSDP's runtime and prices treat them."""
+        if not roots:
+            return set()
+        return {n for n, r in self.param_roots(derived).items() if r in roots}
 
     @property
     def num_params(self) -> int:
