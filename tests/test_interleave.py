@@ -1,7 +1,8 @@
 """planner.inter.interleave: interleaved 1F1B in the automatic search.
 
 * `balanced_cut` is exact against brute force on small random instances (least largest chunk,
-  then least sum of squares among those cuts);
+  then least sum of squares among those cuts), for every chunk count at once
+  (`balanced_cuts`, one min-max DP shared by the counts) and for each alone;
 * on a pipeline-bound case (a GPT with hidden 4096 on four single-device hosts, 4 micro-batches)
   interleaving wins in the cost model, and the automatic plan (schedule "auto", the default) is at
   least as fast as the manual interleaved plan of the same mesh, within that plan's memory; with
@@ -17,7 +18,7 @@ import pytest
 
 from cost_models.errors import MeshplanError
 from planner import plan
-from planner.inter.interleave import balanced_cut
+from planner.inter.interleave import balanced_cut, balanced_cuts
 from planner.plans.manual import manual_plan
 
 
@@ -38,24 +39,27 @@ def test_balanced_cut_is_exact() -> None:
     rng = np.random.default_rng(0)
     for trial in range(300):
         L = int(rng.integers(1, 8))
-        C = int(rng.integers(1, L + 1))
         layer = rng.integers(1, 6, size=L).astype(float)
         prefix = np.concatenate([[0.0], np.cumsum(layer)])
         cost = prefix[None, 1:] - prefix[:-1, None] + rng.integers(0, 3, size=(L, L))
         if trial % 3 == 0:  # some ranges do not fit
             cost[rng.random((L, L)) < 0.3] = np.inf
-        want = _brute(cost, C)
-        cuts = balanced_cut(cost, C)
-        if want is None:
-            assert cuts is None
-            continue
-        assert len(cuts) == C and cuts[0][0] == 0 and cuts[-1][1] == L - 1
-        assert all(
-            b[0] == a[1] + 1 and b[0] <= b[1] for a, b in itertools.pairwise(cuts)
-        )
-        t = [cost[k, j] for k, j in cuts]
-        assert (max(t), sum(x * x for x in t)) == pytest.approx(want, rel=1e-12)
+        counts = list(range(1, L + 2))  # L + 1 chunks: none
+        for C, cuts in zip(counts, balanced_cuts(cost, counts)):
+            assert cuts == balanced_cut(cost, C)
+            want = _brute(cost, C) if C <= L else None
+            if want is None:
+                assert cuts is None
+                continue
+            assert len(cuts) == C and cuts[0][0] == 0 and cuts[-1][1] == L - 1
+            assert all(
+                b[0] == a[1] + 1 and b[0] <= b[1] for a, b in itertools.pairwise(cuts)
+            )
+            t = [cost[k, j] for k, j in cuts]
+            assert (max(t), sum(x * x for x in t)) == pytest.approx(want, rel=1e-12)
     assert balanced_cut(np.ones((3, 3)), 4) is None
+    with pytest.raises(ValueError, match="must increase"):
+        balanced_cuts(np.ones((3, 3)), [2, 1])
 
 
 MODEL = "gpt:hidden=4096,layers=16,heads=32,seq=1024,vocab=16384"

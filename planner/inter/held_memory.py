@@ -61,7 +61,7 @@ from planner.tracing.opgraph import OpGraph
 from planner.vocab.context import context_axis
 from planner.vocab.placements import shards
 
-__all__ = ["backward_terms", "resharded_saves"]
+__all__ = ["backward_terms", "cached_on", "resharded_saves"]
 
 
 def _is_float(dtype: str) -> bool:
@@ -87,7 +87,7 @@ def backward_terms(
     return work, grads
 
 
-def _cached(sol: StageSolution, graph: OpGraph, key: tuple, compute: Callable) -> Any:
+def cached_on(sol: StageSolution, graph: OpGraph, key: tuple, compute: Callable) -> Any:
     """``compute()``, kept in the solution's cache under `key`: what these functions derive from
     a solution does not change (its choice is fixed), and the search attributes every solution
     to several layer clusterings (`planner.inter.stage_table.profile`)."""
@@ -104,7 +104,7 @@ def _own_terms(
 ) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
     """`backward_terms` before the gathered weight gradients: ``work`` per op and
     (``fresh``, ``priced``) per parameter from its own placement; computed once per solution."""
-    return _cached(
+    return cached_on(
         sol,
         graph,
         ("own_terms", grad_bytes),
@@ -223,7 +223,7 @@ def _weight_copies(
     """(op, parameter, gradient bytes) of every weight an op receives as a new tensor
     (`_gathered_weight_grads` before its filters), in the order of ``sol.choice`` and the ops'
     inputs; computed once per solution."""
-    return _cached(
+    return cached_on(
         sol,
         graph,
         ("weight_copies", grad_bytes),
@@ -304,7 +304,7 @@ def _copied_on_the_way(
 def resharded_saves(sol: StageSolution, graph: OpGraph) -> dict[str, float]:
     """Per op node: bytes per micro-batch of the redistributed inputs it saves for backward
     (module docstring)."""
-    return _cached(
+    return cached_on(
         sol, graph, ("resharded_saves",), lambda: _compute_resharded_saves(sol, graph)
     )
 

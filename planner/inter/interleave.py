@@ -69,28 +69,49 @@ def balanced_cut(cost: np.ndarray, C: int) -> list[tuple[int, int]] | None:
     ``cost[k, j]`` of a chunk k..j, and among those cuts ``sum cost^2`` (module docstring); None
     when no cut has every chunk finite. Exact: a min-max DP, then a sum DP over the chunks within
     that maximum. ``cost[k, j]`` for j < k is ignored."""
+    return balanced_cuts(cost, [C])[0]
+
+
+def balanced_cuts(
+    cost: np.ndarray, counts: list[int]
+) -> list[list[tuple[int, int]] | None]:
+    """`balanced_cut` for each chunk count of `counts` (increasing), one min-max DP for all:
+    its table after C chunks is the one every larger count passes through."""
     L = cost.shape[0]
-    if not 1 <= C <= L:
-        return None
     # c[i, n]: a chunk of layers i..n-1 (n layers consumed after it)
     c = np.full((L + 1, L + 1), np.inf)
-    upper = np.triu(np.ones((L, L), dtype=bool))
-    c[:L, 1:] = np.where(upper, cost, np.inf)
+    c[:L, 1:] = np.where(np.triu(np.ones((L, L), dtype=bool)), cost, np.inf)
     G = np.full(L + 1, np.inf)
     G[0] = 0.0
-    for _ in range(C):
-        G = np.min(np.maximum(G[:, None], c), axis=0)
-    top = G[L]
+    done, out = 0, []
+    if list(counts) != sorted(counts):
+        raise ValueError(f"chunk counts must increase, got {counts}")
+    for C in counts:
+        if not 1 <= C <= L:
+            out.append(None)
+            continue
+        for _ in range(C - done):
+            G = np.min(np.maximum(G[:, None], c), axis=0)
+        done = C
+        out.append(_least_squares(c, G[L], C))
+    return out
+
+
+def _least_squares(c: np.ndarray, top: float, C: int) -> list[tuple[int, int]] | None:
+    """Among the cuts into C chunks of cost at most `top` (`c` as in `balanced_cuts`), the one
+    with the least sum of squared chunk costs."""
     if not np.isfinite(top):
         return None
+    L = c.shape[0] - 1
     allowed = np.where(c <= top, c * c, np.inf)
     H = np.full(L + 1, np.inf)
     H[0] = 0.0
     back = []
+    columns = np.arange(L + 1)
     for _ in range(C):
         total = H[:, None] + allowed
         back.append(np.argmin(total, axis=0))
-        H = total[back[-1], np.arange(L + 1)]
+        H = total[back[-1], columns]
     if not np.isfinite(H[L]):
         return None
     cuts, n = [], L
@@ -176,11 +197,8 @@ class InterleavedSearch:
                 continue
             time = prof.range_times(rc) + send[None, :]
             acc = prof.accumulate_bytes(rc)
-            for v in VIRTUAL_STAGES:
-                C = p * v
-                if C > self.L:
-                    break
-                cuts = balanced_cut(time, C)
+            chunks = [v for v in VIRTUAL_STAGES if p * v <= self.L]
+            for v, cuts in zip(chunks, balanced_cuts(time, [p * v for v in chunks])):
                 if cuts is None:
                     continue
                 t = [float(time[k, j]) for k, j in cuts]

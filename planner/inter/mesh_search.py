@@ -190,7 +190,9 @@ class _Table:
             dtype=float,
         )
         self.cost = np.full((L, L, len(subs), S + 1), np.inf)
-        self.choices: dict[tuple[int, int, int, int], StageOption] = {}
+        # [k, j, m, s]: the index in `options` of the entry's option (-1: none fits)
+        self.choice = np.full(self.cost.shape, -1, dtype=np.int32)
+        self.options: list[StageOption] = []
 
     def add(self, m, mesh, prof, budget, crosses_hosts, whole) -> float:
         """Enter one profile for submesh index m; returns the least memory of all layers as one
@@ -208,9 +210,10 @@ class _Table:
             if whole:
                 least = min(least, float(mem[0, self.L - 1, 1]))
             better = c < self.cost[:, :, m, :]
-            self.cost[:, :, m, :] = np.where(better, c, self.cost[:, :, m, :])
-            for k, j, s in zip(*np.nonzero(better)):
-                self.choices[int(k), int(j), m, int(s)] = StageOption(mesh, prof, rc)
+            if better.any():
+                self.cost[:, :, m, :][better] = c[better]
+                self.choice[:, :, m, :][better] = len(self.options)
+                self.options.append(StageOption(mesh, prof, rc))
         return least
 
 
@@ -367,7 +370,7 @@ def search(
             continue
         S = len(dp.stages)
         picks = [
-            StagePick((k, j), subs[m], t.choices[k, j, m, S if zb else S - i])
+            StagePick((k, j), subs[m], t.options[t.choice[k, j, m, S if zb else S - i]])
             for i, (k, j, m) in enumerate(dp.stages)
         ]
         out.append(

@@ -54,6 +54,7 @@ budget, plus sending the boundary activations to the next stage and their gradie
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -61,7 +62,7 @@ from cost_models.errors import MeshplanError
 from cost_models.memory import stage_peak_bytes
 from planner.inter import boundaries as bd
 from planner.inter.full_recompute import layer_terms, node_terms
-from planner.inter.held_memory import backward_terms, resharded_saves
+from planner.inter.held_memory import backward_terms, cached_on, resharded_saves
 from planner.inter.selective import selective_table
 from planner.inter.wgrad import wgrad_table
 from planner.intra.fsdp_prices import fsdp_exposed
@@ -237,21 +238,29 @@ def profile(
     index = _layer_index(layer_of, names)
     arr = _sum_rows(index, table, L)
     inputs = np.zeros(L)
+    local = _memo(sol, graph, "local_output_bytes", dict)
     for k, values in enumerate(bounds):
         for v in values:
-            opt: Option = sol.choice.get(v)
-            node = graph.node(v)
-            local = (
-                node.output_bytes
-                if opt is None
-                else node.output_bytes / shards(opt.strategy.output[0], sol.mesh_shape)
-            )
-            inputs[k] += local
+            if v not in local:
+                opt: Option = sol.choice.get(v)
+                node = graph.node(v)
+                local[v] = (
+                    node.output_bytes
+                    if opt is None
+                    else node.output_bytes
+                    / shards(opt.strategy.output[0], sol.mesh_shape)
+                )
+            inputs[k] += local[v]
     fixed = np.full((L, L), sol.overhead_s)
+    columns = np.arange(L)
     for bucket in sol.buckets.values():
-        held = np.zeros(L)
-        held[[layer_of.get(n, 0) for n in bucket.consumers]] = 1.0
-        fixed += (_range_sums(held) > 0) * (bucket.latency_s / sol.num_microbatches)
+        # a range k..j holds the bucket when a consumer's layer lies in it: j >= the first
+        # such layer from k on (L where none)
+        held = np.unique([layer_of.get(n, 0) for n in bucket.consumers])
+        first = np.append(held, L)[np.searchsorted(held, columns)]
+        fixed += (columns[None, :] >= first[:, None]) * (
+            bucket.latency_s / sol.num_microbatches
+        )
     time, fwd, params, acts = arr.T.copy()
     gathered = terms = None
     unit_layer = unit = unit_gathered = None
@@ -282,11 +291,11 @@ def profile(
         seconds, dropped, core = selective_table(sol, graph, cores)
         per_core = np.zeros(max(cores.values()) + 1)
         np.add.at(per_core, core[core >= 0], dropped[core >= 0])
+        # each core's bytes at its first node's layer (the largest where several meet)
+        inner = np.nonzero(core >= 0)[0]
+        ids, first = np.unique(core[inner], return_index=True)
         peak = np.zeros(L)
-        for c in range(len(per_core)):
-            layer = index[core == c]
-            if len(layer):
-                peak[layer[0]] = max(peak[layer[0]], per_core[c])
+        np.maximum.at(peak, index[inner[first]], per_core[ids])
         core_time, core_bytes = np.zeros(L), np.zeros(L)
         np.add.at(core_time, index, seconds)
         np.add.at(core_bytes, index, dropped)
@@ -294,21 +303,22 @@ def profile(
     wgrad = np.zeros((2, L))
     for row, per_node in zip(wgrad, wgrad_table(sol, graph)):
         np.add.at(row, index, per_node)
-    saved = table[:, 3].copy()
-    position = {n: i for i, n in enumerate(names)}
-    for n, b in resharded_saves(sol, graph).items():
-        acts[layer_of.get(n, 0)] += b
-        saved[position[n]] += b
-    full = layer_terms(node_terms(sol, graph), index, saved, L)
+    resaved = resharded_saves(sol, graph)
+    np.add.at(
+        acts, _layer_index(layer_of, _keys(sol, graph, resaved)), _values(resaved)
+    )
+    full = layer_terms(node_terms(sol, graph), index, _saved(sol, graph), L)
     work, grads = backward_terms(sol, graph, layer_of)
     grad_work = np.zeros(L)
-    for n, w in work.items():
-        k = layer_of.get(n, 0)
-        grad_work[k] = max(grad_work[k], w)
+    np.maximum.at(
+        grad_work, _layer_index(layer_of, _keys(sol, graph, work)), _values(work)
+    )
     fresh, priced = np.zeros(L), np.zeros(L)
-    for n, (f, p) in grads.items():
-        fresh[layer_of.get(n, 0)] += f
-        priced[layer_of.get(n, 0)] += p
+    at = _layer_index(layer_of, _keys(sol, graph, grads))
+    np.add.at(fresh, at, np.fromiter((f for f, _ in grads.values()), float, len(grads)))
+    np.add.at(
+        priced, at, np.fromiter((p for _, p in grads.values()), float, len(grads))
+    )
     unit_extra = None
     if unit is not None:
         rc = node_terms(sol, graph)
@@ -350,6 +360,38 @@ def profile(
     )
 
 
+def _memo(sol: StageSolution, graph: OpGraph, key: str, make) -> Any:
+    """``make()``, kept with the solution under `key` when `graph` is its own (`held_memory`)."""
+    return cached_on(sol, graph, (key,), make)
+
+
+def _keys(sol: StageSolution, graph: OpGraph, terms: dict) -> list[str]:
+    """The node names of a per-node dict derived from the solution, as one list object per
+    key set (so that `_layer_index` finds it again for the next clustering)."""
+    lists = _memo(sol, graph, "name_lists", dict)
+    names = list(terms)
+    return lists.setdefault(tuple(names), names)
+
+
+def _values(terms: dict[str, float]) -> np.ndarray:
+    return np.fromiter(terms.values(), float, len(terms))
+
+
+def _saved(sol: StageSolution, graph: OpGraph) -> np.ndarray:
+    """Each node's saved bytes per micro-batch, in `node_cost_table`'s order: its priced
+    activations and the redistributed inputs it saves (`held_memory.resharded_saves`)."""
+
+    def make() -> np.ndarray:
+        names, table = sol.node_cost_table()
+        saved = table[:, 3].copy()
+        position = {n: i for i, n in enumerate(names)}
+        for n, b in resharded_saves(sol, graph).items():
+            saved[position[n]] += b
+        return saved
+
+    return _memo(sol, graph, "saved_bytes", make)
+
+
 # the last few (layer_of, node names, layer of each name): the search attributes many
 # solutions of one graph, whose node names come in one order, to each of a few clusterings
 _LAYER_INDEX: list[tuple[dict[str, int], list[str], np.ndarray]] = []
@@ -364,7 +406,7 @@ def _layer_index(layer_of: dict[str, int], names: list[str]) -> np.ndarray:
         (layer_of.get(n, 0) for n in names), dtype=int, count=len(names)
     )
     _LAYER_INDEX.insert(0, (layer_of, names, index))
-    del _LAYER_INDEX[8:]
+    del _LAYER_INDEX[64:]
     return index
 
 
