@@ -359,3 +359,34 @@ def test_layerings_add_a_block_aligned_clustering() -> None:
     assert not all(a in starts for a, _ in balanced[1:])
     assert all(a in starts for a, _ in aligned[1:])
     assert [len(x) for x in rest] == [2, 4, 8]
+
+
+def test_layerings_add_one_layer_per_uneven_block() -> None:
+    """A Wide-ResNet of 33 blocks whose widths double from group to group: the automatic count
+    is 11 layers of three blocks, the last of which holds most of the parameter state;
+    `graph_layerings` adds one layer per block (the stage DP can then spread the heavy blocks),
+    and not for a llama, whose blocks are alike."""
+    from planner.inter.layers import graph_layerings, op_terms, uneven_blocks
+    from planner.models import build_model
+    from planner.tracing.tracer import trace
+
+    module, batch = build_model(
+        "wresnet:layers=101,channels=8,width=1,image=32,classes=10",
+        batch=2,
+        device="meta",
+    )
+    graph = trace(module, batch)
+    starts = op_terms(graph)[2]
+    assert len(starts) == 33 and uneven_blocks(graph)
+    layerings = graph_layerings(graph, None, 8)
+    assert len(layerings[0]) == 11
+    assert len(layerings[-1]) == 33
+    assert all(a in set(starts) for a, _ in layerings[-1][1:])
+    llama, batch = build_model(
+        "llama:hidden=64,layers=36,heads=4,kv_heads=2,ffn=128,vocab=512,seq=32",
+        batch=2,
+        device="meta",
+    )
+    graph = trace(llama, batch)
+    assert not uneven_blocks(graph)
+    assert max(len(x) for x in graph_layerings(graph, None, 8)) == 12

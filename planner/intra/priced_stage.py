@@ -226,9 +226,24 @@ class PricedStage:
             i, j = i_all[group], j_all[group]
             acts[group], grads[group] = act[i, j], grad[i, j]
         for e in self._fsdp_edges(index):  # priced as they run (`fsdp_prices`)
-            acts[e] += self._fsdp_grad(*self.edges[e], index)
+            u, v = self.edges[e]
+            # alike for the copies of an edge (`edge`) choosing the same options
+            key = (
+                "fsdp_grad",
+                self.edge_key(u, v),
+                self._full(u, index),
+                self._full(v, index),
+            )
+            if key not in self.shared:
+                self.shared[key] = self._fsdp_grad(u, v, index)
+            acts[e] += self.shared[key]
             grads[e] = 0.0
         return acts.tolist(), grads.tolist()
+
+    def _full(self, name: str, index: dict[str, int]) -> int:
+        """The position in `full_options` of option index[name] of `options`."""
+        keep = self.keep.get(name)
+        return index[name] if keep is None else int(keep[index[name]])
 
     @functools.cached_property
     def _param_edges(self) -> dict[str, list[int]]:

@@ -94,6 +94,9 @@ class StageSolution:
     _values: dict[str, tuple[float, float, float]] | None = field(
         default=None, repr=False, compare=False
     )  # node -> `PricedStage.values` of its choice, forward time included
+    _edge_terms: tuple[list[float], list[float]] | None = field(
+        default=None, repr=False, compare=False
+    )  # `PricedStage.edge_terms` of its choice
 
     @property
     def optimizer(self) -> str | None:
@@ -163,7 +166,9 @@ class StageSolution:
                 mem if is_param else 0.0,
                 0.0 if is_param else mem / ctx.settings.in_flight,
             )
-        acts, grads = ctx.edge_terms(index)
+        if self._edge_terms is None:
+            self._edge_terms = ctx.edge_terms(index)
+        acts, grads = self._edge_terms
         for (_, v), a, g in zip(ctx.edges, acts, grads):
             t, fwd, pm, am = out[v]
             out[v] = (t + a + g, fwd, pm, am)
@@ -184,11 +189,15 @@ class StageSolution:
                     table[i, 0], table[i, 1] = values[n][0], values[n][2]
                 elif opt.zero == 3:
                     meta, s = node.outputs[0], ctx.settings
-                    table[i, 2:] = (
-                        fp.fsdp_gather(meta, opt, s) / 2,
-                        fp.fsdp_reduce_scatter(meta, opt, s),
-                        fp.fsdp_gathered_bytes(meta, opt, s),
-                    )
+                    # alike for every parameter of this shape choosing this option
+                    key = ("fsdp_row", meta, id(opt))
+                    if key not in ctx.shared:
+                        ctx.shared[key] = (
+                            fp.fsdp_gather(meta, opt, s) / 2,
+                            fp.fsdp_reduce_scatter(meta, opt, s),
+                            fp.fsdp_gathered_bytes(meta, opt, s),
+                        )
+                    table[i, 2:] = ctx.shared[key]
             self._fsdp_table = table
         return self._fsdp_table
 
@@ -515,7 +524,8 @@ def _summarise(
     compute = sum(values[n][0] for n in choice if not is_param[n])
     zero = sum(values[n][0] for n in choice if is_param[n])
     comm, grad_sync = 0.0, zero * s.num_microbatches
-    for act, grad in zip(*ctx.edge_terms(index)):
+    edge_terms = ctx.edge_terms(index)
+    for act, grad in zip(*edge_terms):
         comm += act
         grad_sync += grad * s.num_microbatches
     buckets = sc.grad_buckets(
@@ -555,4 +565,5 @@ def _summarise(
         _ctx=ctx,
         _index=index,
         _values=values,
+        _edge_terms=edge_terms,
     )

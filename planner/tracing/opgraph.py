@@ -112,6 +112,7 @@ class OpGraph:
 
     def __post_init__(self) -> None:
         self._by_name = {n.name: n for n in self.nodes}
+        self._all_derived: frozenset[str] | None = None  # `param_derived()`, made once
 
     def node(self, name: str) -> OpNode:
         return self._by_name[name]
@@ -124,9 +125,13 @@ class OpGraph:
         """Among `names` (in graph order; default every node): parameters, and views of
         parameters only (``t(weight)``): the values whose gradients are synchronised once per
         iteration (the planner prices that divided by the micro-batches, the runtime does it
-        after the last one)."""
+        after the last one). Those of every node are computed once (a frozen set)."""
+        if names is None:
+            if self._all_derived is None:
+                self._all_derived = frozenset(self.param_derived(list(self._by_name)))
+            return self._all_derived
         out: set[str] = set()
-        for name in (n.name for n in self.nodes) if names is None else names:
+        for name in names:
             node = self._by_name[name]
             if node.op == "param" or (
                 node.is_view
