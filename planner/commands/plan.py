@@ -47,6 +47,12 @@ def _common(p: argparse.ArgumentParser) -> None:
         choices=["float16", "bfloat16", "float32"],
         help="training dtype (default float16)",
     )
+    p.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZERS),
+        default="adam_mixed",
+        help="optimizer whose state the memory estimate counts (default adam_mixed)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
 
 
@@ -177,12 +183,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="interleaved 1F1B with this many chunks per device",
     )
     m.add_argument(
-        "--optimizer",
-        choices=tuple(OPTIMIZERS),
-        default="adam_mixed",
-        help="optimizer whose state the memory estimate counts (default adam_mixed)",
-    )
-    m.add_argument(
         "--allow-oom",
         action="store_true",
         help="write the plan even when a stage does not fit in memory (manual.fits says so)",
@@ -232,6 +232,7 @@ def run_plan(args: argparse.Namespace) -> int:
         schedule=args.schedule,
         microbatch_size=args.microbatch_size,
         num_layers=args.layers,
+        optimizer=args.optimizer,
         mode=mode,
         progress=None
         if args.quiet
