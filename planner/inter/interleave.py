@@ -77,6 +77,8 @@ def balanced_cuts(
 ) -> list[list[tuple[int, int]] | None]:
     """`balanced_cut` for each chunk count of `counts` (increasing), one min-max DP for all:
     its table after C chunks is the one every larger count passes through."""
+    if list(counts) != sorted(counts):
+        raise ValueError(f"chunk counts must increase, got {counts}")
     L = cost.shape[0]
     # c[i, n]: a chunk of layers i..n-1 (n layers consumed after it)
     c = np.full((L + 1, L + 1), np.inf)
@@ -84,8 +86,6 @@ def balanced_cuts(
     G = np.full(L + 1, np.inf)
     G[0] = 0.0
     done, out = 0, []
-    if list(counts) != sorted(counts):
-        raise ValueError(f"chunk counts must increase, got {counts}")
     for C in counts:
         if not 1 <= C <= L:
             out.append(None)

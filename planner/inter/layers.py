@@ -366,11 +366,11 @@ UNEVEN_BLOCKS = 2.0
 def uneven_blocks(graph: OpGraph) -> bool:
     """Whether the parameter bytes of the blocks (`planner.tracing.blocks.block_of`; a
     parameter counts in the block of its first reader) differ by more than `UNEVEN_BLOCKS`
-    times. Layers balanced by FLOPs then hold very unequal
-    parameter state: Wide-ResNet's last blocks have 4x the channels of the ones before and a
-    quarter of the pixels, so a layer of its three last blocks held the most state of all,
-    and wresnet-13b on 8x8 V100-16GB planned 1856 s per iteration on 11 layers (the last one
-    fits only on 4 x 8 devices with full recomputation), 46.0 s with one layer per block."""
+    times. Layers balanced by FLOPs then hold very unequal parameter state: Wide-ResNet's last
+    blocks have 4x the channels of the ones before and a quarter of the pixels, so a layer of
+    its three last blocks held the most state of all, and wresnet-13b on 8x8 V100-16GB planned
+    1856 s per iteration on 11 layers (the last one fits only on 4 x 8 devices with full
+    recomputation), 38.1 s with one layer per block among the clusterings."""
     per_block: dict[str, float] = {}
     seen: set[str] = set()
     for n in graph.ops:
