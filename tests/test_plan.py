@@ -400,20 +400,26 @@ def test_larger_sizes_reach_one_row_per_device() -> None:
     D, larger = 256, [64, 128, 256, 512, 1024]
     rng = random.Random(0)
     for _ in range(200):
-        tried, best, evaluated = 32, rng.choice([1, 32]), []
+        tried, before, best, evaluated = 32, None, rng.choice([1, 32]), []
         for b in larger:
-            step = next_size_step(b, tried, best, D)
+            step = next_size_step(b, tried, best, D, before)
             if step == "stop":
                 break
             if step == "try":
-                assert best == tried or (tried < D <= b)
+                assert best in (tried, before) or (tried < D <= b)
                 evaluated.append(b)
-                tried, best = b, rng.choice([best, b])
+                before, tried = (tried if tried in larger else None), b
+                best = rng.choice([best, b])
             else:
-                assert b < D and best != tried
+                assert b < D and best not in (tried, before)
         assert 256 in evaluated
-        # the sizes past 256 only while the largest tried keeps winning
+        # the sizes past 256 only while the largest tried, or the one before it, wins
         assert evaluated == sorted(evaluated)
+    # a larger size that loses does not stop the walk at once (moe-10b on 16 H100s: 64 rows
+    # beat 32, 128 lost to 64, 256 beat both); one that loses after a loss does
+    assert next_size_step(256, 128, 64, 16, before=64) == "try"
+    assert next_size_step(512, 256, 64, 16, before=128) == "stop"
+    assert next_size_step(64, 32, 16, 16, before=None) == "stop"
 
 
 def test_a_batch_smaller_than_the_cluster_tries_its_largest_size() -> None:
