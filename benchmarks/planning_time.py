@@ -164,6 +164,20 @@ on every mesh of the case, alternating with and without in one process, CPU s: l
 rows 4.4-7.0 -> 2.3-2.7, mixtral-8x7b at 16 rows 15.2-15.9 -> 9.6-10.4, gpt-39b at 1 row
 2.0-2.5 -> 1.2-1.7.
 
+2026-11-28 (issue 23): the cases gpt-39b (target 20 s), gpt-1t (60 s) and the slowest committed
+case of each of the GPT, MoE and Wide-ResNet suites (60 s, read from the results files:
+`slowest_case`) joined, run with the case's dtype and optimizer and `--quiet`;
+`benchmarks.bench_planner` runs them. Exact changes (every layer profile and interleaved cut
+hashed before and after: equal for gpt-39b at 4 rows and llama3-8b at 1 and 2): a layer
+profile's per-clustering work vectorised (its replay for the 354 profiles of gpt-39b at 4
+rows, caches warm, 2.46 -> 0.57 s), the stage table's options kept as an index array, one
+min-max DP for all chunk counts of an interleaved cut, FSDP edge prices shared by equal
+edges. gpt-39b, whole plan, fresh processes, alternating the commit before (1f7da67) and
+after, load 0.3-1.9: 64.9 and 62.5 s before, 60.9 and 63.8 s after (and 66.9-69.4 s in the
+median-of-3 run just before): no change this machine's noise does not cover. A size of
+gpt-39b (1 row, one process, solves in the calling thread) took 14.4 and 11.9 s of CPU
+before, 10.9 and 11.3 s after.
+
 Pruning by a proven lower bound (issue 23) would skip nothing on these cases: the least
 iteration time any plan can be predicted to take (`benchmarks.ceiling`, the whole model on one
 device at the whole batch over the devices) is 0.75-0.80 of the best plan's time in the suites'
