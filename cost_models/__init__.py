@@ -22,6 +22,7 @@ from cost_models.errors import MeshplanError
 from cost_models.memory import (
     OPTIMIZERS,
     StateBytes,
+    device_peak_bytes,
     microbatches_in_flight,
     param_state_bytes,
     stage_peak_bytes,
@@ -55,6 +56,7 @@ __all__ = [
     "StateBytes",
     "canonical_dtype",
     "collective_time",
+    "device_peak_bytes",
     "dtype_bytes",
     "format_placements",
     "local_bytes",

@@ -131,6 +131,49 @@ def stage_peak_bytes(
     return param_bytes + held + transient_bytes + weight_grads
 
 
+def device_peak_bytes(
+    param_bytes: Any,
+    kept_bytes: Any,
+    transient_bytes: Any,
+    in_flight: Any,
+    accumulating: Any = 0.0,
+    num_microbatches: int | None = None,
+    weight_grads: Any = 0.0,
+) -> float:
+    """Peak bytes of one device running several pipeline chunks (interleaved 1F1B), the
+    arguments as in `stage_peak_bytes`, one entry per chunk.
+
+    The device holds every chunk's parameter state, deferred weight gradients and activations
+    in flight at once, but runs one backward at a time: what lives only during a backward (a
+    recomputed layer, gathered FSDP parameters, a second set of fresh gradients: ``transient``
+    and ``accumulating``) counts once, for the chunk where it is largest::
+
+        sum_c (param_c + weight_grads_c + in_flight_c kept_c)
+            + max_c (transient_c + max(0, min(in_flight_c, B - 1) kept_c + accumulating_c
+                                          - in_flight_c kept_c))
+
+    With one chunk this is `stage_peak_bytes`."""
+    param, kept, transient, in_flight, acc, wg = np.broadcast_arrays(
+        *(
+            np.asarray(x, dtype=float)
+            for x in (
+                param_bytes,
+                kept_bytes,
+                transient_bytes,
+                in_flight,
+                accumulating,
+                weight_grads,
+            )
+        )
+    )
+    held = in_flight * kept
+    backward = transient
+    if num_microbatches is not None and num_microbatches >= 2:
+        later = np.minimum(in_flight, num_microbatches - 1) * kept + acc
+        backward = transient + np.maximum(0.0, later - held)
+    return float(np.sum(param + wg + held) + np.max(backward))
+
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 _SCHEDULE_ALIASES = {
     "gpipe": "gpipe",

@@ -419,6 +419,13 @@ class PipelineRunner:
         loss = torch.zeros((), device=self.device)
         if self.index is not None:
             self._works: list[Any] = []
+            # per peer rank: its sends not yet known received, with the index of the action of
+            # the peer's order that receives each (`_send`, `_received_from`)
+            self._pending: dict[int, list[tuple[int, Any]]] = {}
+            self._position = [
+                {a: i for i, a in enumerate(self._order(g, B))}
+                for g in range(self.groups)
+            ]
             self._state: dict[tuple[int, int], dict[str, Any]] = {}
             self._local: dict[int, torch.Tensor] = {}  # tag -> value sent to this rank
             order = self._order(self.index % self.groups, B)
@@ -431,9 +438,9 @@ class PipelineRunner:
                         loss += out
                 else:
                     self._backward(c, m)
-            for w in self._works:
+            for w in self._works + [w for p in self._pending.values() for _, w in p]:
                 w.wait()
-            self._works, self._state, self._local = [], {}, {}
+            self._works, self._pending, self._state, self._local = [], {}, {}, {}
             self._finish_grads(params, used)
         dist.broadcast(loss, src=self.plan.stages[-1].devices[0])
         return float(loss) / B
@@ -476,12 +483,38 @@ class PipelineRunner:
             self._value_ids = {v: i for i, v in enumerate(vals)}
         return self._value_ids
 
-    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        """Send `t` to rank `dst` (kept locally when `dst` is this rank: chunks of one group)."""
+    def _send(
+        self, t: torch.Tensor, dst: int, tag: int, receiver: Action | None = None
+    ) -> None:
+        """Send `t` to rank `dst` (kept locally when `dst` is this rank: chunks of one group);
+        `receiver`: the action of `dst`'s order that receives it."""
         if dst == self.rank:
             self._local[tag] = t
-        else:
-            self._works.append(dist.isend(t, dst=dst, tag=tag))
+            return
+        work = dist.isend(t, dst=dst, tag=tag)
+        if receiver is None:
+            self._works.append(work)
+            return
+        at = self._position[receiver[1] % self.groups][receiver]
+        self._pending.setdefault(dst, []).append((at, work))
+
+    def _received_from(self, src: int, sender: Action) -> None:
+        """A message from rank `src`, sent by its action `sender`, was received: `src` has run
+        every action before that one and that one's receives, so the sends to it that those
+        received are done.
+        Waiting on them (it returns at once) releases their tensors: a pending send keeps its
+        tensor alive, and gloo's ``Work.is_completed`` stays False until ``wait``, so without
+        this a step would hold every micro-batch's sent boundaries until it ends."""
+        if src == self.rank or src not in self._pending:
+            return
+        at = self._position[sender[1] % self.groups][sender]
+        keep = []
+        for i, work in self._pending[src]:
+            if i <= at:  # an action receives before it sends
+                work.wait()
+            else:
+                keep.append((i, work))
+        self._pending[src] = keep
 
     def _recv(self, buf: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         """Receive into `buf` from rank `src` (or take what this rank sent itself)."""
@@ -510,6 +543,7 @@ class PipelineRunner:
             sender = self._peer(src, c, self.rank)
             with comm_count.site(f"fwd:{v}->p2p"):
                 piece = self._recv(piece, sender, self._tag(m, v, c, False))
+            self._received_from(sender, ("F", src, m))
             with comm_count.site(f"fwd:{v}->recv"):
                 buf = boundary.assemble(piece, meta.shape, self._group(c))
             x = ex._place(buf, ex._planned_output(v))
@@ -542,7 +576,7 @@ class PipelineRunner:
                     if self._peer(c, t, r) == self.rank:
                         with comm_count.site(f"fwd:{v}->p2p"):
                             part = parts[boundary.piece_index(dt, r)]
-                            self._send(part, r, self._tag(m, v, t, False))
+                            self._send(part, r, self._tag(m, v, t, False), ("F", t, m))
         state["sent"] = sent
         return None
 
@@ -576,10 +610,10 @@ class PipelineRunner:
                     )
                     if not buf.is_floating_point():
                         continue
+                    peer = self._peer(t, c, self.rank)
                     with comm_count.site(f"bwd:{v}->p2p"):
-                        buf = self._recv(
-                            buf, self._peer(t, c, self.rank), self._tag(m, v, t, True)
-                        )
+                        buf = self._recv(buf, peer, self._tag(m, v, t, True))
+                    self._received_from(peer, ("B", t, m))
                     total = buf if total is None else total + buf
                 if total is not None:  # the pieces' sum is a piece of the sum
                     with comm_count.site(f"bwd:{v}->send"):
@@ -610,4 +644,4 @@ class PipelineRunner:
                 if self._peer(c, src, r) == self.rank:
                     with comm_count.site(f"bwd:{v}->p2p"):
                         part = parts[boundary.piece_index(ds, r)]
-                        self._send(part, r, self._tag(m, v, c, True))
+                        self._send(part, r, self._tag(m, v, c, True), ("B", src, m))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cost_models.errors import DoesNotFitError
-from cost_models.memory import stage_peak_bytes
+from cost_models.memory import device_peak_bytes, stage_peak_bytes
 from planner import plan
 from planner.plans.manual import manual_plan
 
@@ -55,6 +55,29 @@ def test_later_microbatches_hold_fresh_gradients_with_one_set_fewer() -> None:
     )
     assert stage_peak_bytes(10, 3, 1, 2, 1, num_microbatches=2) == 10 + 1 + 6
     assert stage_peak_bytes(10, 3, 1, 1, 5, num_microbatches=1) == 10 + 1 + 3
+
+
+def test_device_of_several_chunks_counts_one_backward() -> None:
+    """`device_peak_bytes`: one chunk is `stage_peak_bytes`; with several, every chunk's
+    parameters and activations in flight, and one backward's transient (and second gradient
+    set) - the largest - once. Both chunks of interleaved plans used to add their transients:
+    a 2-chunk plan of a small Llama (8 layers, full recomputation, 2 gloo ranks) was predicted
+    at 102.7 MiB where rank 0 measured 75.9."""
+    for args, B in [
+        ((10, 3, 1, 2, 5), 4),
+        ((10, 3, 1, 2, 5), 2),
+        ((10, 3, 1, 1, 5), 1),
+    ]:
+        assert device_peak_bytes(*args, B) == stage_peak_bytes(*args, B)
+    # chunks (param, kept, transient, in flight, accumulating): (10, 3, 7, 2, 0), (20, 4, 2, 2, 9)
+    # B = 2: the second chunk's backward holds min(2, 1) * 4 + 9 = 13 > 2 * 4: 5 more
+    got = device_peak_bytes([10, 20], [3, 4], [7, 2], 2, [0, 9], 2)
+    assert got == 10 + 20 + 2 * 3 + 2 * 4 + max(7 + 0, 2 + 5)
+    # B = 4: both micro-batches in flight stay while the second set is live: 9 more
+    got = device_peak_bytes([10, 20], [3, 4], [7, 2], 2, [0, 9], 4)
+    assert got == 10 + 20 + 2 * 3 + 2 * 4 + max(7, 2 + 9)
+    got = device_peak_bytes([1, 1], [0, 0], [4, 6], 1, 0, 4, weight_grads=[2, 3])
+    assert got == 1 + 1 + 2 + 3 + 6
 
 
 @pytest.mark.slow

@@ -18,8 +18,9 @@ recomputation mode: torch's interleaved schedule runs one logical mesh on every 
     cut      = layers split into C contiguous non-empty chunks minimising max_c t_c, and among
                the cuts attaining that, sum_c t_c^2 (`balanced_cut`: two exact DPs)
     time     = pipeline_time(t_0..t_{C-1}, B, "interleaved", v)
-    memory_d = sum over the chunks c = d (mod p) of stage_peak_bytes(params_c, kept_c,
+    memory_d = device_peak_bytes over the chunks c = d (mod p) of (params_c, kept_c,
                transient_c, microbatches_in_flight("interleaved", B, p, d, v), ...)  <= budget
+               (one backward at a time: the chunks' transient bytes count once)
 
 and the `KEEP` fastest (submesh, option, recomputation, v) per layer clustering are kept; the
 search (`planner.size_search`) prices them as plans (`planner.plans.assemble`: tied copies, the
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cost_models.communication import LogicalMesh
-from cost_models.memory import microbatches_in_flight, stage_peak_bytes
+from cost_models.memory import device_peak_bytes, microbatches_in_flight
 from cost_models.pipeline import pipeline_time
 from planner.inter import boundaries as bd
 from planner.inter import stage_table as st
@@ -205,20 +206,21 @@ class InterleavedSearch:
                 seconds = pipeline_time(t, B, "interleaved", virtual_stages=v)
                 if seconds >= self._bar():
                     continue
-                memory = np.zeros(p)
-                for c, (k, j) in enumerate(cuts):
-                    d = c % p
-                    memory[d] += stage_peak_bytes(
-                        params[k, j],
-                        kept[k, j],
-                        transient[k, j],
+                ks, js = np.array(cuts).T
+                memory = max(
+                    device_peak_bytes(
+                        params[ks[d::p], js[d::p]],
+                        kept[ks[d::p], js[d::p]],
+                        transient[ks[d::p], js[d::p]],
                         microbatches_in_flight(
                             "interleaved", B, p, d, virtual_stages=v
                         ),
-                        acc[k, j],
+                        acc[ks[d::p], js[d::p]],
                         B,
                     )
-                if memory.max() > self.budget:
+                    for d in range(p)
+                )
+                if memory > self.budget:
                     continue
                 pick = InterleavedPick(seconds, cuts, sub, v, make_option(rc))
                 self._count += 1

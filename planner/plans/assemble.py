@@ -7,9 +7,9 @@ submesh, intra-op solution, recomputation and `StageCost`. `assemble` turns it i
 
 * devices: stage i of p groups runs on device group i % p (p = stages / virtual_stages), groups
   allocated larger first, each aligned to its size (`stage_devices`);
-* memory per device: every stage's `cost_models.memory.stage_peak_bytes` with the micro-batches
-  its schedule keeps in flight (`cost_models.memory.microbatches_in_flight`, so GPipe holds all of
-  them), summed over the stages (chunks) a device group runs;
+* memory per device: `cost_models.memory.device_peak_bytes` of the stages (chunks) a device
+  group runs, with the micro-batches its schedule keeps in flight
+  (`cost_models.memory.microbatches_in_flight`, so GPipe holds all of them);
 * iteration time: `cost_models.pipeline.iteration_time` of the stage times and the values crossing
   each stage boundary (`predicted_iteration_time`, which the search also ranks candidates by),
   with each stage's forward and weight-gradient times for the zero-bubble schedule;
@@ -34,8 +34,8 @@ from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh, MeshAxis, collective_time
 from cost_models.compute import step_overhead
 from cost_models.memory import (
+    device_peak_bytes,
     microbatches_in_flight,
-    stage_peak_bytes,
     weight_grads_pending,
 )
 from cost_models.pipeline import iteration_time
@@ -359,34 +359,37 @@ def _zero_bubble_split(spec: PlanSpec) -> dict[str, list[float]]:
 
 
 def device_memory(spec: PlanSpec) -> list[float]:
-    """Peak bytes per device of every stage's device group: each chunk's
-    `cost_models.memory.stage_peak_bytes` (its parameter state with its tied copies'
-    (`_copy_costs`)) with the micro-batches the schedule keeps in flight on its group, summed
-    over the group's chunks."""
+    """Peak bytes per device of every stage's device group: its chunks' parameter state (with
+    their tied copies', `_copy_costs`) and activations with the micro-batches the schedule keeps
+    in flight on the group, and one backward's transient bytes
+    (`cost_models.memory.device_peak_bytes`); one entry per stage (chunk), the value of its
+    group."""
     S, v = len(spec.stages), spec.virtual_stages
     p = S // v
     copies = _copy_costs(spec)
-    chunk = [
-        stage_peak_bytes(
-            s.cost.param_bytes + copies[c][1],
-            s.cost.kept_bytes,
-            s.cost.transient_bytes,
-            microbatches_in_flight(
-                spec.schedule, spec.num_microbatches, p, c % p, virtual_stages=v
-            ),
-            # zero-bubble stages run eager (`runtime.torch_pipeline`): no second gradient set
-            0.0
-            if spec.schedule == "zero_bubble"
-            else s.cost.accumulate_bytes + _compiled(s) * copies[c][2],
-            spec.num_microbatches,
-            weight_grads=weight_grads_pending(
-                spec.schedule, spec.num_microbatches, p, c % p
+    zb = spec.schedule == "zero_bubble"
+    B = spec.num_microbatches
+    cols = []
+    for c, s in enumerate(spec.stages):
+        cols.append(
+            (
+                s.cost.param_bytes + copies[c][1],
+                s.cost.kept_bytes,
+                s.cost.transient_bytes,
+                microbatches_in_flight(spec.schedule, B, p, c % p, virtual_stages=v),
+                # zero-bubble stages run eager (`runtime.torch_pipeline`): no second gradient set
+                0.0 if zb else s.cost.accumulate_bytes + _compiled(s) * copies[c][2],
+                weight_grads_pending(spec.schedule, B, p, c % p)
+                * s.cost.weight_grad_bytes,
             )
-            * s.cost.weight_grad_bytes,
         )
-        for c, s in enumerate(spec.stages)
-    ]
-    return [float(sum(chunk[c % p :: p])) for c in range(S)]
+    group = []
+    for d in range(p):
+        param, kept, transient, inflight, acc, wg = zip(*cols[d::p])
+        group.append(
+            device_peak_bytes(param, kept, transient, inflight, acc, B, weight_grads=wg)
+        )
+    return [group[c % p] for c in range(S)]
 
 
 def _compiled(stage: StageChoice) -> bool:
