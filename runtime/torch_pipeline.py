@@ -68,8 +68,10 @@ fewer micro-batches than stages; our own runner has no zero-bubble order.
 
 Which runner (`make_runner`): ``impl="auto"`` (the default; or the environment variable
 ``MESHPLAN_PIPELINE``) takes this module's runner when `torch_pipelining_unsupported` finds no
-reason against it, else `PipelineRunner` (our own send/recv and schedules, needed when the
-submeshes differ in size or shape); ``"ours"`` forces `PipelineRunner`; ``"torch"`` forces this
+reason against it and torch's receive buffers fit the plan's memory budget
+(`receive_buffers_exceed_budget`: torch's ``PipelineStage`` allocates one per micro-batch up
+front, which the plan's memory, priced for our runner, does not hold), else `PipelineRunner`
+(our own send/recv and schedules, needed when the submeshes differ in size or shape); ``"ours"`` forces `PipelineRunner`; ``"torch"`` forces this
 runner and raises when the plan does not fit it. Plans of one stage run on `PipelineRunner`
 (there is no pipeline to schedule).
 
@@ -106,13 +108,14 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
+from planner.commands.fmt import nbytes
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.placements import device_mesh_shape
 from planner.vocab.plan_file import ParallelPlan
 from runtime import comm_count
 from runtime.meshes import device_mesh
 from runtime.pipeline import PipelineRunner
-from runtime.stages import StageGraph
+from runtime.stages import StageGraph, split_stages
 
 __all__ = [
     "IMPLS",
@@ -121,6 +124,8 @@ __all__ = [
     "boundary_placements",
     "crossing_values",
     "make_runner",
+    "receive_buffer_bytes",
+    "receive_buffers_exceed_budget",
     "torch_pipelining_unsupported",
 ]
 
@@ -214,9 +219,56 @@ def make_runner(
     zb = (schedule or plan.schedule) == "zero_bubble"
     if zb and len(plan.stages) > 1 and reason is not None:
         raise MeshplanError(f"the zero_bubble schedule cannot run this plan: {reason}")
+    if impl == "auto" and reason is None and not zb:
+        reason = receive_buffers_exceed_budget(plan, graph)
     if impl == "ours" or reason is not None:
         return PipelineRunner(plan, graph, **kw)
     return TorchPipelineRunner(plan, graph, **kw)
+
+
+def receive_buffer_bytes(
+    plan: ParallelPlan, graph: OpGraph, stages: Sequence[StageGraph]
+) -> list[float]:
+    """Per stage (chunk) of `plan`: the bytes per device that torch's ``PipelineStage``
+    allocates up front to receive into, the same on every stage of a device group. It makes one
+    buffer per micro-batch (``_prepare_forward_infra`` / ``_prepare_backward_infra``) for every
+    value crossing into a chunk and every gradient coming back to its outputs, each a rank's
+    piece of the wire placement (about 1/n of the value on a stage of n devices), and keeps them
+    for the whole run: B boundaries each way. Our runner holds only the micro-batches in
+    flight, as the planner prices them."""
+    cross = crossing_values(stages)
+    B, S = plan.num_microbatches, len(stages)
+    per_chunk = []
+    for c in range(S):
+        values = (cross[c - 1] if c > 0 else []) + (cross[c] if c < S - 1 else [])
+        full = sum(float(graph.node(v).output_bytes) for v in values)
+        per_chunk.append(B * full / len(plan.stages[c].devices))
+    p = S // max(plan.virtual_stages, 1)
+    group = [sum(per_chunk[g::p]) for g in range(p)]
+    return [group[c % p] for c in range(S)]
+
+
+def receive_buffers_exceed_budget(plan: ParallelPlan, graph: OpGraph) -> str | None:
+    """Why torch's pipelining would not fit `plan` (traced as `graph`) in its memory budget
+    (None when it would or the plan has no budget): a stage's predicted peak plus
+    `receive_buffer_bytes`."""
+    budget = plan.memory_budget_bytes
+    if not budget:
+        return None
+    extra = receive_buffer_bytes(plan, graph, split_stages(graph, plan))
+    over = [
+        i
+        for i, (s, x) in enumerate(zip(plan.stages, extra))
+        if s.memory_bytes + x > budget
+    ]
+    if not over:
+        return None
+    i = over[0]
+    return (
+        f"torch's PipelineStage would hold receive buffers for all {plan.num_microbatches} "
+        f"micro-batches ({nbytes(extra[i])} per device on stage {i}, beside the plan's "
+        f"{nbytes(plan.stages[i].memory_bytes)}; budget {nbytes(budget)})"
+    )
 
 
 def crossing_values(stages: Sequence[StageGraph]) -> list[list[str]]:
