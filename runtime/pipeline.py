@@ -418,7 +418,6 @@ class PipelineRunner:
         B = len(microbatches)
         loss = torch.zeros((), device=self.device)
         if self.index is not None:
-            self._works: list[Any] = []
             # per peer rank: its sends not yet known received, with the index of the action of
             # the peer's order that receives each (`_send`, `_received_from`)
             self._pending: dict[int, list[tuple[int, Any]]] = {}
@@ -438,9 +437,9 @@ class PipelineRunner:
                         loss += out
                 else:
                     self._backward(c, m)
-            for w in self._works + [w for p in self._pending.values() for _, w in p]:
+            for w in [w for p in self._pending.values() for _, w in p]:
                 w.wait()
-            self._works, self._pending, self._state, self._local = [], {}, {}, {}
+            self._pending, self._state, self._local = {}, {}, {}
             self._finish_grads(params, used)
         dist.broadcast(loss, src=self.plan.stages[-1].devices[0])
         return float(loss) / B
@@ -483,27 +482,20 @@ class PipelineRunner:
             self._value_ids = {v: i for i, v in enumerate(vals)}
         return self._value_ids
 
-    def _send(
-        self, t: torch.Tensor, dst: int, tag: int, receiver: Action | None = None
-    ) -> None:
+    def _send(self, t: torch.Tensor, dst: int, tag: int, receiver: Action) -> None:
         """Send `t` to rank `dst` (kept locally when `dst` is this rank: chunks of one group);
         `receiver`: the action of `dst`'s order that receives it."""
         if dst == self.rank:
             self._local[tag] = t
             return
-        work = dist.isend(t, dst=dst, tag=tag)
-        if receiver is None:
-            self._works.append(work)
-            return
         at = self._position[receiver[1] % self.groups][receiver]
-        self._pending.setdefault(dst, []).append((at, work))
+        self._pending.setdefault(dst, []).append((at, dist.isend(t, dst=dst, tag=tag)))
 
     def _received_from(self, src: int, sender: Action) -> None:
         """A message from rank `src`, sent by its action `sender`, was received: `src` has run
         every action before that one and that one's receives, so the sends to it that those
-        received are done.
-        Waiting on them (it returns at once) releases their tensors: a pending send keeps its
-        tensor alive, and gloo's ``Work.is_completed`` stays False until ``wait``, so without
+        received are done. Waiting on them (it returns at once) releases their tensors: a
+        pending send keeps its tensor alive, and gloo's ``Work.is_completed`` stays False until ``wait``, so without
         this a step would hold every micro-batch's sent boundaries until it ends."""
         if src == self.rank or src not in self._pending:
             return
