@@ -108,7 +108,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import Placement
 
 from cost_models.errors import MeshplanError
-from planner.commands.fmt import nbytes
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.placements import device_mesh_shape
 from planner.vocab.plan_file import ParallelPlan
@@ -266,9 +265,13 @@ def receive_buffers_exceed_budget(plan: ParallelPlan, graph: OpGraph) -> str | N
     i = over[0]
     return (
         f"torch's PipelineStage would hold receive buffers for all {plan.num_microbatches} "
-        f"micro-batches ({nbytes(extra[i])} per device on stage {i}, beside the plan's "
-        f"{nbytes(plan.stages[i].memory_bytes)}; budget {nbytes(budget)})"
+        f"micro-batches ({_mib(extra[i])} per device on stage {i}, beside the plan's "
+        f"{_mib(plan.stages[i].memory_bytes)}; budget {_mib(budget)})"
     )
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def crossing_values(stages: Sequence[StageGraph]) -> list[list[str]]:
