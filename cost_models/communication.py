@@ -215,19 +215,25 @@ def boundary_send_times(
     senders: Sequence[int],
     crosses_hosts: Sequence[bool],
     senders_per_host: Sequence[int | None] | None = None,
+    grad_nbytes: Sequence[float] | None = None,
 ) -> list[float]:
     """Round trip of one micro-batch's boundary values from pipeline stage i to stage i + 1: the
-    activations forward and their gradient back, each ``nbytes[i]`` bytes in full, each device of
-    stage i sending its ``1 / senders[i]`` share in parallel (`p2p_time`), over the inter-host
-    link when ``crosses_hosts[i]``, with ``senders_per_host[i]`` of a host's devices sharing its
-    network (None: all of them). 0 where nothing crosses. The stage DP prices its candidate
-    boundaries and a finished plan its actual ones with this one function."""
+    activations forward, ``nbytes[i]`` bytes in full, and their gradients back,
+    ``grad_nbytes[i]`` (default ``nbytes[i]``; values that need no gradient, rotary tables say,
+    get none), each device of stage i sending its ``1 / senders[i]`` share in parallel
+    (`p2p_time`), over the inter-host link when ``crosses_hosts[i]``, with
+    ``senders_per_host[i]`` of a host's devices sharing its network (None: all of them). 0 where
+    nothing crosses. The stage DP prices its candidate boundaries and a finished plan its actual
+    ones with this one function."""
     per_host = senders_per_host or [None] * len(nbytes)
+    grads = nbytes if grad_nbytes is None else grad_nbytes
     return [
-        2 * p2p_time(cluster, b / n, crosses_hosts=c, senders_per_host=h)
-        if b > 0
-        else 0.0
-        for b, n, c, h in zip(nbytes, senders, crosses_hosts, per_host)
+        sum(
+            p2p_time(cluster, x / n, crosses_hosts=c, senders_per_host=h)
+            for x in (b, g)
+            if x > 0
+        )
+        for b, g, n, c, h in zip(nbytes, grads, senders, crosses_hosts, per_host)
     ]
 
 

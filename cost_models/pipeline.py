@@ -261,11 +261,13 @@ def stage_send_times(
     cluster: Cluster,
     boundary_bytes: Sequence[float],
     devices: Sequence[Sequence[int]],
+    grad_bytes: Sequence[float] | None = None,
 ) -> list[float]:
     """`boundary_send_times` between consecutive stages placed on `devices` (global ranks,
-    host-major): stage i's devices send ``boundary_bytes[i]`` in parallel, over the inter-host
-    link when the two stages' devices lie in different hosts, where a host's network is shared by
-    the stage's devices in that host."""
+    host-major): stage i's devices send ``boundary_bytes[i]`` in parallel and receive
+    ``grad_bytes[i]`` (default the same) back, over the inter-host link when the two stages'
+    devices lie in different hosts, where a host's network is shared by the stage's devices in
+    that host."""
     M = cluster.devices_per_host
     hosts = [{d // M for d in group} for group in devices]
     return boundary_send_times(
@@ -274,6 +276,7 @@ def stage_send_times(
         [len(group) for group in devices[:-1]],
         [hosts[i] != hosts[i + 1] for i in range(len(devices) - 1)],
         [max(Counter(d // M for d in group).values()) for group in devices[:-1]],
+        grad_bytes,
     )
 
 
@@ -289,12 +292,14 @@ def iteration_time(
     step_s: float | None = None,
     forward_times: Sequence[float] = (),
     weight_times: Sequence[float] = (),
+    grad_bytes: Sequence[float] | None = None,
 ) -> float:
     """Predicted seconds of one training iteration of a plan: `pipeline_time` of its stages
     (``stage_times[i]``: forward + backward of one micro-batch on stage i, recomputation and its
     share of gradient synchronisation included), with the values crossing each stage boundary
-    (``boundary_bytes[i]``: full bytes of one micro-batch from stage i to i + 1) sent between the
-    stages' ``devices`` (`stage_send_times`), plus a fixed time per step: `step_s`, by default the
+    (``boundary_bytes[i]``: full bytes of one micro-batch from stage i to i + 1; ``grad_bytes[i]``
+    those of their gradients, default the same) sent between the stages' ``devices``
+    (`stage_send_times`), plus a fixed time per step: `step_s`, by default the
     runtime's (`step_overhead`). ``forward_times`` / ``weight_times``: each stage time's forward and
     weight-gradient parts, for the zero-bubble schedule. Every plan, automatic or manual, is priced
     by this function."""
@@ -303,7 +308,7 @@ def iteration_time(
         num_microbatches,
         schedule,
         virtual_stages=virtual_stages,
-        send_times=stage_send_times(cluster, boundary_bytes, devices),
+        send_times=stage_send_times(cluster, boundary_bytes, devices, grad_bytes),
         forward_times=forward_times,
         weight_times=weight_times,
     ) + (step_overhead(cluster) if step_s is None else step_s)

@@ -2,7 +2,8 @@
 
 The planner prices a boundary value of B bytes (one micro-batch) as ``B / n`` bytes sent by each of
 the sending stage's n devices, in parallel, each way (`planner.inter.boundaries.send_times`, Alpa's
-cross-mesh transfer): B bytes in total forward, and B bytes of gradient backward. The runner
+cross-mesh transfer): B bytes in total forward, and B bytes of gradient backward for the values
+that need one (`needs_grad`: both runners and the planner's price follow the traced graph). The runner
 (`runtime.pipeline`) makes the value replicated on the sending mesh first; sending the whole value
 to each of the m receiving devices would move m * B bytes. Instead the value is cut into m equal
 pieces (flattened, zero-padded to a multiple of m): the i-th receiving device (in rank order) gets
@@ -23,8 +24,16 @@ import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
 from cost_models.errors import MeshplanError
+from planner.tracing.opgraph import OpGraph
 
-__all__ = ["assemble", "empty_piece", "piece_index", "pieces", "stage_groups"]
+__all__ = [
+    "assemble",
+    "empty_piece",
+    "needs_grad",
+    "piece_index",
+    "pieces",
+    "stage_groups",
+]
 
 Groups = dict[tuple[int, ...], dist.ProcessGroup | None]
 
@@ -44,6 +53,17 @@ def stage_groups(device_lists: Sequence[Sequence[int]]) -> Groups:
             raise MeshplanError(f"process group over {key} has another rank order")
         out[key] = group if member else None
     return out
+
+
+def needs_grad(graph: OpGraph, v: str) -> bool:
+    """Whether boundary value `v` carries a gradient back: a floating value computed from
+    parameters, not, e.g., rotary tables sliced from a buffer (what
+    `planner.inter.boundaries.boundary_bytes` prices). Sender and receiver decide it from the
+    traced graph, so neither computes, keeps nor sends one for the others."""
+    node = graph.node(v)
+    return (
+        node.requires_grad and getattr(torch, node.outputs[0].dtype).is_floating_point
+    )
 
 
 def piece_index(devices: Sequence[int], rank: int) -> int:

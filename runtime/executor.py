@@ -456,8 +456,13 @@ class PlanExecutor(torch.fx.Interpreter):
                 segments[-1].append(n)
             else:
                 segments.append([n])
+        out_node = next(n for n in self.opgraph.gm.graph.nodes if n.op == "output")
+        # free every value after the last segment reading it (the graph's outputs stay), as
+        # torch.fx.Interpreter.run does: else what runs outside the checkpoints (the logits,
+        # say) would stay alive through the backward
+        free_after = _last_reads(segments, set(out_node.all_input_nodes))
         self.env = env
-        for seg in segments:
+        for i, seg in enumerate(segments):
             inside = set(seg)
             ext = list(
                 dict.fromkeys(
@@ -477,9 +482,12 @@ class PlanExecutor(torch.fx.Interpreter):
                 # outside the forward: checkpoint re-runs the segment in backward
                 again = fsdp is not None and not fsdp.in_forward
                 try:
+                    free = _last_reads([[n] for n in seg], set(leaving))
                     with fsdp.recomputing(microbatch) if again else nullcontext():
-                        for n in seg:
+                        for k, n in enumerate(seg):
                             self.env[n] = self.run_node(n)
+                            for u in free.get(k, ()):
+                                del self.env[u]
                     return tuple(self.env[n] for n in leaving)
                 finally:
                     self.env = outer
@@ -490,7 +498,9 @@ class PlanExecutor(torch.fx.Interpreter):
             else:
                 outs = checkpoint(run_segment, *values, use_reentrant=False)
             env.update(zip(leaving, outs))
-        out_node = next(n for n in self.opgraph.gm.graph.nodes if n.op == "output")
+            for u in free_after.get(i, ()):
+                env.pop(u, None)
+        self.env = {}
         return map_arg(out_node.args[0], lambda a: env[a])
 
     def run_node(self, n: torch.fx.Node) -> Any:
@@ -600,6 +610,25 @@ class PlanExecutor(torch.fx.Interpreter):
         if single:
             return items[0]
         return type(out)(items) if isinstance(out, tuple) else items
+
+
+def _last_reads(
+    steps: list[list[torch.fx.Node]], keep: set[torch.fx.Node]
+) -> dict[int, list[torch.fx.Node]]:
+    """Per step (a list of nodes run together), the values not in `keep` that no later step
+    reads: the inputs its nodes read for the last time and the nodes it produces that no later
+    step reads."""
+    last: dict[torch.fx.Node, int] = {}
+    for i, step in enumerate(steps):
+        for n in step:
+            last[n] = i
+            for u in n.all_input_nodes:
+                last[u] = i
+    out: dict[int, list[torch.fx.Node]] = {}
+    for u, i in last.items():
+        if u not in keep:
+            out.setdefault(i, []).append(u)
+    return out
 
 
 def place_params(

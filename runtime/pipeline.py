@@ -539,7 +539,9 @@ class PipelineRunner:
             with comm_count.site(f"fwd:{v}->recv"):
                 buf = boundary.assemble(piece, meta.shape, self._group(c))
             x = ex._place(buf, ex._planned_output(v))
-            inputs[v] = x.requires_grad_(True) if buf.is_floating_point() else x
+            inputs[v] = (
+                x.requires_grad_(True) if boundary.needs_grad(self.graph, v) else x
+            )
         out = ex.run_outputs(params, batch, buffers, inputs=inputs, microbatch=m)
         state: dict[str, Any] = {"inputs": inputs}
         self._state[c, m] = state
@@ -593,6 +595,8 @@ class PipelineRunner:
             outs, grads = [], []
             for v, dsts in st.outputs.items():
                 full = state["sent"][v]
+                if not boundary.needs_grad(self.graph, v):
+                    continue
                 meta = st.meta(v).outputs[0]
                 total = None
                 ds = self.plan.stages[c].devices
@@ -600,8 +604,6 @@ class PipelineRunner:
                     buf = boundary.empty_piece(
                         meta.shape, getattr(torch, meta.dtype), len(ds), self.device
                     )
-                    if not buf.is_floating_point():
-                        continue
                     peer = self._peer(t, c, self.rank)
                     with comm_count.site(f"bwd:{v}->p2p"):
                         buf = self._recv(buf, peer, self._tag(m, v, t, True))
@@ -620,7 +622,7 @@ class PipelineRunner:
             if outs:
                 torch.autograd.backward(outs, grads)
         for v, x in state["inputs"].items():
-            if not x.is_floating_point():
+            if not boundary.needs_grad(self.graph, v):
                 continue
             g = x.grad
             if g is None:

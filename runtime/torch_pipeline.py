@@ -111,7 +111,7 @@ from cost_models.errors import MeshplanError
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.placements import device_mesh_shape
 from planner.vocab.plan_file import ParallelPlan
-from runtime import comm_count
+from runtime import boundary, comm_count
 from runtime.meshes import device_mesh
 from runtime.pipeline import PipelineRunner
 from runtime.stages import StageGraph, split_stages
@@ -521,8 +521,7 @@ class _StageModule(nn.Module):
         )
         # a value that needs no gradient (rotary tables sliced from a buffer) gets none back:
         # torch's stages then neither compute, reduce nor send one for it
-        grad = t.is_floating_point() and self.runner.graph.node(v).requires_grad
-        return t.requires_grad_(grad)
+        return t.requires_grad_(boundary.needs_grad(self.runner.graph, v))
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         """Examples of the received shards (none for the first stage: its input is the batch)."""

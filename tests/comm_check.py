@@ -53,16 +53,17 @@ DIRECTIONS = ("fwd", "bwd")
 def predicted_boundary(graph: OpGraph, plan: ParallelPlan) -> dict[str, float]:
     """Point-to-point bytes of one step between stages as the planner prices them, per direction:
     ``{"fwd": activations, "bwd": their gradients}``. For every stage boundary, the full values
-    crossing it (`planner.inter.boundaries.stage_boundary_bytes`; the planner's send time is that many
-    bytes split over the sending stage's devices, once each way) times the micro-batches. `graph`:
-    the model traced on one micro-batch."""
-    per_mb = stage_boundary_bytes(
-        graph,
-        plan.layer_ranges([n.name for n in graph.ops]),
-        [s.layers[1] for s in plan.stages],
-    )
-    total = sum(per_mb) * plan.num_microbatches
-    return {d: total for d in DIRECTIONS}
+    crossing it and the gradients of those that need one
+    (`planner.inter.boundaries.stage_boundary_bytes`; the planner's send time is that many bytes
+    split over the sending stage's devices) times the micro-batches. `graph`: the model traced
+    on one micro-batch."""
+    layers = plan.layer_ranges([n.name for n in graph.ops])
+    last = [s.layers[1] for s in plan.stages]
+    return {
+        d: sum(stage_boundary_bytes(graph, layers, last, d == "bwd"))
+        * plan.num_microbatches
+        for d in DIRECTIONS
+    }
 
 
 def boundary_bytes(records: list[Collective], kind: str = "send") -> dict[str, float]:

@@ -41,10 +41,11 @@ def _profile(per_block: bool) -> st.LayerProfile:
 
 def test_full_keeps_block_inputs_and_recomputes_one_block_at_a_time() -> None:
     """One layer of 4 blocks. full: kept = every block's input (2 s b h each) + the head's saved
-    tensors (not checkpointed); live while recomputing: ONE block's saved set. layer: kept = the
-    layer's input (the token ids); live: all 4 blocks' saved sets and the head's. Both add the
-    backward's bytes (`LayerProfile.backward_bytes`) alike; full re-runs the blocks' forward,
-    layer the head's too."""
+    tensors (not checkpointed); live while recomputing: ONE block's saved set, less what the
+    head keeps after the last block (back-propagated, so freed, before it is recomputed).
+    layer: kept = the layer's input (the token ids); live: all 4 blocks' saved sets and the
+    head's. Both add the backward's bytes (`LayerProfile.backward_bytes`) alike; full re-runs
+    the blocks' forward, layer the head's too."""
     prof = _profile(per_block=False)
     s, b, h, v = CFG.seq, BATCH, CFG.hidden, CFG.vocab
     one_block = gpt_layer_activation_bytes(s, b, h, CFG.heads, P, recompute=False)
@@ -52,7 +53,11 @@ def test_full_keeps_block_inputs_and_recomputes_one_block_at_a_time() -> None:
     held = prof.backward_bytes()[0, 0]
     _, kept, transient = st.range_footprint(prof, "full")
     assert kept[0, 0] == pytest.approx(CFG.layers * P * s * b * h + head, rel=0.02)
-    assert transient[0, 0] - held == pytest.approx(one_block, rel=0.02)
+    # the head's saved tensors are freed before the last block is recomputed; the loss's int64
+    # labels (a batch input, 8 s b) stay
+    assert transient[0, 0] - held == pytest.approx(
+        one_block + 8 * s * b - head, rel=0.02
+    )
     _, kept, transient = st.range_footprint(prof, "layer")
     assert kept[0, 0] == prof.inputs[0] <= 2 * 8 * s * b  # int64 token ids and labels
     assert transient[0, 0] - held == prof.acts[0]
@@ -69,10 +74,37 @@ def test_layers_of_one_block_each_price_both_alike_inside() -> None:
     prof = _profile(per_block=True)
     assert len(prof.time) == CFG.layers
     inner = slice(1, CFG.layers - 1)
-    assert np.allclose(prof.block_peak[inner], prof.acts[inner])
+    # held while the block is recomputed: its saved set and its input
+    assert np.allclose(prof.block_held[inner], prof.acts[inner] + prof.inputs[inner])
     assert np.allclose(prof.block_redo[inner], prof.redo[inner])
     assert np.allclose(prof.block_kept[inner], prof.inputs[inner])
     # the outer layers: layer recomputes the embedding and the head as well, full keeps them
     for end in (0, -1):
         assert prof.block_redo[end] < prof.redo[end]
-        assert prof.block_peak[end] < prof.acts[end]
+    # the first layer keeps the embedding's saved tensors and the block's input, all live
+    # while the block is recomputed; the last layer's head (kept after its block) is not
+    one = prof.acts[1]
+    assert prof.block_held[0] == pytest.approx(one + prof.block_kept[0])
+    # the head's saved tensors: the final norm's input, fp32 statistics and output, the
+    # log-softmax's output; the loss's labels, a batch input, stay
+    s, b, h, v = CFG.seq, BATCH, CFG.hidden, CFG.vocab
+    head = P * s * b * h + 8 * s * b + P * s * b * h + P * s * b * v
+    assert prof.block_held[-1] == pytest.approx(
+        one + prof.block_kept[-1] - head, rel=1e-3
+    )
+
+
+def test_recomputed_bytes_match_brute_force() -> None:
+    """`stage_table._recomputed` for every range k..j of random layers: the most, over the layer
+    l being recomputed, of the kept bytes of layers k..l-1 plus what l holds, beyond the range's
+    kept bytes (0 when the start of backward, everything kept, is the larger)."""
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        L = int(rng.integers(1, 7))
+        kept, held = rng.uniform(0, 10, L), rng.uniform(0, 30, L)
+        got = st._recomputed(kept, held)
+        for k in range(L):
+            for j in range(k, L):
+                most = max(kept[k:i].sum() + held[i] for i in range(k, j + 1))
+                want = max(0.0, most - kept[k : j + 1].sum())
+                assert got[k, j] == pytest.approx(want, abs=1e-9)

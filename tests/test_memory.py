@@ -142,7 +142,8 @@ def test_gpt_layer_formula_matches_traced_block():
 def test_stage_memory_keeps_inputs_when_recomputing():
     """Three layers' parameter state, saved activations and input bytes per micro-batch: without
     recomputation a stage keeps every saved tensor of every micro-batch in flight; with it only
-    the layers' inputs, plus one layer's saved tensors while it is recomputed."""
+    the layers' inputs, plus one layer's saved tensors while it is recomputed, less the inputs of
+    the layers after it (back-propagated before it, their inputs freed)."""
     import numpy as np
 
     saved, inputs, params = [100.0, 300.0, 200.0], [10.0, 10.0, 20.0], [5.0, 6.0, 7.0]
@@ -154,9 +155,11 @@ def test_stage_memory_keeps_inputs_when_recomputing():
     assert (p[0, 2], kept[0, 2], transient[0, 2]) == (18.0, 600.0, 0.0)
     assert stage_peak_bytes(p[0, 2], kept[0, 2], transient[0, 2], 3) == 18 + 3 * 600
     p, kept, transient = range_footprint(prof, recompute=True)
-    assert (p[0, 2], kept[0, 2], transient[0, 2]) == (18.0, 40.0, 300.0)
-    assert (kept[1, 2], transient[1, 2]) == (30.0, 300.0)
-    assert stage_peak_bytes(p[0, 2], kept[0, 2], transient[0, 2], 3) == 18 + 120 + 300
+    # the peak: layer 1 recomputed (300) while layers 0 and 1 keep their inputs, layer 2's freed
+    assert (p[0, 2], kept[0, 2], transient[0, 2]) == (18.0, 40.0, 300.0 - 20.0)
+    assert (kept[1, 2], transient[1, 2]) == (30.0, 300.0 - 20.0)
+    assert stage_peak_bytes(p[0, 2], kept[0, 2], transient[0, 2], 3) == 18 + 120 + 280
+    assert transient[2, 2] == 200.0
 
 
 def test_microbatches_in_flight():

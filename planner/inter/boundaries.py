@@ -7,6 +7,7 @@ them to the next stage and receive their gradients (what the stage DP adds to a 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from cost_models.communication import LogicalMesh, boundary_send_times
 from planner.tracing.opgraph import OpGraph
@@ -48,38 +49,55 @@ def boundary_values(
     return [sorted(s) for s in out]
 
 
-def boundary_bytes(graph: OpGraph, bounds: list[list[str]]) -> np.ndarray:
+def boundary_bytes(
+    graph: OpGraph, bounds: list[list[str]], gradients: bool = False
+) -> np.ndarray:
     """Per layer j: bytes of the full values crossing from layer j to layer j + 1 (``bounds[j + 1]``),
-    one micro-batch; 0 for the last layer. `send_times` prices them each way (activations forward,
-    their gradients backward)."""
+    one micro-batch; 0 for the last layer. With `gradients`, of their gradients sent back: only
+    the floating values that need one (computed from parameters; not rotary tables sliced from a
+    buffer, the runtime sends those none, `runtime.pipeline`)."""
     L = len(bounds)
+
+    def sent(v: str) -> bool:
+        node = graph.node(v)
+        float_value = getattr(torch, node.outputs[0].dtype).is_floating_point
+        return not gradients or (node.requires_grad and float_value)
+
     return np.array(
         [
-            sum(graph.node(v).output_bytes for v in bounds[k + 1]) if k + 1 < L else 0
+            sum(graph.node(v).output_bytes for v in bounds[k + 1] if sent(v))
+            if k + 1 < L
+            else 0
             for k in range(L)
         ]
     )
 
 
 def stage_boundary_bytes(
-    graph: OpGraph, layers: list[tuple[int, int]], last_layers: list[int]
+    graph: OpGraph,
+    layers: list[tuple[int, int]],
+    last_layers: list[int],
+    gradients: bool = False,
 ) -> list[float]:
-    """What a plan prices as sent from each stage to the next, per micro-batch and direction:
-    `boundary_bytes` after each stage's last layer but the last stage's. `layers`: the op index
-    ranges of the layers; `last_layers`: every stage's last layer. `graph` is traced on one
-    micro-batch."""
+    """What a plan prices as sent from each stage to the next per micro-batch (with
+    `gradients`: sent back): `boundary_bytes` after each stage's last layer but the last
+    stage's. `layers`: the op index ranges of the layers; `last_layers`: every stage's last
+    layer. `graph` is traced on one micro-batch."""
     bounds = boundary_values(graph, layer_of_nodes(graph, layers), len(layers))
-    sent = boundary_bytes(graph, bounds)
+    sent = boundary_bytes(graph, bounds, gradients)
     return [float(sent[k]) for k in last_layers[:-1]]
 
 
 def send_times(
-    mesh: LogicalMesh, boundary_bytes: np.ndarray, crosses_hosts: bool
+    mesh: LogicalMesh,
+    boundary_bytes: np.ndarray,
+    crosses_hosts: bool,
+    grad_bytes: np.ndarray | None = None,
 ) -> np.ndarray:
     """Per layer j: a stage on `mesh` ending at layer j sending its boundary values to the next
-    stage and receiving their gradient (`cost_models.communication.boundary_send_times`, every
-    device of the mesh sending; over the inter-host link when `crosses_hosts`), 0 for the last
-    layer."""
+    stage and receiving their gradient (`boundary_bytes` and `grad_bytes`, default the same;
+    `cost_models.communication.boundary_send_times`, every device of the mesh sending; over the
+    inter-host link when `crosses_hosts`), 0 for the last layer."""
     L = len(boundary_bytes)
     out = np.array(
         boundary_send_times(
@@ -87,6 +105,7 @@ def send_times(
             boundary_bytes,
             [mesh.num_devices] * L,
             [crosses_hosts] * L,
+            grad_nbytes=grad_bytes,
         )
     )
     out[-1] = 0.0

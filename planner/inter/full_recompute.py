@@ -15,14 +15,20 @@ Two granularities (`planner.vocab.plan_check.RECOMPUTE_MODES`), both run by the 
 
 Per layer l of a clustering and per micro-batch:
 
-    full:  kept(l)    = sum over blocks b of the bytes of the values from outside b that b's ops
-                        in l read (no parameter or buffer) + the saved bytes of l's ops outside
-                        every block
-           peak(l)    = max over blocks b of the saved bytes of b's ops in l
+    full:  kept(l)    = the bytes of the values from outside a block that the block's ops in l
+                        read (no parameter or buffer; each value once) + the saved bytes of l's
+                        ops outside every block
+           held(l)    = max over blocks b of (the saved bytes of b's ops in l + the part of
+                        kept(l) kept at or before b's last op)
            seconds(l) = sum over l's ops inside a block of redo(n)
     layer: kept(l)    = the bytes of l's input boundary (`LayerProfile.inputs`)
-           peak(l)    = the saved bytes of l's ops (`LayerProfile.acts`)
+           held(l)    = kept(l) + the saved bytes of l's ops (`LayerProfile.acts`)
            seconds(l) = sum over l's ops of redo(n)
+
+held(l) is what layer l holds of one micro-batch while one of its blocks is recomputed: backward
+runs in reverse, so what l keeps after that block (the final norm and loss's saved tensors, in
+the last layer) is freed by then, and of the layers after l nothing is left
+(`planner.inter.stage_table.range_footprint`).
 
 with redo(n) = forward(n) + 1/2 * the resharding on the edges into n: the recomputed forward
 re-runs its redistributions (a tensor-parallel all-reduce, say), and an edge's price covers that
@@ -52,7 +58,9 @@ from planner.vocab.placements import shards
 class NodeTerms:
     """Per node of ``sol.node_cost_table()``'s order: its block's index (-1 outside every block)
     and redo(n) (module docstring); and every block input, as parallel arrays: the block, the
-    value read (a node position), its bytes, and the position of the op reading it."""
+    value read (a node position), its bytes, and the position of the op reading it. And where
+    the ops outside every block keep other bytes than their saved bytes (priced at each value's
+    producer): at which position, how many more (or fewer)."""
 
     block: np.ndarray
     redo: np.ndarray
@@ -60,6 +68,8 @@ class NodeTerms:
     input_value: np.ndarray
     input_bytes: np.ndarray
     input_reader: np.ndarray
+    outside_at: np.ndarray
+    outside_bytes: np.ndarray
 
 
 def node_terms(sol: StageSolution, graph: OpGraph) -> NodeTerms:
@@ -98,10 +108,37 @@ def node_terms(sol: StageSolution, graph: OpGraph) -> NodeTerms:
     value_bytes = np.array(
         [_local_bytes(sol, graph, names[j]) for j in pairs[:, 1]], dtype=float
     )
-    terms = NodeTerms(block, redo, pairs[:, 0], pairs[:, 1], value_bytes, pairs[:, 2])
+    at, fix = _outside_fixes(sol, graph, index, block)
+    terms = NodeTerms(
+        block, redo, pairs[:, 0], pairs[:, 1], value_bytes, pairs[:, 2], at, fix
+    )
     if own:
         sol._derived["full_recompute"] = terms
     return terms
+
+
+def _outside_fixes(
+    sol: StageSolution, graph: OpGraph, index: dict[str, int], block: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """What ops outside every block keep, against their values' saved bytes (priced at the
+    producer): a value produced outside the blocks that only blocks' ops save is not kept
+    (checkpointed; a block input at most, counted as one), a value produced in a block that an
+    op outside saves is (the final norm's input), from the first such op on."""
+    saved_outside: dict[str, int] = {}
+    saved_any: set[str] = set()
+    for n, i in index.items():
+        for u in graph.node(n).saved:
+            saved_any.add(u)
+            if block[i] < 0:
+                saved_outside.setdefault(u, i)
+    at, fix = [], []
+    for u in saved_any:
+        j = index.get(u)
+        if j is None or (block[j] < 0) == (u in saved_outside):
+            continue
+        at.append(j if block[j] < 0 else saved_outside[u])
+        fix.append(_local_bytes(sol, graph, u) * (-1 if block[j] < 0 else 1))
+    return np.array(at, dtype=int), np.array(fix, dtype=float)
 
 
 def _local_bytes(sol: StageSolution, graph: OpGraph, name: str) -> float:
@@ -117,9 +154,9 @@ def layer_terms(
     saved: np.ndarray,
     L: int,
 ) -> tuple[np.ndarray, ...]:
-    """Per layer (module docstring): the seconds of "layer", and the seconds, kept bytes and peak
-    bytes of "full" (None for a model without blocks). `index` is each node's layer, `saved`
-    each node's saved bytes per micro-batch."""
+    """Per layer (module docstring): the seconds of "layer", and the seconds, kept bytes and held
+    bytes of "full" (None for a model without blocks). `index` is each node's layer (nodes in
+    graph order), `saved` each node's saved bytes per micro-batch."""
     redo_layer = np.zeros(L)
     np.add.at(redo_layer, index, terms.redo)
     inside = terms.block >= 0
@@ -127,29 +164,54 @@ def layer_terms(
         return redo_layer, None, None, None
     seconds = np.zeros(L)
     np.add.at(seconds, index[inside], terms.redo[inside])
-    kept = np.zeros(L)
-    np.add.at(kept, index[~inside], saved[~inside])
+    # what each layer keeps, at the position of the op keeping it: what ops outside every
+    # block save (`_outside_fixes`), and the block inputs, once per layer (blocks reading one value, the
+    # rotary tables, say, keep the same tensor; a value read in two layers is kept in each)
+    outside = np.flatnonzero(~inside)
+    at = np.concatenate([outside, terms.outside_at])
+    nbytes = np.concatenate([saved[outside], terms.outside_bytes])
     if len(terms.input_reader):
-        # a value one block reads in two layers is kept in each
         layer = index[terms.input_reader]
         _, first = np.unique(
-            np.stack([terms.input_block, terms.input_value, layer]),
+            np.stack([terms.input_value, layer]),
             axis=1,
             return_index=True,
         )
-        np.add.at(kept, layer[first], terms.input_bytes[first])
-    peak = _largest_block(terms.block, index, saved, L)
-    return redo_layer, seconds, kept, peak
+        at = np.concatenate([at, terms.input_reader[first]])
+        nbytes = np.concatenate([nbytes, terms.input_bytes[first]])
+    kept = np.zeros(L)
+    np.add.at(kept, index[at], nbytes)
+    held = _held(terms.block, index, saved, at, nbytes, L)
+    return redo_layer, seconds, kept, held
 
 
-def _largest_block(
-    block: np.ndarray, index: np.ndarray, values: np.ndarray, L: int
+def _held(
+    block: np.ndarray,
+    index: np.ndarray,
+    saved: np.ndarray,
+    at: np.ndarray,
+    nbytes: np.ndarray,
+    L: int,
 ) -> np.ndarray:
-    """Per layer: the largest sum of `values` over the nodes of one block in that layer."""
-    inside = block >= 0
+    """Per layer, held(l) (module docstring): the most, over its blocks b, of b's saved bytes
+    plus the kept bytes `nbytes` the layer keeps at positions `at` up to b's last op."""
+    inside = np.flatnonzero(block >= 0)
     blocks = int(block.max()) + 1
-    if blocks == 0:
-        return np.zeros(L)
-    per_block = np.zeros(L * blocks)
-    np.add.at(per_block, index[inside] * blocks + block[inside], values[inside])
-    return per_block.reshape(L, blocks).max(axis=1)
+    keys, which = np.unique(index[inside] * blocks + block[inside], return_inverse=True)
+    last = np.full(len(keys), -1)
+    np.maximum.at(last, which, inside)
+    own = np.zeros(len(keys))
+    np.add.at(own, which, saved[inside])
+    layer = keys // blocks
+    # kept bytes sorted by (layer, position): a block's are a contiguous run of them
+    n = len(index) + 1
+    order = np.argsort(index[at] * n + at, kind="stable")
+    pos = (index[at] * n + at)[order]
+    cum = np.concatenate([[0.0], np.cumsum(nbytes[order])])
+    live = (
+        cum[np.searchsorted(pos, layer * n + last, side="right")]
+        - cum[np.searchsorted(pos, layer * n, side="left")]
+    )
+    out = np.zeros(L)
+    np.maximum.at(out, layer, own + live)
+    return out

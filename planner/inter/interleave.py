@@ -154,6 +154,7 @@ class InterleavedSearch:
         self.layer_of = bd.layer_of_nodes(graph, layers)
         self.bounds = bd.boundary_values(graph, self.layer_of, self.L)
         self.boundary_bytes = bd.boundary_bytes(graph, self.bounds)
+        self.grad_bytes = bd.boundary_bytes(graph, self.bounds, gradients=True)
         self.D, self.B, self.budget = num_devices, num_microbatches, budget
         self._kept: list[
             tuple[float, int, InterleavedPick]
@@ -185,7 +186,9 @@ class InterleavedSearch:
         p = self.groups(sub)
         if not p:
             return
-        send = bd.send_times(mesh, self.boundary_bytes, crosses_hosts=crosses_hosts)
+        send = bd.send_times(
+            mesh, self.boundary_bytes, crosses_hosts, grad_bytes=self.grad_bytes
+        )
         modes = prof.recompute_modes()
         B = self.B
         for rc in modes:

@@ -175,6 +175,7 @@ class _Table:
         self.layer_of = bd.layer_of_nodes(graph, layers)
         self.bounds = bd.boundary_values(graph, self.layer_of, L)
         self.boundary_bytes = bd.boundary_bytes(graph, self.bounds)
+        self.grad_bytes = bd.boundary_bytes(graph, self.bounds, gradients=True)
         S = min(L, cluster.num_devices) if mode != "intra-only" else 1
         self.zero_bubble = schedule == "zero_bubble"
         schedule = "1f1b" if schedule in SEARCHED else schedule
@@ -197,7 +198,9 @@ class _Table:
     def add(self, m, mesh, prof, budget, crosses_hosts, whole) -> float:
         """Enter one profile for submesh index m; returns the least memory of all layers as one
         stage (for the error message when nothing fits) when `whole`, else inf."""
-        send = bd.send_times(mesh, self.boundary_bytes, crosses_hosts=crosses_hosts)
+        send = bd.send_times(
+            mesh, self.boundary_bytes, crosses_hosts, grad_bytes=self.grad_bytes
+        )
         least = np.inf
         modes = prof.recompute_modes()
         # zero bubble is priced and run without recomputation or FSDP (manual_plan)

@@ -11,10 +11,17 @@ stages from it to the end (`cost_models.memory.stage_peak_bytes`; inflight is wh
 keeps there, `cost_models.memory.microbatches_in_flight`: min(B, s) for 1F1B, B for GPipe):
 
     recompute none:      params[k..j] + inflight * activations[k..j]
-    recompute selective: params[k..j] + inflight * (activations - core bytes)[k..j]
-                         + max core bytes of one attention core
-    recompute full:      params[k..j] + inflight * block_kept[k..j] + max activations of one block
-    recompute layer:     params[k..j] + inflight * layer_inputs[k..j] + max activations of one layer
+    recompute selective: params[k..j] + inflight * kept[k..j] + recomputed(kept, kept + core bytes
+                         of one attention core), kept = activations - core bytes
+    recompute full:      params[k..j] + inflight * block_kept[k..j] + recomputed(block_kept,
+                         block_held: held(l) of `planner.inter.full_recompute`)
+    recompute layer:     params[k..j] + inflight * inputs[k..j] + recomputed(inputs, inputs +
+                         activations)
+
+where recomputed(kept, held)[k, j] = max(0, max over l of (kept[k..l-1] + held[l]) - kept[k..j])
+is what lives while one layer l is recomputed beyond the back-propagated micro-batch's kept
+bytes, held[l] including what l still keeps then (backward runs from j down, so the layers
+after l are done: `_recomputed`),
 
 plus, in every mode, what the backward holds besides saved activations and priced gradients
 (`LayerProfile.backward_bytes`, `planner.inter.held_memory`: the largest op's activation
@@ -117,12 +124,12 @@ class LayerProfile:
     layer_of: dict[str, int] | None = None
     # full recomputation (`planner.inter.full_recompute`), per layer: the seconds "layer" adds,
     # and "full"'s (each transformer block checkpointed) seconds, kept bytes per micro-batch and
-    # bytes live while one block is recomputed; the "full" ones None for a model without blocks
-    # (it is checkpointed by layer)
+    # bytes held while one of its blocks is recomputed (held(l)); the "full" ones None for a
+    # model without blocks (it is checkpointed by layer)
     redo: np.ndarray | None = None
     block_redo: np.ndarray | None = None
     block_kept: np.ndarray | None = None
-    block_peak: np.ndarray | None = None
+    block_held: np.ndarray | None = None
     # per layer: its largest FSDP unit's gathered bytes (a parameter counts in its first
     # consumer's unit)
     unit_gathered: np.ndarray | None = None
@@ -353,7 +360,7 @@ def profile(
         redo=full[0],
         block_redo=full[1],
         block_kept=full[2],
-        block_peak=full[3],
+        block_held=full[3],
         unit_gathered=unit_gathered,
         unit_layer=unit_layer,
         unit_extra=unit_extra,
@@ -499,16 +506,34 @@ def range_footprint(
         # FSDP parameters are gathered at their use and freed after it; a recomputed segment
         # holds its own and the next one's (`runtime.fsdp`): with "layer" two layers', else
         # two FSDP units' (the next prefetched)
-        held = prof.gathered if recompute == "layer" else prof.unit_gathered
-        extra = extra + 2 * _range_max(held)
+        gathered = prof.gathered if recompute == "layer" else prof.unit_gathered
+        extra = extra + 2 * _range_max(gathered)
     if recompute == "full" and prof.block_kept is not None:  # each block on its own
-        return params, _range_sums(prof.block_kept), _range_max(prof.block_peak) + extra
-    if recompute in ("full", "layer"):  # each layer whole
-        return params, _range_sums(prof.inputs), _range_max(prof.acts) + extra
-    if recompute == "selective":
-        kept = _range_sums(prof.acts - _need_cores(prof.core_bytes))
-        return params, kept, _range_max(_need_cores(prof.core_peak)) + extra
-    return params, _range_sums(prof.acts), extra
+        kept, held = prof.block_kept, prof.block_held
+    elif recompute in ("full", "layer"):  # each layer whole
+        kept, held = prof.inputs, prof.inputs + prof.acts
+    elif recompute == "selective":
+        kept = prof.acts - _need_cores(prof.core_bytes)
+        held = kept + _need_cores(prof.core_peak)
+    else:
+        return params, _range_sums(prof.acts), extra
+    return params, _range_sums(kept), _recomputed(kept, held) + extra
+
+
+def _recomputed(kept: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """[k, j]: the bytes a stage of layers k..j holds while one of its layers is recomputed,
+    beyond the kept bytes of the micro-batch back-propagated (per layer l: `kept[l]` its kept
+    bytes, `held[l]` what it holds of them and of its recomputation then)::
+
+        max(0, max over l in k..j of (kept[k..l-1] + held[l]) - kept[k..j])
+
+    Backward runs from layer j down: when layer l is recomputed the layers after it are done
+    and their kept bytes freed."""
+    L = len(kept)
+    sums = _range_sums(kept)
+    upper = np.triu(np.ones((L, L), dtype=bool))
+    at = np.where(upper, sums - kept[None, :] + held[None, :], -np.inf)
+    return np.where(upper, np.maximum(np.maximum.accumulate(at, axis=1) - sums, 0), 0)
 
 
 def range_costs(

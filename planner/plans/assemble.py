@@ -332,17 +332,17 @@ def predicted_iteration_time(
     the runtime's fixed time per step."""
     devices = devices or stage_devices(spec)
     copies = _copy_costs(spec)
+    last = [s.layers[1] for s in spec.stages]
     return iteration_time(
         spec.cluster,
         [s.cost.time_s + c[0] for s, c in zip(spec.stages, copies)],
-        bd.stage_boundary_bytes(
-            spec.graph, spec.layers, [s.layers[1] for s in spec.stages]
-        ),
+        bd.stage_boundary_bytes(spec.graph, spec.layers, last),
         devices,
         spec.num_microbatches,
         spec.schedule,
         virtual_stages=spec.virtual_stages,
         step_s=step_overhead(spec.cluster) + tied_sync_seconds(spec, devices),
+        grad_bytes=bd.stage_boundary_bytes(spec.graph, spec.layers, last, True),
         **_zero_bubble_split(spec),
     )
 
