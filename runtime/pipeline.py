@@ -25,7 +25,8 @@ Moving a boundary value from stage s to stage t (one micro-batch):
   the sum through its replicated copy.
 
 A value read by several later stages goes to each directly (no relay through the stages between).
-Sends are ``isend`` (waited at the end of the step); receives block, so a stage runs its schedule
+Sends are ``isend`` (released once the receiver is known to have them, `runtime.mailbox`);
+receives block, so a stage runs its schedule
 in its own order (`runtime.schedules`): GPipe (every forward, then every backward) or 1F1B
 (``S - s - 1`` warm-up forwards, then one forward and one backward alternately, then the remaining
 backwards). The runner checks at construction, by simulating every group's order
@@ -108,6 +109,7 @@ from runtime.device_ops import run_device
 from runtime.executor import PlanExecutor
 from runtime.grad_overlap import GradOverlap
 from runtime.grad_sync import TiedCopy, sync_tied
+from runtime.mailbox import Mailbox
 from runtime.meshes import device_mesh
 from runtime.redistribute import redistribute
 from runtime.schedules import (
@@ -418,16 +420,10 @@ class PipelineRunner:
         B = len(microbatches)
         loss = torch.zeros((), device=self.device)
         if self.index is not None:
-            # per peer rank: its sends not yet known received, with the index of the action of
-            # the peer's order that receives each (`_send`, `_received_from`)
-            self._pending: dict[int, list[tuple[int, Any]]] = {}
-            self._position = [
-                {a: i for i, a in enumerate(self._order(g, B))}
-                for g in range(self.groups)
-            ]
+            orders = [self._order(g, B) for g in range(self.groups)]
+            self._mail = Mailbox(self.rank, orders)
             self._state: dict[tuple[int, int], dict[str, Any]] = {}
-            self._local: dict[int, torch.Tensor] = {}  # tag -> value sent to this rank
-            order = self._order(self.index % self.groups, B)
+            order = orders[self.index % self.groups]
             self.overlap.arm(params, B)
             used = self._gather_zero(params) if self.zero_placements else params
             for action, c, m in order:
@@ -437,9 +433,8 @@ class PipelineRunner:
                         loss += out
                 else:
                     self._backward(c, m)
-            for w in [w for p in self._pending.values() for _, w in p]:
-                w.wait()
-            self._pending, self._state, self._local = {}, {}, {}
+            self._mail.close()
+            self._state = {}
             self._finish_grads(params, used)
         dist.broadcast(loss, src=self.plan.stages[-1].devices[0])
         return float(loss) / B
@@ -482,39 +477,6 @@ class PipelineRunner:
             self._value_ids = {v: i for i, v in enumerate(vals)}
         return self._value_ids
 
-    def _send(self, t: torch.Tensor, dst: int, tag: int, receiver: Action) -> None:
-        """Send `t` to rank `dst` (kept locally when `dst` is this rank: chunks of one group);
-        `receiver`: the action of `dst`'s order that receives it."""
-        if dst == self.rank:
-            self._local[tag] = t
-            return
-        at = self._position[receiver[1] % self.groups][receiver]
-        self._pending.setdefault(dst, []).append((at, dist.isend(t, dst=dst, tag=tag)))
-
-    def _received_from(self, src: int, sender: Action) -> None:
-        """A message from rank `src`, sent by its action `sender`, was received: `src` has run
-        every action before that one and that one's receives, so the sends to it that those
-        received are done. Waiting on them (it returns at once) releases their tensors: a
-        pending send keeps its tensor alive, and gloo's ``Work.is_completed`` stays False until ``wait``, so without
-        this a step would hold every micro-batch's sent boundaries until it ends."""
-        if src == self.rank or src not in self._pending:
-            return
-        at = self._position[sender[1] % self.groups][sender]
-        keep = []
-        for i, work in self._pending[src]:
-            if i <= at:  # an action receives before it sends
-                work.wait()
-            else:
-                keep.append((i, work))
-        self._pending[src] = keep
-
-    def _recv(self, buf: torch.Tensor, src: int, tag: int) -> torch.Tensor:
-        """Receive into `buf` from rank `src` (or take what this rank sent itself)."""
-        if src == self.rank:
-            return self._local.pop(tag).clone()
-        dist.recv(buf, src=src, tag=tag)
-        return buf
-
     def _forward(
         self,
         c: int,
@@ -534,8 +496,8 @@ class PipelineRunner:
             )
             sender = self._peer(src, c, self.rank)
             with comm_count.site(f"fwd:{v}->p2p"):
-                piece = self._recv(piece, sender, self._tag(m, v, c, False))
-            self._received_from(sender, ("F", src, m))
+                tag = self._tag(m, v, c, False)
+                piece = self._mail.recv(piece, sender, tag, ("F", src, m))
             with comm_count.site(f"fwd:{v}->recv"):
                 buf = boundary.assemble(piece, meta.shape, self._group(c))
             x = ex._place(buf, ex._planned_output(v))
@@ -570,7 +532,8 @@ class PipelineRunner:
                     if self._peer(c, t, r) == self.rank:
                         with comm_count.site(f"fwd:{v}->p2p"):
                             part = parts[boundary.piece_index(dt, r)]
-                            self._send(part, r, self._tag(m, v, t, False), ("F", t, m))
+                            tag = self._tag(m, v, t, False)
+                            self._mail.send(part, r, tag, ("F", t, m))
         state["sent"] = sent
         return None
 
@@ -606,8 +569,8 @@ class PipelineRunner:
                     )
                     peer = self._peer(t, c, self.rank)
                     with comm_count.site(f"bwd:{v}->p2p"):
-                        buf = self._recv(buf, peer, self._tag(m, v, t, True))
-                    self._received_from(peer, ("B", t, m))
+                        tag = self._tag(m, v, t, True)
+                        buf = self._mail.recv(buf, peer, tag, ("B", t, m))
                     total = buf if total is None else total + buf
                 if total is not None:  # the pieces' sum is a piece of the sum
                     with comm_count.site(f"bwd:{v}->send"):
@@ -638,4 +601,5 @@ class PipelineRunner:
                 if self._peer(c, src, r) == self.rank:
                     with comm_count.site(f"bwd:{v}->p2p"):
                         part = parts[boundary.piece_index(ds, r)]
-                        self._send(part, r, self._tag(m, v, c, True), ("B", src, m))
+                        tag = self._tag(m, v, c, True)
+                        self._mail.send(part, r, tag, ("B", src, m))

@@ -177,7 +177,7 @@ def test_memory_does_not_grow_with_microbatches(runs: list[dict[str, Any]]) -> N
     """A 1F1B stage holds at most 2 micro-batches' activations here, whatever their count, so
     its peak with 8 micro-batches is within 3% of its peak with 4: each send's tensor is
     released once the receiving stage is known to have received it
-    (`PipelineRunner._received_from`). When sends were held to the end of the step, every
+    (`runtime.mailbox.Mailbox`). When sends were held to the end of the step, every
     micro-batch's boundary stayed (+11% on both ranks at 8 against 2; 4 more boundaries here,
     about +8%). (With 2 micro-batches the first stage's peak is lower: its second backward
     holds one micro-batch's activations, not two.)"""
