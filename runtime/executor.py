@@ -55,7 +55,8 @@ it): the interpretation above runs once per input signature, on fake tensors und
 (`runtime.compiled`), which records it as a forward and a backward graph of local aten ops and
 functional collectives; later calls replay those graphs without DTensor dispatch or Python per
 node. Same ops, same collectives at the same sites, same gradients (``tests/test_compiled.py``).
-Layers under recomputation, and stages whose tracing fails, run eagerly as described above.
+Layers under recomputation (`runtime.checkpointed`), and stages whose tracing fails, run eagerly
+as described above.
 
 Random ops (dropout): with a `runtime.dropout.DropoutMasks` attached (``masks``; `runtime.train.Trainer`
 attaches one when the graph samples), `run_outputs` pre-fills the random nodes with this rank's
@@ -70,7 +71,6 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,6 +96,7 @@ from planner.vocab.grads import expected_grad, grad_from_consumer
 from planner.vocab.placements import device_mesh_shape, fsdp_gradient, mesh_axes
 from planner.vocab.strategy import StageProgram, consumed_output
 from runtime import comm_count
+from runtime.checkpointed import run_checkpointed
 from runtime.compiled import CompiledStage
 from runtime.context import context_attention
 from runtime.device_ops import device_targets
@@ -380,8 +381,8 @@ class PlanExecutor(torch.fx.Interpreter):
         if self.recompute_layers is not None:
             if self.fsdp is not None:
                 with self.fsdp.forward(microbatch, env):
-                    return self._run_checkpointed(env, microbatch)
-            return self._run_checkpointed(env, microbatch)
+                    return run_checkpointed(self, env, microbatch)
+            return run_checkpointed(self, env, microbatch)
         self.last_run_compiled = False
         if self.compile:
             out = self._run_compiled(env)
@@ -434,74 +435,6 @@ class PlanExecutor(torch.fx.Interpreter):
         )  # read by `interpret` when it traces
         out = self._compiled([env[n] for n in nodes])
         return _NOT_COMPILED if out is None and self._compiled.error else out
-
-    def _run_checkpointed(
-        self, env: dict[torch.fx.Node, Any], microbatch: int = 0
-    ) -> Any:
-        """Run the graph with every layer's nodes under a non-reentrant activation checkpoint.
-        With FSDP parameters, a segment re-run in backward reads the backward's gathered copies
-        of micro-batch `microbatch` (`runtime.fsdp.FsdpParams.recomputing`)."""
-        from torch.utils.checkpoint import checkpoint
-
-        layer_of = self.recompute_layers or {}
-        segments: list[list[torch.fx.Node]] = []
-        for n in self.opgraph.gm.graph.nodes:
-            if (
-                n.op in ("placeholder", "output") or n in env
-            ):  # pre-filled samples: inputs
-                continue
-            key = layer_of.get(n.name)
-            last = segments[-1][-1] if segments else None
-            if last is not None and key is not None and layer_of.get(last.name) == key:
-                segments[-1].append(n)
-            else:
-                segments.append([n])
-        out_node = next(n for n in self.opgraph.gm.graph.nodes if n.op == "output")
-        # free every value after the last segment reading it (the graph's outputs stay), as
-        # torch.fx.Interpreter.run does: else what runs outside the checkpoints (the logits,
-        # say) would stay alive through the backward
-        free_after = _last_reads(segments, set(out_node.all_input_nodes))
-        self.env = env
-        for i, seg in enumerate(segments):
-            inside = set(seg)
-            ext = list(
-                dict.fromkeys(
-                    u for n in seg for u in n.all_input_nodes if u not in inside
-                )
-            )
-            leaving = [n for n in seg if any(w not in inside for w in n.users)]
-
-            def run_segment(
-                *values: Any,
-                seg: list[torch.fx.Node] = seg,
-                ext: list[torch.fx.Node] = ext,
-                leaving: list[torch.fx.Node] = leaving,
-            ) -> tuple[Any, ...]:
-                outer, self.env = self.env, dict(zip(ext, values))
-                fsdp = self.fsdp
-                # outside the forward: checkpoint re-runs the segment in backward
-                again = fsdp is not None and not fsdp.in_forward
-                try:
-                    free = _last_reads([[n] for n in seg], set(leaving))
-                    with fsdp.recomputing(microbatch) if again else nullcontext():
-                        for k, n in enumerate(seg):
-                            self.env[n] = self.run_node(n)
-                            for u in free.get(k, ()):
-                                del self.env[u]
-                    return tuple(self.env[n] for n in leaving)
-                finally:
-                    self.env = outer
-
-            values = [env[u] for u in ext]
-            if len(seg) == 1 and seg[0].name not in layer_of:
-                outs = run_segment(*values)
-            else:
-                outs = checkpoint(run_segment, *values, use_reentrant=False)
-            env.update(zip(leaving, outs))
-            for u in free_after.get(i, ()):
-                env.pop(u, None)
-        self.env = {}
-        return map_arg(out_node.args[0], lambda a: env[a])
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op != "call_function":
@@ -610,25 +543,6 @@ class PlanExecutor(torch.fx.Interpreter):
         if single:
             return items[0]
         return type(out)(items) if isinstance(out, tuple) else items
-
-
-def _last_reads(
-    steps: list[list[torch.fx.Node]], keep: set[torch.fx.Node]
-) -> dict[int, list[torch.fx.Node]]:
-    """Per step (a list of nodes run together), the values not in `keep` that no later step
-    reads: the inputs its nodes read for the last time and the nodes it produces that no later
-    step reads."""
-    last: dict[torch.fx.Node, int] = {}
-    for i, step in enumerate(steps):
-        for n in step:
-            last[n] = i
-            for u in n.all_input_nodes:
-                last[u] = i
-    out: dict[int, list[torch.fx.Node]] = {}
-    for u, i in last.items():
-        if u not in keep:
-            out.setdefault(i, []).append(u)
-    return out
 
 
 def place_params(
