@@ -60,10 +60,7 @@ def needs_grad(graph: OpGraph, v: str) -> bool:
     parameters, not, e.g., rotary tables sliced from a buffer (what
     `planner.inter.boundaries.boundary_bytes` prices). Sender and receiver decide it from the
     traced graph, so neither computes, keeps nor sends one for the others."""
-    node = graph.node(v)
-    return (
-        node.requires_grad and getattr(torch, node.outputs[0].dtype).is_floating_point
-    )
+    return graph.node(v).carries_grad
 
 
 def piece_index(devices: Sequence[int], rank: int) -> int:

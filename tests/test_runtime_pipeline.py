@@ -210,7 +210,8 @@ def test_boundary_gradients_only_where_priced(runs: list[dict[str, Any]]) -> Non
     from comm_check import boundary_bytes, predicted_boundary
 
     plan = _memory_plans()[8]
-    model, b = build_model(MEMORY_SPEC, batch=2, dtype=torch.float32)
+    rows = plan.global_batch // plan.num_microbatches
+    model, b = build_model(MEMORY_SPEC, batch=rows, dtype=torch.float32)
     priced = predicted_boundary(trace(model, b), plan)
     sent = boundary_bytes([rec for r in runs for rec in r["p2p"]])
     assert sent == pytest.approx(priced, rel=1e-12)

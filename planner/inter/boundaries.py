@@ -7,7 +7,6 @@ them to the next stage and receive their gradients (what the stage DP adds to a 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from cost_models.communication import LogicalMesh, boundary_send_times
 from planner.tracing.opgraph import OpGraph
@@ -59,9 +58,7 @@ def boundary_bytes(
     L = len(bounds)
 
     def sent(v: str) -> bool:
-        node = graph.node(v)
-        float_value = getattr(torch, node.outputs[0].dtype).is_floating_point
-        return not gradients or (node.requires_grad and float_value)
+        return not gradients or graph.node(v).carries_grad
 
     return np.array(
         [

@@ -73,6 +73,18 @@ class OpNode:
     saved_params: list[str] = field(default_factory=list)
 
     @property
+    def carries_grad(self) -> bool:
+        """Whether a gradient flows back through this value: floating and computed from
+        parameters (not, e.g., rotary tables sliced from a buffer). Pipeline boundaries send
+        gradients back for these values only (`runtime.boundary.needs_grad`,
+        `planner.inter.boundaries.boundary_bytes`)."""
+        return (
+            bool(self.outputs)
+            and self.requires_grad
+            and getattr(torch, self.outputs[0].dtype).is_floating_point
+        )
+
+    @property
     def output_bytes(self) -> int:
         return sum(t.nbytes for t in self.outputs)
 
