@@ -15,7 +15,9 @@ Fail fast: the parent watches every rank's process and result pipe. As soon as a
 (os._exit, a signal, the OOM killer), every other rank is terminated (SIGTERM, then SIGKILL after a
 short grace) and `launch` raises a one-line MeshplanError naming the rank and its error; the full
 traceback is kept on the exception (`LaunchError.tracebacks`). A launch that outlives `timeout_s`
-(for example a collective that deadlocks) is terminated the same way. So is a rank that dies while
+(for example a collective that deadlocks) is terminated the same way, after each rank still running
+has written the Python stack of every thread (`faulthandler`, on SIGUSR1) into
+`LaunchError.tracebacks`: where a hang sits, without a debugger. So is a rank that dies while
 starting: each rank reads its job (`fn` and its arguments, pickled once) from a pipe once it runs,
 so nothing waits on a rank that never will.
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -44,6 +47,7 @@ import pickle
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -125,12 +129,16 @@ def _worker(
     cpus: list[int] | None,
     env: dict[str, str],
     timeout_s: float,
+    stack_file: str,
     job: mpc.Connection,
     conn: mpc.Connection,
 ) -> None:
     """Body of one rank: read (fn, args, kwargs) from `job`, init the group, run `fn`, send
-    ("ok", value) or ("error", ...) to the parent."""
+    ("ok", value) or ("error", ...) to the parent. SIGUSR1 writes every thread's stack to
+    `stack_file` (the parent asks on a timeout)."""
     _set_parent_death_signal()
+    stacks = open(stack_file, "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -229,6 +237,10 @@ def launch(
         threads_per_rank = max(1, len(_available_cpus()) // world_size)
     ctx = mp.get_context("spawn")
     port = free_port()
+    stack_dir = tempfile.TemporaryDirectory(prefix="meshplan-stacks-")
+    stack_files = [
+        os.path.join(stack_dir.name, f"rank{r}.txt") for r in range(world_size)
+    ]
     procs: list[Any] = []
     conns: dict[Any, int] = {}
     # The job goes through a pipe once the rank runs, not with the process's arguments:
@@ -254,6 +266,7 @@ def launch(
                 cpu_sets[rank],
                 dict(env or {}),
                 timeout_s,
+                stack_files[rank],
                 job_recv,
                 send,
             ),
@@ -297,9 +310,10 @@ def launch(
                 running = [r for r in range(world_size) if r not in results]
                 raise LaunchError(
                     f"launch of {world_size} ranks timed out after {timeout_s:g} s; "
-                    f"ranks still running: {running}",
+                    f"ranks still running: {running} (their stacks: "
+                    "LaunchError.tracebacks)",
                     None,
-                    {},
+                    _stacks(procs, running, stack_files),
                 )
             ready = mpc.wait(list(conns) + list(sentinels), timeout=min(left, 1.0))
             for obj in ready:
@@ -325,7 +339,43 @@ def launch(
         _stop(procs, grace_s)
         for c in conns:
             c.close()
+        stack_dir.cleanup()
     return [results[r] for r in range(world_size)]
+
+
+def _stacks(
+    procs: Sequence[Any],
+    ranks: Sequence[int],
+    files: Sequence[str],
+    wait_s: float = 2.0,
+) -> dict[int, str]:
+    """Every thread's Python stack of each rank in `ranks` (SIGUSR1 -> faulthandler, see
+    `_worker`); a rank that wrote nothing within `wait_s` (not yet past its start, or stuck
+    outside Python's reach) gets a line saying so."""
+    for r in ranks:
+        with contextlib.suppress(ProcessLookupError, TypeError):
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(0.2)
+    deadline = time.monotonic() + wait_s
+    out: dict[int, str] = {}
+    for r in ranks:
+        text = _read(files[r])
+        while not text and time.monotonic() < deadline:
+            time.sleep(0.1)
+            text = _read(files[r])
+        if text:  # the dump may still be under way
+            time.sleep(0.2)
+            text = _read(files[r])
+        out[r] = text or f"rank {r} wrote no stack within {wait_s:g} s"
+    return out
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _send_job(conn: mpc.Connection, payload: bytes) -> None:

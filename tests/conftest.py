@@ -5,3 +5,19 @@ the worker processes against this."""
 import os
 
 os.environ.setdefault("MESHPLAN_PLANNER_PROCESSES", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201
+    """A failed launch's per-rank tracebacks (a timeout's: each hung rank's stack) go into the
+    test report, so a hang seen once in CI can be read from its log."""
+    outcome = yield
+    exc = call.excinfo.value if call.excinfo else None
+    tracebacks = getattr(exc, "tracebacks", None)
+    if tracebacks:
+        report = outcome.get_result()
+        for rank, text in sorted(tracebacks.items()):
+            report.sections.append((f"rank {rank}", text))

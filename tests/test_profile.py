@@ -273,9 +273,13 @@ def test_a_rank_that_dies_starting_stops_a_large_launch(tmp_path):
 @pytest.mark.slow
 def test_launch_times_out():
     start = time.monotonic()
-    with pytest.raises(LaunchError, match="timed out after 5 s"):
+    with pytest.raises(LaunchError, match="timed out after 5 s") as info:
         launch(_hangs, 2, timeout_s=5)
     assert time.monotonic() - start < 25
+    # each hung rank's stack, down to where it waits
+    assert sorted(info.value.tracebacks) == [0, 1]
+    for text in info.value.tracebacks.values():
+        assert "in _hangs" in text, text
 
 
 # ---------------------------------------------------------------------------------------------
