@@ -65,9 +65,12 @@ the overlap, as the ILP sees FSDP's collectives unhidden and the stage table hid
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from planner.intra import prices as sc
 from planner.vocab.grads import bucketed_axes, expected_grad, grad_from_consumer
@@ -164,18 +167,52 @@ class DpSync:
 NO_SYNC = DpSync((), (), (), 0.0, False, 0.0, 0.0, 0.0, 0.0)
 
 
-# the last few graphs' parameter roots and op indices: plans price many stages of one graph
-_PER_GRAPH: list[tuple[object, dict[str, str], dict[str, int]]] = []
+# the last few graphs' parameter roots, op indices and node positions: plans price many stages
+# of one graph
+_PER_GRAPH: list[tuple[object, dict[str, str], dict[str, int], dict[str, int]]] = []
 
 
-def _graph_tables(graph) -> tuple[dict[str, str], dict[str, int]]:
-    for g, roots, index in _PER_GRAPH:
+def _graph_tables(graph) -> tuple[dict[str, str], dict[str, int], dict[str, int]]:
+    """(parameter roots, op name -> index in ``graph.ops``, node name -> index in
+    ``graph.nodes``) of `graph`, made once per graph."""
+    for g, roots, index, position in _PER_GRAPH:
         if g is graph:
-            return roots, index
+            return roots, index, position
     index = {n.name: i for i, n in enumerate(graph.ops)}
-    _PER_GRAPH.insert(0, (graph, graph.param_roots(), index))
+    position = {n.name: i for i, n in enumerate(graph.nodes)}
+    _PER_GRAPH.insert(0, (graph, graph.param_roots(), index, position))
     del _PER_GRAPH[4:]
-    return _PER_GRAPH[0][1], _PER_GRAPH[0][2]
+    return _PER_GRAPH[0][1:]
+
+
+# the last few (solution, layer map)s' op indices, layers and backward seconds: a solution's
+# stages are priced for many layer ranges
+_PER_SOLUTION: list[tuple[object, object, np.ndarray, np.ndarray, np.ndarray]] = []
+
+
+def _backward_seconds(sol, layer_of: dict[str, int]):
+    """(index in ``graph.ops``, layer, backward seconds) of every op `sol` prices, in graph
+    order; kept per (solution, layer map) object."""
+    for s, lo, idx, lay, back in _PER_SOLUTION:
+        if s is sol and lo is layer_of:
+            return idx, lay, back
+    values = sol.node_values()
+    rows = [
+        (i, layer_of.get(n.name, 0), max(0.0, values[n.name][0] - values[n.name][2]))
+        for i, n in enumerate(sol._ctx.graph.ops)
+        if n.name in values
+    ]
+    idx, lay, back = (np.array(c) for c in zip(*rows)) if rows else ([],) * 3
+    entry = (
+        sol,
+        layer_of,
+        np.asarray(idx, int),
+        np.asarray(lay, int),
+        np.asarray(back, float),
+    )
+    _PER_SOLUTION.insert(0, entry)
+    del _PER_SOLUTION[16:]
+    return entry[2:]
 
 
 def grad_items(sol, layer_of: dict[str, int], k: int, j: int) -> list[GradItem]:
@@ -185,7 +222,7 @@ def grad_items(sol, layer_of: dict[str, int], k: int, j: int) -> list[GradItem]:
     ctx = sol._ctx
     graph, s, choice = ctx.graph, ctx.settings, sol.choice
     mesh = s.mesh
-    roots, index = _graph_tables(graph)
+    roots, index, position = _graph_tables(graph)
     derived = set(roots)
     found: dict[str, dict] = {}
     refused: set[str] = set()  # a parameter some edge of which is not all-reduce alone
@@ -235,7 +272,6 @@ def grad_items(sol, layer_of: dict[str, int], k: int, j: int) -> list[GradItem]:
         rec["bw"] += bw
     for p in refused:
         found.pop(p, None)
-    position = {n.name: i for i, n in enumerate(graph.nodes)}
     paths = graph.placeholder_paths
     order = sorted(found, key=lambda p: (-found[p]["ready"], -position[p]))
     return [
@@ -265,18 +301,15 @@ def stage_dp_sync(
 ) -> DpSync:
     """The buckets of a stage holding layers k..j of `sol` (its `StageSolution`; `layer_of`:
     node -> layer) and their price under `recompute` (module docstring)."""
-    ctx = sol._ctx
-    graph, mesh, B = ctx.graph, ctx.settings.mesh, sol.num_microbatches
+    mesh, B = sol._ctx.settings.mesh, sol.num_microbatches
     items = grad_items(sol, layer_of, k, j)
     overlapped = overlaps(recompute, bool(sol.fsdp_params))
     # launched after the backward, smaller buckets would hide nothing and add latencies
     buckets = form_buckets(items, cap if overlapped else math.inf)
-    values = sol.node_values()
-    back = {}
-    for i, n in enumerate(graph.ops):
-        if n.name in values and k <= layer_of.get(n.name, 0) <= j:
-            back[i] = max(0.0, values[n.name][0] - values[n.name][2])
-    T = float(sum(back.values()))
+    idx, lay, back = _backward_seconds(sol, layer_of)
+    inside = (lay >= k) & (lay <= j)
+    idx, back = idx[inside].tolist(), back[inside].tolist()
+    T = float(sum(back))  # summed in graph order, as a loop over the ops would
     comm, launch, latency = [], [], 0.0
     for b in buckets:
         keys = list(dict.fromkeys(it.key for it in b))
@@ -284,7 +317,7 @@ def stage_dp_sync(
         latency += lat
         comm.append(lat + sum(it.bandwidth_s for it in b))
         first = min(it.ready for it in b)
-        done = sum(t for i, t in back.items() if i >= first)
+        done = sum(back[bisect.bisect_left(idx, first) :])  # the ops from `first` on
         launch.append(float(done) if overlapped else T)
     if overlapped:
         exposed = exposed_seconds(launch, comm, T)

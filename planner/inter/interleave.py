@@ -94,8 +94,11 @@ def balanced_cuts(
         if not 1 <= C <= L:
             out.append(None)
             continue
-        for _ in range(C - done):
-            G = np.min(np.maximum(G[:, None], c), axis=0)
+        # after i chunks only G[i:] can be finite (chunks are not empty): step i reads rows
+        # i.. and writes columns i+1..
+        for i in range(done, C):
+            G[i + 1 :] = np.min(np.maximum(G[i:L, None], c[i:L, i + 1 :]), axis=0)
+            G[: i + 1] = np.inf
         done = C
         out.append(_least_squares(c, G[L], C))
     return out
@@ -103,7 +106,8 @@ def balanced_cuts(
 
 def _least_squares(c: np.ndarray, top: float, C: int) -> list[tuple[int, int]] | None:
     """Among the cuts into C chunks of cost at most `top` (`c` as in `balanced_cuts`), the one
-    with the least sum of squared chunk costs."""
+    with the least sum of squared chunk costs. Step i (chunks 0..i-1 done) reads only the rows
+    a cut can be at, i..L-C+i, and writes the columns i+1..L-C+i+1 (every chunk takes a layer)."""
     if not np.isfinite(top):
         return None
     L = c.shape[0] - 1
@@ -111,18 +115,21 @@ def _least_squares(c: np.ndarray, top: float, C: int) -> list[tuple[int, int]] |
     H = np.full(L + 1, np.inf)
     H[0] = 0.0
     back = []
-    columns = np.arange(L + 1)
-    for _ in range(C):
-        total = H[:, None] + allowed
-        back.append(np.argmin(total, axis=0))
-        H = total[back[-1], columns]
+    w = L - C + 1  # the positions a cut can take after each chunk
+    columns = np.arange(w)
+    for i in range(C):
+        total = H[i : i + w, None] + allowed[i : i + w, i + 1 : i + 1 + w]
+        arg = np.argmin(total, axis=0)
+        back.append(arg + i)
+        H = np.full(L + 1, np.inf)
+        H[i + 1 : i + 1 + w] = total[arg, columns]
     if not np.isfinite(H[L]):
         return None
     cuts, n = [], L
-    for arg in reversed(back):
-        i = int(arg[n])
-        cuts.append((i, n - 1))
-        n = i
+    for i in reversed(range(C)):
+        k = int(back[i][n - i - 1])
+        cuts.append((k, n - 1))
+        n = k
     return cuts[::-1]
 
 

@@ -125,13 +125,20 @@ class OpGraph:
     def __post_init__(self) -> None:
         self._by_name = {n.name: n for n in self.nodes}
         self._all_derived: frozenset[str] | None = None  # `param_derived()`, made once
+        self._ops: list[OpNode] | None = None
+
+    # `nodes` is never changed after construction: the planner reads `ops` in its inner loops
 
     def node(self, name: str) -> OpNode:
         return self._by_name[name]
 
     @property
     def ops(self) -> list[OpNode]:
-        return [n for n in self.nodes if n.op == "call"]
+        """The op nodes (``op == "call"``) in graph order (one list, made once: do not
+        modify it)."""
+        if self._ops is None:
+            self._ops = [n for n in self.nodes if n.op == "call"]
+        return self._ops
 
     def param_derived(self, names: Sequence[str] | None = None) -> set[str]:
         """Among `names` (in graph order; default every node): parameters, and views of
