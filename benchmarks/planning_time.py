@@ -178,6 +178,23 @@ median-of-3 run just before): no change this machine's noise does not cover. A s
 gpt-39b (1 row, one process, solves in the calling thread) took 14.4 and 11.9 s of CPU
 before, 10.9 and 11.3 s after.
 
+2026-11-29: llama3-70b, median of 3, 192.4 s wall (320-325 s CPU, load 1.4-1.8; target 60 s).
+The 62.5 s above is not what the code of that day does: commit b7cf74a, which recorded it, plans
+65.41 s per iteration (the recorded plan: 60.08 s) and took 232 s planning the six sizes in one
+process this morning, and HEAD 266 s (seven sizes: one row per device, 64, is always tried;
+`planner.api.larger_microbatch_sizes`), at about 35 s per size, every size alike. gpt-39b took
+64.7 s the same morning (68.8 s the day before): the machine is not the difference. Each run now
+records `python_speed` beside it. Exact changes of that day, plan JSON equal before and after
+for llama3-70b at 4 rows, gpt-39b at 1 and llama3-8b at 2: `OpGraph.ops` made once (it was a
+new list per access), a stage's backward seconds per op kept per solution and layer map
+(`planner.inter.dp_overlap._backward_seconds`; the gradient-bucket pricing of the 17 candidate
+plans of a size looped over every op of the model per stage: 8.5% of a size's samples of
+llama3-70b at 4 rows, 0.7% after), and the interleaved cut DPs restricted to the rows and
+columns a cut can reach (1.3x on 82 layers). Where a size's time goes (py-spy, 50 Hz,
+llama3-70b at 4 rows, one process): layer profiles 18%, the mesh search's own work 10%,
+solution summaries 9%, DTensor strategies 7%, the trace 7%, HiGHS 7%, the interleaved search
+6%, edge prices 5%, imports 5%: no single part whose removal would meet the target.
+
 Pruning by a proven lower bound (issue 23) would skip nothing on these cases: the least
 iteration time any plan can be predicted to take (`benchmarks.ceiling`, the whole model on one
 device at the whole batch over the devices) is 0.75-0.80 of the best plan's time in the suites'
@@ -270,9 +287,30 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def python_speed(repeats: int = 3) -> float:
+    """CPU seconds of a fixed piece of pure-Python work (dict and list building, attribute
+    lookups, arithmetic: what the planner's own loops do), the least of `repeats`: recorded
+    beside every run, so that figures of different days can be set against this machine's
+    speed at the time (its speed has moved by a quarter within minutes and by more between
+    days)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.process_time()
+        table: dict[int, tuple[int, float]] = {}
+        for i in range(300_000):
+            table[i] = (i % 7, i * 0.5)
+        total = 0.0
+        for a, b in table.values():
+            if a:
+                total += b / a
+        sorted(table, key=lambda k: -table[k][1])
+        best = min(best, time.process_time() - t0)
+    return best
+
+
 def run_once(case: Case) -> dict[str, Any]:
     """Plan `case` once in a fresh CLI process; its wall and CPU seconds, planner time, load
-    averages and the plan's predicted iteration time."""
+    averages, the plan's predicted iteration time and `python_speed` just before."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.json"
         cmd = [
@@ -293,6 +331,7 @@ def run_once(case: Case) -> dict[str, Any]:
             "--json",
             str(out),
         ]
+        speed = python_speed()
         load_before = os.getloadavg()
         cpu0, t0 = _children_cpu(), time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -310,6 +349,7 @@ def run_once(case: Case) -> dict[str, Any]:
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "iteration_time_s": plan["estimate"]["iteration_time_s"],
         "num_microbatches": plan["num_microbatches"],
+        "python_speed_s": round(speed, 4),
     }
 
 

@@ -52,3 +52,5 @@ def test_run_once_plans_in_a_fresh_process() -> None:
     run = pt.run_once(pt.Case("mlp", "1x2xV100-16GB", 8, None, "float32", "sgd"))
     assert run["iteration_time_s"] > 0 and run["wall_s"] >= run["planner_time_s"] > 0
     assert len(run["load_average_before"]) == 3
+    assert run["python_speed_s"] > 0
+
