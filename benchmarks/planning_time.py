@@ -379,6 +379,7 @@ def run_case(name: str, case: Case, repeat: int) -> dict[str, Any]:
         "dtype": case.dtype,
         "optimizer": case.optimizer,
         "target_s": case.target_s,
+        "repeat": repeat,
         "median_wall_s": median,
         "median_cpu_s": statistics.median(r["cpu_s"] for r in runs),
         "ratio": None if case.target_s is None else round(median / case.target_s, 3),
@@ -418,7 +419,6 @@ def run_cases(names: list[str], repeat: int, path: Path = DEFAULT_JSON) -> bool:
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
         "torch": torch.__version__,
-        "repeat": repeat,
         "timing": "wall seconds of a fresh `python -m runtime.cli plan` process per run",
         "cases": sorted(
             kept + results,
