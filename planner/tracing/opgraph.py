@@ -125,17 +125,15 @@ class OpGraph:
     def __post_init__(self) -> None:
         self._by_name = {n.name: n for n in self.nodes}
         self._all_derived: frozenset[str] | None = None  # `param_derived()`, made once
-        self._ops: list[OpNode] | None = None
-
-    # `nodes` is never changed after construction: the planner reads `ops` in its inner loops
+        self._ops: list[OpNode] | None = None  # `ops`, made once
 
     def node(self, name: str) -> OpNode:
         return self._by_name[name]
 
     @property
     def ops(self) -> list[OpNode]:
-        """The op nodes (``op == "call"``) in graph order (one list, made once: do not
-        modify it)."""
+        """The op nodes (``op == "call"``) in graph order: one list, made once, which the
+        planner's inner loops read (do not modify it)."""
         if self._ops is None:
             self._ops = [n for n in self.nodes if n.op == "call"]
         return self._ops
