@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
     except MeshplanError as exc:
         print(f"meshplan: error: {exc}", file=sys.stderr)
+        if getattr(exc, "rank", 0) is None:  # a timed-out launch: where each rank hangs
+            for rank, stack in sorted(getattr(exc, "tracebacks", {}).items()):
+                print(f"--- rank {rank} ---\n{stack.rstrip()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("meshplan: interrupted", file=sys.stderr)

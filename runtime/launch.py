@@ -310,8 +310,8 @@ def launch(
                 running = [r for r in range(world_size) if r not in results]
                 raise LaunchError(
                     f"launch of {world_size} ranks timed out after {timeout_s:g} s; "
-                    f"ranks still running: {running} (their stacks: "
-                    "LaunchError.tracebacks)",
+                    f"ranks still running: {running} (each one's Python stack: "
+                    "LaunchError.tracebacks; `meshplan run` prints them)",
                     None,
                     _stacks(procs, running, stack_files),
                 )

@@ -157,6 +157,24 @@ def test_killed_rank_fails_fast(
     assert "rank 1 of 2 was killed by signal SIGKILL" in err
 
 
+@pytest.mark.slow
+def test_hung_run_stops_and_shows_where(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rank that hangs: the run stops at --timeout, and the error shows every rank's stack,
+    the hung one's in the fault's sleep, the other's in the collective it waits in."""
+    code = main(
+        ["run", SPEC, "--plan", _plan_file(tmp_path), "--steps", "3"]
+        + ["--fault", "1:2:hang", "--timeout", "40"]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "timed out after 40 s; ranks still running: [0, 1]" in err
+    stacks = err.split("--- rank 0 ---")[1].split("--- rank 1 ---")
+    assert "in trigger" not in stacks[0] and "in step" in stacks[0], stacks[0]
+    assert "in trigger" in stacks[1], stacks[1]
+
+
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
 @pytest.mark.slow
 def test_torchrun_runs_one_rank_per_process(tmp_path: Path) -> None:

@@ -51,13 +51,14 @@ from runtime.torchrun import (
 )
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-FAULT_KINDS = ("kill", "exit", "raise")
+FAULT_KINDS = ("kill", "exit", "raise", "hang")
 
 
 @dataclass(frozen=True)
 class Fault:
     """Fault injection for tests: rank `rank` fails at the start of step `step` (1-based) by
-    SIGKILL ("kill"), ``os._exit(3)`` ("exit") or raising RuntimeError ("raise")."""
+    SIGKILL ("kill"), ``os._exit(3)`` ("exit"), raising RuntimeError ("raise"), or sleeping
+    until it is stopped ("hang": its peers wait in their next collective)."""
 
     rank: int
     step: int
@@ -90,6 +91,8 @@ class Fault:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "exit":
             os._exit(3)
+        while self.kind == "hang":
+            time.sleep(60)
         raise RuntimeError(f"injected fault at step {self.step}")
 
 
