@@ -165,11 +165,11 @@ def test_hung_run_stops_and_shows_where(
     the hung one's in the fault's sleep, the other's in the collective it waits in."""
     code = main(
         ["run", SPEC, "--plan", _plan_file(tmp_path), "--steps", "3"]
-        + ["--fault", "1:2:hang", "--timeout", "40"]
+        + ["--fault", "1:1:hang", "--timeout", "30"]
     )
     assert code == 2
     err = capsys.readouterr().err
-    assert "timed out after 40 s; ranks still running: [0, 1]" in err
+    assert "timed out after 30 s; ranks still running: [0, 1]" in err
     stacks = err.split("--- rank 0 ---")[1].split("--- rank 1 ---")
     assert "in trigger" not in stacks[0] and "in step" in stacks[0], stacks[0]
     assert "in trigger" in stacks[1], stacks[1]
