@@ -15,6 +15,7 @@ import sys
 from importlib.metadata import EntryPoint, entry_points
 
 from cost_models.errors import MeshplanError
+from runtime.launch import LaunchError
 
 GROUP = "meshplan.commands"
 #: The order of `meshplan --help`, by entry-point name; commands not named here come after, by name.
@@ -69,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
     except MeshplanError as exc:
         print(f"meshplan: error: {exc}", file=sys.stderr)
-        if getattr(exc, "rank", 0) is None:  # a timed-out launch: where each rank hangs
-            for rank, stack in sorted(getattr(exc, "tracebacks", {}).items()):
+        if (
+            isinstance(exc, LaunchError) and exc.rank is None
+        ):  # timed out: each rank's stack
+            for rank, stack in sorted(exc.tracebacks.items()):
                 print(f"--- rank {rank} ---\n{stack.rstrip()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
