@@ -33,7 +33,8 @@ configurations without FSDP are priced with replicated optimizer state, which ov
 memory. A configuration is left unpriced, with the reason recorded, when it uses context
 parallelism together with data parallelism (`manual_plan` runs CP on micro-batches of one row,
 dp = 1; `benchmarks.manual_grid`'s docstring says why), expert parallelism over a part of the
-data-parallel ranks, recomputation of only some blocks, or another GPU count than the suite's
+data-parallel ranks together with tensor parallelism (without it, a (dp / ep, ep) mesh,
+`manual_plan(expert_parallel=ep)`), recomputation of only some blocks, or another GPU count than the suite's
 case. FSDP together with activation recomputation (torchtitan's recipes) is priced as
 `manual_plan` prices it.
 """
@@ -338,10 +339,10 @@ def unpriced_reason(c: PublishedConfig, gpus: int) -> str | None:
         )
     if c.virtual_stages is None and c.pp > 1:
         return "interleaved, with the virtual stages per rank not published"
-    if c.ep > 1 and c.ep != c.dp:
+    if 1 < c.ep < c.dp and c.tp > 1:
         return (
-            f"expert parallelism over {c.ep} of the {c.dp} data-parallel ranks: manual_plan "
-            "splits experts over all of them"
+            f"expert parallelism over {c.ep} of the {c.dp} data-parallel ranks with TP "
+            f"{c.tp}: a third mesh axis, which manual_plan does not express"
         )
     if c.recompute not in ("none", "selective", "full"):
         return f"recompute {c.recompute!r} is not one of none, selective, full"
@@ -367,7 +368,7 @@ def price_published(
         c.pp,
         c.global_batch // (dp * c.microbatch_size),
         c.recompute,
-        c.ep > 1,
+        c.ep > 1 if c.ep in (1, c.dp) else c.ep,
         c.fsdp,
         c.sequence_parallel if c.tp > 1 else None,
         c.virtual_stages or 1,

@@ -113,14 +113,16 @@ class ManualConfig:
     pp: int
     num_microbatches: int
     recompute: bool | str
-    expert_parallel: bool = False
+    # True: experts over all dp replicas; an int: over groups of that many (tp 1, `manual_plan`)
+    expert_parallel: bool | int = False
     fsdp: str = "none"
     sequence_parallel: bool | None = None
     virtual_stages: int = 1
     context_parallel: int = 1
 
     def label(self) -> str:
-        ep = " EP" if self.expert_parallel else ""
+        ep = self.expert_parallel
+        ep = " EP" if ep is True else f" EP{ep}" if ep and ep > 1 else ""
         rc = {True: " rc", "full": " rc", "selective": " sel"}.get(self.recompute, "")
         shard = {"full": " fsdp", "hybrid": " hsdp"}.get(self.fsdp, "")
         sp = " sp" if self.sequence_parallel else ""

@@ -7,11 +7,11 @@ import os
 os.environ.setdefault("MESHPLAN_PLANNER_PROCESSES", "1")
 
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201
+def pytest_runtest_makereport(item, call):
     """A failed launch's per-rank tracebacks (a timeout's: each hung rank's stack) go into the
     test report, so a hang seen once in CI can be read from its log."""
     outcome = yield

@@ -117,6 +117,42 @@ def test_megatron_places_the_projections() -> None:
     assert pl["blocks.0.mlp.router.weight"] == ["R", "R"]
 
 
+def test_experts_split_over_part_of_the_replicas(tmp_path, capsys) -> None:
+    """Megatron-Core's EP smaller than DP (expert_parallel=2 of dp=4): a (2, 2) mesh, the batch
+    split over both axes, the experts over axis 1 only; what cannot be expressed is named."""
+    m = manual_plan(
+        SMALL_MIXTRAL, "1x4xA100-80GB", dp=4, tp=1, pp=1, num_microbatches=1,
+        global_batch=8, expert_parallel=2,
+    )  # fmt: skip
+    st = m.stages[0]
+    assert tuple(st.logical_mesh) == (2, 2)
+    assert st.node_strategies["embedding"]["outputs"] == [["S(0)", "S(0)"]]
+    pl = st.param_placements
+    for name in ("w_gate", "w_up", "w_down"):
+        assert pl[f"blocks.0.mlp.{name}"] == ["R", "S(0)"], name
+    assert pl["blocks.0.mlp.router.weight"] == ["R", "R"]
+    assert pl["blocks.0.attn.q.weight"] == ["R", "R"]
+    assert m.manual["expert_parallel_degree"] == 2
+    kw = {"pp": 1, "num_microbatches": 1, "global_batch": 8}
+    with pytest.raises(MeshplanError, match="dividing dp=4, got 3"):
+        manual_plan(SMALL_MIXTRAL, "1x4xA100-80GB", dp=4, tp=1, expert_parallel=3, **kw)
+    with pytest.raises(MeshplanError, match="needs tp=1"):
+        manual_plan(SMALL_MIXTRAL, "1x8xA100-80GB", dp=4, tp=2, expert_parallel=2, **kw)
+    with pytest.raises(MeshplanError, match="divide by 8, but the model has 4"):
+        manual_plan(SMALL_MIXTRAL, "1x8xA100-80GB", dp=8, tp=1, expert_parallel=8, **kw)
+    # the CLI's --ep: the same plan; a degree that does not divide dp is named
+    from planner.vocab.plan_file import ParallelPlan
+    from runtime.cli import main
+
+    args = ["manual", SMALL_MIXTRAL, "--cluster", "1x4xA100-80GB", "--batch", "8"]
+    args += ["--dp", "4", "--tp", "1", "--pp", "1", "--microbatches", "1"]
+    out = tmp_path / "ep.json"
+    assert main([*args, "--ep", "2", "--json", str(out)]) == 0
+    assert ParallelPlan.load(out).estimate == m.estimate
+    assert main([*args, "--ep", "3"]) == 2
+    assert "dividing dp=4, got 3" in capsys.readouterr().err
+
+
 @functools.cache
 def _plans(spec: str) -> dict[str, Any]:
     kw = {"global_batch": 8, "dtype": "float32", "allow_oom": True}
@@ -140,6 +176,10 @@ def _plans(spec: str) -> dict[str, Any]:
     if spec == SMALL_MIXTRAL:
         out["ep2_tp2"] = manual_plan(
             spec, one, dp=2, tp=2, pp=1, num_microbatches=1, expert_parallel=True, **kw
+        )
+        # experts over 2 of the 4 replicas: a (2, 2) mesh
+        out["ep2_of_dp4"] = manual_plan(
+            spec, one, dp=4, tp=1, pp=1, num_microbatches=1, expert_parallel=2, **kw
         )
     return out
 
@@ -195,7 +235,7 @@ def _train(spec: str, plans: dict[str, Any]) -> dict[str, Any]:
 def test_small_models_train_like_one_device(spec: str) -> None:
     """tp2 x dp2, tp4 (grouped-query attention: 2 key/value heads on 4 devices), two pipeline
     stages of dp2 (for Llama also with recomputation and the gradient all-reduce overlapping
-    backward in several buckets), the automatic plan (compiled; the others eager) and, for Mixtral, experts split over dp2 with tp2, on 4 gloo
+    backward in several buckets), the automatic plan (compiled; the others eager) and, for Mixtral, experts split over dp2 with tp2 and over 2 of dp4, on 4 gloo
     processes: 3 SGD steps give the losses and parameters of one device within 1e-5."""
     model, batches = _model_and_batches(spec)
     ref_losses, ref_params = single_device.train(

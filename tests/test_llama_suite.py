@@ -3,6 +3,7 @@ configurations and the committed results. Single process, prediction only."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -18,6 +19,10 @@ from cost_models.cluster import Cluster
 from planner.plans.manual import manual_plan
 
 TINY = "llama:hidden=64,layers=4,heads=4,kv_heads=2,ffn=128,vocab=512,seq=64"
+TINY_MIXTRAL = (
+    "mixtral:hidden=64,layers=2,heads=4,kv_heads=2,ffn=32,experts=8,vocab=128,seq=16,"
+    "group_size=16"
+)
 
 
 def test_today_grid_enumerates_the_space() -> None:
@@ -256,8 +261,24 @@ def test_published_configs_price_or_say_why_not() -> None:
     )
     assert reasons[("llama3-8b", fsdp8.label())] is None
     mixtral = next(c for c in PUBLISHED if c.model == "mixtral-8x7b")
-    assert "expert parallelism over 8 of the 16" in unpriced_reason(mixtral, 64)
+    assert (
+        unpriced_reason(mixtral, 64) is None
+    )  # EP 8 of DP 16 with TP 1: a (2, 8) mesh
     assert "published for 64 GPUs" in unpriced_reason(mixtral, 8)
+    with_tp = dataclasses.replace(mixtral, tp=2, gpus=128)
+    assert "with TP 2: a third mesh axis" in unpriced_reason(with_tp, 128)
+    # priced as published (on a small Mixtral, one stage of 16): experts over 8 of the 16
+    # replicas, the same plan as manual_plan(expert_parallel=8)'s
+    one_stage = dataclasses.replace(mixtral, gpus=16, pp=1, virtual_stages=1)
+    two_hosts = Cluster.from_spec("2x8xH100-80GB")
+    rec = price_published(one_stage, two_hosts, TINY_MIXTRAL, 16)
+    direct = manual_plan(
+        TINY_MIXTRAL, two_hosts, dp=16, tp=1, pp=1, num_microbatches=16,
+        global_batch=256, expert_parallel=8, dtype="bfloat16", allow_oom=True,
+    )  # fmt: skip
+    assert rec["priced"] and rec["iteration_time_s"] == direct.estimate.iteration_time_s
+    assert rec["label"].startswith("DP16 TP1 PP1 EP8")
+    assert direct.stages[0].param_placements["blocks.0.mlp.w_gate"] == ["R", "S(0)"]
     # priced as published (the layout on a small Llama, so the test stays cheap): FSDP over 8,
     # MBS 1 of GBS 128 = 16 micro-batches, the same plan as manual_plan's
     rec = price_published(fsdp8, cluster, TINY, 8)

@@ -53,4 +53,3 @@ def test_run_once_plans_in_a_fresh_process() -> None:
     assert run["iteration_time_s"] > 0 and run["wall_s"] >= run["planner_time_s"] > 0
     assert len(run["load_average_before"]) == 3
     assert run["python_speed_s"] > 0
-

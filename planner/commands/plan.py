@@ -161,6 +161,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "parallel devices) or hybrid (HSDP: inside each host, replicated across hosts; tp 1)",
     )
     m.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert parallelism: MoE expert weights split by experts over this many of the "
+        "data-parallel devices (default 1: none; --ep DP: over all of them; fewer needs tp 1, "
+        "as Megatron-Core's --expert-model-parallel-size)",
+    )
+    m.add_argument(
         "--schedule",
         choices=("1f1b", "gpipe", "interleaved", "zero_bubble"),
         default=None,
@@ -273,6 +281,7 @@ def run_manual(args: argparse.Namespace) -> int:
         allow_oom=args.allow_oom,
         fsdp=args.fsdp,
         context_parallel=args.cp,
+        expert_parallel=args.ep,
     )
     print(summary(result))
     _write(result, args.json)

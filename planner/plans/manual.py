@@ -17,6 +17,12 @@ recommendation), and the intra-op program is restricted to Megatron's parameter 
 With `expert_parallel=True` (GShard/DeepSpeed-MoE expert parallelism) the MoE expert weights
 `mlp.wi` [E, h, f] and `mlp.wo` [E, f, h] are also split by experts, S(0), on the dp axis (each
 data-parallel rank holds E / dp experts; tokens reach them by all-to-all); E must divide by dp.
+With `expert_parallel=ep` (an int, Megatron-Core's --expert-model-parallel-size) the experts are
+split over groups of ep of the dp replicas instead: with tp = 1 a stage is a (dp / ep, ep)
+logical mesh, the batch split over both axes, the expert weights S(0) on axis 1 (an all-to-all
+inside each group of ep) and replicated on axis 0 (their gradients all-reduced over the dp / ep
+groups), every other parameter replicated on both. With tp > 1 or context parallelism that
+would be a third mesh axis, which a logical mesh does not have: refused.
 
 For models without experts every activation is split by the batch, S(0), on the dp axis, as
 Megatron and DDP run (`planner.intra.megatron.batch_axes`), unless some op cannot run on a batch split
@@ -76,6 +82,7 @@ from planner.plans.assemble import PlanSpec, assemble, stage_from_profile
 from planner.plans.recompute import block_chunks
 from planner.tracing.blocks import block_units
 from planner.tracing.inputs import resolve_model
+from planner.tracing.opgraph import OpGraph
 from planner.tracing.tracer import trace
 from planner.vocab.plan_check import RECOMPUTE_MODES, recompute_mode
 from planner.vocab.plan_file import ParallelPlan
@@ -101,7 +108,7 @@ def manual_plan(
     optimizer: str = "adam_mixed",
     memory_budget: float | None = None,
     allow_oom: bool = False,
-    expert_parallel: bool = False,
+    expert_parallel: bool | int = False,
     split: str = "balanced",
     schedule: str | None = None,
     fsdp: str = "none",
@@ -111,7 +118,8 @@ def manual_plan(
     micro-batch, as in `plan` (global batch = microbatch_size * num_microbatches; each of the dp
     replicas gets microbatch_size / dp rows, Megatron's --micro-batch-size). Raises MeshplanError if a stage does
     not fit in memory, unless `allow_oom` (the plan's `manual["fits"]` says so). `expert_parallel`
-    splits MoE expert weights by experts over the dp axis (module docstring). `split`: "balanced"
+    splits MoE expert weights by experts over the dp axis (True), or over groups of that many of
+    the dp replicas (an int dividing dp; module docstring). `split`: "balanced"
     cuts the layers into pp * v chunks of about equal FLOPs; "blocks" cuts as Megatron-LM does, the
     same number of transformer blocks per chunk, the embedding in the first and the head and loss in
     the last (`block_chunks`). `recompute`: "none", "selective" (the attention cores), "full"
@@ -160,11 +168,18 @@ def manual_plan(
             f"{' x '.join(names)} = {'x'.join(map(str, sizes))} = {dp * cp * tp * pp}, but "
             f"{cluster.spec} has {D} devices"
         )
-    if cp > 1 and (dp > 1 or fsdp == "hybrid" or expert_parallel):
+    ep = _expert_degree(expert_parallel, dp)
+    if cp > 1 and (dp > 1 or fsdp == "hybrid" or ep > 1):
         raise MeshplanError(
             f"context_parallel={cp} runs micro-batches of one row on a (cp, tp) mesh: it needs "
             f"dp=1, no hybrid sharding and no expert parallelism, got dp={dp} fsdp={fsdp} "
             f"expert_parallel={expert_parallel} (fsdp='full' shards over the cp devices)"
+        )
+    if 1 < ep < dp and (tp > 1 or fsdp == "hybrid"):
+        raise MeshplanError(
+            f"expert parallelism over {ep} of the dp={dp} replicas runs on a (dp / ep, ep) mesh: "
+            f"it needs tp=1 and no hybrid sharding (a third mesh axis otherwise), got tp={tp} "
+            f"fsdp={fsdp}"
         )
     if M % tp:
         raise MeshplanError(
@@ -172,7 +187,7 @@ def manual_plan(
         )
     if fsdp not in ("none", "full", "hybrid"):
         raise MeshplanError(f"fsdp must be none, full or hybrid, got {fsdp!r}")
-    if fsdp == "hybrid" and (tp > 1 or expert_parallel or dp * tp <= M):
+    if fsdp == "hybrid" and (tp > 1 or ep > 1 or dp * tp <= M):
         raise MeshplanError(
             "fsdp=hybrid shards inside a host and replicates across hosts: it needs tp=1, no "
             f"expert parallelism and a stage on several hosts (dp > {M} devices per host), "
@@ -210,16 +225,19 @@ def manual_plan(
     layers, ranges = block_units(graph, layers)
     n = dp * cp * tp
     sub = (1, n) if n <= M else (n // M, M)
-    experts = any(is_expert_weight(p) for p in graph.placeholder_paths.values())
-    param_filter = megatron_filter(tp, dp, expert_parallel)
-    if fsdp == "hybrid":
+    experts = _check_experts(graph, ep)
+    param_filter = megatron_filter(tp, dp, ep > 1)
+    if 1 < ep < dp:
+        mesh = LogicalMesh(cluster, sub, (dp // ep, ep))
+        param_filter = axes_filter(None, 1, fsdp == "full")
+    elif fsdp == "hybrid":
         mesh = LogicalMesh(cluster, sub, sub)  # axis 0 across hosts, axis 1 inside one
         param_filter = axes_filter(None, None, fsdp=True, hybrid=(1,))
     else:
         mesh = LogicalMesh(cluster, sub, (dp * cp, tp))
         if fsdp == "full":
             param_filter = axes_filter(
-                1 if tp > 1 else None, 0 if expert_parallel and dp > 1 else None, True
+                1 if tp > 1 else None, 0 if ep > 1 and dp > 1 else None, True
             )
     layer_of = bd.layer_of_nodes(graph, layers)
     bounds = bd.boundary_values(graph, layer_of, len(layers))
@@ -288,7 +306,8 @@ def manual_plan(
         "recompute": recompute,
         "sequence_parallel": sequence_parallel,
         "virtual_stages": virtual_stages,
-        "expert_parallel": expert_parallel,
+        "expert_parallel": ep > 1,
+        "expert_parallel_degree": ep,
         "fsdp": fsdp,
         "context_parallel": cp,
         "fits": fits,
@@ -300,6 +319,40 @@ def manual_plan(
             "{} per device, {} available".format(*gib(peak, budget))
         )
     return plan
+
+
+def _expert_degree(expert_parallel: bool | int, dp: int) -> int:
+    """The devices a group splits the experts over: dp for True, 1 (none) for False, else the
+    int given, which must divide dp."""
+    if isinstance(expert_parallel, bool):
+        return dp if expert_parallel else 1
+    if (
+        not isinstance(expert_parallel, int)
+        or expert_parallel < 1
+        or dp % expert_parallel
+    ):
+        raise MeshplanError(
+            "expert_parallel must be True, False or a number of devices dividing "
+            f"dp={dp}, got {expert_parallel!r}"
+        )
+    return expert_parallel
+
+
+def _check_experts(graph: OpGraph, ep: int) -> bool:
+    """Whether the model has expert weights; raises when `ep` does not divide their count."""
+    paths = graph.placeholder_paths
+    counts = {
+        graph.node(n).outputs[0].shape[0]
+        for n, p in paths.items()
+        if is_expert_weight(p)
+    }
+    for e in sorted(counts):
+        if e % ep:
+            raise MeshplanError(
+                f"expert parallelism over {ep} devices needs the experts per layer to divide "
+                f"by {ep}, but the model has {e}"
+            )
+    return bool(counts)
 
 
 def _both(
