@@ -8,7 +8,8 @@ placed by `runtime.pipeline.PipelineRunner.place_params`). In every micro-batch:
   runs; that all-gathers the shard to the planned placement (site ``fwd:fsdp:<path>``) through
   `_Gather`, an autograd function, and starts the all-gather of the next FSDP parameter in
   first-use order (prefetch: on NCCL the functional collective runs on its own stream while this
-  parameter's ops compute; waited at its first use). After the last node reading it has run the
+  parameter's ops compute; waited at its first use. On gloo every collective here completes as
+  it is issued, `runtime.redistribute.waits_at_once`, the bookkeeping being the same). After the last node reading it has run the
   gathered copy is no longer referenced: what autograd saves of it (a matmul keeps its weight)
   is replaced by a token (``torch.autograd.graph.saved_tensors_hooks``), so the storage is freed;
 * backward: unpacking a token gathers the parameter again (site ``bwd:fsdp:<path>``, once per

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
@@ -84,7 +86,7 @@ def redistribute(
     `cost_models.resharding.reshard_steps` prices it); partials of another kind are converted
     locally where possible (`_repartial`), else through R. With ``async_op`` the last collective
     is left in flight: the local tensor is an ``AsyncCollectiveTensor``, waited by its first use
-    or its ``wait()``."""
+    or its ``wait()`` (on gloo it has already completed when it is returned: `waits_at_once`)."""
     dst = tuple(dst)
     if tuple(x.placements) == dst:
         return x
@@ -100,7 +102,26 @@ def redistribute(
         new = DTensorSpec(spec.mesh, target, tensor_meta=spec.tensor_meta)
         local = redistribute_local_tensor(local, spec, new, async_op=async_op)
         spec = new
+    if async_op and isinstance(local, AsyncCollectiveTensor) and waits_at_once():
+        local.trigger_wait()  # still an AsyncCollectiveTensor, completed
     return DTensor(local, spec, requires_grad=False)
+
+
+def waits_at_once() -> bool:
+    """Whether a collective issued with ``async_op`` is waited for at once: on gloo.
+
+    Gloo's TCP transport can hang both ranks when several collectives of one group are in
+    flight at once (its two worker threads run two of them together): a script issuing
+    30000 random all-gathers and reduce-scatters on 2 ranks with random waits, as FSDP's
+    prefetches and reduce-scatters are, hung in about one launch of 15 on this machine, every
+    rank waiting for a collective that never completed (gdb: one rank's all-gather waiting for
+    its send to complete beside its all-reduce waiting to receive, the other rank's all-gather
+    spinning in gloo's ``UnboundBuffer`` destructor); so did `runtime.fsdp`'s test, once in
+    three CI runs. Waited at once, one collective is in flight at a time, as with DTensor's
+    synchronous redistributions, which never hung. Torch passes no options to gloo groups
+    (one worker thread would do), so the runtime waits. On NCCL the collective stays in flight
+    on its own stream, as `planner.intra.fsdp_prices` prices it."""
+    return dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 def allreduce_axes(

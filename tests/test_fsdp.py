@@ -270,8 +270,9 @@ def _train(plan: ParallelPlan, ckpt: str) -> dict[str, Any]:
 
 def _watch_reduce_scatters(fs: Any) -> list[tuple[Any, ...]]:
     """Record, at every reduce-scatter `runtime.fsdp` issues: (its layer, the layers in flight
-    before, the layers in flight after, whether its result is still in flight); and at every end
-    of a backward pass: ("end", the layers in flight)."""
+    before, the layers in flight after, whether its result is a functional collective's
+    (``AsyncCollectiveTensor``), whether that has completed); and at every end of a backward
+    pass: ("end", the layers in flight)."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     events: list[tuple[Any, ...]] = []
@@ -282,8 +283,9 @@ def _watch_reduce_scatters(fs: Any) -> list[tuple[Any, ...]]:
         reduce(name, mb, grad)
         local = fs._pending[-1].grad._local_tensor
         after = [r.layer for r in fs._pending]
+        act = isinstance(local, AsyncCollectiveTensor)
         events.append(
-            (fs.layer[name], before, after, isinstance(local, AsyncCollectiveTensor))
+            (fs.layer[name], before, after, act, act and bool(local.completed))
         )
 
     def watched_end() -> None:
@@ -350,17 +352,20 @@ def test_fsdp_communicates_what_was_priced(runs: list[dict[str, Any]]) -> None:
 
 @pytest.mark.slow
 def test_fsdp_reduce_scatters_wait_one_layer_later(runs: list[dict[str, Any]]) -> None:
-    """Every gradient's reduce-scatter is issued in flight; before one of an earlier layer is
-    issued those of later layers are waited for (and only those); each micro-batch's backward
-    ends with only its first layer's in flight, waited there."""
+    """Every gradient's reduce-scatter is issued as a functional collective, in flight for the
+    bookkeeping; before one of an earlier layer is issued those of later layers are waited for
+    (and only those); each micro-batch's backward ends with only its first layer's in flight,
+    waited there. On gloo each collective has completed when issued (two in flight at once can
+    hang gloo, `runtime.redistribute.waits_at_once`); the waits are the same."""
     for r in runs:
         n = len(r["layers"])  # the FSDP parameters the runtime shards
         assert sorted(set(r["layers"].values())) == [0, 1, 2, 3]
         issued = [e for e in r["events"] if e[0] != "end"]
         ends = [e for e in r["events"] if e[0] == "end"]
         assert len(issued) == B * n and len(ends) == B
-        assert all(e[3] for e in issued)  # in flight when issued
-        for layer, before, after, _ in issued:
+        assert all(e[3] for e in issued)  # an AsyncCollectiveTensor when issued
+        assert all(e[4] for e in issued)  # gloo: completed at once
+        for layer, before, after, *_ in issued:
             assert after == [x for x in before if x <= layer] + [layer]
             assert all(x == layer for x in after)  # later layers were waited for
         # layers arrive in backward order, and each wait found several in flight

@@ -440,13 +440,14 @@ def test_hsdp_communicates_what_was_priced(runs: list[dict[str, Any]]) -> None:
 
 @pytest.mark.slow
 def test_hsdp_reduces_one_layer_later(runs: list[dict[str, Any]]) -> None:
-    """Every gradient's reduction (reduce-scatter, then the shard's all-reduce) is issued in
-    flight and waited one layer later, as FSDP's (test_fsdp)."""
+    """Every gradient's reduction (reduce-scatter, then the shard's all-reduce) is issued as a
+    functional collective (on gloo completed at once) and waited one layer later, as FSDP's
+    (test_fsdp)."""
     n = len(_plan(runs[0]["recompute"]).stages[0].fsdp_params)
     for r in runs:
         issued = [e for e in r["events"] if e[0] != "end"]
-        assert len(issued) == B * n and all(e[3] for e in issued)
-        for layer, before, after, _ in issued:
+        assert len(issued) == B * n and all(e[3] and e[4] for e in issued)
+        for layer, before, after, *_ in issued:
             assert after == [x for x in before if x <= layer] + [layer]
 
 
