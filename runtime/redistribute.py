@@ -115,7 +115,8 @@ def waits_at_once() -> bool:
     issuing 30000 random DTensor all-gathers and reduce-scatters with `async_op` and waiting
     for random subsets of them, as FSDP's prefetches and reduce-scatters are, hung in 3 of 78
     launches on this machine (2026-11-29), every rank waiting for a collective that never
-    completed (gdb: one rank's all-gather waiting for its send to complete beside its
+    completed (`python -m benchmarks.gloo_inflight`; gdb: one rank's all-gather waiting for
+    its send to complete beside its
     all-reduce waiting to receive, the other rank's all-gather spinning in gloo's
     ``UnboundBuffer`` destructor); `runtime.fsdp`'s test hung so once in three CI runs. Waited
     at once, one collective is in flight at a time, as with DTensor's synchronous

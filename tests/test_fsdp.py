@@ -394,3 +394,13 @@ def test_fsdp_holds_the_priced_bytes(runs: list[dict[str, Any]]) -> None:
             assert param + grad + adam == priced, path
             assert param < meta.nbytes, path  # sharded
     assert all(r["checkpoint"] == (True, 3) for r in runs)
+
+
+@pytest.mark.slow
+def test_gloo_diagnostic_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m benchmarks.gloo_inflight`, the measurement behind
+    `runtime.redistribute.waits_at_once`, runs: a short launch finishes and says so."""
+    from benchmarks.gloo_inflight import main
+
+    assert main(["--launches", "1", "--ops", "200", "--timeout", "120"]) == 0
+    assert "0 of 1 launches hung (200 collectives each)" in capsys.readouterr().out

@@ -1,0 +1,100 @@
+"""Diagnostic: gloo with several collectives of one group in flight at once, the measurement
+behind `runtime.redistribute.waits_at_once`.
+
+Each launch starts 2 gloo ranks that issue `--ops` random DTensor redistributions on a 1-D mesh
+of both, as FSDP issues its own: all-gathers (Shard -> Replicate) and reduce-scatters
+(Partial -> Shard) with ``async_op=True``, left in flight, of 4 to 8192 elements, a synchronous
+scalar all-reduce now and then, and every so often a wait for a random subset of what is in
+flight (the same seeded sequence on both ranks, so both issue the same collectives in the same
+order). A launch that does not finish within `--timeout` seconds is a hang: both ranks' Python
+stacks are printed (each waiting in ``wait_tensor``). With ``--wait-at-once`` every collective is
+waited for as it is issued, as the runtime does on gloo.
+
+    python -m benchmarks.gloo_inflight [--launches 20] [--ops 30000] [--wait-at-once]
+
+On this machine (2026-11-29, 2 cores, torch 2.13.0+cpu) 3 of 78 such launches hung, each about
+45 s when it did not; a gdb backtrace of a hung pair showed gloo's worker threads, not Python,
+stuck (module `runtime.redistribute`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+
+from runtime.launch import LaunchError, launch
+
+
+def _rank(ops: int, seed: int, wait_at_once: bool) -> int:
+    """One rank's collectives (module docstring); returns how many it issued."""
+    import torch
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    rng = random.Random(seed)
+    pending: list[DTensor] = []
+
+    def wait(x: DTensor) -> None:
+        if isinstance(x._local_tensor, AsyncCollectiveTensor):
+            x._local_tensor.wait()
+
+    for _ in range(ops):
+        k, n = rng.random(), rng.choice([4, 64, 1024, 8192])
+        if k < 0.4:
+            x = DTensor.from_local(torch.ones(n), mesh, [Shard(0)])
+            pending.append(x.redistribute(mesh, [Replicate()], async_op=True))
+        elif k < 0.8:
+            x = DTensor.from_local(torch.ones(2 * n), mesh, [Partial()])
+            pending.append(x.redistribute(mesh, [Shard(0)], async_op=True))
+        elif k < 0.85:
+            x = DTensor.from_local(torch.ones(1), mesh, [Partial()])
+            x.redistribute(mesh, [Replicate()]).to_local().sum().item()
+        else:
+            rng.shuffle(pending)
+            m = rng.randint(0, len(pending))
+            for x in pending[:m]:
+                wait(x)
+            pending = pending[m:]
+        if wait_at_once and pending:
+            wait(pending[-1])
+    for x in pending:
+        wait(x)
+    return ops
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--launches", type=int, default=20)
+    ap.add_argument("--ops", type=int, default=30000, help="collectives per launch")
+    ap.add_argument("--timeout", type=int, default=150, help="seconds before a hang")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the first launch")
+    ap.add_argument("--wait-at-once", action="store_true")
+    args = ap.parse_args(argv)
+    hung = 0
+    for i in range(args.launches):
+        t0 = time.perf_counter()
+        try:
+            launch(
+                _rank,
+                2,
+                args=(args.ops, args.seed + i, args.wait_at_once),
+                timeout_s=args.timeout,
+            )
+            print(
+                f"launch {i}: finished in {time.perf_counter() - t0:.1f} s", flush=True
+            )
+        except LaunchError as exc:
+            hung += 1
+            print(f"launch {i}: {exc}", flush=True)
+            for rank, stack in sorted((exc.tracebacks or {}).items()):
+                print(f"rank {rank}:\n{stack}", flush=True)
+    print(f"{hung} of {args.launches} launches hung ({args.ops} collectives each)")
+    return 1 if hung else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
