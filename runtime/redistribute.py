@@ -111,17 +111,16 @@ def waits_at_once() -> bool:
     """Whether a collective issued with ``async_op`` is waited for at once: on gloo.
 
     Gloo's TCP transport can hang both ranks when several collectives of one group are in
-    flight at once (its two worker threads run two of them together): launches of 2 ranks each
-    issuing 30000 random DTensor all-gathers and reduce-scatters with `async_op` and waiting
-    for random subsets of them, as FSDP's prefetches and reduce-scatters are, hung in 3 of 78
-    launches on this machine (2026-11-29), every rank waiting for a collective that never
-    completed (`python -m benchmarks.gloo_inflight`; gdb: one rank's all-gather waiting for
-    its send to complete beside its
-    all-reduce waiting to receive, the other rank's all-gather spinning in gloo's
-    ``UnboundBuffer`` destructor); `runtime.fsdp`'s test hung so once in three CI runs. Waited
-    at once, one collective is in flight at a time, as with DTensor's synchronous
-    redistributions. Torch passes no options to gloo groups (one worker thread might do), so
-    the runtime waits. On NCCL the collective stays in flight on its own stream, as
+    flight at once (its two worker threads run two of them together): launches of 2 ranks
+    each issuing 30000 random DTensor all-gathers and reduce-scatters with `async_op` and
+    waiting for random subsets of them, as FSDP's prefetches and reduce-scatters are, hung in
+    3 of 78 launches on this machine (2026-11-29, `python -m benchmarks.gloo_inflight` and two
+    variants), every rank waiting for a collective that never completed (gdb: one rank's
+    all-gather waiting for its send to complete beside its all-reduce waiting to receive, the
+    other rank's all-gather spinning in gloo's ``UnboundBuffer`` destructor);
+    `runtime.fsdp`'s test hung so once in three CI runs. Waited at once, one collective is in
+    flight at a time, as with DTensor's synchronous redistributions. Torch passes no options
+    to gloo groups (one worker thread might do), so the runtime waits. On NCCL the collective stays in flight on its own stream, as
     `planner.intra.fsdp_prices` prices it. The gradient buckets' all-reduces
     (`runtime.grad_overlap`) stay in flight on gloo too, priced so for CPU clusters; no hang
     was seen there."""
