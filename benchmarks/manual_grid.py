@@ -43,7 +43,10 @@ configure them by hand) is larger; every configuration is still one `manual_plan
     pipeline schedule          1F1B, and interleaved 1F1B with v = `VIRTUAL_STAGES` model chunks
                                per device when pp > 1, pp * v <= blocks and the micro-batch count is
                                a multiple of pp (Megatron-LM's requirement);
-    expert parallel            for MoE, off and on (when E divides by dp > 1);
+    expert parallel            for MoE, off and on (when E divides by dp > 1); expert parallelism
+                               over part of the replicas (`manual_plan(expert_parallel=ep)`, a
+                               (dp / ep, ep) mesh with tp = 1) prices Megatron-Core's published
+                               Mixtral layout (`benchmarks.llama_configs`) but is not in the grid;
     recompute                  none, selective (the attention cores) or full, with or without
                                FSDP (torchtitan's default is FSDP2 with activation checkpointing;
                                `runtime.fsdp` gathers again for the recomputed forward);
