@@ -140,6 +140,8 @@ def test_experts_split_over_part_of_the_replicas(tmp_path, capsys) -> None:
         manual_plan(SMALL_MIXTRAL, "1x8xA100-80GB", dp=4, tp=2, expert_parallel=2, **kw)
     with pytest.raises(MeshplanError, match="divide by 8, but the model has 4"):
         manual_plan(SMALL_MIXTRAL, "1x8xA100-80GB", dp=8, tp=1, expert_parallel=8, **kw)
+    with pytest.raises(MeshplanError, match="splits MoE expert weights, and llama"):
+        manual_plan(SMALL, "1x4xA100-80GB", dp=4, tp=1, expert_parallel=2, **kw)
     # the CLI's --ep: the same plan; a degree that does not divide dp is named
     from planner.vocab.plan_file import ParallelPlan
     from runtime.cli import main

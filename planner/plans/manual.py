@@ -225,7 +225,7 @@ def manual_plan(
     layers, ranges = block_units(graph, layers)
     n = dp * cp * tp
     sub = (1, n) if n <= M else (n // M, M)
-    experts = _check_experts(graph, ep)
+    experts = _check_experts(graph, ep, name)
     param_filter = megatron_filter(tp, dp, ep > 1)
     if 1 < ep < dp:
         mesh = LogicalMesh(cluster, sub, (dp // ep, ep))
@@ -338,14 +338,20 @@ def _expert_degree(expert_parallel: bool | int, dp: int) -> int:
     return expert_parallel
 
 
-def _check_experts(graph: OpGraph, ep: int) -> bool:
-    """Whether the model has expert weights; raises when `ep` does not divide their count."""
+def _check_experts(graph: OpGraph, ep: int, model: str) -> bool:
+    """Whether the model has expert weights; raises when `ep` > 1 and it has none, or when
+    `ep` does not divide their count."""
     paths = graph.placeholder_paths
     counts = {
         graph.node(n).outputs[0].shape[0]
         for n, p in paths.items()
         if is_expert_weight(p)
     }
+    if ep > 1 and not counts:
+        raise MeshplanError(
+            f"expert parallelism over {ep} devices splits MoE expert weights, and {model} has "
+            "none (leave expert parallelism off)"
+        )
     for e in sorted(counts):
         if e % ep:
             raise MeshplanError(
