@@ -34,8 +34,8 @@ memory. A configuration is left unpriced, with the reason recorded, when it uses
 parallelism together with data parallelism (`manual_plan` runs CP on micro-batches of one row,
 dp = 1; `benchmarks.manual_grid`'s docstring says why), expert parallelism over a part of the
 data-parallel ranks together with tensor parallelism (without it, a (dp / ep, ep) mesh,
-`manual_plan(expert_parallel=ep)`), recomputation of only some blocks, or another GPU count than the suite's
-case. FSDP together with activation recomputation (torchtitan's recipes) is priced as
+`manual_plan(expert_parallel=ep)`), recomputation of only some blocks, or another GPU count
+than the suite's case. FSDP together with activation recomputation (torchtitan's recipes) is priced as
 `manual_plan` prices it.
 """
 
@@ -368,7 +368,7 @@ def price_published(
         c.pp,
         c.global_batch // (dp * c.microbatch_size),
         c.recompute,
-        c.ep > 1 if c.ep in (1, c.dp) else c.ep,
+        c.ep,  # 1: none, dp: over all replicas, else over groups of ep (tp 1)
         c.fsdp,
         c.sequence_parallel if c.tp > 1 else None,
         c.virtual_stages or 1,
