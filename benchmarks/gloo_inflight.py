@@ -34,7 +34,7 @@ def _rank(ops: int, seed: int, wait_at_once: bool) -> int:
     import torch
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
     mesh = init_device_mesh("cpu", (2,))
     rng = random.Random(seed)
@@ -44,14 +44,17 @@ def _rank(ops: int, seed: int, wait_at_once: bool) -> int:
         if isinstance(x._local_tensor, AsyncCollectiveTensor):
             x._local_tensor.wait()
 
+    def issue(x: DTensor, to: Placement) -> None:
+        pending.append(x.redistribute(mesh, [to], async_op=True))
+        if wait_at_once:
+            wait(pending[-1])
+
     for _ in range(ops):
         k, n = rng.random(), rng.choice([4, 64, 1024, 8192, 65536])
         if k < 0.35:
-            x = DTensor.from_local(torch.ones(n), mesh, [Shard(0)])
-            pending.append(x.redistribute(mesh, [Replicate()], async_op=True))
+            issue(DTensor.from_local(torch.ones(n), mesh, [Shard(0)]), Replicate())
         elif k < 0.7:
-            x = DTensor.from_local(torch.ones(2 * n), mesh, [Partial()])
-            pending.append(x.redistribute(mesh, [Shard(0)], async_op=True))
+            issue(DTensor.from_local(torch.ones(2 * n), mesh, [Partial()]), Shard(0))
         elif k < 0.8:
             x = DTensor.from_local(torch.ones(1), mesh, [Partial()])
             x.redistribute(mesh, [Replicate()]).to_local().sum().item()
@@ -61,8 +64,6 @@ def _rank(ops: int, seed: int, wait_at_once: bool) -> int:
             for x in pending[:m]:
                 wait(x)
             pending = pending[m:]
-        if wait_at_once and pending:
-            wait(pending[-1])
     for x in pending:
         wait(x)
     return ops

@@ -185,9 +185,9 @@ process this morning, and HEAD 266 s (seven sizes: one row per device, 64, is al
 `planner.api.larger_microbatch_sizes`), at about 35 s per size, every size alike. gpt-39b took
 64.7 s the same morning (68.8 s the day before): the machine is not the difference. Each run now
 records `python_speed` beside it. Single runs after it: llama3-405b 371.2 s (target 180 s;
-its plan 23.03 s per iteration, one micro-batch of all 512 rows, against 30.06 s on 2026-11-26),
-mixtral-8x7b 309.8 s (target 90 s; 6.818 s per iteration, 6.798 s on 2026-11-26). Exact changes of that day, plan JSON equal before and after
-for llama3-70b at 4 rows, gpt-39b at 1 and llama3-8b at 2: `OpGraph.ops` made once (it was a
+its plan 23.03 s per iteration, one micro-batch of all 512 rows, against 30.06 s on
+2026-11-26), mixtral-8x7b 309.8 s (target 90 s; 6.818 s per iteration, 6.798 s on
+2026-11-26). Exact changes of that day, plan JSON equal before and after for llama3-70b at 4 rows, gpt-39b at 1 and llama3-8b at 2: `OpGraph.ops` made once (it was a
 new list per access), a stage's backward seconds per op kept per solution and layer map
 (`planner.inter.dp_overlap._backward_seconds`; the gradient-bucket pricing of the 17 candidate
 plans of a size looped over every op of the model per stage: 8.5% of a size's samples of

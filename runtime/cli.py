@@ -70,9 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
     except MeshplanError as exc:
         print(f"meshplan: error: {exc}", file=sys.stderr)
-        if (
-            isinstance(exc, LaunchError) and exc.rank is None
-        ):  # timed out: each rank's stack
+        # a timed-out launch blames no rank: show where each one hung
+        if isinstance(exc, LaunchError) and exc.rank is None:
             for rank, stack in sorted(exc.tracebacks.items()):
                 print(f"--- rank {rank} ---\n{stack.rstrip()}", file=sys.stderr)
         return 2
