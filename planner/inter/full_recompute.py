@@ -80,6 +80,79 @@ def node_terms(sol: StageSolution, graph: OpGraph) -> NodeTerms:
         return sol._derived["full_recompute"]
     ctx = sol._ctx
     names, table = sol.node_cost_table()
+    shape = _structure(sol, graph, names)
+    redo = table[:, 1].copy()
+    if len(shape.edge_at):
+        if (
+            own and sol._edge_terms is not None
+        ):  # the solution's edge prices, in edge order
+            acts = np.asarray(sol._edge_terms[0])[shape.edge_at]
+        else:
+            chosen = sol._chosen()
+            acts = np.array(
+                [
+                    float(ctx.edge(u, v)[0][chosen[u], chosen[v]])
+                    for u, v in (ctx.edges[e] for e in shape.edge_at)
+                ]
+            )
+        # in edge order, one addition at a time: the same sums as adding edge by edge
+        np.add.at(redo, shape.edge_reader, 0.5 * acts)
+    pairs = shape.pairs
+    value_bytes = np.array(
+        [_local_bytes(sol, graph, names[j]) for j in pairs[:, 1]], dtype=float
+    )
+    fix = np.array(
+        [
+            _local_bytes(sol, graph, u) * sign
+            for u, sign in zip(shape.outside_values, shape.outside_sign)
+        ],
+        dtype=float,
+    )
+    terms = NodeTerms(
+        shape.block,
+        redo,
+        pairs[:, 0],
+        pairs[:, 1],
+        value_bytes,
+        pairs[:, 2],
+        shape.outside_at,
+        fix,
+    )
+    if own:
+        sol._derived["full_recompute"] = terms
+    return terms
+
+
+@dataclass(frozen=True)
+class _Structure:
+    """What `node_terms` reads of the graph alone, alike for every solution of one pricing: each
+    node's block, the edges whose resharding recomputation re-runs (positions in ``ctx.edges``
+    and their readers' positions), the (block, value, reader) block inputs, and the values
+    outside the blocks whose kept bytes differ from their saved bytes (their positions and
+    signs, `_outside_fixes`)."""
+
+    block: np.ndarray
+    edge_at: np.ndarray
+    edge_reader: np.ndarray
+    pairs: np.ndarray
+    outside_at: np.ndarray
+    outside_values: list[str]
+    outside_sign: list[int]
+
+
+def _structure(sol: StageSolution, graph: OpGraph, names: list[str]) -> _Structure:
+    """`_Structure` of the solution's pricing, made once per pricing when `graph` is its own
+    (every solution of a pricing has the same nodes in the same order and the same edges)."""
+    ctx = sol._ctx
+    if ctx.graph is graph:
+        key = ("full_recompute_structure", len(names))
+        if key not in ctx.shared:
+            ctx.shared[key] = _make_structure(ctx, graph, names)
+        return ctx.shared[key]
+    return _make_structure(ctx, graph, names)
+
+
+def _make_structure(ctx, graph: OpGraph, names: list[str]) -> _Structure:
     index = {n: i for i, n in enumerate(names)}
     keys: dict[str, int] = {}
     block = np.full(len(names), -1)
@@ -87,12 +160,8 @@ def node_terms(sol: StageSolution, graph: OpGraph) -> NodeTerms:
         node = graph.node(n)
         if node.op == "call" and (key := block_of(node.module_path)) is not None:
             block[i] = keys.setdefault(key, len(keys))
-    redo = table[:, 1].copy()
-    chosen = sol._chosen()
-    for u, v in ctx.edges:
-        if u not in ctx.param_derived:
-            act, _ = ctx.edge(u, v)
-            redo[index[v]] += 0.5 * float(act[chosen[u], chosen[v]])
+    edge_at = [e for e, (u, _) in enumerate(ctx.edges) if u not in ctx.param_derived]
+    edge_reader = [index[ctx.edges[e][1]] for e in edge_at]
     reads: dict[tuple[int, int], int] = {}  # (block, value) -> the first op reading it
     for n, i in index.items():
         b = block[i]
@@ -104,26 +173,26 @@ def node_terms(sol: StageSolution, graph: OpGraph) -> NodeTerms:
                 continue
             reads.setdefault((int(b), j), i)
     pairs = np.array([(b, j, i) for (b, j), i in reads.items()], dtype=int)
-    pairs = pairs.reshape(-1, 3)
-    value_bytes = np.array(
-        [_local_bytes(sol, graph, names[j]) for j in pairs[:, 1]], dtype=float
+    at, values, signs = _outside_fixes(graph, index, block)
+    return _Structure(
+        block,
+        np.array(edge_at, dtype=int),
+        np.array(edge_reader, dtype=int),
+        pairs.reshape(-1, 3),
+        np.array(at, dtype=int),
+        values,
+        signs,
     )
-    at, fix = _outside_fixes(sol, graph, index, block)
-    terms = NodeTerms(
-        block, redo, pairs[:, 0], pairs[:, 1], value_bytes, pairs[:, 2], at, fix
-    )
-    if own:
-        sol._derived["full_recompute"] = terms
-    return terms
 
 
 def _outside_fixes(
-    sol: StageSolution, graph: OpGraph, index: dict[str, int], block: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+    graph: OpGraph, index: dict[str, int], block: np.ndarray
+) -> tuple[list[int], list[str], list[int]]:
     """What ops outside every block keep, against their values' saved bytes (priced at the
     producer): a value produced outside the blocks that only blocks' ops save is not kept
     (checkpointed; a block input at most, counted as one), a value produced in a block that an
-    op outside saves is (the final norm's input), from the first such op on."""
+    op outside saves is (the final norm's input), from the first such op on. (positions, the
+    values, +1 for bytes kept, -1 for bytes not kept.)"""
     saved_outside: dict[str, int] = {}
     saved_any: set[str] = set()
     for n, i in index.items():
@@ -131,14 +200,15 @@ def _outside_fixes(
             saved_any.add(u)
             if block[i] < 0:
                 saved_outside.setdefault(u, i)
-    at, fix = [], []
+    at, values, signs = [], [], []
     for u in saved_any:
         j = index.get(u)
         if j is None or (block[j] < 0) == (u in saved_outside):
             continue
         at.append(j if block[j] < 0 else saved_outside[u])
-        fix.append(_local_bytes(sol, graph, u) * (-1 if block[j] < 0 else 1))
-    return np.array(at, dtype=int), np.array(fix, dtype=float)
+        values.append(u)
+        signs.append(-1 if block[j] < 0 else 1)
+    return at, values, signs
 
 
 def _local_bytes(sol: StageSolution, graph: OpGraph, name: str) -> float:

@@ -231,21 +231,29 @@ def _weight_copies(
     )
 
 
+def _per_pricing(sol: StageSolution, graph: OpGraph, key: tuple, make: Callable) -> Any:
+    """``make()``, kept for every solution of the pricing when `graph` is the solution's own:
+    what depends on the graph alone (which inputs of which ops to look at)."""
+    if sol._ctx is None or sol._ctx.graph is not graph:
+        return make()
+    shared = sol._ctx.shared
+    if key not in shared:
+        shared[key] = make()
+    return shared[key]
+
+
 def _compute_weight_copies(
     sol: StageSolution, graph: OpGraph, grad_bytes: float
 ) -> list[tuple[str, str, float]]:
     mesh = sol.mesh_shape
     out = []
-    for name, opt in sol.choice.items():
-        node = graph.node(name)
-        if node.op != "call" or node.is_view:
+    for name, reads in _weight_reads(sol, graph):
+        ins = sol.choice[name].strategy.inputs
+        if len(ins) != len(graph.node(name).inputs):
             continue
-        ins = opt.strategy.inputs
-        if len(ins) != len(node.inputs):
-            continue
-        for w, target in zip(node.inputs, ins):
-            root = _root(graph, w)
-            if target is None or graph.node(root).op != "param":
+        for i, w, root in reads:
+            target = ins[i]
+            if target is None:
                 continue
             if _copied_on_the_way(sol, graph, w, target):
                 meta = graph.node(w).outputs[0]
@@ -253,6 +261,30 @@ def _compute_weight_copies(
                     (name, root, meta.numel() / shards(target, mesh) * grad_bytes)
                 )
     return out
+
+
+def _weight_reads(
+    sol: StageSolution, graph: OpGraph
+) -> list[tuple[str, list[tuple[int, str, str]]]]:
+    """Per op (not a view) of the solution, in its order: (input position, input, parameter)
+    of each input whose storage is a parameter's."""
+
+    def make() -> list[tuple[str, list[tuple[int, str, str]]]]:
+        out = []
+        for name in sol.choice:
+            node = graph.node(name)
+            if node.op != "call" or node.is_view:
+                continue
+            reads = [
+                (i, w, root)
+                for i, w in enumerate(node.inputs)
+                if graph.node(root := _root(graph, w)).op == "param"
+            ]
+            if reads:
+                out.append((name, reads))
+        return out
+
+    return _per_pricing(sol, graph, ("weight_reads", len(sol.choice)), make)
 
 
 def _root(graph: OpGraph, name: str) -> str:
@@ -312,11 +344,9 @@ def resharded_saves(sol: StageSolution, graph: OpGraph) -> dict[str, float]:
 def _compute_resharded_saves(sol: StageSolution, graph: OpGraph) -> dict[str, float]:
     mesh = sol.mesh_shape
     out: dict[str, float] = {}
-    for name, opt in sol.choice.items():
+    for name, inputs in _saving_reads(sol, graph):
         node = graph.node(name)
-        if node.op != "call" or not (node.saved or node.saved_params):
-            continue
-        strategy = opt.strategy
+        strategy = sol.choice[name].strategy
         if (
             len(strategy.inputs) != len(node.inputs)
             or context_axis(strategy) is not None
@@ -324,15 +354,41 @@ def _compute_resharded_saves(sol: StageSolution, graph: OpGraph) -> dict[str, fl
             # context-parallel attention: its gathered k and v are in its activation bytes
             # already (`planner.intra.context.gathered_kv_bytes`)
             continue
-        saved = set(node.saved)
         total = 0.0
-        for w, target in zip(node.inputs, strategy.inputs):
-            if target is None or not (
-                w in node.saved_params or _root(graph, w) in saved
-            ):
+        for i, w in inputs:
+            target = strategy.inputs[i]
+            if target is None:
                 continue
             if _copied_on_the_way(sol, graph, w, target):
                 total += graph.node(w).outputs[0].nbytes / shards(target, mesh)
         if total:
             out[name] = total
     return out
+
+
+def _saving_reads(
+    sol: StageSolution, graph: OpGraph
+) -> list[tuple[str, list[tuple[int, str]]]]:
+    """Per op of the solution that saves something, in its order: (position, input) of each
+    input it saves (a saved parameter, or a value whose storage it saves)."""
+
+    def make() -> list[tuple[str, list[tuple[int, str]]]]:
+        out = []
+        for name in sol.choice:
+            node = graph.node(name)
+            if node.op != "call" or not (node.saved or node.saved_params):
+                continue
+            saved = set(node.saved)
+            out.append(
+                (
+                    name,
+                    [
+                        (i, w)
+                        for i, w in enumerate(node.inputs)
+                        if w in node.saved_params or _root(graph, w) in saved
+                    ],
+                )
+            )
+        return out
+
+    return _per_pricing(sol, graph, ("saving_reads", len(sol.choice)), make)

@@ -41,8 +41,47 @@ def selective_table(
     ctx = sol._ctx
     s = ctx.settings
     names, _ = sol.node_cost_table()
-    kept: set[str] = set()
-    for n in sol.choice:
+    seconds = np.zeros(len(names))
+    dropped = np.zeros(len(names))
+    core = np.full(len(names), -1)
+    own = ctx.graph is graph  # then its node values hold these prices
+    values = sol.node_values() if own else {}
+    # a core op's forward and half the resharding into it, as full recomputation re-runs it
+    redo = node_terms(sol, graph).redo
+    for i, n, inner, keeps in _changed(sol, graph, cores, names):
+        node, opt = graph.node(n), sol.choice[n]
+        # `PricedStage.values`: (cost, memory = `sc.activation_bytes` saved as priced, forward)
+        was = values[n][1] if own else sc.activation_bytes(node, opt, n in ctx.saved, s)
+        now = sc.activation_bytes(node, opt, keeps, s)
+        if inner:
+            now -= sc.activation_bytes(node, opt, False, s)  # its extra saved tensors
+            seconds[i] = redo[i]
+            core[i] = cores[n]
+        dropped[i] = (was - now) / s.in_flight
+    sol._selective = (seconds, dropped, core)
+    return sol._selective
+
+
+def _changed(
+    sol: StageSolution, graph: OpGraph, cores: dict[str, int], names: list[str]
+) -> list[tuple[int, str, bool, bool]]:
+    """(position, node, in a core, still saved) of the ops selective recomputation changes:
+    those in a core, and those the stage saves that are saved no more (in S, not in S'). They
+    depend on the graph alone: made once per pricing when `graph` is the solution's own."""
+    ctx = sol._ctx
+    if ctx.graph is graph:
+        key = ("selective_changed", id(cores), len(names))
+        if key not in ctx.shared:
+            ctx.shared[key] = _make_changed(graph, cores, names, ctx.saved)
+        return ctx.shared[key]
+    return _make_changed(graph, cores, names, ctx.saved)
+
+
+def _make_changed(
+    graph: OpGraph, cores: dict[str, int], names: list[str], saved: set[str]
+) -> list[tuple[int, str, bool, bool]]:
+    kept: set[str] = set()  # S'
+    for n in names:
         node = graph.node(n)
         if node.op != "call":
             continue
@@ -54,28 +93,12 @@ def selective_table(
             )
         else:
             kept.update(node.saved)
-    seconds = np.zeros(len(names))
-    dropped = np.zeros(len(names))
-    core = np.full(len(names), -1)
-    index = {n: i for i, n in enumerate(names)}
-    own = ctx.graph is graph  # then its node values hold these prices
-    values = sol.node_values() if own else {}
-    # a core op's forward and half the resharding into it, as full recomputation re-runs it
-    redo = node_terms(sol, graph).redo
-    for n, i in index.items():
-        node, opt = graph.node(n), sol.choice[n]
-        if node.op != "call":
+    out = []
+    for i, n in enumerate(names):
+        if graph.node(n).op != "call":
             continue
         inner = n in cores
-        if not inner and (n not in ctx.saved or n in kept):
+        if not inner and (n not in saved or n in kept):
             continue
-        # `PricedStage.values`: (cost, memory = `sc.activation_bytes` saved as priced, forward)
-        was = values[n][1] if own else sc.activation_bytes(node, opt, n in ctx.saved, s)
-        now = sc.activation_bytes(node, opt, n in kept, s)
-        if inner:
-            now -= sc.activation_bytes(node, opt, False, s)  # its extra saved tensors
-            seconds[i] = redo[i]
-            core[i] = cores[n]
-        dropped[i] = (was - now) / s.in_flight
-    sol._selective = (seconds, dropped, core)
-    return sol._selective
+        out.append((i, n, inner, n in kept))
+    return out

@@ -12,13 +12,17 @@ from planner.intra.prices import Option
 from planner.tracing.opgraph import OpGraph, OpNode
 
 
-def data_nodes(graph: OpGraph) -> set[str]:
-    """Names of the graph's data inputs and of every node computed from them."""
-    out: set[str] = set()
-    for node in graph.nodes:
-        if node.op == "input" or any(i in out for i in node.inputs):
-            out.add(node.name)
-    return out
+def data_nodes(graph: OpGraph) -> frozenset[str]:
+    """Names of the graph's data inputs and of every node computed from them (made once per
+    graph: every solve with data parallelism reads them)."""
+    made = graph.__dict__.get("_data_nodes")
+    if made is None:
+        out: set[str] = set()
+        for node in graph.nodes:
+            if node.op == "input" or any(i in out for i in node.inputs):
+                out.add(node.name)
+        made = graph.__dict__["_data_nodes"] = frozenset(out)
+    return made
 
 
 def batch_split_options(

@@ -141,10 +141,16 @@ class PricedStage:
         """The same stage with fewer options for some nodes; prices already computed are shared."""
         full = self.full_options or self.options
         keep = {}
+        made: dict[
+            tuple[int, int], np.ndarray
+        ] = {}  # the copies of a block share both lists
         for n, opts in options.items():
             if opts is not full[n]:
-                where = {id(o): i for i, o in enumerate(full[n])}
-                keep[n] = np.array([where[id(o)] for o in opts], dtype=int)
+                pair = (id(full[n]), id(opts))
+                if pair not in made:
+                    where = {id(o): i for i, o in enumerate(full[n])}
+                    made[pair] = np.array([where[id(o)] for o in opts], dtype=int)
+                keep[n] = made[pair]
         out = PricedStage(
             self.graph,
             self.settings,

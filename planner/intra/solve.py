@@ -150,30 +150,6 @@ class StageSolution:
             }
         return self._values
 
-    def node_costs(self) -> dict[str, tuple[float, float, float, float]]:
-        """Per node: (time per micro-batch including resharding of its inputs, forward compute time,
-        parameter-state bytes, activation bytes per in-flight micro-batch). Sums to the stage totals."""
-        ctx = self._ctx
-        index = self._chosen()
-        values = self.node_values()
-        out = {}
-        for n in self.choice:
-            t, mem, fwd = values[n]
-            is_param = ctx.graph.node(n).op == "param"
-            out[n] = (
-                t,
-                fwd,
-                mem if is_param else 0.0,
-                0.0 if is_param else mem / ctx.settings.in_flight,
-            )
-        if self._edge_terms is None:
-            self._edge_terms = ctx.edge_terms(index)
-        acts, grads = self._edge_terms
-        for (_, v), a, g in zip(ctx.edges, acts, grads):
-            t, fwd, pm, am = out[v]
-            out[v] = (t + a + g, fwd, pm, am)
-        return out
-
     def fsdp_table(self) -> np.ndarray:
         """Per node, in `node_cost_table`'s order (nodes, 5): an op's own compute forward and
         backward and its forward compute; an FSDP parameter's all-gathers of one pass
@@ -202,11 +178,29 @@ class StageSolution:
         return self._fsdp_table
 
     def node_cost_table(self) -> tuple[list[str], np.ndarray]:
-        """`node_costs` as (node names, array of shape (nodes, 4)), computed once and cached."""
+        """Per node: (time per micro-batch including resharding of its inputs, forward compute
+        time, parameter-state bytes, activation bytes per in-flight micro-batch), as (node
+        names, array of shape (nodes, 4)); sums to the stage totals. Computed once."""
         if self._cost_table is None:
-            costs = self.node_costs()
-            table = np.array(list(costs.values()), dtype=float).reshape(-1, 4)
-            self._cost_table = (list(costs), table)
+            ctx = self._ctx
+            names = list(self.choice)
+            is_param, readers = _table_structure(ctx, names)
+            values = self.node_values()
+            own = np.array([values[n] for n in names], dtype=float).reshape(-1, 3)
+            table = np.empty((len(names), 4))
+            table[:, 0] = own[:, 0]
+            table[:, 1] = own[:, 2]
+            table[:, 2] = np.where(is_param, own[:, 1], 0.0)
+            table[:, 3] = np.where(is_param, 0.0, own[:, 1] / ctx.settings.in_flight)
+            if self._edge_terms is None:
+                self._edge_terms = ctx.edge_terms(self._chosen())
+            acts, grads = self._edge_terms
+            # each edge's resharding onto its consumer, activation then gradient, edge by
+            # edge (`np.add.at` adds in order: the same sums as a loop over the edges)
+            steps = np.empty(2 * len(acts))
+            steps[0::2], steps[1::2] = acts, grads
+            np.add.at(table[:, 0], np.repeat(readers, 2), steps)
+            self._cost_table = (names, table)
         return self._cost_table
 
     def forward_reshards(
@@ -473,13 +467,23 @@ def _reduce(
         costs.append(c * count[n])
         memories.append(m * count[n])
     cg = CostGraph(reps, costs, memories)
-    grouped = Counter(ctx.edge_key(u, v) for u, v in ctx.edges)
-    sample = {ctx.edge_key(u, v): (u, v) for u, v in reversed(ctx.edges)}
-    for key, c in grouped.items():
-        act, grad = ctx.edge(*sample[key])
+    for key, (edge, c) in _edge_classes(ctx).items():
+        act, grad = ctx.edge(*edge)
         cg.add_edge(index[key[0]], index[key[1]], (act + grad) * c)
     leaders = _leaders(graph, reps, options, rep)
     return merge_followers(identity(cg), leaders)
+
+
+def _edge_classes(ctx: PricedStage) -> dict[tuple, tuple[tuple[str, str], int]]:
+    """Per edge key (`PricedStage.edge_key`: the copies of an edge in repeated blocks), in the
+    order of first appearance: its first edge and its number of edges. The same for every
+    program of a pricing: made once."""
+    key = ("edge_classes",)
+    if key not in ctx.shared:
+        grouped = Counter(ctx.edge_key(u, v) for u, v in ctx.edges)
+        sample = {ctx.edge_key(u, v): (u, v) for u, v in reversed(ctx.edges)}
+        ctx.shared[key] = {k: (sample[k], c) for k, c in grouped.items()}
+    return ctx.shared[key]
 
 
 def _leaders(
@@ -519,7 +523,7 @@ def _summarise(
     """The StageSolution of `choice` (option `index[n]` of every node n in ctx.options)."""
     g, s = ctx.graph, ctx.settings
     is_param = {n: g.node(n).op == "param" for n in choice}
-    # (cost, memory, forward time), kept for `StageSolution.node_costs`
+    # (cost, memory, forward time), kept for `StageSolution.node_cost_table`
     values = {n: ctx.values(n, index[n], forward=True) for n in choice}
     compute = sum(values[n][0] for n in choice if not is_param[n])
     zero = sum(values[n][0] for n in choice if is_param[n])
@@ -567,3 +571,18 @@ def _summarise(
         _values=values,
         _edge_terms=edge_terms,
     )
+
+
+def _table_structure(
+    ctx: PricedStage, names: list[str]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(whether each of `names` is a parameter, the position in `names` of each edge's
+    consumer), alike for every solution of a pricing: made once per pricing."""
+    key = ("cost_table_structure", len(names))
+    if key not in ctx.shared:
+        where = {n: i for i, n in enumerate(names)}
+        ctx.shared[key] = (
+            np.array([ctx.graph.node(n).op == "param" for n in names], dtype=bool),
+            np.array([where[v] for _, v in ctx.edges], dtype=np.int64),
+        )
+    return ctx.shared[key]

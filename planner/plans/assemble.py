@@ -17,7 +17,7 @@ submesh, intra-op solution, recomputation and `StageCost`. `assemble` turns it i
   head sharing its weight; `tied_params`): every stage reading one holds its own copy, placed
   as that stage's solution places the parameter, listed in its ``param_placements`` and in the
   plan's ``tied_params``. A copy beyond the first on a device group adds its parameter state
-  (the parameter's row of the stage solution's `node_costs`) to the stage's memory and its own
+  (the parameter's row of the stage solution's `node_cost_table`) to the stage's memory and its own
   time to the stage's; summing the copies' gradients once per step (`tied_sync_seconds`) is a
   fixed time per step of the iteration.
 """
