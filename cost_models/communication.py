@@ -39,7 +39,7 @@ collective inside a host depends on which GPUs form its group (``Cluster.group_l
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cost_models.cluster import Cluster, LinkSpec
 from cost_models.errors import MeshplanError
@@ -262,6 +262,9 @@ class LogicalMesh:
     cluster: Cluster
     submesh: tuple[int, int]
     shape: tuple[int, int]
+    # `collective`'s answers, (op, bytes, axis) -> seconds: the planner prices the same few
+    # collectives for thousands of redistributions of one mesh
+    _seconds: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         (hosts, per_host), (a, b) = self.submesh, self.shape
@@ -313,12 +316,16 @@ class LogicalMesh:
 
     def collective(self, op: str, nbytes: float, axis: int | None) -> float:
         """Seconds for ``op`` of ``nbytes`` along mesh axis ``axis`` (None: over the whole mesh)."""
-        return collective_time(
-            self.cluster,
-            op,
-            nbytes,
-            self.flat_axis() if axis is None else self.axis(axis),
-        )
+        key = (op, nbytes, axis)
+        seconds = self._seconds.get(key)
+        if seconds is None:
+            seconds = self._seconds[key] = collective_time(
+                self.cluster,
+                op,
+                nbytes,
+                self.flat_axis() if axis is None else self.axis(axis),
+            )
+        return seconds
 
     def all_reduce(self, nbytes: float, axis: int | None) -> float:
         return self.collective("all_reduce", nbytes, axis)

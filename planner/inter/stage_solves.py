@@ -101,7 +101,13 @@ def profiles_for(
         except MeshplanError:
             continue  # a sequence the axis does not divide; a graph CP cannot split
         split = batch_split_options(
-            graph, names, pricing.ctx.options, rep, axes, mesh.shape
+            graph,
+            names,
+            pricing.ctx.options,
+            rep,
+            axes,
+            mesh.shape,
+            memo=pricing.ctx.shared.setdefault(("batch_split", id(graph)), {}),
         )
         if first is not None and (
             all(seed(paths[n], first.choice[n]) for n in params)

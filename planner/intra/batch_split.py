@@ -32,21 +32,33 @@ def batch_split_options(
     rep: dict[str, str],
     axes: tuple[int, ...],
     mesh_shape: tuple[int, ...],
+    memo: dict | None = None,
 ) -> dict[str, list[Option]]:
     """The options of the representatives among `names` computed from the data (`data_nodes`)
     restricted to those splitting the batch on `axes` (`shards_batch`; scalars such as the loss
     are free), or {} - no restriction - when `axes` is empty or some such value has no
     batch-split option: a micro-batch too small to split, or an op whose DTensor strategy needs
     the whole batch (batch norm in training). Forcing its neighbours would only add
-    redistributions around it that data parallelism does not have, so the stage is left free."""
+    redistributions around it that data parallelism does not have, so the stage is left free.
+    `memo` (one per pricing: the same graph and mesh) keeps each options list's filtered list,
+    so that the solves of one pricing filter a list once."""
     if not axes:
         return {}
     data = data_nodes(graph)
+    memo = {} if memo is None else memo
     out = {}
     for n in names:
         if rep.get(n, n) == n and n in data:
-            node = graph.node(n)
-            out[n] = [o for o in options[n] if shards_batch(node, o, axes, mesh_shape)]
+            key = (id(options[n]), axes)
+            hit = memo.get(key)
+            if hit is None or hit[0] is not options[n]:
+                node = graph.node(n)
+                kept = [
+                    o for o in options[n] if shards_batch(node, o, axes, mesh_shape)
+                ]
+                # the list itself kept with its filtered one: its id is not reused meanwhile
+                hit = memo[key] = (options[n], kept)
+            out[n] = hit[1]
             if not out[n]:
                 return {}
     return out

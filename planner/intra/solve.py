@@ -395,7 +395,15 @@ def solve_stage(
                         f"no allowed strategy for op {n} {graph.node(n).outputs[0].shape} "
                         f"on mesh {mesh.shape}"
                     )
-    split = batch_split_options(graph, names, options, rep, batch_axes, mesh.shape)
+    split = batch_split_options(
+        graph,
+        names,
+        options,
+        rep,
+        batch_axes,
+        mesh.shape,
+        memo=base.shared.setdefault(("batch_split", id(graph)), {}),
+    )
     options.update(split)
     if (
         param_filter is not None
