@@ -40,21 +40,41 @@ def wgrad_table(sol: StageSolution, graph: OpGraph) -> tuple[np.ndarray, np.ndar
     seconds, nbytes = np.zeros(len(names)), np.zeros(len(names))
     if sol._ctx is None:  # a solution without its pricing context: no split known
         return seconds, nbytes
-    derived = graph.param_derived()
     # the forward times of the solution's own graph are among its node values
     own = sol._ctx.graph is graph
     values = sol.node_values() if own else {}
-    for i, n in enumerate(names):
-        node = graph.node(n)
-        if node.op != "call" or node.kind != "matmul" or not node.requires_grad:
-            continue
-        if any(u in derived for u in node.inputs):
-            opt = sol.choice[n]
-            seconds[i] = (
-                values[n][2] if own else sc.forward_time(node, opt, sol._ctx.settings)
-            )
-            nbytes[i] = node.outputs[0].nbytes / shards(
-                opt.strategy.output[0], sol.mesh_shape
-            )
+    for i, n in _weight_products(sol, graph, names):
+        node, opt = graph.node(n), sol.choice[n]
+        seconds[i] = (
+            values[n][2] if own else sc.forward_time(node, opt, sol._ctx.settings)
+        )
+        nbytes[i] = node.outputs[0].nbytes / shards(
+            opt.strategy.output[0], sol.mesh_shape
+        )
     sol._wgrad = (seconds, nbytes)
     return sol._wgrad
+
+
+def _weight_products(
+    sol: StageSolution, graph: OpGraph, names: list[str]
+) -> list[tuple[int, str]]:
+    """(position, node) of the matrix products with an input derived from a parameter: the
+    graph's alone, made once per pricing when `graph` is the solution's own."""
+
+    def make() -> list[tuple[int, str]]:
+        derived = graph.param_derived()
+        out = []
+        for i, n in enumerate(names):
+            node = graph.node(n)
+            if node.op != "call" or node.kind != "matmul" or not node.requires_grad:
+                continue
+            if any(u in derived for u in node.inputs):
+                out.append((i, n))
+        return out
+
+    if sol._ctx.graph is not graph:
+        return make()
+    key = ("weight_products", len(names))
+    if key not in sol._ctx.shared:
+        sol._ctx.shared[key] = make()
+    return sol._ctx.shared[key]

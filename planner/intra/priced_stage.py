@@ -137,6 +137,28 @@ class PricedStage:
             hit.append(sc.forward_time(self.graph.node(name), opt, self.settings))
         return hit[0], hit[1], hit[2]
 
+    def all_values(
+        self, index: dict[str, int]
+    ) -> dict[str, tuple[float, float, float]]:
+        """``values(n, index[n], forward=True)`` of every node n of `index`, in its order (the
+        loop of `values` without a call per node: the copies of a block hit one entry)."""
+        keep, keys, known = self.keep, self._price_keys, self._values
+        out = {}
+        for n, i in index.items():
+            k = keep.get(n)
+            key = keys.get(n)
+            hit = known.get(
+                (
+                    self.price_key(n) if key is None else key,
+                    i if k is None else int(k[i]),
+                )
+            )
+            if hit is None or len(hit) == 2:
+                out[n] = self.values(n, i, forward=True)
+            else:
+                out[n] = (hit[0], hit[1], hit[2])
+        return out
+
     def restricted(self, options: dict[str, list[Option]]) -> PricedStage:
         """The same stage with fewer options for some nodes; prices already computed are shared."""
         full = self.full_options or self.options

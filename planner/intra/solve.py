@@ -145,9 +145,7 @@ class StageSolution:
         inputs left out. Computed once."""
         if self._values is None:
             ctx, index = self._ctx, self._chosen()
-            self._values = {
-                n: ctx.values(n, index[n], forward=True) for n in self.choice
-            }
+            self._values = ctx.all_values({n: index[n] for n in self.choice})
         return self._values
 
     def fsdp_table(self) -> np.ndarray:
@@ -532,7 +530,7 @@ def _summarise(
     g, s = ctx.graph, ctx.settings
     is_param = {n: g.node(n).op == "param" for n in choice}
     # (cost, memory, forward time), kept for `StageSolution.node_cost_table`
-    values = {n: ctx.values(n, index[n], forward=True) for n in choice}
+    values = ctx.all_values({n: index[n] for n in choice})
     compute = sum(values[n][0] for n in choice if not is_param[n])
     zero = sum(values[n][0] for n in choice if is_param[n])
     comm, grad_sync = 0.0, zero * s.num_microbatches

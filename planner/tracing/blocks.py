@@ -22,7 +22,18 @@ def block_of(path: str) -> str | None:
 
 
 def representatives(graph: OpGraph, names: list[str]) -> dict[str, str]:
-    """Map each node of a repeated block to the same position in the first identical block."""
+    """Map each node of a repeated block to the same position in the first identical block.
+    Made once per graph and list of names (every logical mesh of a search asks again); do not
+    modify the dict returned."""
+    made = graph.__dict__.setdefault("_representatives", {})
+    key = tuple(names)
+    if key not in made:
+        made.clear()  # one list of names at a time: the whole graph's, or one stage's
+        made[key] = _representatives(graph, names)
+    return made[key]
+
+
+def _representatives(graph: OpGraph, names: list[str]) -> dict[str, str]:
     blocks: dict[str, list[str]] = defaultdict(list)
     for n in names:
         key = block_of(graph.node(n).module_path)
