@@ -197,6 +197,25 @@ llama3-70b at 4 rows, one process): layer profiles 18%, the mesh search's own wo
 solution summaries 9%, DTensor strategies 7%, the trace 7%, HiGHS 7%, the interleaved search
 6%, edge prices 5%, imports 5%: no single part whose removal would meet the target.
 
+2026-11-29, later. This machine is now an Intel Xeon whose Python is slower and varies more
+(`python_speed` 0.11-0.19 s, against 0.095-0.097 the day before): compare runs of one day.
+Exact changes, the same plans (predicted iteration time equal to the last digit for
+llama3-70b and gpt-39b, whole plans and single sizes): what the per-solution passes read of
+the graph alone is made once per pricing instead of once per solution (full recomputation's
+blocks and edges, the ops selective recomputation changes, the inputs the held-memory passes
+look at, the weight products zero bubble defers, the cost table's layout, the intra-op
+program's edge classes), option subsets once per pair of lists, the data-parallel filter once
+per options list, the repeated blocks once per graph, and a logical mesh keeps its
+collectives' prices. Fresh CLI runs, the commit before (f3a82c5) against after: llama3-70b
+268.4 -> 191.5 s wall, 448 -> 330 s CPU (single runs, python_speed 0.124 and 0.131), and
+after, median of 3 in the results, 210.1 s (350-367 s CPU); gpt-39b 101.6 s (167.6 s CPU)
+-> median of 3 82.9 s (116-140 s CPU). Both still miss their targets (60 s, 20 s) by 3.5x
+and 4.1x. Where a size's time goes
+now (py-spy ``--gil``: samples of the thread holding the GIL, the planner being one core of
+Python; llama3-70b at 4 rows, one process): the trace 14%, DTensor strategies 13%, building
+the intra-op programs (edge prices mostly) 11%, layer profiles 10% (19% before), solution
+summaries 8%, imports 7%; HiGHS runs outside the GIL beside them.
+
 Pruning by a proven lower bound (issue 23) would skip nothing on these cases: the least
 iteration time any plan can be predicted to take (`benchmarks.ceiling`, the whole model on one
 device at the whole batch over the devices) is 0.75-0.80 of the best plan's time in the suites'

@@ -144,12 +144,11 @@ def _structure(sol: StageSolution, graph: OpGraph, names: list[str]) -> _Structu
     """`_Structure` of the solution's pricing, made once per pricing when `graph` is its own
     (every solution of a pricing has the same nodes in the same order and the same edges)."""
     ctx = sol._ctx
-    if ctx.graph is graph:
-        key = ("full_recompute_structure", len(names))
-        if key not in ctx.shared:
-            ctx.shared[key] = _make_structure(ctx, graph, names)
-        return ctx.shared[key]
-    return _make_structure(ctx, graph, names)
+    return ctx.per_pricing(
+        graph,
+        ("full_recompute_structure", len(names)),
+        lambda: _make_structure(ctx, graph, names),
+    )
 
 
 def _make_structure(ctx, graph: OpGraph, names: list[str]) -> _Structure:

@@ -231,17 +231,6 @@ def _weight_copies(
     )
 
 
-def _per_pricing(sol: StageSolution, graph: OpGraph, key: tuple, make: Callable) -> Any:
-    """``make()``, kept for every solution of the pricing when `graph` is the solution's own:
-    what depends on the graph alone (which inputs of which ops to look at)."""
-    if sol._ctx is None or sol._ctx.graph is not graph:
-        return make()
-    shared = sol._ctx.shared
-    if key not in shared:
-        shared[key] = make()
-    return shared[key]
-
-
 def _compute_weight_copies(
     sol: StageSolution, graph: OpGraph, grad_bytes: float
 ) -> list[tuple[str, str, float]]:
@@ -285,6 +274,11 @@ def _weight_reads(
         return out
 
     return _per_pricing(sol, graph, ("weight_reads", len(sol.choice)), make)
+
+
+def _per_pricing(sol: StageSolution, graph: OpGraph, key: tuple, make: Callable) -> Any:
+    """`PricedStage.per_pricing` of the solution's pricing (``make()`` without one)."""
+    return make() if sol._ctx is None else sol._ctx.per_pricing(graph, key, make)
 
 
 def _root(graph: OpGraph, name: str) -> str:

@@ -69,12 +69,11 @@ def _changed(
     those in a core, and those the stage saves that are saved no more (in S, not in S'). They
     depend on the graph alone: made once per pricing when `graph` is the solution's own."""
     ctx = sol._ctx
-    if ctx.graph is graph:
-        key = ("selective_changed", id(cores), len(names))
-        if key not in ctx.shared:
-            ctx.shared[key] = _make_changed(graph, cores, names, ctx.saved)
-        return ctx.shared[key]
-    return _make_changed(graph, cores, names, ctx.saved)
+    return ctx.per_pricing(
+        graph,
+        ("selective_changed", id(cores), len(names)),
+        lambda: _make_changed(graph, cores, names, ctx.saved),
+    )
 
 
 def _make_changed(

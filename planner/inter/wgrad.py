@@ -72,9 +72,4 @@ def _weight_products(
                 out.append((i, n))
         return out
 
-    if sol._ctx.graph is not graph:
-        return make()
-    key = ("weight_products", len(names))
-    if key not in sol._ctx.shared:
-        sol._ctx.shared[key] = make()
-    return sol._ctx.shared[key]
+    return sol._ctx.per_pricing(graph, ("weight_products", len(names)), make)

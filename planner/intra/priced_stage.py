@@ -11,7 +11,9 @@ the prices already computed.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -136,6 +138,16 @@ class PricedStage:
             opt = self.options[name][i]
             hit.append(sc.forward_time(self.graph.node(name), opt, self.settings))
         return hit[0], hit[1], hit[2]
+
+    def per_pricing(self, graph: OpGraph, key: tuple, make: Callable[[], Any]) -> Any:
+        """``make()``, kept in `shared` for every solution of this pricing when `graph` is its
+        own: what a pass over a solution reads of the graph alone (which nodes, edges or inputs
+        to look at), the same for all of them (one list of nodes, one of edges)."""
+        if self.graph is not graph:
+            return make()
+        if key not in self.shared:
+            self.shared[key] = make()
+        return self.shared[key]
 
     def all_values(
         self, index: dict[str, int]

@@ -484,12 +484,13 @@ def _edge_classes(ctx: PricedStage) -> dict[tuple, tuple[tuple[str, str], int]]:
     """Per edge key (`PricedStage.edge_key`: the copies of an edge in repeated blocks), in the
     order of first appearance: its first edge and its number of edges. The same for every
     program of a pricing: made once."""
-    key = ("edge_classes",)
-    if key not in ctx.shared:
+
+    def make() -> dict[tuple, tuple[tuple[str, str], int]]:
         grouped = Counter(ctx.edge_key(u, v) for u, v in ctx.edges)
         sample = {ctx.edge_key(u, v): (u, v) for u, v in reversed(ctx.edges)}
-        ctx.shared[key] = {k: (sample[k], c) for k, c in grouped.items()}
-    return ctx.shared[key]
+        return {k: (sample[k], c) for k, c in grouped.items()}
+
+    return ctx.per_pricing(ctx.graph, ("edge_classes",), make)
 
 
 def _leaders(
@@ -584,11 +585,12 @@ def _table_structure(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(whether each of `names` is a parameter, the position in `names` of each edge's
     consumer), alike for every solution of a pricing: made once per pricing."""
-    key = ("cost_table_structure", len(names))
-    if key not in ctx.shared:
+
+    def make() -> tuple[np.ndarray, np.ndarray]:
         where = {n: i for i, n in enumerate(names)}
-        ctx.shared[key] = (
+        return (
             np.array([ctx.graph.node(n).op == "param" for n in names], dtype=bool),
             np.array([where[v] for _, v in ctx.edges], dtype=np.int64),
         )
-    return ctx.shared[key]
+
+    return ctx.per_pricing(ctx.graph, ("cost_table_structure", len(names)), make)
