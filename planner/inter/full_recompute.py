@@ -83,9 +83,7 @@ def node_terms(sol: StageSolution, graph: OpGraph) -> NodeTerms:
     shape = _structure(sol, graph, names)
     redo = table[:, 1].copy()
     if len(shape.edge_at):
-        if (
-            own and sol._edge_terms is not None
-        ):  # the solution's edge prices, in edge order
+        if own and sol._edge_terms is not None:  # its edge prices, in edge order
             acts = np.asarray(sol._edge_terms[0])[shape.edge_at]
         else:
             chosen = sol._chosen()

@@ -175,9 +175,8 @@ class PricedStage:
         """The same stage with fewer options for some nodes; prices already computed are shared."""
         full = self.full_options or self.options
         keep = {}
-        made: dict[
-            tuple[int, int], np.ndarray
-        ] = {}  # the copies of a block share both lists
+        # per pair of lists: the copies of a repeated block share both
+        made: dict[tuple[int, int], np.ndarray] = {}
         for n, opts in options.items():
             if opts is not full[n]:
                 pair = (id(full[n]), id(opts))
