@@ -210,7 +210,8 @@ collectives' prices. Fresh CLI runs, the commit before (f3a82c5) against after: 
 268.4 -> 191.5 s wall, 448 -> 330 s CPU (single runs, python_speed 0.124 and 0.131), and
 after, median of 3 in the results, 210.1 s (350-367 s CPU); gpt-39b 101.6 s (167.6 s CPU)
 -> median of 3 82.9 s (116-140 s CPU). Both still miss their targets (60 s, 20 s) by 3.5x
-and 4.1x. Where a size's time goes
+and 4.1x. mixtral-8x7b after, a single run: 496.1 s (862 s CPU, python_speed 0.18; the same
+plan as the 309.8 s run at 0.095 that morning). Where a size's time goes
 now (py-spy ``--gil``: samples of the thread holding the GIL, the planner being one core of
 Python; llama3-70b at 4 rows, one process): the trace 14%, DTensor strategies 13%, building
 the intra-op programs (edge prices mostly) 11%, layer profiles 10% (19% before), solution
