@@ -78,21 +78,13 @@ def node_terms(sol: StageSolution, graph: OpGraph) -> NodeTerms:
     own = sol._ctx.graph is graph
     if own and "full_recompute" in sol._derived:
         return sol._derived["full_recompute"]
-    ctx = sol._ctx
     names, table = sol.node_cost_table()
     shape = _structure(sol, graph, names)
     redo = table[:, 1].copy()
     if len(shape.edge_at):
-        if own and sol._edge_terms is not None:  # its edge prices, in edge order
-            acts = np.asarray(sol._edge_terms[0])[shape.edge_at]
-        else:
-            chosen = sol._chosen()
-            acts = np.array(
-                [
-                    float(ctx.edge(u, v)[0][chosen[u], chosen[v]])
-                    for u, v in (ctx.edges[e] for e in shape.edge_at)
-                ]
-            )
+        # the solution's edge prices in edge order (`node_cost_table` made them): an edge
+        # leaving no parameter or view of one has its `ctx.edge` price there as it is
+        acts = np.asarray(sol._edge_terms[0])[shape.edge_at]
         # in edge order, one addition at a time: the same sums as adding edge by edge
         np.add.at(redo, shape.edge_reader, 0.5 * acts)
     pairs = shape.pairs

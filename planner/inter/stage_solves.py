@@ -107,7 +107,7 @@ def profiles_for(
             rep,
             axes,
             mesh.shape,
-            memo=pricing.ctx.shared.setdefault(("batch_split", id(graph)), {}),
+            memo=pricing.ctx.shared.setdefault(("batch_split",), {}),
         )
         if first is not None and (
             all(seed(paths[n], first.choice[n]) for n in params)

@@ -15,14 +15,15 @@ from planner.tracing.opgraph import OpGraph, OpNode
 def data_nodes(graph: OpGraph) -> frozenset[str]:
     """Names of the graph's data inputs and of every node computed from them (made once per
     graph: every solve with data parallelism reads them)."""
-    made = graph.__dict__.get("_data_nodes")
-    if made is None:
+
+    def make() -> frozenset[str]:
         out: set[str] = set()
         for node in graph.nodes:
             if node.op == "input" or any(i in out for i in node.inputs):
                 out.add(node.name)
-        made = graph.__dict__["_data_nodes"] = frozenset(out)
-    return made
+        return frozenset(out)
+
+    return graph.derived("data_nodes", make)
 
 
 def batch_split_options(

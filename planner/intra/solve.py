@@ -400,7 +400,7 @@ def solve_stage(
         rep,
         batch_axes,
         mesh.shape,
-        memo=base.shared.setdefault(("batch_split", id(graph)), {}),
+        memo=base.shared.setdefault(("batch_split",), {}),
     )
     options.update(split)
     if (

@@ -25,7 +25,7 @@ def representatives(graph: OpGraph, names: list[str]) -> dict[str, str]:
     """Map each node of a repeated block to the same position in the first identical block.
     Made once per graph and list of names (every logical mesh of a search asks again); do not
     modify the dict returned."""
-    made = graph.__dict__.setdefault("_representatives", {})
+    made = graph.derived("representatives", dict)
     key = tuple(names)
     if key not in made:
         made.clear()  # one list of names at a time: the whole graph's, or one stage's

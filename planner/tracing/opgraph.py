@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +126,15 @@ class OpGraph:
         self._by_name = {n.name: n for n in self.nodes}
         self._all_derived: frozenset[str] | None = None  # `param_derived()`, made once
         self._ops: list[OpNode] | None = None  # `ops`, made once
+        self._derived: dict[str, Any] = {}  # `derived`
+
+    def derived(self, key: str, make: Callable[[], Any]) -> Any:
+        """``make()``, made once per graph under `key`: what the planner reads of the graph
+        alone for every logical mesh and solve (the graph is not modified after tracing).
+        Do not modify what it returns."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
     def node(self, name: str) -> OpNode:
         return self._by_name[name]
