@@ -63,7 +63,8 @@ def microbatch_sizes(global_batch: int, cluster: Cluster | None = None) -> list[
 def larger_microbatch_sizes(global_batch: int, cluster: Cluster) -> list[int]:
     """Sizes above `microbatch_sizes`' up to 16 rows per device, in increasing order. `plan` tries
     them one by one only while the best plan so far uses the largest size tried, and in any case
-    the first of at least one row per device: evaluating all of them would add passes to the
+    the first of at least one row per device (that one is searched beside `microbatch_sizes`'
+    sizes, in the worker processes, since no result changes whether it is): evaluating all of them would add passes to the
     largest searches that cannot win (gpt-39b on 64 V100s does not fit at 64 rows and is fastest
     at 1; one more size costs about 13 s of its planning, `benchmarks/bench_planner.py`), while
     a data-parallel MoE on 16 H100s gains from 32 rows to 64 and 128 (the manual grid's
@@ -187,16 +188,21 @@ def plan(
         subs,
         context_parallel,
     )
-    results = evaluate_all(job, make, sorted(sizes_b, reverse=True), say)
     larger = [] if microbatch_size else larger_microbatch_sizes(G, cluster)
     tried, before = max(sizes_b), None
     rows = rows_to_reach(larger, cluster.num_devices)
+    # The first larger size of at least `rows` is tried whatever the others find
+    # (`next_size_step`): it is searched beside them, not after them on one core.
+    certain = next((b for b in larger if b >= rows), None) if tried < rows else None
+    first = ([certain] if certain else []) + sorted(sizes_b, reverse=True)
+    results = evaluate_all(job, make, first, say)
+    held = results.pop(0) if certain else None
     for b in larger:
         step = next_size_step(b, tried, _best(results).size, rows, before)
         if step == "stop":
             break
         if step == "try":
-            results.append(evaluate(job, make, b, say))
+            results.append(held if b == certain else evaluate(job, make, b, say))
             before, tried = (tried if tried in larger else None), b
     best = _best(results)
     if not best.found:

@@ -440,6 +440,80 @@ def test_a_batch_smaller_than_the_cluster_tries_its_largest_size() -> None:
     assert next_size_step(1024, 512, 4, 512) == "stop"
 
 
+def test_the_size_tried_in_any_case_is_searched_with_the_first_sizes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first larger size of a row per device (64 rows on 64 devices) is evaluated with the
+    sizes 1 to 32, not after them; the sizes evaluated and the plan returned are those of the
+    serial walk (`next_size_step` after every size up to 32), for a best size below, at and
+    beyond 32 rows, with ties going to the earlier size of the walk."""
+    import copy
+
+    from planner import api
+    from planner.size_search import SizeResult
+
+    made = plan("gpt-tiny", "1x2xA100-80GB", global_batch=4, microbatch_size=4)
+    cluster = Cluster.from_spec("8x8xA100-80GB")
+    G = 256
+    base = api.microbatch_sizes(G, cluster)
+    larger = api.larger_microbatch_sizes(G, cluster)
+    rows = api.rows_to_reach(larger, cluster.num_devices)
+    assert (base, larger, rows) == ([1, 2, 4, 8, 16, 32], [64, 128, 256], 64)
+
+    def result(b: int, seconds: dict[int, float]) -> SizeResult:
+        out = copy.deepcopy(made)
+        out.num_microbatches = G // b  # marks the size the plan came from
+        return SizeResult(b, seconds=seconds[b], plan=out)
+
+    def serial(seconds: dict[int, float]) -> tuple[set[int], int]:
+        done = {b: seconds[b] for b in sorted(base, reverse=True)}
+        tried, before = 32, None
+        for b in larger:
+            best = min(done, key=lambda k: (done[k], list(done).index(k)))
+            step = api.next_size_step(b, tried, best, rows, before)
+            if step == "stop":
+                break
+            if step == "try":
+                done[b] = seconds[b]
+                before, tried = (tried if tried in larger else None), b
+        return set(done), min(done, key=lambda k: (done[k], list(done).index(k)))
+
+    profiles = [
+        {
+            1: 9,
+            2: 8,
+            4: 5,
+            8: 6,
+            16: 7,
+            32: 8,
+            64: 9,
+            128: 1,
+            256: 1,
+        },  # best 4; 64 only
+        {1: 9, 2: 8, 4: 7, 8: 6, 16: 5, 32: 4, 64: 3, 128: 2, 256: 1},  # ever larger
+        {1: 9, 2: 8, 4: 7, 8: 6, 16: 5, 32: 4, 64: 4, 128: 5, 256: 3},  # a tie at 64
+    ]
+    for seconds in profiles:
+        first: list[list[int]] = []
+        later: list[int] = []
+
+        def evaluate_all(job, make, sizes, say, seconds=seconds, first=first):
+            first.append(list(sizes))
+            return [result(b, seconds) for b in sizes]
+
+        def evaluate(job, make, b, say, seconds=seconds, later=later):
+            later.append(b)
+            return result(b, seconds)
+
+        monkeypatch.setattr(api, "evaluate_all", evaluate_all)
+        monkeypatch.setattr(api, "evaluate", evaluate)
+        got = plan("gpt-tiny", cluster, global_batch=G)
+        sizes, best = serial(seconds)
+        assert first == [[64, 32, 16, 8, 4, 2, 1]]
+        assert set(first[0]) | set(later) == sizes and 64 not in later
+        assert got.num_microbatches == G // best
+
+
 @pytest.mark.slow
 def test_cli_output_into_a_closed_pipe_is_not_an_error(tmp_path) -> None:
     import subprocess

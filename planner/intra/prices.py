@@ -325,23 +325,30 @@ def _placement_matrices(
             seconds = cache[key] = reshard_cost(s.mesh, shape, dtype_bytes, src, dst)
         return seconds
 
-    wants = [None if src is None else expected_grad(src) for src in srcs]
-    for a, (src, want) in enumerate(zip(srcs, wants)):
-        if src is None:
-            continue
-        for b, dst in enumerate(dsts):
-            if dst is None:
-                continue
-            act[a, b] = price(src, dst[0])
-            if with_grad:
-                back = price(dst[1], want)
-                if param_derived:
-                    if bucketed_axes(dst[1], want):
+    rows = [a for a, src in enumerate(srcs) if src is not None]
+    cols = [b for b, dst in enumerate(dsts) if dst is not None]
+    if not rows or not cols:
+        return act, grad
+    # priced per distinct pair: the forward per (source, input placement), the gradient per
+    # (gradient placement, the source's expected gradient), fewer than sources x columns
+    ins, in_of = _unique([dsts[b][0] for b in cols])
+    block = np.array([[price(srcs[a], d) for d in ins] for a in rows])[:, in_of]
+    if with_grad:
+        wants, want_of = _unique([expected_grad(srcs[a]) for a in rows])
+        grads, grad_of = _unique([dsts[b][1] for b in cols])
+        back = np.array([[price(g, w) for g in grads] for w in wants])
+        if param_derived:
+            for i, w in enumerate(wants):
+                for j, g in enumerate(grads):
+                    if bucketed_axes(g, w):
                         # bandwidth only: the latency is charged per bucket (`grad_buckets`)
-                        back = _bucket_bandwidth(s, shape, dtype_bytes, dst[1], want)
-                    grad[a, b] = back / s.num_microbatches
-                else:
-                    act[a, b] += back
+                        back[i, j] = _bucket_bandwidth(s, shape, dtype_bytes, g, w)
+            grad[np.ix_(rows, cols)] = (
+                back[np.ix_(want_of, grad_of)] / s.num_microbatches
+            )
+        else:
+            block = block + back[np.ix_(want_of, grad_of)]
+    act[np.ix_(rows, cols)] = block
     return act, grad
 
 

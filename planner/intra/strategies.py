@@ -179,6 +179,7 @@ def _getitem(
 # ------------------------------------------------------------------------------------- op nodes
 
 _CACHE: dict[tuple, tuple[tuple[Strategy, ...], str | None]] = {}
+_PAIRS: dict[tuple, list[dr.Pair] | Exception] = {}  # `_probe_pairs`
 _CACHED_AT = [registrations()]  # DTensor registrations when the cache was filled
 
 
@@ -186,6 +187,7 @@ def clear_cache() -> None:
     """Forget cached strategies (done by itself when DTensor gets new rules from
     `planner.vocab.dtensor_ext`)."""
     _CACHE.clear()
+    _PAIRS.clear()
 
 
 def _template(node: torch.fx.Node) -> tuple[tuple, dict]:
@@ -357,7 +359,7 @@ def _compute(
         return [Strategy(strategy.output, strategy.inputs, source)], None
     mesh = dr.get_mesh(tuple(mesh_shape[i] for i in axes))
     try:
-        _, pairs = dr.enumerate_pairs(op, args, kwargs, _out_meta(val), mesh)
+        pairs = _probe_pairs(node, args, kwargs, tuple(mesh.shape))
         pairs = _resolve(op, args, kwargs, mesh, pairs)
     except Exception as e:  # noqa: BLE001 - any failure of a registry means DTensor cannot plan it
         return [
@@ -380,6 +382,40 @@ def _compute(
             _fallback(node, mesh_shape)
         ], f"{source} rule gave no evenly sharded strategy"
     return sorted((s for s, _ in found.values()), key=_sort_key), None
+
+
+def _smallest_factor(n: int) -> int:
+    return next(p for p in range(2, n + 1) if n % p == 0)
+
+
+def _probe_pairs(
+    node: torch.fx.Node, args: tuple, kwargs: dict, axis_sizes: tuple[int, ...]
+) -> list[dr.Pair]:
+    """DTensor's pairs for `node` on a mesh of `axis_sizes` (no size 1), enumerated on the probe
+    mesh of each size's smallest prime factor and cached by that: the 13 two-axis meshes of a
+    64-device search then share one enumeration per op signature, not one each.
+
+    Why the probe's pairs are a superset of the real mesh's, so that `_resolve` (on the real mesh)
+    and `_convert` (evenness on the real sizes) keep the same strategies: the registries' only use
+    of the axis sizes is whether a tensor dim can be split over one (the even candidates,
+    `dr.candidate_placements`; DTensor's shardability checks: the dim at least, or a multiple of,
+    the axis size), and a dim that splits over an axis splits over a factor of it. Checked on the
+    op signatures of every built-in family on the meshes the searches use
+    (tests/test_strategies.py)."""
+    probe = tuple(_smallest_factor(n) for n in axis_sizes)
+    key = _signature(node, probe)
+    hit = _PAIRS.get(key)
+    if hit is None:
+        try:
+            hit = dr.enumerate_pairs(
+                node.target, args, kwargs, _out_meta(_val(node)), dr.get_mesh(probe)
+            )[1]
+        except Exception as e:  # noqa: BLE001 - raised again for every mesh of this probe
+            hit = e
+        _PAIRS[key] = hit
+    if isinstance(hit, Exception):
+        raise hit
+    return hit
 
 
 def _signature(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> tuple:
