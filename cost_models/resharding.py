@@ -10,6 +10,7 @@ gradient's way back.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from cost_models.cluster import Cluster
@@ -223,9 +224,21 @@ def reshard_steps(
     also how the runtime must perform it. DTensor may fuse consecutive same-kind steps over a
     flattened mesh when one exists; we price the steps separately.
     """
+    return [ReshardStep(*step) for step in _priced(mesh, shape, dtype_bytes, src, dst)]
+
+
+def _priced(
+    mesh: Cluster | LogicalMesh,
+    shape: tuple[int, ...],
+    dtype_bytes: float,
+    src: object,
+    dst: object,
+) -> Iterator[tuple[int, Placement, Placement, str | None, float, float]]:
+    """`reshard_steps`' fields, step by step (`reshard_cost` sums the seconds alone)."""
     lm = mesh if isinstance(mesh, LogicalMesh) else LogicalMesh.of(mesh)
+    sizes = lm.shape
     try:
-        key = (lm.shape, len(shape), src, dst)
+        key = (tuple(n > 1 for n in sizes), len(shape), src, dst)
         plan = _PLANS.get(key)
     except TypeError:  # unhashable placements (lists): not kept
         key, plan = None, None
@@ -236,22 +249,21 @@ def reshard_steps(
     total = float(dtype_bytes)
     for n in shape:
         total *= n
-    out: list[ReshardStep] = []
     for i, c, t, divisors, op in plan:
         group = total
-        for n in divisors:
-            group /= n
+        for j in divisors:
+            group /= sizes[j]
         if op == "all_to_all" and _is_gloo(lm.cluster):
             # DTensor's shard-to-shard on a CPU (gloo) mesh is an all-gather of the group's tensor
             # followed by a local chunk: gloo has no all-to-all (torch 2.13, shard_dim_alltoall).
             op = "all_gather"
-        seconds = lm.collective(op, group, i) if op else 0.0
-        out.append(ReshardStep(i, c, t, op, group, seconds))
-    return out
+        yield i, c, t, op, group, lm.collective(op, group, i) if op else 0.0
 
 
-# (logical mesh shape, tensor dims, source, target) -> `_steps_plan`: what `reshard_steps` reads
-# of neither the tensor's bytes nor the cluster, the same for every tensor of that many dims
+# (which mesh axes have more than one device, tensor dims, source, target) -> `_steps_plan`: what
+# `reshard_steps` reads of neither the tensor's bytes, the axis sizes nor the cluster, the same for
+# every tensor of that many dims on every mesh of that pattern (the 13 two-axis meshes of 64
+# devices share one)
 _PLANS: dict[
     tuple, list[tuple[int, Placement, Placement, tuple[int, ...], str | None]]
 ] = {}
@@ -261,8 +273,9 @@ def _steps_plan(
     lm: LogicalMesh, shape: tuple[int, ...], src: object, dst: object
 ) -> list[tuple[int, Placement, Placement, tuple[int, ...], str | None]]:
     """`reshard_steps` without the bytes: per step its axis, placements before and after, the
-    sizes of the other axes then sharding the tensor (its group's bytes are the tensor's divided
-    by them, in this order) and its collective (before gloo's substitution)."""
+    other axes then sharding the tensor (its group's bytes are the tensor's divided by their
+    sizes, in this order) and its collective (before gloo's substitution). The sizes matter
+    only as more than one device or not (`_transitions`)."""
     _, s, d = _prepare(lm, shape, src, dst)
     sizes = lm.shape
     cur = list(s)
@@ -274,7 +287,7 @@ def _steps_plan(
             expanded.append((i, c, t))
     plan = []
     for i, c, t in expanded:
-        divisors = tuple(sizes[j] for j, p in enumerate(cur) if j != i and p.is_shard)
+        divisors = tuple(j for j, p in enumerate(cur) if j != i and p.is_shard)
         plan.append((i, c, t, divisors, _step_collective(c, t)))
         cur[i] = t
     return plan
@@ -311,14 +324,12 @@ def reshard_cost(
     ``mesh`` is a LogicalMesh or a Cluster (then its whole physical mesh, hosts x devices per host).
     ``include_backward`` adds the gradient's way back (``backward_placements``).
     """
-    fwd = sum(
-        step.seconds for step in reshard_steps(mesh, shape, dtype_bytes, src, dst)
-    )
+    fwd = sum(step[5] for step in _priced(mesh, shape, dtype_bytes, src, dst))
     if not include_backward:
         return fwd
     grad, target = backward_placements(src, dst)
     return fwd + sum(
-        step.seconds for step in reshard_steps(mesh, shape, dtype_bytes, grad, target)
+        step[5] for step in _priced(mesh, shape, dtype_bytes, grad, target)
     )
 
 
