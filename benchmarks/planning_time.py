@@ -217,6 +217,29 @@ Python; llama3-70b at 4 rows, one process): the trace 14%, DTensor strategies 13
 the intra-op programs (edge prices mostly) 11%, layer profiles 10% (19% before), solution
 summaries 8%, imports 7%; HiGHS runs outside the GIL beside them.
 
+2026-11-29, afternoon. Exact changes, the same plans (the whole plan JSON, planner time aside,
+equal before and after for llama3-70b at 4 rows and for its whole plan): DTensor's pairs are
+enumerated once per probe mesh, each axis size replaced by its smallest prime factor, and
+filtered per real mesh (`planner.intra.strategies._probe_pairs`: a superset, since the registries
+read the axis sizes only to ask whether a dim splits over them; no strategy differed on 13 models
+at two sizes each on 40 meshes), so the 13 two-axis meshes of 64 devices share one enumeration
+per op signature; edge price matrices priced per distinct (placement, placement) pair; the
+resharding step plans kept per pattern of axes with more than one device. One size (llama3-70b
+at 4 rows, one process, alternating before (a08bf38) and after): 49.8 and 54.9 s of CPU before,
+46.3 and 50.9 s after; DTensor strategies 11% -> 3% of the samples. The whole plan, fresh CLI
+runs back to back: 165.5 s wall (286 s CPU) before, 150.1 s (260 s CPU) after. Also the size
+tried in any case (one row per device, 64 rows) is now searched beside sizes 1 to 32 instead of
+after them, which changes nothing on two cores (seven equal sizes on two processes take four
+rounds either way) and saves a round where there are seven or more cores. The median of 3 in
+the results, taken an hour later on the same code at python_speed 0.13-0.21 (the machine slower
+again): llama3-70b 194.6 s (313-364 s CPU), gpt-39b 74.2 s (127-131 s CPU). Still 3.2x and 3.7x
+over their targets. What a size spends now (py-spy --gil, llama3-70b at 4 rows): the trace 19%,
+layer profiles 15%, building the intra-op programs 11% (edge prices 7%, of which the resharding
+prices themselves 4%), the mesh search's own work 10%, solution summaries 9%, imports 9%,
+DTensor strategies 3%: Python work per op of the whole model, repeated per solution and per
+micro-batch size; the next factor needs those passes run once per repeated block rather than
+once per op of each copy.
+
 Pruning by a proven lower bound (issue 23) would skip nothing on these cases: the least
 iteration time any plan can be predicted to take (`benchmarks.ceiling`, the whole model on one
 device at the whole batch over the devices) is 0.75-0.80 of the best plan's time in the suites'
