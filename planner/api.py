@@ -64,14 +64,14 @@ def larger_microbatch_sizes(global_batch: int, cluster: Cluster) -> list[int]:
     """Sizes above `microbatch_sizes`' up to 16 rows per device, in increasing order. `plan` tries
     them one by one only while the best plan so far uses the largest size tried, and in any case
     the first of at least one row per device (that one is searched beside `microbatch_sizes`'
-    sizes, in the worker processes, since no result changes whether it is): evaluating all of them would add passes to the
-    largest searches that cannot win (gpt-39b on 64 V100s does not fit at 64 rows and is fastest
-    at 1; one more size costs about 13 s of its planning, `benchmarks/bench_planner.py`), while
-    a data-parallel MoE on 16 H100s gains from 32 rows to 64 and 128 (the manual grid's
-    dp8 x pp2 runs 64), and data parallelism or FSDP over every device needs a row per device:
-    llama3-70b on 64 H100s (global batch 128) is fastest FSDP-sharded over all 64 at 128 rows
-    (460.7 TFLOP/s per device), where the best of 1 to 32 rows ran 1 row (419.8) and 64 rows
-    reach 424.7."""
+    sizes, in the worker processes, since no result changes whether it is): evaluating all of
+    them would add passes to the largest searches that cannot win (gpt-39b on 64 V100s does not
+    fit at 64 rows and is fastest at 1; one more size costs about 13 s of its planning,
+    `benchmarks/bench_planner.py`), while a data-parallel MoE on 16 H100s gains from 32 rows to
+    64 and 128 (the manual grid's dp8 x pp2 runs 64), and data parallelism or FSDP over every
+    device needs a row per device: llama3-70b on 64 H100s (global batch 128) is fastest
+    FSDP-sharded over all 64 at 128 rows (460.7 TFLOP/s per device), where the best of 1 to 32
+    rows ran 1 row (419.8) and 64 rows reach 424.7."""
     return _pow2_divisors(
         global_batch,
         max(microbatch_sizes(global_batch, cluster), default=0) + 1,
