@@ -324,12 +324,12 @@ def reshard_cost(
     ``mesh`` is a LogicalMesh or a Cluster (then its whole physical mesh, hosts x devices per host).
     ``include_backward`` adds the gradient's way back (``backward_placements``).
     """
-    fwd = sum(step[5] for step in _priced(mesh, shape, dtype_bytes, src, dst))
+    fwd = sum(seconds for *_, seconds in _priced(mesh, shape, dtype_bytes, src, dst))
     if not include_backward:
         return fwd
     grad, target = backward_placements(src, dst)
     return fwd + sum(
-        step[5] for step in _priced(mesh, shape, dtype_bytes, grad, target)
+        seconds for *_, seconds in _priced(mesh, shape, dtype_bytes, grad, target)
     )
 
 
