@@ -2,12 +2,20 @@
 
     results = launch(fn, world_size=4, args=(x,))   # fn(*args) runs on every rank, list of returns
 
-Each rank is a fresh interpreter (multiprocessing "spawn"; forking a parent that already runs torch
-thread pools is unsafe) whose `torch.distributed` default group is initialised over localhost on a free
-port (gloo on CPU, NCCL when there is one GPU per rank) before `fn` is called; `fn` reads its rank with
-`torch.distributed.get_rank()`. `fn` and its arguments must be picklable (a module-level function),
-and a script that calls `launch` needs the usual `if __name__ == "__main__":` guard (spawn re-imports
-it in every rank).
+Each rank is forked from multiprocessing's fork server, a process started once (at the first
+launch) that has imported torch, its distributed packages and this runtime but runs nothing
+(`PRELOAD`). Forking the caller, which may already run torch thread pools, is unsafe; a fresh
+interpreter per rank ("spawn") imports torch every time (on a 2-core machine a 4-rank launch took
+4-6 s and 8.5 s of CPU that way; from the fork server 0.1-0.4 s, after its start of about 6 s at
+the first launch). A rank then sets up as a spawned one would: the caller's working directory,
+`sys.path`, main module and environment (passed with the job: the server keeps the environment of
+its own start). Its `torch.distributed` default group is initialised over localhost on a free port
+(gloo on CPU, NCCL when there is one GPU per rank) before `fn` is called; `fn` reads its rank with
+`torch.distributed.get_rank()`. `fn` and its arguments must be picklable (a module-level
+function), and a script that calls `launch` needs the usual `if __name__ == "__main__":` guard
+(each rank re-imports it). A module the server preloaded stays the version of the server's start:
+a process that edits this runtime's code between launches (an autoreloading notebook) sees the
+change in its ranks only once restarted.
 With gloo each rank is bound to its own cores and uses that many torch threads (`rank_cpu_sets`), so
 that measured profiles and training runs see the same per-rank compute.
 
@@ -19,7 +27,8 @@ traceback is kept on the exception (`LaunchError.tracebacks`). A launch that out
 has written the Python stack of every thread (`faulthandler`, on SIGUSR1) into
 `LaunchError.tracebacks`: where a hang sits, without a debugger. So is a rank that dies while
 starting: each rank reads its job (`fn` and its arguments, pickled once) from a pipe once it runs,
-so nothing waits on a rank that never will.
+so nothing waits on a rank that never will. That pipe stays open until the launch ends: a rank
+whose launching process is killed sees it close and exits (`_exit_with_launcher`).
 
 Why not torchrun? Its programmatic form, `torch.distributed.launcher.api.elastic_launch` (checked on
 torch 2.13), does return every rank's value and does fail fast: a rank raising ValueError ended the
@@ -57,6 +66,16 @@ from typing import Any
 from cost_models.errors import MeshplanError
 
 MAX_LOCAL_RANKS_CPU = 8  # gloo on one of the development machines; see DESIGN.md
+
+#: What the fork server imports once for every rank (module docstring): torch, the distributed
+#: pieces a rank runs, and the runtime that runs plans (which imports the planner's plan files).
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.pipelining",
+    "runtime.executor",
+)
 
 
 class LaunchError(MeshplanError):
@@ -103,7 +122,8 @@ def rank_cpu_sets(world_size: int) -> list[list[int]]:
 
 
 def _set_parent_death_signal() -> None:
-    """Ask Linux to SIGKILL this worker when the launching process dies (no orphans)."""
+    """Ask Linux to SIGKILL this worker when its parent dies (no orphans): the fork server,
+    which exits when the launching process does."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(
@@ -139,6 +159,7 @@ def _worker(
     _set_parent_death_signal()
     stacks = open(stack_file, "w")  # noqa: SIM115 - open for the process's life
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    os.environ.clear()  # the caller's environment, not the fork server's (module docstring)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -150,7 +171,7 @@ def _worker(
     )
     try:
         fn, args, kwargs = pickle.loads(job.recv_bytes())
-        job.close()
+        threading.Thread(target=_exit_with_launcher, args=(job,), daemon=True).start()
         import torch
         import torch.distributed as dist
 
@@ -235,7 +256,9 @@ def launch(
         cpu_sets = list(rank_cpu_sets(world_size))
     if threads_per_rank is None and backend == "gloo":
         threads_per_rank = max(1, len(_available_cpus()) // world_size)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # read when the server starts, at the first launch
+    ctx.set_forkserver_preload(list(PRELOAD))
     port = free_port()
     stack_dir = tempfile.TemporaryDirectory(prefix="meshplan-stacks-")
     stack_files = [
@@ -243,6 +266,8 @@ def launch(
     ]
     procs: list[Any] = []
     conns: dict[Any, int] = {}
+    # the job pipes' sending ends, open until the launch ends (`_exit_with_launcher`)
+    jobs: list[mpc.Connection] = []
     # The job goes through a pipe once the rank runs, not with the process's arguments:
     # multiprocessing writes those before it closes its copy of the child's end, so a rank that
     # dies while starting (a script read from standard input cannot be re-imported) left a
@@ -264,7 +289,7 @@ def launch(
                 backend,
                 threads_per_rank,
                 cpu_sets[rank],
-                dict(env or {}),
+                dict(os.environ) | dict(env or {}),
                 timeout_s,
                 stack_files[rank],
                 job_recv,
@@ -278,6 +303,7 @@ def launch(
         job_recv.close()
         procs.append(p)
         conns[recv] = rank
+        jobs.append(job_send)
         # a thread per rank: the deadline below holds while a rank is slow to read its job
         threading.Thread(
             target=_send_job, args=(job_send, payload), daemon=True
@@ -337,7 +363,7 @@ def launch(
             raise _failure(world_size, errors, deaths)
     finally:
         _stop(procs, grace_s)
-        for c in conns:
+        for c in [*conns, *jobs]:
             c.close()
         stack_dir.cleanup()
     return [results[r] for r in range(world_size)]
@@ -379,10 +405,21 @@ def _read(path: str) -> str:
 
 
 def _send_job(conn: mpc.Connection, payload: bytes) -> None:
-    """Hand a rank its pickled job; a rank that died first is reported by its exit code."""
+    """Hand a rank its pickled job; a rank that died first is reported by its exit code. The
+    pipe stays open: it is the rank's lifeline (`_exit_with_launcher`)."""
     with contextlib.suppress(OSError):
         conn.send_bytes(payload)
-    conn.close()
+
+
+def _exit_with_launcher(job: mpc.Connection) -> None:
+    """In a rank: wait for the end of the job pipe, which the launching process closes when the
+    launch ends or it dies, and exit. The parent-death signal alone does not cover that: a rank's
+    parent is the fork server, which outlives a launching process killed mid-run while ranks
+    hold its liveness pipe (multiprocessing hands it to every child)."""
+    with contextlib.suppress(EOFError, OSError):
+        while True:
+            job.recv_bytes()
+    os._exit(1)
 
 
 def _failure(

@@ -218,6 +218,32 @@ def test_launch_returns_every_rank_result():
     assert launch(_rank_and_sum, 2, timeout_s=60) == [(0, 3.0), (1, 3.0)]
 
 
+def _environment_and_directory() -> tuple[str | None, str | None, str]:
+    return (
+        os.environ.get("MESHPLAN_TEST_SET"),
+        os.environ.get("MESHPLAN_TEST_UNSET"),
+        os.getcwd(),
+    )
+
+
+@pytest.mark.slow
+def test_ranks_see_the_callers_environment_and_directory_at_each_launch(
+    monkeypatch, tmp_path
+):
+    """Ranks fork from a server started at the first launch (`runtime.launch`); each launch's
+    ranks still see the caller's environment and working directory as they are at that launch,
+    as spawned ranks did, not the server's."""
+    monkeypatch.setenv("MESHPLAN_TEST_UNSET", "at the first launch")
+    monkeypatch.delenv("MESHPLAN_TEST_SET", raising=False)
+    first = launch(_environment_and_directory, 2, timeout_s=60)
+    assert first == [(None, "at the first launch", os.getcwd())] * 2
+    monkeypatch.setenv("MESHPLAN_TEST_SET", "later")
+    monkeypatch.delenv("MESHPLAN_TEST_UNSET")
+    monkeypatch.chdir(tmp_path)
+    again = launch(_environment_and_directory, 2, timeout_s=60)
+    assert again == [("later", None, str(tmp_path))] * 2
+
+
 @pytest.mark.parametrize(
     ("fn", "expected"),
     [
@@ -268,6 +294,57 @@ def test_a_rank_that_dies_starting_stops_a_large_launch(tmp_path):
     assert done.returncode != 0
     assert "LaunchError: rank " in done.stderr and "exited with code 1" in done.stderr
     assert time.monotonic() - start < 20
+
+
+KILLED_LAUNCHER = """
+import os, sys, time
+from runtime.launch import launch
+
+def f(where):
+    import torch.distributed as dist
+    with open(os.path.join(where, f"rank{dist.get_rank()}.pid"), "w") as out:
+        out.write(str(os.getpid()))
+    time.sleep(120)
+
+if __name__ == "__main__":
+    launch(f, 2, args=(sys.argv[1],), timeout_s=120)
+"""
+
+
+@pytest.mark.slow
+def test_ranks_stop_when_the_launching_process_is_killed(tmp_path):
+    """SIGKILL to the launching process mid-run leaves no rank running (their parent, the fork
+    server, would otherwise keep them: `runtime.launch._exit_with_launcher`)."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "launcher.py"
+    script.write_text(KILLED_LAUNCHER)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    pids_at = [tmp_path / f"rank{r}.pid" for r in (0, 1)]
+    deadline = time.monotonic() + 60
+    while not all(p.exists() and p.read_text() for p in pids_at):
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            "ranks did not start"
+        )
+        time.sleep(0.2)
+    pids = [int(p.read_text()) for p in pids_at]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_running(pid) for pid in pids), pids
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.mark.slow

@@ -98,7 +98,7 @@ class Fault:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """What every rank needs to train (picklable: it travels to spawned ranks)."""
+    """What every rank needs to train (picklable: it travels to the ranks)."""
 
     model: str
     steps: int
