@@ -1,7 +1,7 @@
 """`plan(model, cluster)`: the planner's front door.
 
 1. Trace the model on fake tensors for each candidate micro-batch size (each size searched on its
-   own, in worker processes when the model is given by name: `planner.size_search`).
+   own, in worker processes: `planner.size_search`).
 2. Cluster its ops into layers (`planner.inter.layers`): the automatic count L, and also p layers for
    every divisor p < L of the device count (a p-stage manual pipeline's balanced split).
 3. For every submesh shape (1,1), (1,2), ..., (1,M), (2,M), ..., (N,M) and its logical meshes, solve

@@ -1,21 +1,29 @@
 """The search over micro-batch sizes behind `planner.api.plan`: each size is traced and searched on
-its own (`evaluate`), in this process or, for a model given by name or spec, in worker processes.
+its own (`evaluate`), in this process or in worker processes.
 
 Why processes: a size's search is mostly Python holding the GIL (tracing, DTensor's strategies,
 prices, building the programs; only HiGHS releases it, `planner.intra.highs.solves_overlap`), and
-the sizes are independent. Threads would take turns on one core; processes use them all. A
-worker rebuilds the model from its name (an `nn.Module` object is searched in this process: it
-need not be picklable), searches one size and returns that size's best plan, assembled. The
-results are those of the serial search: the sizes' best plans are compared in the order the
-serial search visits them (ties go to the earlier), so the plan does not depend on the process
-count. `MESHPLAN_PLANNER_PROCESSES` sets the count, this process included (1: everything in this
+the sizes are independent. Threads would take turns on one core; processes use them all. On
+Linux the workers are forked from this process (`start_method`): they start with its imports,
+its caches and the model as the caller gave it, so an `nn.Module` object (a Hugging Face model,
+say), which need not be picklable, is searched in workers too. Elsewhere, or where this process
+has initialised CUDA (a forked child cannot use it), they are spawned: a spawned worker imports
+the planner and rebuilds the model from its name, so only a model given by name or spec is
+searched in workers; an `nn.Module` object is then searched in this process. A worker searches
+one size at a time and returns that size's best plan, assembled. The results are those of the
+serial search: the sizes' best plans are compared in the order the serial search visits them
+(ties go to the earlier), so the plan does not depend on the process count.
+`MESHPLAN_PLANNER_PROCESSES` sets the count, this process included (1: everything in this
 process); by default one per core this process may use, at most one per size.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+import signal
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -170,7 +178,17 @@ def processes(job: SizeJob, sizes: int) -> int:
             if hasattr(os, "sched_getaffinity")
             else os.cpu_count() or 1
         )
-    return min(wanted, sizes) if isinstance(job.model, str) else 1
+    if not isinstance(job.model, str) and start_method() != "fork":
+        return 1  # a spawned worker could not rebuild the module
+    return min(wanted, sizes)
+
+
+def start_method() -> str:
+    """How worker processes start (module docstring): "fork" on Linux unless this process has
+    initialised CUDA, else "spawn"."""
+    if sys.platform.startswith("linux") and not torch.cuda.is_initialized():
+        return "fork"
+    return "spawn"
 
 
 def evaluate_all(
@@ -181,43 +199,52 @@ def evaluate_all(
 
     With n > 1 processes this process is one of them: n - 1 workers take the sizes from the
     front of the list, one at a time each (a feeder thread per worker hands it the next when it
-    returns one), while this process takes them from the back. This process has its imports
-    done and the model built, where a spawned worker first imports the planner (seconds of CPU):
-    one worker fewer saves that, and no process sits idle waiting for the others."""
+    returns one), while this process takes them from the back. No process sits idle waiting for
+    the others, and one worker fewer is one fewer to start (a spawned worker first imports the
+    planner: seconds of CPU)."""
     workers = processes(job, len(sizes))
     n = len(sizes)
     if workers <= 1:
         return [
             evaluate(job, make, b, _numbered(say, k, n)) for k, b in enumerate(sizes)
         ]
-    context = multiprocessing.get_context("spawn")
+    method = start_method()
+    context = multiprocessing.get_context(method)
     messages = context.Queue()
-    relay = threading.Thread(target=_relay, args=(messages, say), daemon=True)
-    relay.start()
+    # a forked worker inherits `make`; a spawned one rebuilds it from the model's name
     pool = ProcessPoolExecutor(
-        workers - 1, mp_context=context, initializer=_init_worker, initargs=(messages,)
+        workers - 1,
+        mp_context=context,
+        initializer=_init_worker,
+        initargs=(messages, job, make if method == "fork" else None, os.getpid()),
     )
+    relay = threading.Thread(target=_relay, args=(messages, say), daemon=True)
     try:
+        if method == "fork":
+            # The pool forks all its workers at the first task: give it one now, before this
+            # process starts the relay and the helper threads, so that no thread of ours is
+            # forked holding a lock.
+            pool.submit(os.getpid).result()
+        relay.start()
         return share(
             n,
             workers - 1,
             # assembled as a worker's are: this process does not keep every size's graph
             lambda k: _assembled(evaluate(job, make, sizes[k], _numbered(say, k, n))),
-            lambda k: _in_worker(pool, job, sizes[k], k, n),
+            lambda k: _in_worker(pool, sizes[k], k, n),
         )
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         messages.put(None)
-        relay.join()
+        if relay.is_alive():
+            relay.join()
 
 
-def _in_worker(
-    pool: ProcessPoolExecutor, job: SizeJob, b: int, k: int, n: int
-) -> SizeResult:
+def _in_worker(pool: ProcessPoolExecutor, b: int, k: int, n: int) -> SizeResult:
     """`_evaluate_in_worker` on `pool`; a worker that died (killed, say for memory, or unable to
     start) is one line naming the size and what to do instead of the pool's traceback."""
     try:
-        return pool.submit(_evaluate_in_worker, job, b, k, n).result()
+        return pool.submit(_evaluate_in_worker, b, k, n).result()
     except BrokenProcessPool as exc:
         raise MeshplanError(
             f"a planner worker process died while searching micro-batch size {b} (killed, "
@@ -280,19 +307,44 @@ def _relay(messages: Any, say: Progress) -> None:
         say(msg)
 
 
-_messages: Any = None  # a worker's queue of progress messages (`_init_worker`)
+#: A worker's state (`_init_worker`): its queue of progress messages, the job, the model's maker.
+_worker: dict[str, Any] = {}
 
 
-def _init_worker(messages: Any) -> None:
-    global _messages
-    _messages = messages
+def _init_worker(
+    messages: Any, job: SizeJob, make: Callable | None, parent: int
+) -> None:
+    _worker.update(messages=messages, job=job, make=make)
+    if make is not None:
+        _end_with(parent)
 
 
-def _evaluate_in_worker(job: SizeJob, b: int, k: int, n: int) -> SizeResult:
-    """`evaluate` of the k-th of n sizes in a worker: the model rebuilt from its name, the best
-    plan assembled (a `PlanSpec` holds the traced graph, which does not cross processes)."""
-    _, make, _ = resolve_model(job.model, job.example_batch, job.dtype, job.model_name)
-    return _assembled(evaluate(job, make, b, _numbered(_messages.put, k, n)))
+def _end_with(parent: int) -> None:
+    """Have the kernel kill this forked worker when the planning process `parent` ends (Linux's
+    parent-death signal). Without it a worker outlives a planning process killed with SIGKILL:
+    it holds the pool's queues itself (a fork copies every descriptor), so it never sees them
+    close and waits on them for ever."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it ended before the signal was asked for
+        os._exit(1)
+
+
+#: prctl's option: the signal this process gets when its parent ends (linux/prctl.h)
+PR_SET_PDEATHSIG = 1
+
+
+def _evaluate_in_worker(b: int, k: int, n: int) -> SizeResult:
+    """`evaluate` of the k-th of n sizes in a worker (the model rebuilt from its name once per
+    spawned worker), the best plan assembled (a `PlanSpec` holds the traced graph, which does
+    not cross processes)."""
+    job = _worker["job"]
+    if _worker["make"] is None:
+        _worker["make"] = resolve_model(
+            job.model, job.example_batch, job.dtype, job.model_name
+        )[1]
+    say = _numbered(_worker["messages"].put, k, n)
+    return _assembled(evaluate(job, _worker["make"], b, say))
 
 
 def _assembled(out: SizeResult) -> SizeResult:

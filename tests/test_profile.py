@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from processes import running
 from profiles import cpu_profile
 
 from cost_models.errors import MeshplanError
@@ -333,18 +334,9 @@ def test_ranks_stop_when_the_launching_process_is_killed(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 10
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_running(pid) for pid in pids), pids
-
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not any(running(pid) for pid in pids), pids
 
 
 @pytest.mark.slow

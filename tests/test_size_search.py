@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
+import torch
+from processes import running
 
 from cost_models.errors import MeshplanError
+from planner import size_search
 from planner.api import plan
+from planner.models import build_model
 from planner.size_search import SizeJob, processes, share
 
 
@@ -17,14 +27,61 @@ def _without_time(p) -> dict:
     return d
 
 
-def test_worker_processes_give_the_serial_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_worker_processes_give_the_serial_plan(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if method not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"no {method} here")
     kw = {"global_batch": 8, "microbatch_size": [8, 4, 2, 1]}
     serial = plan("gpt-tiny", "1x4xA100-80GB", **kw)
     monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "2")
+    monkeypatch.setattr(size_search, "start_method", lambda: method)
     said: list[str] = []
     parallel = plan("gpt-tiny", "1x4xA100-80GB", progress=said.append, **kw)
     assert _without_time(parallel) == _without_time(serial)
     # the workers' progress reaches the caller: every size traced
+    for b in (8, 4, 2, 1):
+        assert any(f"with micro-batch {b}" in m for m in said), said
+
+
+class Unpicklable(torch.nn.Module):
+    """gpt-tiny with a lock (it cannot be pickled) that notes the process tracing it."""
+
+    def __init__(self, path) -> None:
+        super().__init__()
+        self.inner, _ = build_model("gpt-tiny", device="meta")
+        self.lock, self.path = threading.Lock(), path
+
+    def forward(self, *batch):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return self.inner(*batch)
+
+
+@pytest.mark.skipif(
+    size_search.start_method() != "fork", reason="workers are spawned here"
+)
+def test_a_module_object_is_searched_in_forked_workers(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An `nn.Module` that cannot be pickled is searched in forked workers as well as in this
+    process, with the serial search's plan."""
+    traced_by = tmp_path / "pids"
+    model = Unpicklable(traced_by)
+    _, batch = build_model("gpt-tiny", batch=8, device="meta")
+    kw = {"global_batch": 8, "microbatch_size": [8, 4, 2, 1]}
+    serial = plan(model, "1x4xA100-80GB", batch, **kw)
+    assert set(traced_by.read_text().split()) == {str(os.getpid())}
+    traced_by.unlink()
+    monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "2")
+    said: list[str] = []
+    parallel = plan(model, "1x4xA100-80GB", batch, progress=said.append, **kw)
+    assert _without_time(parallel) == _without_time(serial)
+    pids = traced_by.read_text().split()
+    assert len(pids) == 4 and len(set(pids)) == 2, (
+        pids
+    )  # each size traced once, in 2 processes
     for b in (8, 4, 2, 1):
         assert any(f"with micro-batch {b}" in m for m in said), said
 
@@ -53,6 +110,50 @@ def test_a_dead_worker_is_one_line(tmp_path, monkeypatch: pytest.MonkeyPatch) ->
         plan("dies_in_worker:make", "1x4xA100-80GB", **kw)
     monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "1")
     assert plan("dies_in_worker:make", "1x4xA100-80GB", **kw).stages
+
+
+HANGS_IN_A_WORKER = """
+import multiprocessing, os, sys, time
+from planner.models import build_model
+
+def make(batch=1, **kw):
+    if multiprocessing.parent_process() is not None:
+        with open(os.path.join(os.path.dirname(__file__), "worker.pid"), "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(120)  # a long size
+    return build_model("gpt-tiny", batch=batch, **kw)
+
+if __name__ == "__main__":
+    os.environ["MESHPLAN_PLANNER_PROCESSES"] = "2"
+    sys.path.insert(0, os.path.dirname(__file__))
+    from planner.api import plan
+    plan("hangs_in_worker:make", "1x4xA100-80GB", global_batch=8, microbatch_size=[8, 4])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    size_search.start_method() != "fork", reason="workers are spawned here"
+)
+def test_forked_workers_end_when_the_planning_process_is_killed(tmp_path) -> None:
+    """SIGKILL to the planning process mid-search leaves no worker running
+    (`planner.size_search._end_with`)."""
+    script = tmp_path / "hangs_in_worker.py"
+    script.write_text(HANGS_IN_A_WORKER)
+    proc = subprocess.Popen([sys.executable, str(script)])
+    pid_at = tmp_path / "worker.pid"
+    deadline = time.monotonic() + 60
+    while not (pid_at.exists() and pid_at.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, "no worker started"
+        time.sleep(0.2)
+    pid = int(pid_at.read_text())
+    assert running(pid)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while running(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not running(pid), pid
 
 
 @pytest.mark.parametrize("helpers", [1, 3])
@@ -114,8 +215,13 @@ def test_process_count(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "3")
     assert processes(job, 6) == 3
     assert processes(job, 2) == 2  # at most one a size
-    # a model object is searched in this process
-    assert processes(SizeJob(object(), *[None] * 11), 6) == 1
+    # a model object: in forked workers, or in this process where workers are spawned
+    module = SizeJob(object(), *[None] * 11)
+    monkeypatch.setattr(size_search, "start_method", lambda: "fork")
+    assert processes(module, 6) == 3
+    monkeypatch.setattr(size_search, "start_method", lambda: "spawn")
+    assert processes(module, 6) == 1
+    assert processes(job, 6) == 3
     monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "zero")
     with pytest.raises(MeshplanError, match="MESHPLAN_PLANNER_PROCESSES"):
         processes(job, 6)

@@ -287,6 +287,16 @@ _python_lock = threading.Lock()
 _holds = threading.local()
 
 
+def _fresh_locks() -> None:
+    """A forked child (`planner.size_search`'s workers) starts with this module's locks free: a
+    parent's thread holding one at the fork is not in the child to release it."""
+    global _python_lock, _banner_lock
+    _python_lock, _banner_lock = threading.Lock(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_locks)
+
+
 @contextmanager
 def solves_overlap() -> Iterator[None]:
     """Run the block holding the planner's lock except while HiGHS solves.
