@@ -14,7 +14,8 @@ one size at a time and returns that size's best plan, assembled. The results are
 serial search: the sizes' best plans are compared in the order the serial search visits them
 (ties go to the earlier), so the plan does not depend on the process count.
 `MESHPLAN_PLANNER_PROCESSES` sets the count, this process included (1: everything in this
-process); by default one per core this process may use, at most one per size.
+process); by default one per core this process may use, at most one per size, and none in a
+daemonic process (a rank started by `runtime.launch`), which multiprocessing allows no children.
 """
 
 from __future__ import annotations
@@ -177,6 +178,10 @@ def processes(job: SizeJob, sizes: int) -> int:
             len(os.sched_getaffinity(0))
             if hasattr(os, "sched_getaffinity")
             else os.cpu_count() or 1
+        )
+    if multiprocessing.current_process().daemon:
+        return (
+            1  # a daemonic process (a rank of `runtime.launch`) may not have children
         )
     if not isinstance(job.model, str) and start_method() != "fork":
         return 1  # a spawned worker could not rebuild the module

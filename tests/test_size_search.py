@@ -86,6 +86,22 @@ def test_a_module_object_is_searched_in_forked_workers(
         assert any(f"with micro-batch {b}" in m for m in said), said
 
 
+def _plans_in_a_rank() -> int:
+    os.environ["MESHPLAN_PLANNER_PROCESSES"] = "2"
+    p = plan("gpt-tiny", "1x4xA100-80GB", global_batch=8, microbatch_size=[8, 4])
+    return p.num_microbatches
+
+
+def test_a_rank_plans_in_its_own_process() -> None:
+    """A rank of `runtime.launch` (a daemonic process, which may not start workers) plans in
+    its own process whatever MESHPLAN_PLANNER_PROCESSES says, as the local suite's rank 0
+    does on a machine with more cores than ranks."""
+    from runtime.launch import launch
+
+    serial = plan("gpt-tiny", "1x4xA100-80GB", global_batch=8, microbatch_size=[8, 4])
+    assert launch(_plans_in_a_rank, 1) == [serial.num_microbatches]
+
+
 DIES_IN_A_WORKER = """
 import multiprocessing, os
 from planner.models import build_model
