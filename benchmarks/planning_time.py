@@ -249,6 +249,21 @@ V100s). A micro-batch size's own bound (each GEMM at that size's efficiency) is 
 it for the llama and mixtral cases, whose GEMMs' smallest dimension is the hidden size at every
 size (4096-8192 rows of sequence per micro-batch); it falls as the size grows, so for gpt-39b,
 fastest at 1 row, no size's bound exceeds the 1-row bound, which its best plan already exceeds.
+
+2026-11-29, evening: where mixtral-8x7b's plan waits. Each size of one CLI search timed
+(17:38-17:45, load 1.1-1.3, the planning process and one forked worker): 52-89 s of CPU for
+1, 2, 16, 32 and 64 rows, but 173 s for 4 and 194 s for 8 (the plan: 8 rows, 6.818 s per
+iteration; 393 s wall). At 8 rows in one process, one solver thread: 70 intra-op programs,
+5 of them to branch-and-bound (relaxation fractional), and one of those, the memory ladder's
+first rung (0.35 of the time-optimal memory) on the 4x8 submesh, took 128 s of the size's
+160 s of solves: 52,211 columns, 2,231 binaries, a root bound 3.7% below the optimum and 458
+nodes to prove it within `LADDER_GAP` (147 s when run again alone with HiGHS's log; its first
+incumbent, at 10 s, was 2.6% above the optimum). HiGHS's node limit does not make it a cheap
+sample: 20, 50 and 100 nodes took 36, 57 and 70 s (the root and two restarts alone about
+14 s). Left as it is: a cheaper rung (a limit, or a sample of the frontier by a price on
+memory, time + lambda * memory, whose relaxation is integral as the time-optimal program's
+is) gives another point of the time-memory trade-off, so plans may change, and showing they do
+not get slower needs the suites re-run.
 """
 
 from __future__ import annotations
