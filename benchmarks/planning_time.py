@@ -260,10 +260,13 @@ first rung (0.35 of the time-optimal memory) on the 4x8 submesh, took 128 s of t
 nodes to prove it within `LADDER_GAP` (147 s when run again alone with HiGHS's log; its first
 incumbent, at 10 s, was 2.6% above the optimum). HiGHS's node limit does not make it a cheap
 sample: 20, 50 and 100 nodes took 36, 57 and 70 s (the root and two restarts alone about
-14 s). Left as it is: a cheaper rung (a limit, or a sample of the frontier by a price on
-memory, time + lambda * memory, whose relaxation is integral as the time-optimal program's
-is) gives another point of the time-memory trade-off, so plans may change, and showing they do
-not get slower needs the suites re-run.
+14 s). A price on memory instead of the budget (minimise time + lambda * memory, no memory
+row; lambda by bisection) solves that program's relaxation in 0.3-0.5 s, integral at every
+lambda tried, but the frontier's convex hull has no point near the rung: 45,600 MiB at 0.0707
+(scaled time) just above lambda = 4.34e-6, 37,522 MiB at 0.1059 just below it, where the rung,
+within 42,692 MiB, is 0.0866: priced samples would lose that point. Left as it is: a
+cheaper rung (a limit, or priced samples) is another point of the time-memory trade-off, so
+plans may change, and showing they do not get slower needs the suites re-run.
 """
 
 from __future__ import annotations
