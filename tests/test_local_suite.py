@@ -212,6 +212,16 @@ def test_report_checks_pass_and_fail():
     )
     d, e = local_report.local_checks(bad)
     assert ": no (" in d and e.endswith("no (3 of 5)")
+    # issue #22: median 15% and every error within 30% (here the median is 8%, the largest 9%)
+    assert local_report.issue22_check(good)[0].endswith("yes (median 8%, largest 9%)")
+    one_off = _doc(
+        [_case(2, (0.10, 0.12), (0.11, 0.13))] * 4
+        + [_case(2, (0.16, 0.12), (0.11, 0.13))]
+    )  # a median of 8%, but one case predicted 45% slow
+    assert local_report.issue22_check(one_off)[0].endswith(
+        "no (median 8%, largest 45%)"
+    )
+    assert local_report.issue22_check(bad)[0].endswith("no (median 50%, largest 58%)")
     # Where the automatic plan is the manual one there is no faster plan: no verdict either way.
     same = _case(2, (0.10, 0.10), (0.11, 0.12)) | {"same_plan": True, "agree": None}
     d, e = local_report.local_checks(
