@@ -87,12 +87,17 @@ def local_table(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def _errors(cases: list[dict[str, Any]]) -> list[float]:
+    """|predicted / measured - 1| of both plans run in every case."""
+    return [abs(p["error"]) for c in cases for p in (c["auto"], compared(c))]
+
+
 def local_checks(doc: dict[str, Any]) -> list[str]:
     """The two targets, evaluated on the document's cases."""
     cases = doc["cases"]
     if not cases:
         return ["- local suite: no case run"]
-    errors = [abs(p["error"]) for c in cases for p in (c["auto"], compared(c))]
+    errors = _errors(cases)
     med = statistics.median(errors)
     agree = sum(c["agree"] is True for c in cases)
     same = sum(c["agree"] is None for c in cases)
@@ -128,7 +133,7 @@ def issue22_check(doc: dict[str, Any]) -> list[str]:
     cases = doc["cases"]
     if not cases:
         return []
-    errors = [abs(p["error"]) for c in cases for p in (c["auto"], compared(c))]
+    errors = _errors(cases)
     med, worst = statistics.median(errors), max(errors)
     ok = med <= ISSUE22_MEDIAN_ERROR and worst <= ISSUE22_CASE_ERROR
     return [

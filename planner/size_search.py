@@ -20,10 +20,8 @@ daemonic process (a rank started by `runtime.launch`), which multiprocessing all
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
-import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -39,6 +37,7 @@ from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from planner.inter.layers import graph_layerings
 from planner.inter.mesh_search import search
+from planner.orphans import end_with_parent
 from planner.plans.assemble import (
     PlanSpec,
     assemble,
@@ -321,22 +320,9 @@ def _init_worker(
 ) -> None:
     _worker.update(messages=messages, job=job, make=make)
     if make is not None:
-        _end_with(parent)
-
-
-def _end_with(parent: int) -> None:
-    """Have the kernel kill this forked worker when the planning process `parent` ends (Linux's
-    parent-death signal). Without it a worker outlives a planning process killed with SIGKILL:
-    it holds the pool's queues itself (a fork copies every descriptor), so it never sees them
-    close and waits on them for ever."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # it ended before the signal was asked for
-        os._exit(1)
-
-
-#: prctl's option: the signal this process gets when its parent ends (linux/prctl.h)
-PR_SET_PDEATHSIG = 1
+        # forked: it holds the pool's queues itself, so it would never see them close and would
+        # wait on them for ever after a planning process killed with SIGKILL
+        end_with_parent(parent)
 
 
 def _evaluate_in_worker(b: int, k: int, n: int) -> SizeResult:

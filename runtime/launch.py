@@ -46,7 +46,6 @@ line, core binding.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import faulthandler
 import multiprocessing as mp
@@ -55,7 +54,6 @@ import os
 import pickle
 import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -64,6 +62,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cost_models.errors import MeshplanError
+from planner.orphans import end_with_parent
 
 MAX_LOCAL_RANKS_CPU = 8  # gloo on one of the development machines; see DESIGN.md
 
@@ -121,18 +120,6 @@ def rank_cpu_sets(world_size: int) -> list[list[int]]:
     return [[cpus[r % len(cpus)]] for r in range(world_size)]
 
 
-def _set_parent_death_signal() -> None:
-    """Ask Linux to SIGKILL this worker when its parent dies (no orphans): the fork server,
-    which exits when the launching process does."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(
-                1, signal.SIGKILL
-            )  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     if len(text) > 300:
@@ -156,7 +143,8 @@ def _worker(
     """Body of one rank: read (fn, args, kwargs) from `job`, init the group, run `fn`, send
     ("ok", value) or ("error", ...) to the parent. SIGUSR1 writes every thread's stack to
     `stack_file` (the parent asks on a timeout)."""
-    _set_parent_death_signal()
+    # its parent is the fork server, which exits when the launching process does
+    end_with_parent()
     stacks = open(stack_file, "w")  # noqa: SIM115 - open for the process's life
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.clear()  # the caller's environment, not the fork server's (module docstring)

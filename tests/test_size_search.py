@@ -153,7 +153,7 @@ if __name__ == "__main__":
 )
 def test_forked_workers_end_when_the_planning_process_is_killed(tmp_path) -> None:
     """SIGKILL to the planning process mid-search leaves no worker running
-    (`planner.size_search._end_with`)."""
+    (`planner.orphans.end_with_parent`)."""
     script = tmp_path / "hangs_in_worker.py"
     script.write_text(HANGS_IN_A_WORKER)
     proc = subprocess.Popen([sys.executable, str(script)])
