@@ -316,6 +316,22 @@ def launch(
         else:
             errors[rank] = (msg[2], msg[3], msg[4])
 
+    def reap(ready: list[Any]) -> None:
+        """Take the reports among `ready`, then note the ranks among it that exited."""
+        for obj in ready:
+            if obj in conns:
+                take(obj)
+        for obj in ready:
+            if obj not in sentinels:
+                continue
+            rank = sentinels.pop(obj)
+            procs[rank].join()
+            for c in [c for c, r in conns.items() if r == rank and c.poll()]:
+                take(c)  # a report that arrived with the exit
+            if rank not in results and rank not in errors:
+                code = procs[rank].exitcode
+                deaths[rank] = (time.time(), code if code is not None else -1)
+
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) < world_size and not errors and not deaths:
@@ -329,25 +345,13 @@ def launch(
                     None,
                     _stacks(procs, running, stack_files),
                 )
-            ready = mpc.wait(list(conns) + list(sentinels), timeout=min(left, 1.0))
-            for obj in ready:
-                if obj in conns:
-                    take(obj)
-            for obj in ready:
-                if obj not in sentinels:
-                    continue
-                rank = sentinels.pop(obj)
-                procs[rank].join()
-                for c in [c for c, r in conns.items() if r == rank and c.poll()]:
-                    take(c)  # a report that arrived with the exit
-                if rank not in results and rank not in errors:
-                    code = procs[rank].exitcode
-                    deaths[rank] = (time.time(), code if code is not None else -1)
+            reap(mpc.wait(list(conns) + list(sentinels), timeout=min(left, 1.0)))
         if errors or deaths:
-            # Let near-simultaneous reports arrive so the root cause can be chosen, then stop all.
+            # Let near-simultaneous reports and exits arrive so the root cause can be chosen
+            # (a rank that exits makes its peers' collectives fail: its death may come second),
+            # then stop all.
             time.sleep(0.1)
-            for c in [c for c in conns if c.poll()]:
-                take(c)
+            reap(mpc.wait(list(conns) + list(sentinels), timeout=0))
             raise _failure(world_size, errors, deaths)
     finally:
         _stop(procs, grace_s)
