@@ -53,11 +53,16 @@ def _faster(t_auto: float, t_manual: float) -> str:
 
 
 def _overheads(profile: dict[str, Any]) -> str:
-    """Per-op (us) / per-micro-batch (ms) / per-step (ms) overheads; a figure older records lack
-    shows '-'."""
-    mb, step = profile.get("microbatch_overhead_s"), profile.get("step_overhead_s")
-    return f"{profile['op_overhead_s'] * 1e6:.0f} / " + " / ".join(
-        "-" if x is None else f"{x * 1e3:.1f}" for x in (mb, step)
+    """Per-op (us), per-parameter per micro-batch and per step (us), per-micro-batch (ms) and
+    per-step (ms) overheads; a figure older records lack shows '-'."""
+    us = ("op_overhead_s", "param_overhead_s", "param_step_overhead_s")
+    ms = ("microbatch_overhead_s", "step_overhead_s")
+    return "; ".join(
+        " / ".join(
+            "-" if profile.get(k) is None else f"{profile[k] * scale:.{digits}f}"
+            for k in keys
+        )
+        for keys, scale, digits in ((us, 1e6, 0), (ms, 1e3, 1))
     )
 
 
@@ -67,7 +72,8 @@ def local_table(doc: dict[str, Any]) -> list[str]:
         (
             "| procs | model | auto plan | predicted ms | measured ms | error | manual plan run "
             "| predicted ms | measured ms | error | faster predicted / measured "
-            "| overhead per op us / per micro-batch ms / per step ms | load average |"
+            "| overhead us per op / per parameter and micro-batch / per parameter and step; "
+            "ms per micro-batch / per step | load average |"
         ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -7,7 +7,7 @@ For every case (a small GPT, GShard MoE or Mixtral model on N local processes, `
 
 1. profile this machine with N ranks (`runtime.profiler`, `profile_options`): matrix products and
    memory bandwidth measured on every rank at once, the collectives on 2, 4, ... N ranks, and the
-   runtime's per-op overhead (`runtime.overhead`);
+   runtime's fixed overheads per op, parameter, micro-batch and step (`runtime.overhead`);
 2. plan automatically (`planner.plan`) and search the Megatron grid (`benchmarks.manual_grid`) on
    the cluster of that profile (`Cluster.from_profile`), float32 and SGD as the ranks train; when
    the grid's best manual plan is the automatic plan itself (`same_plan`), search the grid again
@@ -59,6 +59,7 @@ from benchmarks.records import (
     write_results,
 )
 from benchmarks.report import write_report
+from cost_models.profile import OVERHEAD_FIELDS
 
 DEVICE = "CPU"
 OPTIMIZER = "sgd"
@@ -114,7 +115,7 @@ def profile_options(nproc: int, case: LocalCase | None = None) -> Any:
     collectives
     of 4 KiB .. 4 MiB on the power-of-two world sizes up to `nproc` (the submesh sizes planned)
     and `nproc`, every group of consecutive ranks at once (as a mesh axis's groups run); the
-    runtime's per-op overhead; and with a `case`, the rates of its model's non-GEMM ops
+    runtime's fixed overheads; and with a `case`, the rates of its model's non-GEMM ops
     (`runtime.op_rates`) at one rank's share of its batch (a data-parallel micro-batch)."""
     from runtime.profiler import KB, MB, ProfileOptions, size_range
 
@@ -353,9 +354,7 @@ def run_local_case(
             "device": profile.device_name,
             "peak_float32_flops": profile.peak_flops.get("float32"),
             "memory_bandwidth_bytes_per_s": profile.memory_bandwidth_bytes_per_s,
-            "op_overhead_s": profile.op_overhead_s,
-            "step_overhead_s": profile.step_overhead_s,
-            "microbatch_overhead_s": profile.microbatch_overhead_s,
+            **{key: getattr(profile, key) for key in OVERHEAD_FIELDS},
             "op_rates": {
                 r.target: [r.unit, r.forward_s, r.backward_s] for r in profile.op_rates
             },

@@ -46,8 +46,11 @@ independent of the op's sharding, charged once per op (views included) by the pl
 prices. Without a profile it is 0: the roofline models a device whose kernels are launched ahead of
 their execution, where host overhead hides behind compute. Likewise ``step_overhead`` (the
 profile's ``step_overhead_s``): the runtime's fixed time per training step, added once to a plan's
-iteration time; and ``microbatch_overhead`` (``microbatch_overhead_s``): its fixed time per stage
-and micro-batch, added to every stage's time per micro-batch.
+iteration time; ``microbatch_overhead`` (``microbatch_overhead_s``): its fixed time per stage
+and micro-batch, added to every stage's time per micro-batch; and ``param_overhead`` (the
+profile's ``param_overhead_s`` per micro-batch and ``param_step_overhead_s`` per step): its time
+per parameter tensor a stage holds (its DTensor gradient's accumulation, bucketing and step),
+charged by the planner's price of each parameter.
 """
 
 from __future__ import annotations
@@ -222,6 +225,16 @@ def measured_op_time(
 def op_overhead(cluster: Cluster) -> float:
     """Seconds of runtime overhead per op per micro-batch: the profile's ``op_overhead_s``, else 0."""
     return float(getattr(cluster.profile, "op_overhead_s", 0.0))
+
+
+def param_overhead(cluster: Cluster, num_microbatches: int) -> float:
+    """Seconds of runtime overhead per parameter tensor per micro-batch, its per-step part spread
+    over the `num_microbatches`: ``param_overhead_s + param_step_overhead_s / B`` of the
+    profile, else 0."""
+    profile = cluster.profile
+    return float(getattr(profile, "param_overhead_s", 0.0)) + float(
+        getattr(profile, "param_step_overhead_s", 0.0)
+    ) / max(1, num_microbatches)
 
 
 def microbatch_overhead(cluster: Cluster) -> float:

@@ -30,6 +30,8 @@ JSON layout (version 1)::
                       "segments": [[max_bytes, alpha_s, beta_s_per_byte], ...]}, ...],
      "created": "2025-01-01T00:00:00+00:00", "host": "hostname",
      "op_overhead_s": 6e-05,                            # optional (0 when absent)
+     "param_overhead_s": 2e-04,                         # optional (0 when absent)
+     "param_step_overhead_s": 1.5e-04,                  # optional (0 when absent)
      "microbatch_overhead_s": 0.001,                    # optional (0 when absent)
      "op_rates": [{"target": "aten.gelu.default", "unit": "byte",   # optional ([] when absent)
                    "forward_s": 1e-09, "backward_s": 2e-09}, ...],
@@ -171,6 +173,11 @@ class DeviceProfile:
     #: interpreter's and DTensor's dispatch in forward and backward), measured by the profiler
     #: (`runtime.overhead`); 0.0 when not measured. Optional in the file.
     op_overhead_s: float = 0.0
+    #: Seconds the runtime spends per parameter tensor per micro-batch (wrapping and accumulating
+    #: its DTensor gradient) and per step (bucketing, synchronising and stepping it), measured
+    #: with ``op_overhead_s`` (`runtime.overhead`); 0.0 when not measured. Optional in the file.
+    param_overhead_s: float = 0.0
+    param_step_overhead_s: float = 0.0
     #: Seconds the runtime spends once per training step beyond its ops and their collectives
     #: (optimizer step, gradient buckets, loss broadcast, schedule set-up), measured with
     #: ``op_overhead_s`` (`runtime.overhead`); 0.0 when not measured. Optional in the file.
@@ -342,6 +349,16 @@ def fit_segments(
 
 # ---------------------------------------------------------------------------------------------
 # JSON reading and writing
+
+
+#: The runtime's overheads a profile may carry (`runtime.overhead`), each 0.0 when absent.
+OVERHEAD_FIELDS = (
+    "op_overhead_s",
+    "param_overhead_s",
+    "param_step_overhead_s",
+    "microbatch_overhead_s",
+    "step_overhead_s",
+)
 
 
 def save_profile(profile: DeviceProfile, path: str | os.PathLike[str]) -> None:
@@ -533,14 +550,6 @@ def load_profile(path: str | os.PathLike[str]) -> DeviceProfile:
         collectives=collectives,
         created=r.str_(data, "created"),
         host=r.str_(data, "host"),
-        op_overhead_s=r.num(data, "op_overhead_s") if "op_overhead_s" in data else 0.0,
-        step_overhead_s=(
-            r.num(data, "step_overhead_s") if "step_overhead_s" in data else 0.0
-        ),
-        microbatch_overhead_s=(
-            r.num(data, "microbatch_overhead_s")
-            if "microbatch_overhead_s" in data
-            else 0.0
-        ),
+        **{key: r.num(data, key) if key in data else 0.0 for key in OVERHEAD_FIELDS},
         op_rates=op_rates,
     )

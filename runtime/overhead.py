@@ -1,36 +1,48 @@
-"""The runtime's fixed overheads: seconds per traced op per micro-batch, per micro-batch, and per
-training step.
+"""The runtime's fixed overheads: seconds per traced op and per parameter per micro-batch, per
+parameter per step, per micro-batch, and per training step.
 
 The executor (`runtime.executor.PlanExecutor`) replays each stage's compiled graphs op by op from
 Python (`runtime.compiled`; eagerly it interprets the traced graph on DTensors); the pipeline runner
 does some work per micro-batch (slicing the batch, the compiled call's wrapping, the loss), and
 every step also runs the optimizer, the gradient buckets' bookkeeping, the loss broadcast and the
-pipeline schedule's set-up. For the small models that train on a CPU these costs, not the FLOPs,
-are most of a step. The roofline in `cost_models.compute` knows nothing of them, so the profiler
-measures them here and the cost model charges ``op_overhead_s`` per op per micro-batch,
-``microbatch_overhead_s`` per stage per micro-batch and ``step_overhead_s`` once per step
-(`cost_models.compute.op_overhead`, ``microbatch_overhead``, ``step_overhead``).
+pipeline schedule's set-up. Every parameter tensor costs its own Python work too: its DTensor
+gradient is wrapped and accumulated per micro-batch, and taken out of and put back into a bucket
+and stepped per step (`runtime.grad_overlap`, `runtime.grad_sync`). For the small models that
+train on a CPU these costs, not the FLOPs, are most of a step. The roofline in
+`cost_models.compute` knows nothing of them, so the profiler measures them here and the cost
+model charges ``op_overhead_s`` per op per micro-batch, ``param_overhead_s`` per parameter per
+micro-batch, ``param_step_overhead_s`` per parameter per step, ``microbatch_overhead_s`` per stage
+per micro-batch and ``step_overhead_s`` once per step (`cost_models.compute.op_overhead`,
+``param_overhead``, ``microbatch_overhead``, ``step_overhead``).
+
+Why parameters apart from ops: with one slope per op, fitted on GPT blocks (0.30 parameter
+tensors per op), a model with fewer parameters per op was over-priced. On 4 ranks on this
+machine's 2 cores (data parallel, one micro-batch; 2026-11-29), tiny GPTs of 2 and 8 layers,
+llamas of 2 and 8 layers (0.12 per op) and a Mixtral and GShard MoE of 2 layers (0.05 and 0.13)
+took 32-84 ms a step; the GPT-only line put the Mixtral at 91 ms against 49 ms measured, while
+``17 ms + 60 us * ops + 356 us * parameters`` fitted on the GPTs and llamas was within 6% of all
+six. The per-parameter part was 215 us per micro-batch and 158 us per step in a fit over 1 and 4
+micro-batches of the 2-layer GPT and the 8-layer GPT and llama.
 
 Measurement (`measure_op_overhead`, inside a launched group, on every rank at once as in training):
-two tiny GPTs (``CALIBRATION_MODELS``, hidden 8: a few thousand FLOPs per op, 2 and 8 layers) are
+tiny GPTs and a tiny llama (``CALIBRATION_MODELS``, hidden 8: a few thousand FLOPs per op) are
 trained by the runtime's own `runtime.train.Trainer` (pipeline runner, executor, gradient sync, SGD
-step) under a data-parallel plan over all the ranks with one micro-batch, and the first of them
-again over ``MICROBATCHES`` (``CALIBRATION_RUNS``). The process that launches the ranks makes their
+step) under a data-parallel plan over all the ranks with one micro-batch, and two of them again
+over ``MICROBATCHES`` (``CALIBRATION_RUNS``). The process that launches the ranks makes their
 plans before the launch (`calibration_plans`: our own CLI's `meshplan manual` in a child process
 per plan, as `runtime.commands.run` plans, so that the runtime does not import the planner's
 search) and hands them to the ranks. Each trainer is built once and takes ``warmup`` steps (the
-first step costs far more while the stage compiles and caches fill), then the three take their
-``steps`` timed steps interleaved, one step of each in turn, so that all three see the same
-machine. Rank 0 returns, per run, the median step time, the graph's ``call_function`` nodes (views
-included) and the gradient bytes; the step's own collectives (the bucketed gradient all-reduce and
-the loss's two scalar collectives), which the cost model prices separately, are timed right after
-each step in the same way.
-`overheads_from_steps` then fits ``step - collectives = overhead + ops * op_overhead`` through
-the one-micro-batch runs: the slope is the per-op figure; the run over several micro-batches
-splits the intercept into its per-micro-batch and per-step parts. The profile keeps the median of
-``REPEATS`` such calibrations. The ops' own compute is negligible at this size (it is not
-subtracted). Every rank trains at once, so on a machine with fewer cores than ranks the figures
-include the ranks' time-sharing of the cores, as in training.
+first step costs far more while the stage compiles and caches fill), then the runs take their
+``steps`` timed steps interleaved, one step of each in turn, so that all see the same machine.
+Rank 0 returns, per run, the median step time, the traced graph's ops (views included) and
+parameters, and the gradient bytes; the step's collectives that the cost model prices
+separately (the bucketed gradient all-reduce and the all-reduce of the data-parallel partial
+loss) are timed right after each step in the same way. The loss's broadcast from the last
+stage, which the planner does not price, stays in the step: the per-step overhead holds it.
+`overheads_from_steps` then fits the five figures to the runs' step times less their collectives
+(non-negative least squares). The profile keeps the median of ``REPEATS`` such calibrations. The ops' own compute is negligible at this size (it is
+not subtracted). Every rank trains at once, so on a machine with fewer cores than ranks the
+figures include the ranks' time-sharing of the cores, as in training.
 
 The figures belong to the runtime measured: when it gets faster, re-profiling updates them.
 """
@@ -42,7 +54,10 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from cost_models.errors import MeshplanError
 from planner.vocab.plan_file import ParallelPlan
@@ -51,6 +66,9 @@ from runtime.cli import run_child
 CALIBRATION_MODELS = (
     "gpt:hidden=8,layers=2,heads=2,seq=4,vocab=16",
     "gpt:hidden=8,layers=8,heads=2,seq=4,vocab=16",
+    # a llama block has fewer parameter tensors per op than a GPT block (0.12 against 0.30):
+    # the two ratios separate the per-parameter time from the per-op time
+    "llama:hidden=8,layers=4,heads=2,kv_heads=1,ffn=8,seq=4,vocab=16",
 )
 CALIBRATION_BATCH = 2
 # One calibration's line is noisy on a shared machine: five back-to-back ones on 2 ranks here gave
@@ -59,14 +77,16 @@ CALIBRATION_BATCH = 2
 # 90..103 us per op, and 178 ops' worth of overhead per step within 25.4..27.7 ms; another launch
 # minutes earlier drifted from 144 to 101 us per op over its three (the machine's speed moves).
 REPEATS = 3
-# The first calibration model is also trained over this many micro-batches: what a micro-batch
-# costs beyond its ops (the pipeline runner's per-micro-batch work) is the difference.
+# Calibration models are also trained over this many micro-batches: what recurs per micro-batch
+# (the pipeline runner's work, each parameter's gradient accumulation) is the difference.
 MICROBATCHES = 4
 #: The calibration runs, each trained under its own plan: (model spec, micro-batches).
 CALIBRATION_RUNS = (
     (CALIBRATION_MODELS[0], 1),
     (CALIBRATION_MODELS[1], 1),
+    (CALIBRATION_MODELS[2], 1),
     (CALIBRATION_MODELS[0], MICROBATCHES),
+    (CALIBRATION_MODELS[2], MICROBATCHES),
 )
 
 
@@ -100,8 +120,8 @@ def measure_op_overhead(
     """Train each calibration run data-parallel over every rank of an initialised CPU (gloo)
     group, under its plan of `plans` (`calibration_plans` for this group's size, one per run of
     ``CALIBRATION_RUNS``); rank 0's ``{"repeats": [{"runs": [{"step_s", "comm_s", "ops",
-    "grad_bytes", "world", "microbatches"}, ...]}, ...]}``, one run per plan in each of `repeats`
-    repeats (module docstring).
+    "params", "grad_bytes", "world", "microbatches"}, ...]}, ...]}``, one run per plan in each
+    of `repeats` repeats (module docstring).
 
     Each model's trainer is built once; after `warmup` steps of each, every repeat takes `steps`
     rounds, a round being one step of every model in turn, each followed by its collectives
@@ -155,9 +175,9 @@ def _barriered(fn: Callable[[], object]) -> float:
 class _Calibration:
     """One calibration model trained over the group under its data-parallel `plan` (of
     `calibration_plans`: micro-batches of CALIBRATION_BATCH samples per rank): its training step,
-    the step's own collectives alone (the bucketed gradient all-reduce and the loss's two scalar
-    collectives, which the cost model prices separately) and its figures (`info`: op count,
-    gradient bytes, world, micro-batches)."""
+    the step's collectives that the cost model prices, alone (the bucketed gradient all-reduce
+    and the partial loss's all-reduce; module docstring) and its figures (`info`: op and
+    parameter counts, gradient bytes, world, micro-batches)."""
 
     def __init__(self, plan: ParallelPlan) -> None:
         import torch
@@ -180,11 +200,11 @@ class _Calibration:
         self.trainer = Trainer(plan, model, self.batch, optimizer="sgd", lr=1e-3)
         meta, micro = build_model(model_spec, batch=CALIBRATION_BATCH, device="meta")
         graph = trace(meta, micro, model_name=model_spec)
-        ops = sum(1 for n in graph.gm.graph.nodes if n.op == "call_function")
         self.grads = torch.zeros(max(1, grad_bytes // 4), dtype=torch.float32)
         self.scalar = torch.zeros(1, dtype=torch.float32)
-        self.info = {
-            "ops": float(ops),
+        self.info = {  # ops and parameters as the planner counts them
+            "ops": float(len(graph.ops)),
+            "params": float(len(graph.params)),
             "grad_bytes": float(grad_bytes),
             "world": float(world),
             "microbatches": float(microbatches),
@@ -198,7 +218,6 @@ class _Calibration:
 
         dist.all_reduce(self.grads)
         dist.all_reduce(self.scalar)
-        dist.all_reduce(self.scalar)
 
 
 def _net(run: dict[str, float], all_reduce: Any) -> float:
@@ -209,43 +228,79 @@ def _net(run: dict[str, float], all_reduce: Any) -> float:
     if "comm_s" in run:
         comm = run["comm_s"]
     elif run["world"] > 1 and all_reduce is not None:
-        comm = all_reduce.predict(run["grad_bytes"]) + 2 * all_reduce.predict(4)
+        comm = all_reduce.predict(run["grad_bytes"]) + all_reduce.predict(4)
     else:
         comm = 0.0
     return max(0.0, run["step_s"] - comm)
 
 
-def overheads_from_steps(
-    raw: dict[str, Any], all_reduce: Any
-) -> tuple[float, float, float]:
-    """(seconds per op per micro-batch, seconds per step, seconds per micro-batch) from
-    `measure_op_overhead`'s figures, all at least 0. The runs over one micro-batch give the line
-    ``net = overhead + ops * op_overhead`` through their net step times (`_net`) against their
-    op counts (the smallest and the largest model). A run of the same model over B micro-batches adds
-    (B - 1) micro-batches: ``(net_B - net_1) / (B - 1) - ops * op_overhead`` is the per-micro-batch
-    figure, and the line's intercept less it the per-step one (without such a run, 0 and the
-    whole intercept). A single run (a record of one calibration model: ``raw`` is the run
-    itself) gives no intercept: all of its time is per op. With ``repeats``: the median of the
-    repeats' figures, each taken alone."""
+@dataclass(frozen=True)
+class Overheads:
+    """The runtime's fixed costs in seconds (module docstring), as the cost model charges them
+    (`cost_models.compute`: ``op_overhead``, ``param_overhead``, ``microbatch_overhead``,
+    ``step_overhead``)."""
+
+    op_s: float = 0.0  # per traced op per micro-batch
+    param_s: float = 0.0  # per parameter tensor per micro-batch
+    param_step_s: float = 0.0  # per parameter tensor per step
+    microbatch_s: float = 0.0  # per stage per micro-batch
+    step_s: float = 0.0  # per step
+
+
+#: The figures in the order of `_features`' columns.
+_FIGURES = ("step_s", "microbatch_s", "op_s", "param_s", "param_step_s")
+
+
+def _features(run: dict[str, float]) -> list[float]:
+    """A run's row of the fit: ``net = step + B * (microbatch + ops * op + params * param) +
+    params * param_step`` for B micro-batches."""
+    b = run.get("microbatches", 1)
+    return [1.0, b, b * run["ops"], b * run["params"], run["params"]]
+
+
+def nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The least-squares x >= 0 of ``a x = y`` (a: runs x figures, of full column rank).
+
+    Formulation: minimise ||a x - y||^2 subject to x >= 0. The optimum is the unconstrained
+    least-squares fit on some set of free columns with the others 0 (the KKT conditions), so
+    every set is tried and the feasible fit of least residual kept: 2^5 sets of 5 columns here.
+    (scipy.optimize.nnls does this by active sets; scipy is not a dependency.)"""
+    n = a.shape[1]
+    if np.linalg.matrix_rank(a) < n:
+        raise MeshplanError(
+            f"the calibration runs determine only {np.linalg.matrix_rank(a)} of the {n} "
+            "overheads: they need models of two ratios of parameters to ops and a model "
+            "trained over one and over several micro-batches (CALIBRATION_RUNS)"
+        )
+    best, best_res = np.zeros(n), float(np.sum(y**2))
+    for mask in range(1, 2**n):
+        cols = [i for i in range(n) if mask >> i & 1]
+        x_cols = np.linalg.lstsq(a[:, cols], y, rcond=None)[0]
+        if np.any(x_cols < 0):
+            continue
+        x = np.zeros(n)
+        x[cols] = x_cols
+        res = float(np.sum((a @ x - y) ** 2))
+        if res < best_res - 1e-18:
+            best, best_res = x, res
+    return best
+
+
+def overheads_from_steps(raw: dict[str, Any], all_reduce: Any) -> Overheads:
+    """The runtime's overheads from `measure_op_overhead`'s figures, all at least 0: the
+    non-negative least-squares fit (`nonnegative_fit`) of every run's net step time (`_net`: its
+    step less its collectives) to ``step + B * (microbatch + ops * op + params * param) + params
+    * param_step`` over its op count, parameter count and micro-batches B (`_features`). The
+    runs of ``CALIBRATION_RUNS`` determine the five figures: two ratios of parameters to ops
+    (GPT and llama blocks) separate the per-op from the per-parameter time, and two models over
+    one and several micro-batches what recurs per micro-batch from what comes once per step.
+    With ``repeats``: the median of the repeats' figures, each fitted alone."""
     if "repeats" in raw:
-        lines = [overheads_from_steps(r, all_reduce) for r in raw["repeats"]]
-        return tuple(statistics.median(x[i] for x in lines) for i in range(3))
-    runs = raw.get("runs", [raw])
-    nets = sorted(
-        (r["ops"], _net(r, all_reduce)) for r in runs if r.get("microbatches", 1) == 1
-    )
-    (o1, n1), (o2, n2) = nets[0], nets[-1]
-    if o2 == o1:
-        return n1 / o1, 0.0, 0.0
-    per_op = (n2 - n1) / (o2 - o1)
-    if per_op <= 0:  # noise beat the ops: the smallest model's time is all per step
-        return 0.0, n1, 0.0
-    intercept = max(0.0, n1 - o1 * per_op)
-    per_mb = 0.0
-    for r in runs:
-        b = r.get("microbatches", 1)
-        base = [n for o, n in nets if o == r["ops"]]
-        if b > 1 and base:
-            extra = (_net(r, all_reduce) - base[0]) / (b - 1) - r["ops"] * per_op
-            per_mb = min(max(0.0, extra), intercept)
-    return per_op, intercept - per_mb, per_mb
+        fits = [overheads_from_steps(r, all_reduce) for r in raw["repeats"]]
+        return Overheads(
+            **{f: statistics.median(getattr(x, f) for x in fits) for f in _FIGURES}
+        )
+    runs = raw["runs"]
+    a = np.array([_features(r) for r in runs], dtype=np.float64)
+    y = np.array([_net(r, all_reduce) for r in runs], dtype=np.float64)
+    return Overheads(**dict(zip(_FIGURES, map(float, nonnegative_fit(a, y)))))

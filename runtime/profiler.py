@@ -28,9 +28,9 @@ One launch (`runtime.launch.launch`) of N ranks measures, in order:
 
 With ``concurrent_compute`` steps 1 and 2 run on every rank at once (rank 0's figures are kept;
 see `ProfileOptions`), followed by the non-GEMM ops of ``op_models`` (`runtime.op_rates`); with
-``op_overhead`` every rank then measures the runtime's overheads per
-op and per step (`runtime.overhead`, CPU ranks), under calibration plans that `check_options`
-makes before the launch (`runtime.overhead.calibration_plans`: child processes of our CLI).
+``op_overhead`` every rank then measures the runtime's overheads per op, parameter, micro-batch
+and step (`runtime.overhead`, CPU ranks), under calibration plans that `check_options` makes
+before the launch (`runtime.overhead.calibration_plans`: child processes of our CLI).
 
 Then alpha and beta are fitted per (op, world size) with `fit_alpha_beta`, plus a continuous
 piecewise-linear fit (`fit_segments`) where one line misses a sample by more than 20%: gloo's
@@ -94,7 +94,8 @@ class ProfileOptions:
     #: what one rank gets while all of them compute, as in data- or tensor-parallel training (on a
     #: CPU with fewer cores than ranks, the ranks time-share the cores). False: rank 0 alone.
     concurrent_compute: bool = False
-    #: Measure the runtime's overheads per op and per step (`runtime.overhead`; CPU ranks only).
+    #: Measure the runtime's overheads per op, parameter, micro-batch and step (`runtime.overhead`;
+    #: CPU ranks only).
     op_overhead: bool = False
     #: The plans `op_overhead` trains (`runtime.overhead.calibration_plans` for `nproc` ranks):
     #: None until `check_options` makes them, before the launch.
@@ -411,7 +412,8 @@ def _profile_worker(opts: ProfileOptions) -> dict[str, Any] | None:
         times = rounds[2] if rounds else REPEATS
         _log(
             opts,
-            f"runtime overheads per op and per step (two tiny GPTs, every rank, {times} times)",
+            "runtime overheads per op, parameter and step "
+            f"(tiny GPTs and llama, every rank, {times} times)",
         )
         out["op_overhead"] = measure_op_overhead(opts.calibration_plans, *rounds)
     pairs = _plan_collectives(opts)
@@ -517,7 +519,7 @@ def profile_from_raw(
     for op, w, samples in raw["collectives"]:
         alpha, beta = fit_alpha_beta(samples)
         fits.append(CollectiveFit(op, w, alpha, beta, samples, fit_segments(samples)))
-    per_op, per_step, per_mb = _overheads(raw["op_overhead"], fits, opts.nproc)
+    overheads = _overheads(raw["op_overhead"], fits, opts.nproc)
     peak: dict[str, float] = {}
     for s in raw["matmul"]:
         peak[s.dtype] = max(peak.get(s.dtype, 0.0), s.flops_per_s)
@@ -536,21 +538,24 @@ def profile_from_raw(
             timespec="seconds"
         ),
         host=socket.gethostname(),
-        op_overhead_s=per_op,
-        step_overhead_s=per_step,
-        microbatch_overhead_s=per_mb,
+        op_overhead_s=overheads.op_s,
+        param_overhead_s=overheads.param_s,
+        param_step_overhead_s=overheads.param_step_s,
+        step_overhead_s=overheads.step_s,
+        microbatch_overhead_s=overheads.microbatch_s,
         op_rates=raw.get("op_rates", []),
     )
 
 
 def _overheads(
     raw: dict[str, Any] | None, fits: list[CollectiveFit], nproc: int
-) -> tuple[float, float, float]:
-    """`runtime.overhead.overheads_from_steps` (per op, per step, per micro-batch) with the
-    all_reduce fit at `nproc` ranks; zeros when the overheads were not measured."""
+) -> Any:
+    """`runtime.overhead.overheads_from_steps` (an `Overheads`) with the all_reduce fit at
+    `nproc` ranks; zeros when the overheads were not measured."""
+    from runtime.overhead import Overheads, overheads_from_steps
+
     if raw is None:
-        return 0.0, 0.0, 0.0
-    from runtime.overhead import overheads_from_steps
+        return Overheads()
 
     fit = next(
         (f for f in fits if f.op == "all_reduce" and f.world_size == nproc), None

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ CALIBRATION_ROUNDS = (2, 1, 2)
 
 @functools.cache
 def _calibration_plans(world: int) -> list:
-    """`calibration_plans` for `world` ranks, made once (three CLI child processes) for both
+    """`calibration_plans` for `world` ranks, made once (a CLI child process per run) for both
     launches of this module."""
     from runtime.overhead import calibration_plans
 
@@ -256,7 +257,7 @@ def test_report_table_and_figure(tmp_path):
     assert (
         "| 2 | gpt | B=2; 0-3@1x2 | 100.0 | 110.0 | -9% | dp2 tp1 pp1 B1 |" in rows[2]
     )
-    assert rows[3].endswith("| manual / manual | 100 / - / - | - |")
+    assert rows[3].endswith("| manual / manual | 100 / - / -; - / - | - |")
     pytest.importorskip("matplotlib")
     lines = local_report.local_section(doc, tmp_path)
     assert (tmp_path / "local-CPU.png").stat().st_size > 0
@@ -287,29 +288,57 @@ def test_profile_file_keeps_the_overhead_and_defaults_to_zero(tmp_path):
     assert op_overhead(Cluster.from_spec("1x1xA100-80GB")) == 0.0
 
 
+def _one_device_iteration(
+    profile: DeviceProfile, microbatches: int
+) -> tuple[float, Any]:
+    """The predicted iteration of SPEC on one device of `profile` over `microbatches`
+    micro-batches, and the traced graph of one micro-batch."""
+    p = manual_plan(
+        SPEC,
+        Cluster.from_profile(profile),
+        dp=1,
+        tp=1,
+        pp=1,
+        num_microbatches=microbatches,
+        global_batch=BATCH,
+        dtype="float32",
+        optimizer="sgd",
+    )
+    model, batch = build_model(SPEC, batch=BATCH // microbatches, device="meta")
+    return p.estimate.iteration_time_s, trace(model, batch, model_name=SPEC)
+
+
 def test_overhead_priced_once_per_op_per_microbatch():
     """One device, one stage: the iteration is B micro-batches in a row, so the overhead adds
     B * (call nodes of one micro-batch's graph) * overhead to the prediction."""
     overhead, B = 1e-3, 2
-    times = {}
-    for o in (0.0, overhead):
-        cluster = Cluster.from_profile(_profile(o))
-        assert op_overhead(cluster) == o
-        p = manual_plan(
-            SPEC,
-            cluster,
-            dp=1,
-            tp=1,
-            pp=1,
-            num_microbatches=B,
-            global_batch=BATCH,
-            dtype="float32",
-            optimizer="sgd",
-        )
-        times[o] = p.estimate.iteration_time_s
-    model, batch = build_model(SPEC, batch=BATCH // B, device="meta")
-    calls = sum(1 for n in trace(model, batch, model_name=SPEC).nodes if n.op == "call")
-    assert times[overhead] - times[0.0] == pytest.approx(B * calls * overhead, rel=1e-6)
+    assert op_overhead(Cluster.from_profile(_profile(overhead))) == overhead
+    base, graph = _one_device_iteration(_profile(0.0), B)
+    with_overhead, _ = _one_device_iteration(_profile(overhead), B)
+    calls = sum(1 for n in graph.nodes if n.op == "call")
+    assert with_overhead - base == pytest.approx(B * calls * overhead, rel=1e-6)
+
+
+def test_parameter_overhead_priced_per_parameter_per_microbatch_and_per_step(tmp_path):
+    """One device, one stage of B micro-batches in a row: the per-parameter overheads add
+    (parameter tensors) * (B * param_overhead_s + param_step_overhead_s) to the prediction, and
+    a profile file keeps both figures."""
+    from cost_models.compute import param_overhead
+
+    q, r, B = 2e-4, 3e-4, 2
+    profile = dataclasses.replace(
+        _profile(0.0), param_overhead_s=q, param_step_overhead_s=r
+    )
+    assert param_overhead(Cluster.from_profile(profile), B) == pytest.approx(q + r / B)
+    base, graph = _one_device_iteration(_profile(0.0), B)
+    with_overhead, _ = _one_device_iteration(profile, B)
+    assert with_overhead - base == pytest.approx(
+        len(graph.params) * (B * q + r), rel=1e-6
+    )
+    path = tmp_path / "p.json"
+    save_profile(profile, path)
+    loaded = load_profile(path)
+    assert (loaded.param_overhead_s, loaded.param_step_overhead_s) == (q, r)
 
 
 def test_step_overhead_added_once_per_iteration():
@@ -358,70 +387,122 @@ def test_profile_options_cover_the_planned_world_sizes():
 
 
 def test_overhead_takes_off_the_collectives_timed_in_the_same_run():
-    """`overheads_from_steps` subtracts the step's collectives as timed beside the steps (comm_s);
-    only a record without them is priced with the all_reduce fit, and the result is never < 0.
-    A single run's time is all per op."""
+    """A run's net time (`_net`) is its step less the collectives timed beside the steps
+    (comm_s); only a record without them is priced with the all_reduce fit, and never < 0."""
     from cost_models.profile import CollectiveFit
-    from runtime.overhead import overheads_from_steps
+    from runtime.overhead import _net
 
-    raw = {
-        "step_s": 0.05,
-        "comm_s": 0.01,
-        "ops": 200.0,
-        "grad_bytes": 4096.0,
-        "world": 2.0,
-    }
+    run = {"step_s": 0.05, "comm_s": 0.01, "grad_bytes": 4096.0, "world": 2.0}
     slow_fit = CollectiveFit(
         "all_reduce", 2, 1.0, 0.0
     )  # 1 s per call: more than the step
-    assert overheads_from_steps(raw, slow_fit) == pytest.approx((0.04 / 200, 0.0, 0.0))
-    del raw["comm_s"]
-    assert overheads_from_steps(raw, slow_fit) == (0.0, 0.0, 0.0)
+    assert _net(run, slow_fit) == pytest.approx(0.04)
+    del run["comm_s"]
+    assert _net(run, slow_fit) == 0.0
     fit = CollectiveFit("all_reduce", 2, 1e-3, 0.0)
-    assert overheads_from_steps(raw, fit)[0] == pytest.approx((0.05 - 3e-3) / 200)
-    one = {**raw, "world": 1.0}
-    assert overheads_from_steps(one, fit)[0] == pytest.approx(0.05 / 200)
+    assert _net(run, fit) == pytest.approx(0.05 - 2e-3)  # gradients and the loss
+    assert _net({**run, "world": 1.0}, fit) == pytest.approx(0.05)
 
 
-def test_overheads_are_the_line_through_two_calibration_models():
-    """Two runs: the slope of net step time against ops is the per-op overhead, the intercept the
-    per-step one; a larger model measured faster (noise) gives no per-op overhead, not a
-    negative one. A run of the first model over 4 micro-batches splits the intercept into a
-    per-micro-batch and a per-step part."""
-    from runtime.overhead import overheads_from_steps
+# (ops, parameters) of the calibration models, as `test_calibration_runs_determine_the_overheads`
+# checks against their traces
+CALIBRATION_COUNTS = {0: (98, 29), 1: (338, 101), 2: (327, 39)}
 
-    def run(ops: float, step: float) -> dict[str, float]:
-        return {
-            "step_s": step,
-            "comm_s": 0.002,
-            "ops": ops,
-            "grad_bytes": 0,
-            "world": 2,
-        }
 
-    # net = 0.010 + ops * 30e-6
-    raw = {
-        "runs": [
-            run(100, 0.002 + 0.010 + 100 * 30e-6),
-            run(340, 0.002 + 0.010 + 340 * 30e-6),
-        ]
-    }
-    per_op, per_step, per_mb = overheads_from_steps(raw, None)
-    assert per_op == pytest.approx(30e-6) and per_step == pytest.approx(0.010)
-    assert per_mb == 0.0  # no run over several micro-batches
-    noisy = {"runs": [run(100, 0.020), run(340, 0.015)]}
-    # the smaller model's net time (step less its collectives) is all per step
-    assert overheads_from_steps(noisy, None) == pytest.approx((0.0, 0.020 - 0.002, 0.0))
-    # the first model again over 4 micro-batches: net = 0.004 + 4 * (0.0015 + 100 * 30e-6)
-    four = run(100, 0.002 + 0.004 + 4 * (0.0015 + 100 * 30e-6)) | {"microbatches": 4}
-    raw = {
-        "runs": [
-            run(100, 0.002 + 0.0055 + 100 * 30e-6),
-            run(340, 0.002 + 0.0055 + 340 * 30e-6),
-            four,
-        ]
-    }
-    assert overheads_from_steps(raw, None) == pytest.approx((30e-6, 0.004, 0.0015))
+def _calibration_raw(truth, noise=()):
+    """`measure_op_overhead`-like runs of ``CALIBRATION_RUNS`` timed as `truth` (an Overheads)
+    says, plus 2 ms of collectives, each net time scaled by 1 + its `noise`."""
+    from runtime.overhead import CALIBRATION_MODELS, CALIBRATION_RUNS
+
+    runs = []
+    for i, (spec, b) in enumerate(CALIBRATION_RUNS):
+        ops, params = CALIBRATION_COUNTS[CALIBRATION_MODELS.index(spec)]
+        net = (
+            truth.step_s
+            + b * (truth.microbatch_s + ops * truth.op_s + params * truth.param_s)
+            + params * truth.param_step_s
+        ) * (1 + (noise[i] if noise else 0.0))
+        runs.append(
+            {"step_s": net + 0.002, "comm_s": 0.002, "ops": ops, "params": params}
+            | {"grad_bytes": 0, "world": 4, "microbatches": b}
+        )
+    return {"runs": runs}
+
+
+def test_overheads_are_recovered_from_the_calibration_runs():
+    """Runs timed by known overheads give them back, each of the five figures; with repeats the
+    median of each figure."""
+    from runtime.overhead import Overheads, overheads_from_steps
+
+    truth = Overheads(
+        op_s=60e-6,
+        param_s=215e-6,
+        param_step_s=158e-6,
+        microbatch_s=0.012,
+        step_s=0.005,
+    )
+    got = overheads_from_steps(_calibration_raw(truth), None)
+    for f in ("op_s", "param_s", "param_step_s", "microbatch_s", "step_s"):
+        assert getattr(got, f) == pytest.approx(getattr(truth, f), rel=1e-6), f
+    # repeated calibrations: each figure is the median of the repeats' (each fitted alone), so
+    # one disturbed repeat does not move the profile
+    low = Overheads(op_s=40e-6, param_s=0.0, param_step_s=300e-6, microbatch_s=0.001)
+    high = Overheads(op_s=90e-6, param_s=400e-6, param_step_s=0.0, step_s=0.010)
+    raw = {"repeats": [_calibration_raw(x) for x in (truth, high, low)]}
+    got = overheads_from_steps(raw, None)
+    for f in ("op_s", "param_s", "param_step_s", "microbatch_s", "step_s"):
+        median = sorted(getattr(x, f) for x in (truth, high, low))[1]
+        assert getattr(got, f) == pytest.approx(median, rel=1e-6, abs=1e-12), f
+
+
+def test_noisy_overheads_are_the_nonnegative_least_squares_fit():
+    """Noise that would make a figure negative gives the best fit with figures >= 0: checked by
+    the optimality conditions of that convex problem (KKT: a free figure's gradient is 0, a zero
+    figure's gradient >= 0) against the unconstrained solve, which is negative."""
+    import numpy as np
+
+    from runtime.overhead import Overheads, _features, _net, nonnegative_fit
+
+    truth = Overheads(op_s=60e-6, param_s=5e-6, step_s=0.001, microbatch_s=0.0)
+    raw = _calibration_raw(truth, noise=(0.1, -0.05, 0.08, -0.1, 0.05))
+    a = np.array([_features(r) for r in raw["runs"]])
+    y = np.array([_net(r, None) for r in raw["runs"]])
+    assert np.linalg.solve(a, y).min() < 0  # the exact solve is not a valid figure set
+    x = nonnegative_fit(a, y)
+    assert (x >= 0).all()
+    grad = a.T @ (a @ x - y)
+    scale = np.abs(a.T @ y)
+    assert np.all(np.abs(grad[x > 0]) <= 1e-9 * scale[x > 0])
+    assert np.all(grad[x == 0] >= -1e-9 * scale[x == 0])
+
+
+def test_calibration_runs_determine_the_overheads():
+    """The calibration models' traced ops and parameters are those the fit tests assume, and
+    their runs determine all five figures; runs of one model cannot (a clear error)."""
+    import numpy as np
+
+    from cost_models.errors import MeshplanError
+    from planner.models import build_model
+    from planner.tracing.tracer import trace
+    from runtime.overhead import (
+        CALIBRATION_BATCH,
+        CALIBRATION_MODELS,
+        Overheads,
+        _features,
+        nonnegative_fit,
+    )
+
+    for i, spec in enumerate(CALIBRATION_MODELS):
+        meta, micro = build_model(spec, batch=CALIBRATION_BATCH, device="meta")
+        graph = trace(meta, micro, model_name=spec)
+        assert (len(graph.ops), len(graph.params)) == CALIBRATION_COUNTS[i], spec
+    runs = _calibration_raw(Overheads())["runs"]
+    assert np.linalg.matrix_rank(np.array([_features(r) for r in runs])) == 5
+    gpt_only = [r for r in runs if r["params"] / r["ops"] > 0.2]
+    with pytest.raises(MeshplanError, match="two ratios of parameters to ops"):
+        nonnegative_fit(
+            np.array([_features(r) for r in gpt_only]), np.ones(len(gpt_only))
+        )
 
 
 def test_same_plan_ignores_size_one_axes_and_layer_numbering():
@@ -459,24 +540,6 @@ def test_same_plan_ignores_size_one_axes_and_layer_numbering():
         ["R", "S(0)"] if t.param_placements[path] != ["R", "S(0)"] else ["R", "R"]
     )
     assert not same_plan(p, q)
-
-
-def test_overheads_are_the_median_of_the_repeats():
-    """Repeated calibrations: the median of the repeats' per-op figures and of their per-step
-    figures (each from its own line), so one disturbed repeat does not move the profile."""
-    from runtime.overhead import overheads_from_steps
-
-    def repeat(per_op: float, per_step: float) -> dict:
-        return {
-            "runs": [
-                {"step_s": per_step + ops * per_op, "comm_s": 0.0, "ops": ops}
-                | {"grad_bytes": 0, "world": 2}
-                for ops in (100, 340)
-            ]
-        }
-
-    raw = {"repeats": [repeat(30e-6, 0.004), repeat(90e-6, 0.010), repeat(40e-6, 0.0)]}
-    assert overheads_from_steps(raw, None) == pytest.approx((40e-6, 0.004, 0.0))
 
 
 def test_runner_up_is_planned_when_the_best_manual_plan_is_the_automatic_one():
@@ -519,20 +582,20 @@ def _calibrate_in_order(plans: list) -> tuple[dict, list[int]]:
 
 @pytest.mark.slow
 def test_calibration_runs_are_interleaved():
-    """The three calibration runs are built once, warmed up, then stepped in turn (one step of
-    each per round), so the line through their times compares them on the same machine; the
-    record has every run's figures per repeat."""
+    """The calibration runs are built once, warmed up, then stepped in turn (one step of each
+    per round), so the fit compares them on the same machine; the record has every run's
+    figures per repeat, counted as `CALIBRATION_COUNTS` says."""
     from runtime.launch import launch
-    from runtime.overhead import MICROBATCHES
+    from runtime.overhead import CALIBRATION_MODELS, CALIBRATION_RUNS
 
     plans = _calibration_plans(2)
+    n = len(CALIBRATION_RUNS)
     raw, order = launch(_calibrate_in_order, 2, (plans,), timeout_s=300)[0]
-    assert order == [0, 1, 2] + [0, 1, 2] * 2 * 2  # warm-up, then 2 repeats of 2 rounds
+    assert order == list(range(n)) * (1 + 2 * 2)  # warm-up, then 2 repeats of 2 rounds
     assert len(raw["repeats"]) == 2
     for rep in raw["repeats"]:
-        small, large, several = rep["runs"]
-        assert large["ops"] > small["ops"] == several["ops"]
-        assert (small["microbatches"], several["microbatches"]) == (1, MICROBATCHES)
-        assert all(
-            r["world"] == 2 and r["step_s"] > 0 and r["comm_s"] > 0 for r in rep["runs"]
-        )
+        assert len(rep["runs"]) == n
+        for (spec, b), r in zip(CALIBRATION_RUNS, rep["runs"]):
+            ops, params = CALIBRATION_COUNTS[CALIBRATION_MODELS.index(spec)]
+            assert (r["ops"], r["params"], r["microbatches"]) == (ops, params, b)
+            assert r["world"] == 2 and r["step_s"] > 0 and r["comm_s"] > 0

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cost_models.compute import param_overhead
 from planner.intra import fsdp_prices as fp
 from planner.intra import prices as sc
 from planner.intra.prices import Option, StageSettings
@@ -41,9 +42,16 @@ class PricedStage:
         return sc.param_grad_edges(self.graph, self.param_derived)
 
     def node_cost(self, name: str, opt: Option) -> float:
+        """Seconds per micro-batch of node `name` under `opt`: an op's compute
+        (`prices.compute_time`); a parameter's ZeRO / FSDP collectives (`fsdp_prices.zero_cost`)
+        and the runtime's fixed time per parameter tensor (`cost_models.compute.param_overhead`,
+        0 without a measured profile)."""
         node = self.graph.node(name)
         if name in self.graph.placeholder_paths and node.op == "param":
-            return fp.zero_cost(node.outputs[0], opt, self.settings)
+            s = self.settings
+            return fp.zero_cost(node.outputs[0], opt, s) + param_overhead(
+                s.mesh.cluster, s.num_microbatches
+            )
         return sc.compute_time(node, opt, self.settings)
 
     def ilp_node_cost(self, name: str, opt: Option) -> float:

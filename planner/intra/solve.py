@@ -63,7 +63,9 @@ class StageSolution:
     zero_params: list[str]
     compute_s: float
     comm_s: float
-    grad_sync_s: float  # per iteration, bucket latencies included
+    # per iteration, bucket latencies and the runtime's per-parameter overhead included
+    # (`PricedStage.node_cost` of the parameters)
+    grad_sync_s: float
     param_state_bytes: float
     activation_bytes: float
     fallback_ops: list[str]

@@ -12,7 +12,12 @@ import argparse
 import re
 
 from cost_models.errors import MeshplanError
-from cost_models.profile import DeviceProfile, load_profile, save_profile
+from cost_models.profile import (
+    OVERHEAD_FIELDS,
+    DeviceProfile,
+    load_profile,
+    save_profile,
+)
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
@@ -68,7 +73,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--op-overhead",
         action="store_true",
-        help="also measure the runtime's per-op overhead (CPU ranks), priced per op by the planner",
+        help="also measure the runtime's fixed overheads per op, parameter tensor, micro-batch "
+        "and step (CPU ranks), which the planner charges",
     )
     p.add_argument(
         "--op-model",
@@ -151,11 +157,13 @@ def summary(profile: DeviceProfile) -> str:
         ),
         f"memory bw  {profile.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s",
         f"op overhead {profile.op_overhead_s * 1e6:.0f} us per op per micro-batch, "
+        f"{profile.param_overhead_s * 1e6:.0f} us per parameter per micro-batch, "
+        f"{profile.param_step_overhead_s * 1e6:.0f} us per parameter per step, "
         f"{profile.microbatch_overhead_s * 1e3:.2f} ms per micro-batch, "
         f"{profile.step_overhead_s * 1e3:.1f} ms per step"
         + (
             " (not measured)"
-            if profile.op_overhead_s == profile.step_overhead_s == 0
+            if not any(getattr(profile, k) for k in OVERHEAD_FIELDS)
             else ""
         ),
         f"matmul     {len(profile.matmul)} samples",
