@@ -25,7 +25,7 @@ six. The per-parameter part was 215 us per micro-batch and 158 us per step in a 
 micro-batches of the 2-layer GPT and the 8-layer GPT and llama.
 
 Measurement (`measure_op_overhead`, inside a launched group, on every rank at once as in training):
-tiny GPTs and a tiny llama (``CALIBRATION_MODELS``, hidden 8: a few thousand FLOPs per op) are
+tiny GPTs, llama and Mixtral (``CALIBRATION_MODELS``, hidden 8: a few thousand FLOPs per op) are
 trained by the runtime's own `runtime.train.Trainer` (pipeline runner, executor, gradient sync, SGD
 step) under a data-parallel plan over all the ranks with one micro-batch, and two of them again
 over ``MICROBATCHES`` (``CALIBRATION_RUNS``). The process that launches the ranks makes their
@@ -40,9 +40,10 @@ separately (the bucketed gradient all-reduce and the all-reduce of the data-para
 loss) are timed right after each step in the same way. The loss's broadcast from the last
 stage, which the planner does not price, stays in the step: the per-step overhead holds it.
 `overheads_from_steps` then fits the five figures to the runs' step times less their collectives
-(non-negative least squares). The profile keeps the median of ``REPEATS`` such calibrations. The ops' own compute is negligible at this size (it is
-not subtracted). Every rank trains at once, so on a machine with fewer cores than ranks the
-figures include the ranks' time-sharing of the cores, as in training.
+(non-negative least squares), each run's time the median of ``REPEATS`` calibrations. The ops'
+own compute is negligible at this size (it is not subtracted). Every rank trains at once, so on a
+machine with fewer cores than ranks the figures include the ranks' time-sharing of the cores, as
+in training.
 
 The figures belong to the runtime measured: when it gets faster, re-profiling updates them.
 """
@@ -69,11 +70,14 @@ CALIBRATION_MODELS = (
     # a llama block has fewer parameter tensors per op than a GPT block (0.12 against 0.30):
     # the two ratios separate the per-parameter time from the per-op time
     "llama:hidden=8,layers=4,heads=2,kv_heads=1,ffn=8,seq=4,vocab=16",
+    # and a Mixtral block still fewer (0.05): MoE models are then interpolated, not extrapolated
+    # along the direction the other runs determine worst (condition number 147 without it)
+    "mixtral:hidden=8,layers=2,heads=2,kv_heads=1,ffn=8,experts=2,seq=4,vocab=16,group_size=4",
 )
 CALIBRATION_BATCH = 2
 # One calibration's line is noisy on a shared machine: five back-to-back ones on 2 ranks here gave
-# 43..77 us per op and 0.6..8.7 ms per step (models timed one after the other); the profile takes
-# the median of `REPEATS` of them. Interleaved, six back-to-back medians of three on 4 ranks gave
+# 43..77 us per op and 0.6..8.7 ms per step (models timed one after the other); the profile fits
+# each run's median over `REPEATS` of them. Interleaved, six back-to-back medians of three on 4 ranks gave
 # 90..103 us per op, and 178 ops' worth of overhead per step within 25.4..27.7 ms; another launch
 # minutes earlier drifted from 144 to 101 us per op over its three (the machine's speed moves).
 REPEATS = 3
@@ -85,6 +89,7 @@ CALIBRATION_RUNS = (
     (CALIBRATION_MODELS[0], 1),
     (CALIBRATION_MODELS[1], 1),
     (CALIBRATION_MODELS[2], 1),
+    (CALIBRATION_MODELS[3], 1),
     (CALIBRATION_MODELS[0], MICROBATCHES),
     (CALIBRATION_MODELS[2], MICROBATCHES),
 )
@@ -291,15 +296,24 @@ def overheads_from_steps(raw: dict[str, Any], all_reduce: Any) -> Overheads:
     non-negative least-squares fit (`nonnegative_fit`) of every run's net step time (`_net`: its
     step less its collectives) to ``step + B * (microbatch + ops * op + params * param) + params
     * param_step`` over its op count, parameter count and micro-batches B (`_features`). The
-    runs of ``CALIBRATION_RUNS`` determine the five figures: two ratios of parameters to ops
-    (GPT and llama blocks) separate the per-op from the per-parameter time, and two models over
-    one and several micro-batches what recurs per micro-batch from what comes once per step.
-    With ``repeats``: the median of the repeats' figures, each fitted alone."""
+    runs of ``CALIBRATION_RUNS`` determine the five figures: three ratios of parameters to ops
+    (GPT, llama and Mixtral blocks) separate the per-op from the per-parameter time, and two
+    models over one and several micro-batches what recurs per micro-batch from what comes once
+    per step. With ``repeats``: one fit of each run's median net time over the repeats (the
+    median keeps a disturbed repeat out; a median of per-repeat fits mixed the figures of
+    different solutions, which swung widely since the runs determine some directions poorly)."""
     if "repeats" in raw:
-        fits = [overheads_from_steps(r, all_reduce) for r in raw["repeats"]]
-        return Overheads(
-            **{f: statistics.median(getattr(x, f) for x in fits) for f in _FIGURES}
-        )
+        repeats = [r["runs"] for r in raw["repeats"]]
+        runs = [
+            run | {"step_s": float(net), "comm_s": 0.0}
+            for run, net in zip(
+                repeats[0],
+                np.median(
+                    [[_net(r, all_reduce) for r in rs] for rs in repeats], axis=0
+                ),
+            )
+        ]
+        return overheads_from_steps({"runs": runs}, all_reduce)
     runs = raw["runs"]
     a = np.array([_features(r) for r in runs], dtype=np.float64)
     y = np.array([_net(r, all_reduce) for r in runs], dtype=np.float64)

@@ -413,7 +413,7 @@ def _profile_worker(opts: ProfileOptions) -> dict[str, Any] | None:
         _log(
             opts,
             "runtime overheads per op, parameter and step "
-            f"(tiny GPTs and llama, every rank, {times} times)",
+            f"(tiny GPTs, llama and Mixtral, every rank, {times} times)",
         )
         out["op_overhead"] = measure_op_overhead(opts.calibration_plans, *rounds)
     pairs = _plan_collectives(opts)
