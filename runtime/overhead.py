@@ -270,10 +270,10 @@ def nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     least-squares fit on some set of free columns with the others 0 (the KKT conditions), so
     every set is tried and the feasible fit of least residual kept: 2^5 sets of 5 columns here.
     (scipy.optimize.nnls does this by active sets; scipy is not a dependency.)"""
-    n = a.shape[1]
-    if np.linalg.matrix_rank(a) < n:
+    n, rank = a.shape[1], np.linalg.matrix_rank(a)
+    if rank < n:
         raise MeshplanError(
-            f"the calibration runs determine only {np.linalg.matrix_rank(a)} of the {n} "
+            f"the calibration runs determine only {rank} of the {n} "
             "overheads: they need models of two ratios of parameters to ops and a model "
             "trained over one and over several micro-batches (CALIBRATION_RUNS)"
         )
@@ -302,19 +302,7 @@ def overheads_from_steps(raw: dict[str, Any], all_reduce: Any) -> Overheads:
     per step. With ``repeats``: one fit of each run's median net time over the repeats (the
     median keeps a disturbed repeat out; a median of per-repeat fits mixed the figures of
     different solutions, which swung widely since the runs determine some directions poorly)."""
-    if "repeats" in raw:
-        repeats = [r["runs"] for r in raw["repeats"]]
-        runs = [
-            run | {"step_s": float(net), "comm_s": 0.0}
-            for run, net in zip(
-                repeats[0],
-                np.median(
-                    [[_net(r, all_reduce) for r in rs] for rs in repeats], axis=0
-                ),
-            )
-        ]
-        return overheads_from_steps({"runs": runs}, all_reduce)
-    runs = raw["runs"]
-    a = np.array([_features(r) for r in runs], dtype=np.float64)
-    y = np.array([_net(r, all_reduce) for r in runs], dtype=np.float64)
+    repeats = [r["runs"] for r in raw["repeats"]] if "repeats" in raw else [raw["runs"]]
+    a = np.array([_features(r) for r in repeats[0]], dtype=np.float64)
+    y = np.median([[_net(r, all_reduce) for r in rs] for rs in repeats], axis=0)
     return Overheads(**dict(zip(_FIGURES, map(float, nonnegative_fit(a, y)))))
