@@ -70,9 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
     except MeshplanError as exc:
         print(f"meshplan: error: {exc}", file=sys.stderr)
-        # a timed-out launch blames no rank: show where each one hung
-        if isinstance(exc, LaunchError) and exc.rank is None:
-            for rank, stack in sorted(exc.tracebacks.items()):
+        # where each rank of a timed-out launch hung, or where the blamed rank crashed
+        if isinstance(exc, LaunchError):
+            for rank in exc.stacks:
+                stack = exc.tracebacks[rank]
                 print(f"--- rank {rank} ---\n{stack.rstrip()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -78,14 +78,21 @@ PRELOAD = (
 
 
 class LaunchError(MeshplanError):
-    """A launch failed: `rank` is the rank blamed (None on a timeout), `tracebacks` maps rank -> text."""
+    """A launch failed: `rank` is the rank blamed (None on a timeout), `tracebacks` maps rank -> text;
+    `stacks` lists the ranks whose text is a stack dump the one-line message cannot carry (each
+    hung rank on a timeout, the blamed rank when it crashed), which `meshplan run` prints."""
 
     def __init__(
-        self, message: str, rank: int | None, tracebacks: dict[int, str]
+        self,
+        message: str,
+        rank: int | None,
+        tracebacks: dict[int, str],
+        stacks: Sequence[int] = (),
     ) -> None:
         super().__init__(message)
         self.rank = rank
         self.tracebacks = tracebacks
+        self.stacks = list(stacks)
 
 
 def free_port() -> int:
@@ -147,6 +154,8 @@ def _worker(
     end_with_parent()
     stacks = open(stack_file, "w")  # noqa: SIM115 - open for the process's life
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    # and on a crash (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL): where the rank was in Python
+    faulthandler.enable(file=stacks, all_threads=True)
     os.environ.clear()  # the caller's environment, not the fork server's (module docstring)
     os.environ.update(env)
     os.environ.update(
@@ -344,6 +353,7 @@ def launch(
                     "LaunchError.tracebacks; `meshplan run` prints them)",
                     None,
                     _stacks(procs, running, stack_files),
+                    running,
                 )
             reap(mpc.wait(list(conns) + list(sentinels), timeout=min(left, 1.0)))
         if errors or deaths:
@@ -352,7 +362,7 @@ def launch(
             # then stop all.
             time.sleep(0.1)
             reap(mpc.wait(list(conns) + list(sentinels), timeout=0))
-            raise _failure(world_size, errors, deaths)
+            raise _failure(world_size, errors, deaths, stack_files)
     finally:
         _stop(procs, grace_s)
         for c in [*conns, *jobs]:
@@ -418,10 +428,17 @@ def _failure(
     world_size: int,
     errors: dict[int, tuple[float, str, str]],
     deaths: dict[int, tuple[float, int]],
+    stack_files: Sequence[str],
 ) -> LaunchError:
     """Blame one rank: a rank that died without reporting (os._exit, a signal) is never a mere
-    victim of a peer's failure, so it comes first; otherwise the earliest reported exception."""
+    victim of a peer's failure, so it comes first; otherwise the earliest reported exception.
+    A rank killed by a crash signal has its Python stacks at the crash (faulthandler, see
+    `_worker`) as its traceback."""
     tracebacks = {r: e[2] for r, e in errors.items()}
+    shown: list[int] = []
+    for r, (_, code) in deaths.items():
+        if code < 0 and (text := _read(stack_files[r])):
+            tracebacks[r] = text
     if deaths:
         rank = min(deaths, key=lambda r: deaths[r][0])
         code = deaths[rank][1]
@@ -435,10 +452,13 @@ def _failure(
         else:
             how = f"exited with code {code} without raising"
         what = f"rank {rank} of {world_size} {how}"
+        if rank in tracebacks:
+            what += " (its Python stack at the crash: LaunchError.tracebacks)"
+            shown = [rank]
     else:
         rank = min(errors, key=lambda r: errors[r][0])
         what = f"rank {rank} of {world_size} failed: {errors[rank][1]}"
     others = sorted((set(errors) | set(deaths)) - {rank})
     if others:
         what += f" (also failed: ranks {', '.join(map(str, others))})"
-    return LaunchError(what, rank, tracebacks)
+    return LaunchError(what, rank, tracebacks, shown)
