@@ -268,7 +268,9 @@ def local_section(doc: dict[str, Any], directory: Path) -> list[str]:
         (
             f"File `{doc['file']}`; measured on {doc.get('machine', '?')}, {doc.get('date', '?')}, "
             f"torch {doc.get('torch', '?')}; median of {doc.get('steps', '?')} steps after "
-            f"{doc.get('warmup', '?')} warm-up, steps of the two plans alternating in one launch; "
+            f"{doc.get('warmup', '?')} warm-up, the two plans alternating in one launch in "
+            f"blocks of {doc.get('block', 1)} timed steps (each block after one untimed step; "
+            "1: step by step); "
             f"the suite took {doc.get('total_time_s', 0):.0f} s. Predicted = the cost models on "
             "the profile measured in the same launch; error = predicted / measured - 1. Load "
             f"average: the 1-minute load of this machine ({os.cpu_count()} cores) before -> "

@@ -14,10 +14,17 @@ For every case (a small GPT, GShard MoE or Mixtral model on N local processes, `
    for the best manual plan other than it (the runner-up): two runs of one plan have no faster
    one, while the runner-up checks that the cost model ranks two different plans as they run;
 3. launch N ranks once and train both plans (automatic, and the best manual or the runner-up) on
-   the same seeded model and batches, steps
-   alternating (auto, manual, auto, ...) so that both see the same machine noise, each step timed
-   between two barriers of the whole group; the measured step time of a plan is the median over
-   its timed steps after `warmup` untimed ones.
+   the same seeded model and batches, in alternating blocks (`measure_rank`: `BLOCK` timed steps
+   of one plan after one untimed step, then the other's) so that both see the same machine
+   noise, each step timed between two barriers of the whole group; the measured step time of a
+   plan is the median over its timed steps after `warmup` untimed ones. Not step by step: a
+   step that follows another trainer's step finds the caches holding that trainer's model,
+   gradients and graphs. Measured on 2026-11-30 (profile and steps in one launch, 20 timed steps
+   after 2 warm-up): one data-parallel plan trained alone against the same plan alternating step
+   by step with a second trainer of itself, the GPT of this suite on 2 processes 52.3 ms alone,
+   65.0 and 64.3 ms alternating (predicted 54.9 and 53.8 ms), the Mixtral on 4 processes 39.6 ms
+   alone, 51.6 and 52.1 ms alternating (predicted 40.1 and 38.5 ms). The cost model prices a
+   step of one training job, as a user runs it.
 
 4. after the timed steps, in the same launch, measure each plan's peak memory per rank in two
    dedicated untimed steps (`runtime.train.measure_peak_memory`: the bytes of live tensors the
@@ -68,6 +75,9 @@ LR = 0.01
 # the manual one) differed by up to 9%
 STEPS = 20
 WARMUP = 2
+# timed steps of one plan in a row (`measure_rank`): steps alternating one by one between two
+# trainers measured each 24-32% slower than alone (2026-11-30, module docstring)
+BLOCK = 5
 
 
 @dataclass(frozen=True)
@@ -149,24 +159,38 @@ def _timed(fn: Callable[..., float], *args: Any) -> tuple[float, float]:
 
 
 def measure_rank(
-    plans: Sequence[Any], model: str, steps: int, warmup: int
+    plans: Sequence[Any], model: str, steps: int, warmup: int, block: int = BLOCK
 ) -> dict[str, list[float]]:
-    """Inside a launched group: train every plan on the same seeded model and batches, steps
-    interleaved across plans; per plan its losses and its timed step times."""
+    """Inside a launched group: train every plan on the same seeded model and batches; per plan
+    its losses and its `steps` timed step times. After `warmup` untimed steps of each plan in
+    turn, the plans take turns in blocks: one untimed step (its caches warmed again after the
+    other plan's block), then up to `block` timed steps (module docstring)."""
     from runtime.train import Trainer, seeded_model_and_batches
 
-    n = warmup + steps
+    rounds = -(-steps // block)
+    n = warmup + rounds * (block + 1)
     trainers, batches = [], []
     for p in plans:
         m, batches = seeded_model_and_batches(model, p.global_batch, n, seed=0)
         trainers.append(Trainer(p, m, batches[0], optimizer=OPTIMIZER, lr=LR))
     out: dict[str, list] = {"losses": [[] for _ in plans], "times": [[] for _ in plans]}
-    for i, batch in enumerate(batches):
-        for k, tr in enumerate(trainers):
-            loss, dt = _timed(tr.step, batch)
-            out["losses"][k].append(loss)
-            if i >= warmup:
-                out["times"][k].append(dt)
+
+    def run(k: int, i: int, timed: bool) -> None:
+        loss, dt = _timed(trainers[k].step, batches[i])
+        out["losses"][k].append(loss)
+        if timed:
+            out["times"][k].append(dt)
+
+    for i in range(warmup):
+        for k in range(len(plans)):
+            run(k, i, False)
+    i = warmup
+    for r in range(rounds):
+        timed = min(block, steps - r * block)
+        for k in range(len(plans)):
+            for j in range(timed + 1):
+                run(k, i + j, j > 0)
+        i += timed + 1
     return out
 
 
@@ -443,6 +467,7 @@ def run_local_suite(
         ),
         "steps": steps,
         "warmup": warmup,
+        "block": BLOCK,
         "total_time_s": time.perf_counter() - t0,
         "summary": summary(out),
         "cases": out,

@@ -156,6 +156,53 @@ def test_end_to_end_record(doc, tmp_path):
     assert "(f) local suite" in text and "measured peak MiB" in text
 
 
+def test_plans_take_turns_in_blocks(monkeypatch):
+    """`measure_rank`: warm-up steps of each plan in turn, then blocks of one untimed step and up
+    to `block` timed ones per plan in turn, `steps` timed per plan, both plans on the same
+    batches in the same order (a step right after another trainer's measured 24-32% slower)."""
+    import benchmarks.local_suite as ls
+    import runtime.train
+
+    order: list[tuple[str, int]] = []
+
+    class Trainer:
+        def __init__(self, plan: Any, *args: Any, **kw: Any) -> None:
+            self.name = plan.name
+
+        def step(self, batch: int) -> float:
+            order.append((self.name, batch))
+            return float(batch)
+
+    clock = iter(range(1000))
+    monkeypatch.setattr(runtime.train, "Trainer", Trainer)
+    monkeypatch.setattr(
+        runtime.train,
+        "seeded_model_and_batches",
+        lambda model, batch, n, seed: (None, list(range(n))),
+    )
+    monkeypatch.setattr(ls, "_timed", lambda fn, *a: (fn(*a), float(next(clock))))
+    plans = [
+        dataclasses.make_dataclass("P", ["name", "global_batch"])(n, 4) for n in "ab"
+    ]
+    out = ls.measure_rank(plans, "m", steps=7, warmup=1, block=3)
+    # warm-up, then blocks of 1 untimed + 3, 3 and 1 timed steps
+    expected, timed_at = [("a", 0), ("b", 0)], []
+    i = 1
+    for timed in (3, 3, 1):
+        for plan in "ab":
+            for j in range(timed + 1):
+                if j and plan == "a":
+                    timed_at.append(len(expected))
+                expected.append((plan, i + j))
+        i += timed + 1
+    assert order == expected
+    assert out["times"][0] == [
+        float(t) for t in timed_at
+    ]  # the clock's reading per step
+    assert [len(t) for t in out["times"]] == [7, 7]
+    assert out["losses"][0] == out["losses"][1] == [0.0] + list(map(float, range(1, i)))
+
+
 def test_local_cases_select_by_process_count():
     assert {c.num_devices for c in local_cases([2])} == {2}
     assert len(local_cases()) >= 5
