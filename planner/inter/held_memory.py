@@ -346,14 +346,10 @@ def _compute_resharded_saves(sol: StageSolution, graph: OpGraph) -> dict[str, fl
     out: dict[str, float] = {}
     # saved values some op keeps in their own storage: its own outputs (a layer norm's mean,
     # an attention's log-sum-exp), inputs read without a copy, inputs of ops not examined here
-    kept_whole = {
-        v
-        for n in sol.choice
-        for v in set(graph.node(n).saved)
-        - {_root(graph, w) for w in graph.node(n).inputs}
-    }
+    kept_whole: set[str] = set()
     for name, inputs in _saving_reads(sol, graph):
         node = graph.node(name)
+        kept_whole.update(set(node.saved) - {_root(graph, w) for w in node.inputs})
         strategy = sol.choice[name].strategy
         if (
             len(strategy.inputs) != len(node.inputs)
