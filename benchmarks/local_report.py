@@ -53,16 +53,18 @@ def _faster(t_auto: float, t_manual: float) -> str:
 
 
 def _overheads(profile: dict[str, Any]) -> str:
-    """Per-op (us), per-parameter per micro-batch and per step (us), per-micro-batch (ms) and
-    per-step (ms) overheads; a figure older records lack shows '-'."""
+    """Per-op (us), per-parameter per micro-batch and per step (us), per byte of gradient per
+    step (ns), per-micro-batch (ms) and per-step (ms) overheads; a figure older records lack
+    shows '-'."""
     us = ("op_overhead_s", "param_overhead_s", "param_step_overhead_s")
+    ns = ("grad_byte_overhead_s",)
     ms = ("microbatch_overhead_s", "step_overhead_s")
     return "; ".join(
         " / ".join(
             "-" if profile.get(k) is None else f"{profile[k] * scale:.{digits}f}"
             for k in keys
         )
-        for keys, scale, digits in ((us, 1e6, 0), (ms, 1e3, 1))
+        for keys, scale, digits in ((us, 1e6, 0), (ns, 1e9, 2), (ms, 1e3, 1))
     )
 
 
@@ -73,7 +75,7 @@ def local_table(doc: dict[str, Any]) -> list[str]:
             "| procs | model | auto plan | predicted ms | measured ms | error | manual plan run "
             "| predicted ms | measured ms | error | faster predicted / measured "
             "| overhead us per op / per parameter and micro-batch / per parameter and step; "
-            "ms per micro-batch / per step | load average |"
+            "ns per gradient byte and step; ms per micro-batch / per step | load average |"
         ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -48,8 +48,9 @@ their execution, where host overhead hides behind compute. Likewise ``step_overh
 profile's ``step_overhead_s``): the runtime's fixed time per training step, added once to a plan's
 iteration time; ``microbatch_overhead`` (``microbatch_overhead_s``): its fixed time per stage
 and micro-batch, added to every stage's time per micro-batch; and ``param_overhead`` (the
-profile's ``param_overhead_s`` per micro-batch and ``param_step_overhead_s`` per step): its time
-per parameter tensor a stage holds (its DTensor gradient's accumulation, bucketing and step),
+profile's ``param_overhead_s`` per micro-batch and ``param_step_overhead_s`` per step, and
+``grad_byte_overhead_s`` per byte of the gradient a device holds per step): its time per
+parameter tensor a stage holds (its DTensor gradient's accumulation, bucketing and step),
 charged by the planner's price of each parameter.
 """
 
@@ -227,14 +228,20 @@ def op_overhead(cluster: Cluster) -> float:
     return float(getattr(cluster.profile, "op_overhead_s", 0.0))
 
 
-def param_overhead(cluster: Cluster, num_microbatches: int) -> float:
-    """Seconds of runtime overhead per parameter tensor per micro-batch, its per-step part spread
-    over the `num_microbatches`: ``param_overhead_s + param_step_overhead_s / B`` of the
-    profile, else 0."""
+def param_overhead(
+    cluster: Cluster, num_microbatches: int, grad_bytes: float = 0.0
+) -> float:
+    """Seconds of runtime overhead per micro-batch of a parameter tensor whose gradient has
+    `grad_bytes` bytes on a device, its per-step part spread over the `num_microbatches`:
+    ``param_overhead_s + (param_step_overhead_s + grad_bytes * grad_byte_overhead_s) / B`` of
+    the profile, else 0."""
     profile = cluster.profile
-    return float(getattr(profile, "param_overhead_s", 0.0)) + float(
-        getattr(profile, "param_step_overhead_s", 0.0)
-    ) / max(1, num_microbatches)
+    step = float(getattr(profile, "param_step_overhead_s", 0.0)) + grad_bytes * float(
+        getattr(profile, "grad_byte_overhead_s", 0.0)
+    )
+    return float(getattr(profile, "param_overhead_s", 0.0)) + step / max(
+        1, num_microbatches
+    )
 
 
 def microbatch_overhead(cluster: Cluster) -> float:

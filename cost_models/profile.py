@@ -32,6 +32,7 @@ JSON layout (version 1)::
      "op_overhead_s": 6e-05,                            # optional (0 when absent)
      "param_overhead_s": 2e-04,                         # optional (0 when absent)
      "param_step_overhead_s": 1.5e-04,                  # optional (0 when absent)
+     "grad_byte_overhead_s": 1.6e-09,                   # optional (0 when absent)
      "microbatch_overhead_s": 0.001,                    # optional (0 when absent)
      "op_rates": [{"target": "aten.gelu.default", "unit": "byte",   # optional ([] when absent)
                    "forward_s": 1e-09, "backward_s": 2e-09}, ...],
@@ -178,6 +179,10 @@ class DeviceProfile:
     #: with ``op_overhead_s`` (`runtime.overhead`); 0.0 when not measured. Optional in the file.
     param_overhead_s: float = 0.0
     param_step_overhead_s: float = 0.0
+    #: Seconds the runtime spends per byte of gradient a device holds, per step (copying it into
+    #: its bucket and back, zeroing and accumulating it, the optimizer step), measured with
+    #: ``op_overhead_s`` (`runtime.overhead`); 0.0 when not measured. Optional in the file.
+    grad_byte_overhead_s: float = 0.0
     #: Seconds the runtime spends once per training step beyond its ops and their collectives
     #: (optimizer step, gradient buckets, loss broadcast, schedule set-up), measured with
     #: ``op_overhead_s`` (`runtime.overhead`); 0.0 when not measured. Optional in the file.
@@ -356,6 +361,7 @@ OVERHEAD_FIELDS = (
     "op_overhead_s",
     "param_overhead_s",
     "param_step_overhead_s",
+    "grad_byte_overhead_s",
     "microbatch_overhead_s",
     "step_overhead_s",
 )

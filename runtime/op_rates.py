@@ -12,7 +12,10 @@ once on the real weights and the model's example batch, keeping every value. The
 target that is neither a view nor a GEMM (a GEMM's rate depends on the shape a sharding gives it:
 the profile's matmul samples price those), up to ``CALLS_PER_TARGET`` of its calls are re-run on
 their recorded inputs: the forward alone, and the forward followed by the gradients of the inputs
-that need them in training (those whose producer requires grad, as the tracer marks it).
+that need them in training (those whose producer requires grad, as the tracer marks it). The
+calls of every model at both batch sizes are timed together, in rounds
+(`runtime.profiler.time_calls`), so that a dip of the machine's speed costs each a loop rather
+than every loop of one.
 
 A target's rate is the slope between the two batch sizes: ``forward_s`` = (forward seconds at the
 large batch - at the small) / (units at the large - at the small), summed over its calls, and
@@ -27,7 +30,7 @@ positive (noise), or when a call cannot run on its own (an in-place op on a leaf
 
 What PyTorch lacks: its profiler times ops inside a whole run, where they cannot be attributed to
 the traced graph's nodes and their units; `torch.utils.benchmark` times one callable, which is
-what `time_one` is handed here.
+what `time_all` is handed here.
 """
 
 from __future__ import annotations
@@ -47,24 +50,43 @@ GEMM_TARGETS = frozenset(
     for op in ("mm", "addmm", "bmm", "baddbmm", "convolution", "matmul", "linear")
 )
 
-# per call: (target, unit, units, forward seconds, forward-and-backward seconds or None)
-Timed = tuple[str, str, float, float, float | None]
+# per call: (target, unit, units, forward, forward-and-backward or None), not yet timed
+Call = tuple[str, str, float, Callable[[], Any], Callable[[], Any] | None]
 
 
 def measure_op_rates(
     model_specs: tuple[str, ...],
     batch: int,
-    time_one: Callable[[Callable[[], Any]], float],
+    time_all: Callable[[list[Callable[[], Any]]], list[float]],
 ) -> list[OpRate]:
     """Rates of the non-view, non-GEMM ops of the models `model_specs` (built-in model specs),
-    the slope between batches of `batch` and ``BATCH_FACTOR * batch`` rows, each call timed by
-    ``time_one(fn)`` (seconds per ``fn()``); module docstring. Targets in the order first met."""
+    the slope between batches of `batch` and ``BATCH_FACTOR * batch`` rows, every call timed in
+    one ``time_all(fns)`` (seconds per call of each fn); module docstring. Targets in the order
+    first met."""
+    pairs = [
+        [_calls_of(spec, b) for b in (batch, BATCH_FACTOR * batch)]
+        for spec in model_specs
+    ]
+    fns = [
+        fn
+        for pair in pairs
+        for calls in pair
+        for call in calls.values()
+        for fn in call[3:]
+        if fn is not None
+    ]
+    seconds = iter(time_all(fns))
     # target -> per batch size: [units, forward s, units with backward, backward s]
     sums: dict[str, list[list[float]]] = {}
     units_of: dict[str, str] = {}
-    for spec in model_specs:
+    for pair in pairs:
+        # per batch size: node name -> (target, unit, units, forward s, both s or None)
         small, large = (
-            _time_model(spec, b, time_one) for b in (batch, BATCH_FACTOR * batch)
+            {
+                name: (*c[:3], next(seconds), None if c[4] is None else next(seconds))
+                for name, c in calls.items()
+            }
+            for calls in pair
         )
         for name, a in small.items():
             b = large.get(name)
@@ -98,10 +120,8 @@ def _slope(u0: float, t0: float, u1: float, t1: float) -> float | None:
     return (t1 - t0) / (u1 - u0)
 
 
-def _time_model(
-    spec: str, batch: int, time_one: Callable[[Callable[[], Any]], float]
-) -> dict[str, Timed]:
-    """Node name -> `Timed` of the calls to time (`_calls`) in `spec`'s graph at `batch` rows."""
+def _calls_of(spec: str, batch: int) -> dict[str, Call]:
+    """Node name -> `Call` of the calls to time (`_calls`) in `spec`'s graph at `batch` rows."""
     import torch
 
     from planner.models import build_model
@@ -112,13 +132,13 @@ def _time_model(
     example = tuple(example) if isinstance(example, (tuple, list)) else (example,)
     graph = trace(model, example)
     values = _run_graph(graph.gm, model, example)
-    out: dict[str, Timed] = {}
+    out: dict[str, Call] = {}
     for fx_node, op in _calls(graph):
-        timed = _time_call(fx_node, op, graph, values, time_one)
-        if timed is not None:
+        fns = _call_fns(fx_node, op, graph, values)
+        if fns is not None:
             unit = "flop" if op.fwd_flops > 0 else "byte"
             units = op.fwd_flops if unit == "flop" else op.bytes_read + op.bytes_written
-            out[op.name] = (op.target, unit, float(units), *timed)
+            out[op.name] = (op.target, unit, float(units), *fns)
     return out
 
 
@@ -154,15 +174,11 @@ def _run_graph(gm: Any, model: Any, example: tuple) -> dict[str, Any]:
     return {n.name: v for n, v in interp.env.items()}
 
 
-def _time_call(
-    fx_node: Any,
-    op: Any,
-    graph: Any,
-    values: dict[str, Any],
-    time_one: Callable[[Callable[[], Any]], float],
-) -> tuple[float, float | None] | None:
-    """(forward seconds, forward-and-backward seconds or None when no input needs a gradient)
-    of one call on its recorded inputs; None when the call fails on its own."""
+def _call_fns(
+    fx_node: Any, op: Any, graph: Any, values: dict[str, Any]
+) -> tuple[Callable[[], Any], Callable[[], Any] | None] | None:
+    """(forward, forward-and-backward or None when no input needs a gradient) of one call on its
+    recorded inputs, each run once here; None when the call fails on its own."""
     import torch
     from torch.utils._pytree import tree_flatten, tree_map
 
@@ -183,8 +199,17 @@ def _time_call(
     target = fx_node.target
     args, kwargs = tree_map(lambda a: real(a, False), (fx_node.args, fx_node.kwargs))
     g_args, g_kwargs = tree_map(lambda a: real(a, True), (fx_node.args, fx_node.kwargs))
+
+    def forward() -> None:
+        target(*args, **kwargs)
+
+    def forward_backward() -> None:
+        res = tree_flatten(target(*g_args, **g_kwargs))[0]
+        diff = [o for o in res if isinstance(o, torch.Tensor) and o.requires_grad]
+        torch.autograd.grad(diff, leaves, grads, allow_unused=True)
+
     try:
-        forward = time_one(lambda: target(*args, **kwargs))
+        forward()
         if not leaves or not op.requires_grad:
             return forward, None
         outs = [
@@ -193,12 +218,7 @@ def _time_call(
             if isinstance(o, torch.Tensor) and o.requires_grad
         ]
         grads = [torch.ones_like(o) for o in outs]
-
-        def forward_backward() -> None:
-            res = tree_flatten(target(*g_args, **g_kwargs))[0]
-            diff = [o for o in res if isinstance(o, torch.Tensor) and o.requires_grad]
-            torch.autograd.grad(diff, leaves, grads, allow_unused=True)
-
-        return forward, time_one(forward_backward)
+        forward_backward()
     except Exception:  # noqa: BLE001 - an op that cannot run alone keeps the roofline
         return None
+    return forward, forward_backward

@@ -1,5 +1,5 @@
 """The runtime's fixed overheads: seconds per traced op and per parameter per micro-batch, per
-parameter per step, per micro-batch, and per training step.
+parameter per step, per byte of gradient per step, per micro-batch, and per training step.
 
 The executor (`runtime.executor.PlanExecutor`) replays each stage's compiled graphs op by op from
 Python (`runtime.compiled`; eagerly it interprets the traced graph on DTensors); the pipeline runner
@@ -11,9 +11,10 @@ and stepped per step (`runtime.grad_overlap`, `runtime.grad_sync`). For the smal
 train on a CPU these costs, not the FLOPs, are most of a step. The roofline in
 `cost_models.compute` knows nothing of them, so the profiler measures them here and the cost
 model charges ``op_overhead_s`` per op per micro-batch, ``param_overhead_s`` per parameter per
-micro-batch, ``param_step_overhead_s`` per parameter per step, ``microbatch_overhead_s`` per stage
-per micro-batch and ``step_overhead_s`` once per step (`cost_models.compute.op_overhead`,
-``param_overhead``, ``microbatch_overhead``, ``step_overhead``).
+micro-batch, ``param_step_overhead_s`` per parameter per step, ``grad_byte_overhead_s`` per byte of
+gradient a device holds per step, ``microbatch_overhead_s`` per stage per micro-batch and
+``step_overhead_s`` once per step (`cost_models.compute.op_overhead`, ``param_overhead``,
+``microbatch_overhead``, ``step_overhead``).
 
 Why parameters apart from ops: with one slope per op, fitted on GPT blocks (0.30 parameter
 tensors per op), a model with fewer parameters per op was over-priced. On 4 ranks on this
@@ -23,6 +24,17 @@ took 32-84 ms a step; the GPT-only line put the Mixtral at 91 ms against 49 ms m
 ``17 ms + 60 us * ops + 356 us * parameters`` fitted on the GPTs and llamas was within 6% of all
 six. The per-parameter part was 215 us per micro-batch and 158 us per step in a fit over 1 and 4
 micro-batches of the 2-layer GPT and the 8-layer GPT and llama.
+
+Why bytes of gradient: each step also copies every gradient into its bucket and back, zeroes and
+accumulates it and steps the parameter (`runtime.grad_overlap`, `runtime.grad_sync`, the SGD
+step), work that grows with the gradient's bytes, not its count. The calibration models of
+hidden size 8 have a few kilobytes of gradients, so their figures left it out: the torch profiler
+found 5.8 ms of such work per step in a data-parallel GPT of hidden size 128 on 2 ranks (3.7 MB of
+gradients: bucket copies 3.4 ms, accumulation 1.6, zeroing 0.5, the step 0.3), and a GPT of hidden
+size 256 (6.4 MB, 2 layers, the ops and parameters of the 2-layer GPT of hidden 8) took 20.2 ms a
+step where the five figures of the other runs predicted 10.2 ms (2 ranks, 2026-11-30): 1.6 ns per
+byte. Its products see 8 tokens, so reading their weights (about 1 ms here) is the part of the
+run's extra time that is not this work.
 
 Measurement (`measure_op_overhead`, inside a launched group, on every rank at once as in training):
 tiny GPTs, llama and Mixtral (``CALIBRATION_MODELS``, hidden 8: a few thousand FLOPs per op) are
@@ -39,9 +51,10 @@ parameters, and the gradient bytes; the step's collectives that the cost model p
 separately (the bucketed gradient all-reduce and the all-reduce of the data-parallel partial
 loss) are timed right after each step in the same way. The loss's broadcast from the last
 stage, which the planner does not price, stays in the step: the per-step overhead holds it.
-`overheads_from_steps` then fits the five figures to the runs' step times less their collectives
+`overheads_from_steps` then fits the six figures to the runs' step times less their collectives
 (non-negative least squares), each run's time the median of ``REPEATS`` calibrations. The ops'
-own compute is negligible at this size (it is not subtracted). Every rank trains at once, so on a
+own compute is negligible at these sizes (it is not subtracted; the wide GPT's, above, about 1 ms
+of its 20 ms). Every rank trains at once, so on a
 machine with fewer cores than ranks the figures include the ranks' time-sharing of the cores, as
 in training.
 
@@ -73,6 +86,9 @@ CALIBRATION_MODELS = (
     # and a Mixtral block still fewer (0.05): MoE models are then interpolated, not extrapolated
     # along the direction the other runs determine worst (condition number 147 without it)
     "mixtral:hidden=8,layers=2,heads=2,kv_heads=1,ffn=8,experts=2,seq=4,vocab=16,group_size=4",
+    # the first GPT's ops and parameters, 6.4 MB of gradients instead of 10 KB: the time per
+    # byte of gradient per step
+    "gpt:hidden=256,layers=2,heads=2,seq=4,vocab=16",
 )
 CALIBRATION_BATCH = 2
 # One calibration's line is noisy on a shared machine: five back-to-back ones on 2 ranks here gave
@@ -92,6 +108,7 @@ CALIBRATION_RUNS = (
     (CALIBRATION_MODELS[3], 1),
     (CALIBRATION_MODELS[0], MICROBATCHES),
     (CALIBRATION_MODELS[2], MICROBATCHES),
+    (CALIBRATION_MODELS[4], 1),
 )
 
 
@@ -248,19 +265,20 @@ class Overheads:
     op_s: float = 0.0  # per traced op per micro-batch
     param_s: float = 0.0  # per parameter tensor per micro-batch
     param_step_s: float = 0.0  # per parameter tensor per step
+    grad_byte_s: float = 0.0  # per byte of gradient per step
     microbatch_s: float = 0.0  # per stage per micro-batch
     step_s: float = 0.0  # per step
 
 
 #: The figures in the order of `_features`' columns.
-_FIGURES = ("step_s", "microbatch_s", "op_s", "param_s", "param_step_s")
+_FIGURES = ("step_s", "microbatch_s", "op_s", "param_s", "param_step_s", "grad_byte_s")
 
 
 def _features(run: dict[str, float]) -> list[float]:
     """A run's row of the fit: ``net = step + B * (microbatch + ops * op + params * param) +
-    params * param_step`` for B micro-batches."""
+    params * param_step + grad_bytes * grad_byte`` for B micro-batches."""
     b = run.get("microbatches", 1)
-    return [1.0, b, b * run["ops"], b * run["params"], run["params"]]
+    return [1.0, b, b * run["ops"], b * run["params"], run["params"], run["grad_bytes"]]
 
 
 def nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -268,14 +286,15 @@ def nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
     Formulation: minimise ||a x - y||^2 subject to x >= 0. The optimum is the unconstrained
     least-squares fit on some set of free columns with the others 0 (the KKT conditions), so
-    every set is tried and the feasible fit of least residual kept: 2^5 sets of 5 columns here.
+    every set is tried and the feasible fit of least residual kept: 2^6 sets of 6 columns here.
     (scipy.optimize.nnls does this by active sets; scipy is not a dependency.)"""
     n, rank = a.shape[1], np.linalg.matrix_rank(a)
     if rank < n:
         raise MeshplanError(
             f"the calibration runs determine only {rank} of the {n} "
-            "overheads: they need models of two ratios of parameters to ops and a model "
-            "trained over one and over several micro-batches (CALIBRATION_RUNS)"
+            "overheads: they need models of two ratios of parameters to ops, a model "
+            "trained over one and over several micro-batches and two sizes of gradients "
+            "(CALIBRATION_RUNS)"
         )
     best, best_res = np.zeros(n), float(np.sum(y**2))
     for mask in range(1, 2**n):
@@ -295,11 +314,12 @@ def overheads_from_steps(raw: dict[str, Any], all_reduce: Any) -> Overheads:
     """The runtime's overheads from `measure_op_overhead`'s figures, all at least 0: the
     non-negative least-squares fit (`nonnegative_fit`) of every run's net step time (`_net`: its
     step less its collectives) to ``step + B * (microbatch + ops * op + params * param) + params
-    * param_step`` over its op count, parameter count and micro-batches B (`_features`). The
-    runs of ``CALIBRATION_RUNS`` determine the five figures: three ratios of parameters to ops
-    (GPT, llama and Mixtral blocks) separate the per-op from the per-parameter time, and two
-    models over one and several micro-batches what recurs per micro-batch from what comes once
-    per step. With ``repeats``: one fit of each run's median net time over the repeats (the
+    * param_step + grad_bytes * grad_byte`` over its op count, parameter count, gradient bytes
+    and micro-batches B (`_features`). The runs of ``CALIBRATION_RUNS`` determine the six
+    figures: three ratios of parameters to ops (GPT, llama and Mixtral blocks) separate the
+    per-op from the per-parameter time, two models over one and several micro-batches what
+    recurs per micro-batch from what comes once per step, and two GPTs of the same ops and
+    parameters but 10 KB and 6.4 MB of gradients the time per byte. With ``repeats``: one fit of each run's median net time over the repeats (the
     median keeps a disturbed repeat out; a median of per-repeat fits mixed the figures of
     different solutions, which swung widely since the runs determine some directions poorly)."""
     repeats = [r["runs"] for r in raw["repeats"]] if "repeats" in raw else [raw["runs"]]

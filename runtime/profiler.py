@@ -4,7 +4,8 @@ One launch (`runtime.launch.launch`) of N ranks measures, in order:
 
 1. matrix products on rank 0 alone (the other ranks wait in a barrier), over a grid of (m, n, k)
    shapes, for float32 and for bfloat16 / float16 when the device runs them; warm-up, then the
-   fastest of the repeats (small products are looped so one repeat lasts at least ~1 ms). The
+   fastest of the repeats (small products are looped so one repeat lasts at least ~1 ms), the
+   shapes taking turns, one loop of each per round (`time_calls`). The
    fastest, not the median: one process's kernel is only slowed by outside interference, and on a
    loaded 2-core machine a 1.5 ms product preempted for a ~4 ms scheduler slice in most repeats
    showed a median 3.7x its real time. A rank computes with the cores and threads it gets in
@@ -183,22 +184,48 @@ def time_call(
 ) -> float:
     """Seconds of one `fn()` call: warm-up, then `repeats` timed loops of >= `min_s` each, reduced
     with `reduce` (default the fastest: what the device can do when nothing else interferes)."""
-    for _ in range(warmup):
-        fn()
-    _sync()
-    t = time.perf_counter()
-    fn()
-    _sync()
-    one = max(time.perf_counter() - t, 1e-9)
-    inner = max(1, min(1000, int(min_s / one)))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(inner):
+    return time_calls([fn], repeats, warmup, min_s, reduce)[0]
+
+
+def time_calls(
+    fns: list[Callable[[], Any]],
+    repeats: int,
+    warmup: int = 1,
+    min_s: float = 1e-3,
+    reduce: Callable[[list[float]], float] = min,
+    meet: Callable[[], None] = lambda: None,
+) -> list[float]:
+    """Seconds of one call of each of `fns`: each warmed up, then `repeats` rounds, a round being
+    one timed loop of >= `min_s` of every fn in turn (`meet()` before each loop: the ranks'
+    barrier when they measure at once), each fn's loops reduced with `reduce`.
+
+    Rounds rather than one fn's loops back to back: this machine's speed dips for a few hundred
+    milliseconds at a time (a 256x128x128 float32 product timed in 30 loops of 30 ms ran at
+    146-164 GFLOP/s but for four loops in a row at 41-127), so back-to-back loops of one fn could
+    all fall in one dip and leave that sample alone slow: in two profiles of one launch (2 ranks,
+    3 loops per shape) the 1024x512x512 product measured 47 and 113 GFLOP/s while its neighbours
+    agreed. Spread over the rounds, a dip costs each fn a loop or two, which the median leaves
+    out."""
+    inner = []
+    for fn in fns:
+        for _ in range(warmup):
             fn()
         _sync()
-        times.append((time.perf_counter() - t) / inner)
-    return float(reduce(times))
+        t = time.perf_counter()
+        fn()
+        _sync()
+        one = max(time.perf_counter() - t, 1e-9)
+        inner.append(max(1, min(1000, int(min_s / one))))
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, n, out in zip(fns, inner, times):
+            meet()
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            _sync()
+            out.append((time.perf_counter() - t) / n)
+    return [float(reduce(t)) for t in times]
 
 
 def matmul_grid(opts: ProfileOptions) -> list[tuple[int, int, int]]:
@@ -257,18 +284,28 @@ def measure_matmul(opts: ProfileOptions) -> list[MatmulSample]:
             _log(opts, f"matmul {dtype_name}: not supported on {dev}, skipped")
             continue
         probe_rate = 2 * 256**3 / probe
-        for i, (m, n, k) in enumerate(shapes, 1):
+        timed = []
+        for m, n, k in shapes:
             predicted = 2 * m * n * k / probe_rate * (opts.matmul_repeats + 2)
-            if predicted > opts.matmul_budget_s * (opts.matmul_repeats + 2) and samples:
+            if predicted > opts.matmul_budget_s * (opts.matmul_repeats + 2) and (
+                samples or timed
+            ):
                 _log(opts, f"matmul {dtype_name} {m}x{n}x{k}: over budget, skipped")
                 continue
-            _log(opts, f"matmul {dtype_name} {m}x{n}x{k} ({i}/{len(shapes)})")
             a = torch.randn(m, k, device=dev).to(dtype)
             b = torch.randn(k, n, device=dev).to(dtype)
-            _meet(opts)
-            sec = time_call(
-                lambda a=a, b=b: a @ b, opts.matmul_repeats, warmup=1, **_timer(opts)
-            )
+            timed.append(((m, n, k), lambda a=a, b=b: a @ b))
+        _log(
+            opts,
+            f"matmul {dtype_name}: {len(timed)} shapes, {opts.matmul_repeats} rounds",
+        )
+        secs = time_calls(
+            [fn for _, fn in timed],
+            opts.matmul_repeats,
+            meet=lambda: _meet(opts),
+            **_timer(opts),
+        )
+        for ((m, n, k), _), sec in zip(timed, secs):
             samples.append(MatmulSample(m, n, k, dtype_name, sec))
     return samples
 
@@ -372,11 +409,13 @@ def _measure_op_rates(opts: ProfileOptions) -> list[Any]:
 
     _log(opts, f"non-GEMM ops of {', '.join(opts.op_models)} (batch {opts.op_batch})")
 
-    def time_one(fn: Callable[[], Any]) -> float:
+    def time_all(fns: list[Callable[[], Any]]) -> list[float]:
         _meet(opts)
-        return time_call(fn, opts.matmul_repeats, **_timer(opts))
+        return time_calls(
+            fns, opts.matmul_repeats, meet=lambda: _meet(opts), **_timer(opts)
+        )
 
-    return measure_op_rates(opts.op_models, opts.op_batch, time_one)
+    return measure_op_rates(opts.op_models, opts.op_batch, time_all)
 
 
 def _plan_collectives(opts: ProfileOptions) -> list[tuple[str, int]]:
@@ -541,6 +580,7 @@ def profile_from_raw(
         op_overhead_s=overheads.op_s,
         param_overhead_s=overheads.param_s,
         param_step_overhead_s=overheads.param_step_s,
+        grad_byte_overhead_s=overheads.grad_byte_s,
         step_overhead_s=overheads.step_s,
         microbatch_overhead_s=overheads.microbatch_s,
         op_rates=raw.get("op_rates", []),

@@ -29,6 +29,8 @@ from benchmarks.report import report
 from cost_models.cluster import Cluster
 from cost_models.compute import op_overhead
 from cost_models.profile import (
+    COLLECTIVE_OPS,
+    CollectiveFit,
     DeviceProfile,
     load_profile,
     save_profile,
@@ -304,7 +306,7 @@ def test_report_table_and_figure(tmp_path):
     assert (
         "| 2 | gpt | B=2; 0-3@1x2 | 100.0 | 110.0 | -9% | dp2 tp1 pp1 B1 |" in rows[2]
     )
-    assert rows[3].endswith("| manual / manual | 100 / - / -; - / - | - |")
+    assert rows[3].endswith("| manual / manual | 100 / - / -; -; - / - | - |")
     pytest.importorskip("matplotlib")
     lines = local_report.local_section(doc, tmp_path)
     assert (tmp_path / "local-CPU.png").stat().st_size > 0
@@ -388,10 +390,47 @@ def test_parameter_overhead_priced_per_parameter_per_microbatch_and_per_step(tmp
     assert (loaded.param_overhead_s, loaded.param_step_overhead_s) == (q, r)
 
 
+def test_gradient_bytes_priced_once_per_step_on_the_bytes_a_device_holds(tmp_path):
+    """The per-byte overhead adds (gradient bytes on a device) * grad_byte_overhead_s once per
+    step: on one device every parameter's bytes, whatever the micro-batch count; under tensor
+    parallelism on two devices less than all of them and more than half (split weights count
+    their shard, replicated biases and norms whole). A profile file keeps the figure."""
+    g = 1e-9
+    profile = dataclasses.replace(_profile(0.0), grad_byte_overhead_s=g)
+    model, _ = build_model(SPEC, batch=BATCH, device="meta")
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for B in (1, 2):
+        base, _ = _one_device_iteration(_profile(0.0), B)
+        more, _ = _one_device_iteration(profile, B)
+        assert more - base == pytest.approx(nbytes * g, rel=1e-6)
+
+    def tp2(grad_byte: float) -> float:
+        two = dataclasses.replace(
+            _profile(0.0, devices=2), grad_byte_overhead_s=grad_byte
+        )
+        two.collectives = [CollectiveFit(op, 2, 1e-4, 1e-9) for op in COLLECTIVE_OPS]
+        return manual_plan(
+            SPEC,
+            Cluster.from_profile(two),
+            dp=1,
+            tp=2,
+            pp=1,
+            num_microbatches=1,
+            global_batch=BATCH,
+            dtype="float32",
+            optimizer="sgd",
+        ).estimate.iteration_time_s
+
+    added = tp2(g) - tp2(0.0)
+    assert nbytes * g / 2 < added < nbytes * g
+    path = tmp_path / "p.json"
+    save_profile(profile, path)
+    assert load_profile(path).grad_byte_overhead_s == g
+
+
 def test_step_overhead_added_once_per_iteration():
     """The profile's per-step overhead adds itself once to every plan's predicted iteration,
     pipelined or not, manual or automatic (it does not scale with micro-batches or stages)."""
-    from cost_models.profile import COLLECTIVE_OPS, CollectiveFit
     from planner import plan
 
     def times(step: float) -> list[float]:
@@ -436,7 +475,6 @@ def test_profile_options_cover_the_planned_world_sizes():
 def test_overhead_takes_off_the_collectives_timed_in_the_same_run():
     """A run's net time (`_net`) is its step less the collectives timed beside the steps
     (comm_s); only a record without them is priced with the all_reduce fit, and never < 0."""
-    from cost_models.profile import CollectiveFit
     from runtime.overhead import _net
 
     run = {"step_s": 0.05, "comm_s": 0.01, "grad_bytes": 4096.0, "world": 2.0}
@@ -451,9 +489,15 @@ def test_overhead_takes_off_the_collectives_timed_in_the_same_run():
     assert _net({**run, "world": 1.0}, fit) == pytest.approx(0.05)
 
 
-# (ops, parameters) of the calibration models, as `test_calibration_runs_determine_the_overheads`
-# checks against their traces
-CALIBRATION_COUNTS = {0: (98, 29), 1: (338, 101), 2: (327, 39), 3: (441, 23)}
+# (ops, parameters, gradient bytes) of the calibration models, as
+# `test_calibration_runs_determine_the_overheads` checks against their traces
+CALIBRATION_COUNTS = {
+    0: (98, 29, 8192),
+    1: (338, 101, 29120),
+    2: (327, 39, 7456),
+    3: (441, 23, 5920),
+    4: (98, 29, 6356992),
+}
 
 
 def _calibration_raw(truth, noise=()):
@@ -463,21 +507,22 @@ def _calibration_raw(truth, noise=()):
 
     runs = []
     for i, (spec, b) in enumerate(CALIBRATION_RUNS):
-        ops, params = CALIBRATION_COUNTS[CALIBRATION_MODELS.index(spec)]
+        ops, params, grad_bytes = CALIBRATION_COUNTS[CALIBRATION_MODELS.index(spec)]
         net = (
             truth.step_s
             + b * (truth.microbatch_s + ops * truth.op_s + params * truth.param_s)
             + params * truth.param_step_s
+            + grad_bytes * truth.grad_byte_s
         ) * (1 + (noise[i] if noise else 0.0))
         runs.append(
             {"step_s": net + 0.002, "comm_s": 0.002, "ops": ops, "params": params}
-            | {"grad_bytes": 0, "world": 4, "microbatches": b}
+            | {"grad_bytes": grad_bytes, "world": 4, "microbatches": b}
         )
     return {"runs": runs}
 
 
 def test_overheads_are_recovered_from_the_calibration_runs():
-    """Runs timed by known overheads give them back, each of the five figures, also from repeats
+    """Runs timed by known overheads give them back, each of the six figures, also from repeats
     one of which is disturbed."""
     from runtime.overhead import Overheads, overheads_from_steps
 
@@ -487,16 +532,25 @@ def test_overheads_are_recovered_from_the_calibration_runs():
         param_step_s=158e-6,
         microbatch_s=0.012,
         step_s=0.005,
+        grad_byte_s=1.6e-9,
     )
     got = overheads_from_steps(_calibration_raw(truth), None)
-    for f in ("op_s", "param_s", "param_step_s", "microbatch_s", "step_s"):
+    figures = (
+        "op_s",
+        "param_s",
+        "param_step_s",
+        "microbatch_s",
+        "step_s",
+        "grad_byte_s",
+    )
+    for f in figures:
         assert getattr(got, f) == pytest.approx(getattr(truth, f), rel=1e-6), f
     # repeated calibrations: one fit of each run's median time, so one disturbed repeat (every
     # step three times as long) does not move the profile
-    disturbed = _calibration_raw(truth, noise=(2.0,) * 6)
+    disturbed = _calibration_raw(truth, noise=(2.0,) * 7)
     raw = {"repeats": [_calibration_raw(truth), disturbed, _calibration_raw(truth)]}
     got = overheads_from_steps(raw, None)
-    for f in ("op_s", "param_s", "param_step_s", "microbatch_s", "step_s"):
+    for f in figures:
         assert getattr(got, f) == pytest.approx(getattr(truth, f), rel=1e-6), f
 
 
@@ -509,7 +563,7 @@ def test_noisy_overheads_are_the_nonnegative_least_squares_fit():
     from runtime.overhead import Overheads, _features, _net, nonnegative_fit
 
     truth = Overheads(op_s=60e-6, param_s=5e-6, step_s=0.001, microbatch_s=0.0)
-    raw = _calibration_raw(truth, noise=(0.1, -0.05, 0.08, -0.08, -0.1, 0.05))
+    raw = _calibration_raw(truth, noise=(0.1, -0.05, 0.08, -0.08, -0.1, 0.05, 0.0))
     a = np.array([_features(r) for r in raw["runs"]])
     y = np.array([_net(r, None) for r in raw["runs"]])
     # the unconstrained least-squares fit is not a valid figure set
@@ -524,7 +578,7 @@ def test_noisy_overheads_are_the_nonnegative_least_squares_fit():
 
 def test_calibration_runs_determine_the_overheads():
     """The calibration models' traced ops and parameters are those the fit tests assume, and
-    their runs determine all five figures; runs of one model cannot (a clear error)."""
+    their runs determine all six figures; runs of one model cannot (a clear error)."""
     import numpy as np
 
     from cost_models.errors import MeshplanError
@@ -541,9 +595,11 @@ def test_calibration_runs_determine_the_overheads():
     for i, spec in enumerate(CALIBRATION_MODELS):
         meta, micro = build_model(spec, batch=CALIBRATION_BATCH, device="meta")
         graph = trace(meta, micro, model_name=spec)
-        assert (len(graph.ops), len(graph.params)) == CALIBRATION_COUNTS[i], spec
+        grad_bytes = sum(p.numel() * p.element_size() for p in meta.parameters())
+        counts = (len(graph.ops), len(graph.params), grad_bytes)
+        assert counts == CALIBRATION_COUNTS[i], spec
     runs = _calibration_raw(Overheads())["runs"]
-    assert np.linalg.matrix_rank(np.array([_features(r) for r in runs])) == 5
+    assert np.linalg.matrix_rank(np.array([_features(r) for r in runs])) == 6
     gpt_only = [r for r in runs if r["params"] / r["ops"] > 0.2]
     with pytest.raises(MeshplanError, match="two ratios of parameters to ops"):
         nonnegative_fit(
@@ -592,7 +648,6 @@ def test_runner_up_is_planned_when_the_best_manual_plan_is_the_automatic_one():
     """With this profile the grid's best (dp2) is the automatic plan: the case also plans the best
     manual configuration whose plan differs, and that is the manual plan it would run."""
     from benchmarks.local_suite import _plan_case, same_plan
-    from cost_models.profile import CollectiveFit
 
     prof = dataclasses.replace(
         _profile(1e-5, devices=2),
@@ -642,6 +697,7 @@ def test_calibration_runs_are_interleaved():
     for rep in raw["repeats"]:
         assert len(rep["runs"]) == n
         for (spec, b), r in zip(CALIBRATION_RUNS, rep["runs"]):
-            ops, params = CALIBRATION_COUNTS[CALIBRATION_MODELS.index(spec)]
-            assert (r["ops"], r["params"], r["microbatches"]) == (ops, params, b)
+            ops, params, grad_bytes = CALIBRATION_COUNTS[CALIBRATION_MODELS.index(spec)]
+            got = (r["ops"], r["params"], r["grad_bytes"], r["microbatches"])
+            assert got == (ops, params, grad_bytes, b)
             assert r["world"] == 2 and r["step_s"] > 0 and r["comm_s"] > 0

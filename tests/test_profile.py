@@ -31,7 +31,7 @@ from cost_models.profile import (
 )
 from runtime.cli import main
 from runtime.launch import LaunchError, launch, rank_cpu_sets
-from runtime.profiler import time_call
+from runtime.profiler import time_call, time_calls
 
 TOLERANCE = 0.25
 
@@ -54,6 +54,22 @@ def _profile() -> DeviceProfile:
             OpRate("aten.arange.default", "byte", 1e-8, None),
         ],
     )
+
+
+def test_time_calls_takes_the_fns_in_rounds():
+    """Each fn is warmed up, then every round runs one loop of each fn in turn (so that a slow
+    spell of the machine falls on a loop of each, not on all loops of one); each fn's loops are
+    reduced on their own."""
+    log: list[str] = []
+    fns = [lambda: log.append("a"), lambda: (log.append("b"), time.sleep(0.002))]
+    meets: list[int] = []
+    secs = time_calls(
+        fns, 3, warmup=1, min_s=0.0, reduce=max, meet=lambda: meets.append(len(log))
+    )
+    # warm-up and the one-call probe of each, then three rounds of one call each
+    assert "".join(log) == "aabb" + "ab" * 3
+    assert meets == [4, 5, 6, 7, 8, 9]
+    assert secs[1] >= 0.002 > secs[0]
 
 
 def test_save_load_roundtrip(tmp_path):

@@ -143,6 +143,17 @@ def hsdp_holds(
     )
 
 
+def grad_bytes(meta: TensorMeta, option: Option, s: StageSettings) -> float:
+    """Bytes of one parameter's gradient on one device as backward computes it: its planned
+    placement's shard (for FSDP the gathered placement, before the reduce-scatter)."""
+    planned = (
+        fsdp_placements(meta, option, s)[0]
+        if option.zero == 3
+        else option.strategy.output[0]
+    )
+    return meta.nbytes / shards(planned, s.mesh.shape)
+
+
 def param_state_bytes(meta: TensorMeta, option: Option, s: StageSettings) -> float:
     """Weights + gradients + optimizer state of one parameter on one device
     (`cost_models.memory.param_state_bytes`; ZeRO over the axes that replicate it)."""

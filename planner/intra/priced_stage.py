@@ -44,13 +44,13 @@ class PricedStage:
     def node_cost(self, name: str, opt: Option) -> float:
         """Seconds per micro-batch of node `name` under `opt`: an op's compute
         (`prices.compute_time`); a parameter's ZeRO / FSDP collectives (`fsdp_prices.zero_cost`)
-        and the runtime's fixed time per parameter tensor (`cost_models.compute.param_overhead`,
-        0 without a measured profile)."""
+        and the runtime's time per parameter tensor and per byte of its gradient
+        (`cost_models.compute.param_overhead`, 0 without a measured profile)."""
         node = self.graph.node(name)
         if name in self.graph.placeholder_paths and node.op == "param":
-            s = self.settings
-            return fp.zero_cost(node.outputs[0], opt, s) + param_overhead(
-                s.mesh.cluster, s.num_microbatches
+            s, meta = self.settings, node.outputs[0]
+            return fp.zero_cost(meta, opt, s) + param_overhead(
+                s.mesh.cluster, s.num_microbatches, fp.grad_bytes(meta, opt, s)
             )
         return sc.compute_time(node, opt, self.settings)
 

@@ -159,6 +159,7 @@ def summary(profile: DeviceProfile) -> str:
         f"op overhead {profile.op_overhead_s * 1e6:.0f} us per op per micro-batch, "
         f"{profile.param_overhead_s * 1e6:.0f} us per parameter per micro-batch, "
         f"{profile.param_step_overhead_s * 1e6:.0f} us per parameter per step, "
+        f"{profile.grad_byte_overhead_s * 1e9:.2f} ns per byte of gradient per step, "
         f"{profile.microbatch_overhead_s * 1e3:.2f} ms per micro-batch, "
         f"{profile.step_overhead_s * 1e3:.1f} ms per step"
         + (
