@@ -26,6 +26,7 @@ AGREE_FRACTION = 4 / 5
 # issue #22: the median error at most 15% and every case within 30%, in each of three launches
 ISSUE22_MEDIAN_ERROR = 0.15
 ISSUE22_CASE_ERROR = 0.30
+ISSUE22_LAUNCHES = 3
 # issue #22: predicted peak memory within 10% of the measured peak in every case
 MAX_MEMORY_ERROR = 0.10
 
@@ -135,20 +136,37 @@ def local_checks(doc: dict[str, Any]) -> list[str]:
 
 
 def issue22_check(doc: dict[str, Any]) -> list[str]:
-    """Issue #22's timing target on this launch: the median error over both plans of every case
-    at most 15% and every error within 30% (the issue asks it of three launches in a row; a
-    results file holds one)."""
+    """Issue #22's timing target: the median error over both plans of every case at most 15% and
+    every error within 30%, in each of three launches in a row: the runs of the document's
+    ``launches`` (`benchmarks.local_suite.launch_record`), or its one run when it has none."""
     cases = doc["cases"]
     if not cases:
         return []
-    errors = _errors(cases)
-    med, worst = statistics.median(errors), max(errors)
-    ok = med <= ISSUE22_MEDIAN_ERROR and worst <= ISSUE22_CASE_ERROR
+    runs = [r["summary"] for r in doc.get("launches", [])]
+    if not runs:
+        errors = _errors(cases)
+        runs = [
+            {
+                "median_abs_error": statistics.median(errors),
+                "max_abs_error": max(errors),
+            }
+        ]
+    met = [
+        r["median_abs_error"] <= ISSUE22_MEDIAN_ERROR
+        and r["max_abs_error"] <= ISSUE22_CASE_ERROR
+        for r in runs
+    ]
+    figures = "; ".join(
+        f"median {r['median_abs_error']:.0%}, largest {r['max_abs_error']:.0%}"
+        for r in runs
+    )
+    ok = len(runs) >= ISSUE22_LAUNCHES and all(met[-ISSUE22_LAUNCHES:])
     return [
         (
-            f"- (g) local suite, this launch: median error <= {ISSUE22_MEDIAN_ERROR:.0%} and "
-            f"every error within {ISSUE22_CASE_ERROR:.0%} (issue #22 asks it of three launches "
-            f"in a row): {'yes' if ok else 'no'} (median {med:.0%}, largest {worst:.0%})"
+            f"- (g) local suite: median error <= {ISSUE22_MEDIAN_ERROR:.0%} and every error "
+            f"within {ISSUE22_CASE_ERROR:.0%} in each of {ISSUE22_LAUNCHES} launches in a row: "
+            f"{'yes' if ok else 'no'} (met in {sum(met)} of the {len(runs)} launches of this "
+            f"file: {figures})"
         )
     ]
 

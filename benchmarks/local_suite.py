@@ -1,7 +1,7 @@
 """The local measured suite: plans for this machine's processes, executed, predicted against measured.
 
     meshplan bench --suite local [--gpus 2 4] [--json FILE]
-    python -m benchmarks.local_suite [--procs 2 4] [--json FILE]
+    python -m benchmarks.local_suite [--procs 2 4] [--launches 3] [--json FILE]
 
 For every case (a small GPT, GShard MoE or Mixtral model on N local processes, `LOCAL_CASES`):
 
@@ -35,7 +35,10 @@ Recorded per case: predicted and measured step time of both plans run (``auto``,
 ``manual_best`` or ``runner_up``: `benchmarks.records.compared`), the cost model's error
 (predicted / measured - 1), which plan is faster in prediction and in measurement (``agree``; None
 only when no other manual plan exists, as their measured order would be noise), and the first
-step's losses of both (the same model and data: they must agree).
+step's losses of both (the same model and data: they must agree). With ``--launches N`` the suite
+runs N times in a row; the document holds the last run's cases and, under ``launches``, every
+run's date and summary (`launch_record`): issue 22 asks its timing target of three launches in a
+row.
 
 Processes and cores. The launcher binds each rank to its share of the cores, one core per rank
 round-robin when there are more ranks than cores (8 ranks on 2 cores: 4 per core). The profile is
@@ -435,6 +438,11 @@ def summary(cases: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def launch_record(doc: dict[str, Any]) -> dict[str, Any]:
+    """One run of the suite in a document's ``launches``: its date, duration and `summary`."""
+    return {k: doc[k] for k in ("date", "total_time_s", "summary")}
+
+
 def run_local_suite(
     procs: Sequence[int] | None = None,
     steps: int = STEPS,
@@ -514,16 +522,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--procs", type=int, nargs="+", help="process counts to run")
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--warmup", type=int, default=WARMUP)
+    ap.add_argument(
+        "--launches",
+        type=int,
+        default=1,
+        help="run the suite this many times in a row, keeping every run's summary",
+    )
     ap.add_argument("--json", help=f"results file (default {RESULTS}/local-CPU.json)")
     args = ap.parse_args(argv)
-    print(HEADER, flush=True)
-    results = run_local_suite(
-        args.procs,
-        args.steps,
-        args.warmup,
-        say=lambda msg: print(msg, file=sys.stderr, flush=True),
-        on_case=lambda c: print(format_row(c), flush=True),
-    )
+    if args.launches < 1:
+        ap.error(f"--launches must be at least 1, got {args.launches}")
+    launches = []
+    for i in range(args.launches):
+        print(f"launch {i + 1} of {args.launches}", flush=True)
+        print(HEADER, flush=True)
+        results = run_local_suite(
+            args.procs,
+            args.steps,
+            args.warmup,
+            say=lambda msg: print(msg, file=sys.stderr, flush=True),
+            on_case=lambda c: print(format_row(c), flush=True),
+        )
+        launches.append(launch_record(results))
+    results["launches"] = launches
     path = write_results(results, args.json or RESULTS / "local-CPU.json")
     print(
         f"{len(results['cases'])} cases in {results['total_time_s']:.0f} s; wrote {path}"

@@ -20,9 +20,11 @@ from benchmarks import local_report
 from benchmarks.local_suite import (
     LocalCase,
     format_row,
+    launch_record,
     local_cases,
     profile_options,
     run_local_suite,
+    summary,
 )
 from benchmarks.records import compared, load_results, write_results
 from benchmarks.report import report
@@ -263,15 +265,31 @@ def test_report_checks_pass_and_fail():
     d, e = local_report.local_checks(bad)
     assert ": no (" in d and e.endswith("no (3 of 5)")
     # issue #22: median 15% and every error within 30% (here the median is 8%, the largest 9%)
-    assert local_report.issue22_check(good)[0].endswith("yes (median 8%, largest 9%)")
+    # in each of three launches in a row: one launch is not enough
+    assert local_report.issue22_check(good)[0].endswith(
+        "no (met in 1 of the 1 launches of this file: median 8%, largest 9%)"
+    )
     one_off = _doc(
         [_case(2, (0.10, 0.12), (0.11, 0.13))] * 4
         + [_case(2, (0.16, 0.12), (0.11, 0.13))]
     )  # a median of 8%, but one case predicted 45% slow
-    assert local_report.issue22_check(one_off)[0].endswith(
-        "no (median 8%, largest 45%)"
+    assert (
+        "met in 0 of the 1 launches of this file: median 8%, largest 45%"
+        in (local_report.issue22_check(one_off)[0])
     )
-    assert local_report.issue22_check(bad)[0].endswith("no (median 50%, largest 58%)")
+    assert "median 50%, largest 58%" in local_report.issue22_check(bad)[0]
+    # the runs of `--launches 3` (`launch_record`): the last three must all meet it
+    runs = [
+        launch_record(d | {"total_time_s": 1.0, "summary": summary(d["cases"])})
+        for d in (good, one_off, good)
+    ]
+    three = good | {"launches": runs}
+    assert local_report.issue22_check(three)[0].endswith(
+        "no (met in 2 of the 3 launches of this file: median 8%, largest 9%; "
+        "median 8%, largest 45%; median 8%, largest 9%)"
+    )
+    three["launches"] = [runs[0], runs[2], runs[0]]
+    assert ": yes (met in 3 of the 3" in local_report.issue22_check(three)[0]
     # Where the automatic plan is the manual one there is no faster plan: no verdict either way.
     same = _case(2, (0.10, 0.10), (0.11, 0.12)) | {"same_plan": True, "agree": None}
     d, e = local_report.local_checks(
