@@ -410,7 +410,6 @@ def _measure_op_rates(opts: ProfileOptions) -> list[Any]:
     _log(opts, f"non-GEMM ops of {', '.join(opts.op_models)} (batch {opts.op_batch})")
 
     def time_all(fns: list[Callable[[], Any]]) -> list[float]:
-        _meet(opts)
         return time_calls(
             fns, opts.matmul_repeats, meet=lambda: _meet(opts), **_timer(opts)
         )
