@@ -9,6 +9,7 @@ command. Entry points are registered by installing the package (`pip install -e 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -54,13 +55,43 @@ def run_child(argv: list[str], what: str) -> subprocess.CompletedProcess[str]:
     runtime plans this way, as data through a plan file, instead of importing the planner's
     search. A child that fails raises MeshplanError: "<what> failed (exit N): <its last error
     line>"."""
-    cmd = [sys.executable, "-m", "runtime.cli", *argv]
+    return run_children([argv], [what])
+
+
+def run_children(
+    argvs: list[list[str]], whats: list[str]
+) -> subprocess.CompletedProcess[str]:
+    """Run ``meshplan ARGV`` for each of `argvs`, in turn, in one child process (each child
+    spends seconds importing torch and the planner), stopping at the first that fails; the
+    child is returned (stdout and stderr captured, each holding every command's in turn). A command that fails
+    raises MeshplanError: "<its what> failed (exit N): <its last error line>"."""
+    cmd = [sys.executable, "-m", "runtime.cli", _EACH, json.dumps(argvs)]
     child = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if child.returncode != 0:
         lines = [line for line in child.stderr.splitlines() if line.strip()]
+        started = [ln for ln in lines if ln.startswith(_STARTING)]
+        i = int(started[-1].removeprefix(_STARTING)) if started else 0
         last = lines[-1].removeprefix("meshplan: error: ") if lines else "no message"
-        raise MeshplanError(f"{what} failed (exit {child.returncode}): {last}")
+        raise MeshplanError(f"{whats[i]} failed (exit {child.returncode}): {last}")
+    child.stderr = "".join(
+        line for line in child.stderr.splitlines(True) if not line.startswith(_STARTING)
+    )
     return child
+
+
+#: `run_children`'s child: ``python -m runtime.cli --each JSON`` runs each argv of the JSON list
+_EACH = "--each"
+#: the line (to stderr) that opens each command of a `run_children` child, with its index
+_STARTING = "meshplan: starting command "
+
+
+def _main_each(argvs: list[list[str]]) -> int:
+    for i, argv in enumerate(argvs):
+        print(f"{_STARTING}{i}", file=sys.stderr, flush=True)
+        code = main(argv)
+        if code:
+            return code
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,4 +119,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == [_EACH]:
+        sys.exit(_main_each(json.loads(sys.argv[2])))
     sys.exit(main())

@@ -41,8 +41,8 @@ tiny GPTs, llama and Mixtral (``CALIBRATION_MODELS``, hidden 8: a few thousand F
 trained by the runtime's own `runtime.train.Trainer` (pipeline runner, executor, gradient sync, SGD
 step) under a data-parallel plan over all the ranks with one micro-batch, and two of them again
 over ``MICROBATCHES`` (``CALIBRATION_RUNS``). The process that launches the ranks makes their
-plans before the launch (`calibration_plans`: our own CLI's `meshplan manual` in a child process
-per plan, as `runtime.commands.run` plans, so that the runtime does not import the planner's
+plans before the launch (`calibration_plans`: our own CLI's `meshplan manual`, in one child process
+for all the plans, as `runtime.commands.run` plans, so that the runtime does not import the planner's
 search) and hands them to the ranks. Each trainer is built once and takes ``warmup`` steps (the
 first step costs far more while the stage compiles and caches fill), then the runs take their
 ``steps`` timed steps interleaved, one step of each in turn, so that all see the same machine.
@@ -75,7 +75,7 @@ import numpy as np
 
 from cost_models.errors import MeshplanError
 from planner.vocab.plan_file import ParallelPlan
-from runtime.cli import run_child
+from runtime.cli import run_children
 
 CALIBRATION_MODELS = (
     "gpt:hidden=8,layers=2,heads=2,seq=4,vocab=16",
@@ -115,9 +115,9 @@ CALIBRATION_RUNS = (
 def calibration_plans(world: int) -> list[ParallelPlan]:
     """The pure data-parallel plan over `world` ranks of every run of ``CALIBRATION_RUNS``, for
     `measure_op_overhead`; made before the launch by the launching process, each by our own CLI
-    (`meshplan manual`) in a child process, so that the runtime does not import the planner. A
-    child that fails raises MeshplanError with its last error line."""
-    plans = []
+    (`meshplan manual`), all in one child process, so that the runtime does not import the
+    planner. A plan that fails raises MeshplanError with its last error line."""
+    argvs, whats, outs = [], [], []
     with tempfile.TemporaryDirectory(prefix="meshplan-calibration-") as tmp:
         for i, (spec, microbatches) in enumerate(CALIBRATION_RUNS):
             out = os.path.join(tmp, f"plan{i}.json")
@@ -128,9 +128,11 @@ def calibration_plans(world: int) -> list[ParallelPlan]:
             cmd += ["--dp", str(world), "--tp", "1", "--pp", "1"]
             cmd += ["--microbatches", str(microbatches), "--batch", str(batch)]
             cmd += ["--optimizer", "sgd", "--allow-oom"]
-            run_child(cmd, f"planning calibration model {spec}")
-            plans.append(ParallelPlan.load(out))
-    return plans
+            argvs.append(cmd)
+            whats.append(f"planning calibration model {spec}")
+            outs.append(out)
+        run_children(argvs, whats)
+        return [ParallelPlan.load(out) for out in outs]
 
 
 def measure_op_overhead(

@@ -31,7 +31,7 @@ With ``concurrent_compute`` steps 1 and 2 run on every rank at once (rank 0's fi
 see `ProfileOptions`), followed by the non-GEMM ops of ``op_models`` (`runtime.op_rates`); with
 ``op_overhead`` every rank then measures the runtime's overheads per op, parameter, micro-batch
 and step (`runtime.overhead`, CPU ranks), under calibration plans that `check_options` makes
-before the launch (`runtime.overhead.calibration_plans`: child processes of our CLI).
+before the launch (`runtime.overhead.calibration_plans`: one child process of our CLI).
 
 Then alpha and beta are fitted per (op, world size) with `fit_alpha_beta`, plus a continuous
 piecewise-linear fit (`fit_segments`) where one line misses a sample by more than 20%: gloo's
@@ -536,7 +536,7 @@ def check_options(opts: ProfileOptions) -> str:
     if opts.op_overhead and backend == "gloo" and opts.calibration_plans is None:
         from runtime.overhead import calibration_plans
 
-        _log(opts, "calibration plans (meshplan manual, one child process each)")
+        _log(opts, "calibration plans (meshplan manual, in one child process)")
         opts.calibration_plans = calibration_plans(opts.nproc)
     return backend
 

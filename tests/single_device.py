@@ -44,8 +44,9 @@ def train_plan(
     """In a rank of a launched group: the losses of SGD steps on `batches` under `plan` and this
     rank's full parameters afterwards (numpy arrays, for the launcher to send back).
     ``compile=False``: the stages run eagerly (the same arithmetic, `runtime.train.Trainer`);
-    the model-zoo launches compile one plan per model and run the others eagerly, since
-    AOTAutograd's tracing is about three quarters of a small model's time in a launch."""
+    the model-zoo launches compile one plan per model (`tests/test_hf.py`: per model family)
+    and run the others eagerly, since AOTAutograd's tracing is about three quarters of a small
+    model's time in a launch."""
     from runtime.train import Trainer
 
     tr = Trainer(plan, model, batches[0], lr=lr, compile=compile)
