@@ -14,6 +14,7 @@ or its runner-up where the best is the automatic plan itself (`benchmarks.record
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from pathlib import Path
@@ -171,6 +172,35 @@ def issue22_check(doc: dict[str, Any]) -> list[str]:
     ]
 
 
+#: `benchmarks.local_noise`'s results, beside the local suite's
+NOISE_FILE = "local-noise-CPU.json"
+
+
+def noise_check(directory: Path) -> list[str]:
+    """The noise floor under check (g) (`benchmarks.local_noise`), when its file is in
+    `directory`: one fixed plan's measured and predicted step times over launches of the same
+    code, and the least largest error that any calibration of the prices could reach on them."""
+    path = directory / NOISE_FILE
+    if not path.exists():
+        return []
+    d = json.loads(path.read_text())
+    runs = d["launches"]
+    (m0, m1), (p0, p1) = d["measured_range_s"], d["predicted_range_s"]
+    return [
+        (
+            f"- (g) noise floor (`{NOISE_FILE}`, `python -m benchmarks.local_noise`): the "
+            f"{d['case']['model']} case on {d['case']['num_devices']} processes, one fixed plan "
+            f"({d['plan']}), profiled, priced and measured in each of {len(runs)} launches "
+            f"({runs[0]['date']} to {runs[-1]['date']}): measured {m0 * 1e3:.1f} to "
+            f"{m1 * 1e3:.1f} ms, predicted {p0 * 1e3:.1f} to {p1 * 1e3:.1f} ms; no "
+            f"calibration of these prices keeps every launch within "
+            f"{d['calibrated_floor']:.0%}, one fixed prediction not within "
+            f"{d['constant_floor']:.0%}; within a launch the medians of its blocks of {d['block']} steps "
+            f"spread {d['block_spread_median']:.2f}x (median over the launches)"
+        )
+    ]
+
+
 def _mib(x: float) -> str:
     return f"{x / 2**20:.2f}"
 
@@ -300,6 +330,7 @@ def local_section(doc: dict[str, Any], directory: Path) -> list[str]:
         *local_checks(doc),
         *memory_check(doc),
         *issue22_check(doc),
+        *noise_check(directory),
         "",
         *local_table(doc),
         "",

@@ -181,10 +181,12 @@ def time_call(
     warmup: int = 1,
     min_s: float = 1e-3,
     reduce: Callable[[list[float]], float] = min,
+    agree: Callable[[list[int]], list[int]] = lambda counts: counts,
 ) -> float:
     """Seconds of one `fn()` call: warm-up, then `repeats` timed loops of >= `min_s` each, reduced
-    with `reduce` (default the fastest: what the device can do when nothing else interferes)."""
-    return time_calls([fn], repeats, warmup, min_s, reduce)[0]
+    with `reduce` (default the fastest: what the device can do when nothing else interferes);
+    `agree` as for `time_calls`."""
+    return time_calls([fn], repeats, warmup, min_s, reduce, agree=agree)[0]
 
 
 def time_calls(
@@ -194,10 +196,12 @@ def time_calls(
     min_s: float = 1e-3,
     reduce: Callable[[list[float]], float] = min,
     meet: Callable[[], None] = lambda: None,
+    agree: Callable[[list[int]], list[int]] = lambda counts: counts,
 ) -> list[float]:
     """Seconds of one call of each of `fns`: each warmed up, then `repeats` rounds, a round being
     one timed loop of >= `min_s` of every fn in turn (`meet()` before each loop: the ranks'
-    barrier when they measure at once), each fn's loops reduced with `reduce`.
+    barrier when they measure at once), each fn's loops reduced with `reduce`. `agree` maps the
+    calls per loop, one count per fn, to the counts every rank uses (`_agree_counts`).
 
     Rounds rather than one fn's loops back to back: this machine's speed dips for a few hundred
     milliseconds at a time (a 256x128x128 float32 product timed in 30 loops of 30 ms ran at
@@ -216,6 +220,7 @@ def time_calls(
         _sync()
         one = max(time.perf_counter() - t, 1e-9)
         inner.append(max(1, min(1000, int(min_s / one))))
+    inner = agree(inner)
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, n, out in zip(fns, inner, times):
@@ -249,12 +254,28 @@ def _agree_min(x: float, concurrent: bool) -> float:
     return float(t)
 
 
+def _agree_counts(counts: list[int]) -> list[int]:
+    """The largest of each count over all ranks: ranks that measure at once run loops of the same
+    length, so that every loop overlaps the other ranks' loops from barrier to end. With counts
+    of their own (each from one call timed alone), a rank with fewer calls left its core to its
+    neighbour for the rest of the neighbour's loop: with 4 ranks on 2 cores, six launches' profiles
+    of 2026-11-30 had the 1024x128x128 float32 product at 49 to 131 GFLOP/s (one rank per core:
+    ~110-130; two: ~50-60), and the fastest sample, the profile's float32 peak, at 55 to 131."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(counts, dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(c) for c in t.tolist()]
+
+
 def _timer(opts: ProfileOptions) -> dict[str, Any]:
     """`time_call` settings. Alone: the fastest of >= 1 ms loops (module docstring). Concurrent:
     every rank barriers before each measurement, loops last >= 30 ms (many scheduler slices, so
-    that time-sharing of cores shows in every loop) and the median loop is taken."""
+    that time-sharing of cores shows in every loop), of as many calls on every rank
+    (`_agree_counts`), and the median loop is taken."""
     if opts.concurrent_compute:
-        return {"min_s": 0.03, "reduce": statistics.median}
+        return {"min_s": 0.03, "reduce": statistics.median, "agree": _agree_counts}
     return {}
 
 

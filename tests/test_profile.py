@@ -70,6 +70,14 @@ def test_time_calls_takes_the_fns_in_rounds():
     assert "".join(log) == "aabb" + "ab" * 3
     assert meets == [4, 5, 6, 7, 8, 9]
     assert secs[1] >= 0.002 > secs[0]
+    # the agreed counts (as `_agree_counts` makes every rank's the largest) set each loop's calls
+    log.clear()
+    asked: list[list[int]] = []
+    secs = time_calls(
+        fns, 2, warmup=0, min_s=0.0, agree=lambda n: asked.append(n) or [3, 2]
+    )
+    assert asked == [[1, 1]]
+    assert "".join(log) == "ab" + ("aaabb" * 2)
 
 
 def test_save_load_roundtrip(tmp_path):
