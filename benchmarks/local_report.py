@@ -195,8 +195,8 @@ def noise_check(directory: Path) -> list[str]:
             f"{m1 * 1e3:.1f} ms, predicted {p0 * 1e3:.1f} to {p1 * 1e3:.1f} ms; no "
             f"calibration of these prices keeps every launch within "
             f"{d['calibrated_floor']:.0%}, one fixed prediction not within "
-            f"{d['constant_floor']:.0%}; within a launch the medians of its blocks of {d['block']} steps "
-            f"spread {d['block_spread_median']:.2f}x (median over the launches)"
+            f"{d['constant_floor']:.0%}; within a launch the medians of its blocks of "
+            f"{d['block']} steps spread {d['block_spread_median']:.2f}x (median over the launches)"
         )
     ]
 

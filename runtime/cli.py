@@ -63,8 +63,9 @@ def run_children(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``meshplan ARGV`` for each of `argvs`, in turn, in one child process (each child
     spends seconds importing torch and the planner), stopping at the first that fails; the
-    child is returned (stdout and stderr captured, each holding every command's in turn). A command that fails
-    raises MeshplanError: "<its what> failed (exit N): <its last error line>"."""
+    child is returned (stdout and stderr captured, each holding every command's in turn). A
+    command that fails raises MeshplanError: "<its what> failed (exit N): <its last error
+    line>"."""
     cmd = [sys.executable, "-m", "runtime.cli", _EACH, json.dumps(argvs)]
     child = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if child.returncode != 0:

@@ -41,12 +41,12 @@ tiny GPTs, llama and Mixtral (``CALIBRATION_MODELS``, hidden 8: a few thousand F
 trained by the runtime's own `runtime.train.Trainer` (pipeline runner, executor, gradient sync, SGD
 step) under a data-parallel plan over all the ranks with one micro-batch, and two of them again
 over ``MICROBATCHES`` (``CALIBRATION_RUNS``). The process that launches the ranks makes their
-plans before the launch (`calibration_plans`: our own CLI's `meshplan manual`, in one child process
-for all the plans, as `runtime.commands.run` plans, so that the runtime does not import the planner's
-search) and hands them to the ranks. Each trainer is built once and takes ``warmup`` steps (the
-first step costs far more while the stage compiles and caches fill), then the runs take their
-``steps`` timed steps interleaved, one step of each in turn, so that all see the same machine.
-Rank 0 returns, per run, the median step time, the traced graph's ops (views included) and
+plans before the launch (`calibration_plans`: our own CLI's `meshplan manual`, in one child
+process for all the plans, as `runtime.commands.run` plans, so that the runtime does not import
+the planner's search) and hands them to the ranks. Each trainer is built once and takes
+``warmup`` steps (the first step costs far more while the stage compiles and caches fill),
+then the runs take their ``steps`` timed steps interleaved, one step of each in turn, so that
+all see the same machine. Rank 0 returns, per run, the median step time, the traced graph's ops (views included) and
 parameters, and the gradient bytes; the step's collectives that the cost model prices
 separately (the bucketed gradient all-reduce and the all-reduce of the data-parallel partial
 loss) are timed right after each step in the same way. The loss's broadcast from the last

@@ -28,7 +28,8 @@ One launch (`runtime.launch.launch`) of N ranks measures, in order:
    reduce_scatter input / all_reduce / all_to_all buffer; the per-rank message for send_recv).
 
 With ``concurrent_compute`` steps 1 and 2 run on every rank at once (rank 0's figures are kept;
-see `ProfileOptions`), followed by the non-GEMM ops of ``op_models`` (`runtime.op_rates`); with
+see `ProfileOptions`; every loop starts at a barrier and lasts as many calls on every rank,
+`_timer`), followed by the non-GEMM ops of ``op_models`` (`runtime.op_rates`); with
 ``op_overhead`` every rank then measures the runtime's overheads per op, parameter, micro-batch
 and step (`runtime.overhead`, CPU ranks), under calibration plans that `check_options` makes
 before the launch (`runtime.overhead.calibration_plans`: one child process of our CLI).
