@@ -43,7 +43,7 @@ from benchmarks.local_suite import (
     measure_rank,
     profile_options,
 )
-from cost_models.profile import OVERHEAD_FIELDS
+from cost_models.profile import OVERHEAD_FIELDS, save_profile
 
 #: The suite's case issue 22's misses came from: the GPT on 4 processes (2 per core here)
 DEFAULT_PROCS = 4
@@ -119,7 +119,6 @@ def run_noise(
 ) -> dict[str, Any]:
     """`launches` launches of the case's fixed plan (module docstring), each printed as it ends;
     each launch's profile written into the directory `profiles` when given (launch-N.json)."""
-    from cost_models.profile import save_profile
     from runtime.launch import launch
     from runtime.profiler import check_options
 
