@@ -267,6 +267,17 @@ lambda tried, but the frontier's convex hull has no point near the rung: 45,600 
 within 42,692 MiB, is 0.0866: priced samples would lose that point. Left as it is: a
 cheaper rung (a limit, or priced samples) is another point of the time-memory trade-off, so
 plans may change, and showing they do not get slower needs the suites re-run.
+
+2026-11-30: the trace, 14-19% of a size, made proportional to what is new: the built-in models'
+stacks are traced three blocks deep and the rest written from that trace
+(`planner.tracing.repeat`; the graph equal node for node, tests/test_repeat.py). One trace in a
+warm process, float32: llama3-70b at 4 rows 10.3 -> 2.8 s of CPU, mixtral-8x7b at 4 rows 7.9 ->
+3.7 s, gpt-39b at 1 row 3.3 -> 0.8 s. Whole plans, fresh CLI runs alternating the commit before
+(4c257b5) and after, the machine slow that morning (`python_speed` 0.14-0.23 s, against
+0.11-0.19 the day before): gpt-39b 125.2 and 93.7 s wall (168.5 and 157.7 s CPU) before, 77.6
+and 86.8 s (130.0 and 145.5 s CPU) after; llama3-70b 275.9 s (476.4 s CPU) before, 236.0 s
+(410.0 s CPU) after, at python_speed 0.229 and 0.234. The plan JSON, planner time aside, is
+equal before and after for both. Still 4x and 4x over the targets (20 s, 60 s).
 """
 
 from __future__ import annotations

@@ -327,6 +327,10 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class GPT(nn.Module):
     """GPT language model; ``forward(tokens[B, s], targets[B, s])`` returns the mean loss."""
 
+    #: each block's forward depends on its own modules and parameters, not on its index: the
+    #: tracer may trace a few and repeat them (`planner.tracing.repeat`)
+    repeats_blocks = True
+
     def __init__(self, config: GPTConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config

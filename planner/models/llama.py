@@ -215,6 +215,9 @@ class Llama(nn.Module):
     ``config.aux_loss_coef`` times the blocks' auxiliary losses, for a `block_cls` that routes)."""
 
     block_cls: type[nn.Module] = Block
+    #: each block's forward depends on its own modules and parameters, not on its index: the
+    #: tracer may trace a few and repeat them (`planner.tracing.repeat`)
+    repeats_blocks = True
 
     def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()

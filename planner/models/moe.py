@@ -327,6 +327,10 @@ class MoEBlock(nn.Module):
 class MoE(nn.Module):
     """MoE language model; ``forward(tokens[B, s], targets[B, s])`` returns LM loss + aux loss."""
 
+    #: each block's forward depends on its own modules and parameters, not on its index: the
+    #: tracer may trace a few and repeat them (`planner.tracing.repeat`)
+    repeats_blocks = True
+
     def __init__(self, config: MoEConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config

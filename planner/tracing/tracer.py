@@ -30,6 +30,7 @@ from cost_models.errors import MeshplanError
 from planner.tracing.calls import batch_tuple, call_for_loss, tracing_patches
 from planner.tracing.op_flops import VIEW_OPS, measure_op
 from planner.tracing.opgraph import OpGraph, OpNode, TensorMeta
+from planner.tracing.repeat import repeated_trace
 
 _MATMUL = (
     "mm",
@@ -148,6 +149,14 @@ def _trace_failure(label: str, exc: BaseException) -> str:
 
 
 def _trace_fx(
+    model: nn.Module, batch: tuple[torch.Tensor, ...]
+) -> tuple[torch.fx.GraphModule, list[str]]:
+    """The aten graph of `model`'s loss on `batch` and its placeholders' paths; a deep stack of
+    repeated blocks is traced three units deep and repeated (`planner.tracing.repeat`)."""
+    return repeated_trace(model, batch, _make_fx) or _make_fx(model, batch)
+
+
+def _make_fx(
     model: nn.Module, batch: tuple[torch.Tensor, ...]
 ) -> tuple[torch.fx.GraphModule, list[str]]:
     names = {id(m): n for n, m in model.named_modules()}

@@ -1,0 +1,393 @@
+"""Trace a deep stack of identical blocks by tracing three of them and repeating the last.
+
+`make_fx` costs about 1.5 ms of CPU per aten op on this machine: 10 s for llama3-70b's 6,501 ops
+at every micro-batch size the planner tries, the largest single part of planning it (issue 23,
+`benchmarks.planning_time`). Its 80 blocks trace to the same ops, so a model whose class says so
+(``repeats_blocks = True``: each block's forward depends on its own modules and parameters only,
+not on its index) is traced with the first ``start + 3 * period`` blocks of its ``blocks`` list,
+and the graph of the whole stack is written from that one (`expand`): PyTorch has no way to
+trace a module once and instantiate its graph many times (`torch.compile`'s regional compilation
+reuses compiled code, not aten graphs), so we write the copies ourselves.
+
+Units. Blocks ``start, start + 1, ...`` repeat with ``period`` (a GShard MoE alternates dense and
+mixture blocks: period 2; DeepSeek's first dense blocks: ``start``); a unit is ``period`` blocks.
+In the short trace, the nodes from a unit's first op to the next unit's first op belong to it
+(ops of the model's own loop between blocks included, such as an auxiliary-loss sum); the third
+unit takes as many ops after its last block's as the second. The first unit may differ from the
+others (it reads the embedding, its loop ops see no earlier loss), so unit 3 must equal unit 2
+with every reference moved one unit on (`_shifted_equal`): units 3, 4, ... of the whole model
+are unit 3's nodes moved on again, and the ops after the stack read the last unit where they read
+the third; a list of one value per unit (the blocks' auxiliary losses stacked) gets one per unit of
+the whole model. Anything else (a reference two units back, a constant tensor in a block, a list
+that is not one value per unit) keeps the full trace: `expand` returns None.
+
+Names are made as the tracer makes them: each op's name asked of a fresh `torch.fx.Graph`'s
+namespace in the same order (``mm``, ``mm_1``, ...), placeholders numbered per kind (``p_1``,
+...), so the graph equals the full trace node for node (tests/test_repeat.py compares them for
+every family that repeats blocks).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch._guards import detect_fake_mode
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+from torch.fx.node import map_arg
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+from torch.utils._pytree import tree_flatten
+
+#: units of the short trace: the first, one the next repeats, and that next one
+UNITS = 3
+_NUMBERED = re.compile(r"^(.*)_(\d+)$")
+_BLOCK = re.compile(r"^blocks\.(\d+)(\.|$)")
+
+Key = tuple  # ("ph", path) | ("pre", k) | ("u", unit, k) | ("suf", k)
+
+
+def _signature(block: nn.Module) -> tuple:
+    return (
+        tuple((n, type(m)) for n, m in block.named_modules()),
+        tuple(
+            (n, tuple(t.shape), t.dtype)
+            for n, t in [*block.named_parameters(), *block.named_buffers()]
+        ),
+    )
+
+
+def block_pattern(model: nn.Module) -> tuple[int, int, int] | None:
+    """(start, period, units) of a model whose ``blocks`` repeat from block ``start`` with
+    ``period`` (the least period whose stack holds more than `UNITS` units), or None when the
+    model does not declare ``repeats_blocks`` or its stack is too short to gain."""
+    blocks = getattr(model, "blocks", None)
+    if not getattr(model, "repeats_blocks", False) or not isinstance(
+        blocks, nn.ModuleList
+    ):
+        return None
+    sigs = [_signature(b) for b in blocks]
+    for period in range(1, 5):
+        start = len(sigs) - period
+        while start > 0 and sigs[start - 1] == sigs[start - 1 + period]:
+            start -= 1
+        start += (len(sigs) - start) % period
+        units = (len(sigs) - start) // period
+        if units > UNITS:
+            return start, period, units
+    return None
+
+
+def short_model(model: nn.Module, blocks: int) -> nn.Module:
+    """A shallow copy of `model` whose ``blocks`` list holds its first `blocks` blocks (the same
+    module objects; `model` is not changed)."""
+    short = copy.copy(model)
+    short._modules = dict(model._modules)
+    short._modules["blocks"] = nn.ModuleList(list(model.blocks)[:blocks])
+    return short
+
+
+def repeated_trace(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, ...],
+    make_fx: Callable[
+        [nn.Module, tuple[torch.Tensor, ...]], tuple[fx.GraphModule, list[str]]
+    ],
+) -> tuple[fx.GraphModule, list[str]] | None:
+    """The graph of `model`'s loss on `batch` and its placeholders' paths, traced by `make_fx`
+    (`planner.tracing.tracer`'s) on the model's first ``start + UNITS * period`` blocks and
+    expanded (`expand`); None for a model that does not repeat (`block_pattern`) or whose short
+    trace does not."""
+    pattern = block_pattern(model)
+    if pattern is None:
+        return None
+    start, period, _ = pattern
+    gm, paths = make_fx(short_model(model, start + UNITS * period), batch)
+    buffers = [n for n, _ in model.named_buffers()]
+    full = [n for n, _ in model.named_parameters()] + buffers
+    full += [f"batch[{i}]" for i in range(len(batch))]
+    kinds = (len(set(paths) & set(buffers)), len(buffers))
+    big = expand(gm, paths, full, pattern, kinds)
+    return None if big is None else (big, full)
+
+
+def _shift_path(path: str, start: int, period: int, d: int) -> str:
+    """``blocks.i.rest`` -> ``blocks.(i + d * period).rest`` for a block of the repeated stack."""
+    m = _BLOCK.match(path)
+    if m is None or int(m.group(1)) < start or d == 0:
+        return path
+    return f"blocks.{int(m.group(1)) + d * period}{path[m.end(1) :]}"
+
+
+def _unit(path: str, start: int, period: int) -> int | None:
+    m = _BLOCK.match(path)
+    if m is None or int(m.group(1)) < start:
+        return None
+    return (int(m.group(1)) - start) // period
+
+
+def _path(n: fx.Node) -> str:
+    return n.meta.get("custom", {}).get("module_path", "")
+
+
+def _outputs(n: fx.Node) -> list[tuple]:
+    return [
+        (tuple(t.shape), t.dtype, t.stride())
+        for t in tree_flatten(n.meta.get("val"))[0]
+        if isinstance(t, torch.Tensor)
+    ]
+
+
+class _NoRepeat(Exception):
+    """The short trace is not a repeating stack as `_Layout` reads it: keep the full trace."""
+
+
+class _Layout:
+    """Where each node of the short trace lies (module docstring): its `Key`."""
+
+    def __init__(
+        self, gm: fx.GraphModule, paths: list[str], start: int, period: int
+    ) -> None:
+        self.start, self.period = start, period
+        nodes = list(gm.graph.nodes)
+        self.ph = [n for n in nodes if n.op == "placeholder"]
+        body = [n for n in nodes if n.op not in ("placeholder", "output")]
+        self.output = nodes[-1]
+        units = [_unit(_path(n), start, period) for n in body]
+        if any(u is not None and u >= UNITS for u in units) or any(
+            j not in units for j in range(UNITS)
+        ):
+            raise _NoRepeat
+        first = [units.index(j) for j in range(UNITS)]
+        last = [max(k for k, u in enumerate(units) if u == j) for j in range(UNITS)]
+        # the third unit: its blocks' ops, then as many ops as follow the second's blocks
+        end = last[2] + first[2] - last[1]
+        if first[2] - first[1] != end - first[2] or end > len(body):
+            raise _NoRepeat
+        bounds = [*first, end]
+        for j in range(UNITS):
+            if any(u not in (None, j) for u in units[bounds[j] : bounds[j + 1]]):
+                raise _NoRepeat
+        if any(u is not None for u in units[end:]):
+            raise _NoRepeat
+        self.pre = body[: first[0]]
+        self.units = [body[bounds[j] : bounds[j + 1]] for j in range(UNITS)]
+        self.suf = body[end:]
+        self.key: dict[fx.Node, Key] = {n: ("ph", p) for n, p in zip(self.ph, paths)}
+        self.key |= {n: ("pre", k) for k, n in enumerate(self.pre)}
+        for j, members in enumerate(self.units):
+            self.key |= {n: ("u", j, k) for k, n in enumerate(members)}
+        self.key |= {n: ("suf", k) for k, n in enumerate(self.suf)}
+
+    def unit_of(self, key: Key) -> int | None:
+        """The unit a reference lies in (a block's parameter: its block's)."""
+        if key[0] == "u":
+            return key[1]
+        if key[0] == "ph":
+            return _unit(key[1], self.start, self.period)
+        return None
+
+    def shifted(self, key: Key, d: int) -> Key:
+        """`key` moved `d` units on."""
+        if key[0] == "ph":
+            return ("ph", _shift_path(key[1], self.start, self.period, d))
+        if key[0] == "u":
+            return ("u", key[1] + d, key[2])
+        return key
+
+
+def _shifted_equal(lay: _Layout, a: fx.Node, b: fx.Node) -> bool:
+    """Whether node `b` (a unit later) is node `a` with every reference moved one unit on."""
+    return (
+        a.op == b.op
+        and a.target == b.target
+        and _base(a.name) == _base(b.name)
+        and map_arg((a.args, a.kwargs), lambda n: lay.shifted(lay.key[n], 1))
+        == map_arg((b.args, b.kwargs), lambda n: lay.key[n])
+        and _shift_path(_path(a), lay.start, lay.period, 1) == _path(b)
+        and _outputs(a) == _outputs(b)
+    )
+
+
+def _base(name: str) -> str:
+    m = _NUMBERED.match(name)
+    return m.group(1) if m else name
+
+
+def _tail_args(lay: _Layout, a: Any, units: int, env: dict[Key, fx.Node]) -> Any:
+    """An argument of an op after the stack, in the whole model: references to the third unit
+    go to the last; a list holding the same op's value of each unit in order gets that op's
+    value of every unit of the whole model. Raises _NoRepeat for any other reference into the
+    stack."""
+    moved = units - UNITS
+
+    def ref(n: fx.Node) -> fx.Node:
+        key = lay.key[n]
+        if lay.unit_of(key) not in (None, UNITS - 1):
+            raise _NoRepeat
+        return env[lay.shifted(key, moved)]
+
+    if isinstance(a, list):
+        keys = [lay.key[x] if isinstance(x, fx.Node) else None for x in a]
+        out: list[Any] = []
+        i = 0
+        while i < len(a):
+            k = keys[i]
+            per_unit = k is not None and k[0] == "u" and k[1] == 0
+            if per_unit and keys[i : i + UNITS] == [
+                ("u", j, k[2]) for j in range(UNITS)
+            ]:
+                out += [env[("u", j, k[2])] for j in range(units)]
+                i += UNITS
+            else:
+                out.append(_tail_args(lay, a[i], units, env))
+                i += 1
+        return type(a)(out)
+    if isinstance(a, tuple):
+        return tuple(_tail_args(lay, x, units, env) for x in a)
+    if isinstance(a, dict):
+        return {k: _tail_args(lay, v, units, env) for k, v in a.items()}
+    return ref(a) if isinstance(a, fx.Node) else a
+
+
+def expand(
+    gm: fx.GraphModule,
+    paths: list[str],
+    full_paths: list[str],
+    pattern: tuple[int, int, int],
+    buffers: tuple[int, int],
+) -> fx.GraphModule | None:
+    """The graph of the whole stack from the trace `gm` of its first ``start + UNITS * period``
+    blocks (module docstring), or None where the short trace does not repeat as that reading
+    needs. `paths` and `full_paths` name the placeholders of the short and the whole model
+    (parameters, then buffers, ``buffers`` of each, then the batch, as
+    `planner.tracing.tracer` lists them)."""
+    start, period, units = pattern
+    try:
+        lay = _Layout(gm, paths, start, period)
+    except _NoRepeat:
+        return None
+    if any(n.op == "get_attr" for n in gm.graph.nodes):
+        return None  # a constant tensor per block would need its own attribute per copy
+    if not all(_shifted_equal(lay, a, b) for a, b in zip(lay.units[1], lay.units[2])):
+        return None
+    short, full = _kinds(paths, buffers[0]), _kinds(full_paths, buffers[1])
+    names = _placeholder_names(lay.ph, short, full)
+    codegen = _codegen(gm, paths, full_paths, short, full)
+    mode = detect_fake_mode([n.meta.get("val") for n in lay.ph])
+    if names is None or codegen is None or mode is None:
+        return None
+    g = fx.Graph()
+    g._codegen = codegen
+    env: dict[Key, fx.Node] = {}
+
+    def add(t: fx.Node, key: Key, args: Any, kwargs: Any, d: int = 0) -> None:
+        new = g.create_node(t.op, t.target, args, kwargs, _base(t.name), t.type)
+        new.meta = dict(t.meta)
+        if "custom" in t.meta:
+            path = _shift_path(_path(t), start, period, d)
+            new.meta["custom"] = {**t.meta["custom"], "module_path": path}
+        env[key] = new
+
+    by_path = dict(zip(paths, lay.ph))
+    for path, name in zip(full_paths, names):
+        d = max(0, (_unit(path, start, period) or 0) - (UNITS - 1))
+        t = by_path[_shift_path(path, start, period, -d)]
+        new = g.create_node("placeholder", name, name=name, type_expr=t.type)
+        new.meta = dict(t.meta)
+        env[("ph", path)] = new
+    for n in [*lay.pre, *lay.units[0], *lay.units[1]]:
+        add(n, lay.key[n], *map_arg((n.args, n.kwargs), lambda x: env[lay.key[x]]))
+    for d in range(units - UNITS + 1):
+        for k, n in enumerate(lay.units[2]):
+            moved = map_arg(
+                (n.args, n.kwargs), lambda x, d=d: env[lay.shifted(lay.key[x], d)]
+            )
+            add(n, ("u", UNITS - 1 + d, k), *moved, d)
+    try:
+        for k, n in enumerate(lay.suf):
+            add(n, ("suf", k), *_tail_args(lay, (n.args, n.kwargs), units, env))
+            _propagate(env[("suf", k)], mode)
+        add(lay.output, ("out",), *_tail_args(lay, (lay.output.args, {}), units, env))
+    except _NoRepeat:
+        return None
+    return fx.GraphModule(gm, g)
+
+
+def _propagate(n: fx.Node, mode: Any) -> None:
+    """Set `n`'s value (``val``, and ``tensor_meta`` as `make_fx` sets it) from its inputs':
+    an op after the stack may read one value per unit (its shape then grows with the units)."""
+    args, kwargs = map_arg((n.args, n.kwargs), lambda x: x.meta["val"])
+    with mode:
+        val = n.target(*args, **kwargs)
+    n.meta["val"] = val
+    if isinstance(val, torch.Tensor):
+        n.meta["tensor_meta"] = _extract_tensor_metadata(val)
+    else:
+        n.meta.pop("tensor_meta", None)
+
+
+def _kinds(paths: list[str], buffers: int) -> tuple[int, int, int]:
+    """Numbers of parameters, buffers and batch tensors among placeholder `paths`."""
+    batch = sum(1 for p in paths if p.startswith("batch["))
+    return len(paths) - buffers - batch, buffers, batch
+
+
+def _placeholder_names(
+    ph: list[fx.Node], short: tuple[int, int, int], full: tuple[int, int, int]
+) -> list[str] | None:
+    """The whole model's placeholder names, numbered as the short trace's are: per kind as
+    `make_fx` names them (``p_1``.. parameters, ``b_1``.. buffers, ``inputs_1``.. the batch), or
+    ``arg0_1``, ``arg1_1``, .. after functionalization; None for any other pattern."""
+    numbered = [_NUMBERED.match(n.name) for n in ph]
+    if not all(numbered):
+        return None
+    if [m.group(0) for m in numbered] == [f"arg{i}_1" for i in range(len(ph))]:
+        return [f"arg{i}_1" for i in range(sum(full))]
+    names: list[str] = []
+    at = 0
+    for size, full_size in zip(short, full):
+        group = numbered[at : at + size]
+        at += size
+        if len({m.group(1) for m in group}) != min(size, 1) or [
+            int(m.group(2)) for m in group
+        ] != list(range(1, size + 1)):
+            return None
+        if full_size:
+            names += [f"{group[0].group(1)}_{i + 1}" for i in range(full_size)]
+    return names
+
+
+def _codegen(
+    gm: fx.GraphModule,
+    paths: list[str],
+    full_paths: list[str],
+    short: tuple[int, int, int],
+    full: tuple[int, int, int],
+) -> fx.graph.CodeGen | None:
+    """The whole model's calling convention: `make_fx`'s ``(params, buffers, batch)`` with the
+    whole model's names, if the short trace's is that with its own (or flat arguments, as
+    the short trace's)."""
+    if type(gm.graph._codegen) is fx.graph.CodeGen:
+        return fx.graph.CodeGen()  # flat arguments (a functionalized graph)
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is None:
+        return None
+
+    def spec(names: list[str], kinds: tuple[int, int, int], wrap: bool) -> Any:
+        p, b, batch = kinds
+        args = (
+            {k: 0 for k in names[:p]},
+            {k: 0 for k in names[p : p + b]},
+            (0,) * batch,
+        )
+        return tree_flatten((args, {}) if wrap else args)[1]
+
+    for wrap in (False, True):
+        if spec(paths, short, wrap) == info.in_spec:
+            in_spec = spec(full_paths, full, wrap)
+            return _PyTreeCodeGen(_PyTreeInfo(info.orig_args, in_spec, info.out_spec))
+    return None

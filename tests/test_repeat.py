@@ -1,0 +1,117 @@
+"""A deep stack traced three units deep and repeated (`planner.tracing.repeat`) equals the full
+trace node for node, and a model whose short trace does not repeat keeps the full trace."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+from torch.fx.node import map_arg
+
+from planner import trace
+from planner.models import build_model
+from planner.tracing import repeat
+
+REPEATING = [
+    "gpt:hidden=8,layers=5,heads=2,seq=4,vocab=16",
+    # dropout: random ops, and the graph functionalized (placeholders arg0_1, ...)
+    "gpt:hidden=8,layers=6,heads=2,seq=4,vocab=16,attn=explicit,attn_dropout=0.1",
+    "llama:hidden=8,layers=4,heads=2,kv_heads=1,ffn=8,seq=4,vocab=16",
+    # the blocks' auxiliary losses stacked after the stack: one per unit of the whole model
+    "mixtral:hidden=8,layers=5,heads=2,kv_heads=1,ffn=8,experts=2,seq=4,vocab=16,group_size=4",
+    # two dense blocks, then mixtures: the stack repeats from block 2
+    (
+        "deepseek-moe:hidden=16,layers=6,heads=2,kv_heads=1,ffn=16,experts=4,shared=1,"
+        "top_k=2,expert_ffn=8,dense_layers=2,seq=8,vocab=32"
+    ),
+    # mixture and dense blocks alternate (period 2); an odd count starts the stack at block 1
+    "moe:hidden=8,layers=9,heads=2,seq=4,vocab=16,experts=2",
+]
+
+
+def _fx(gm: torch.fx.GraphModule) -> list[tuple]:
+    out = []
+    for n in gm.graph.nodes:
+        meta = n.meta.get("tensor_meta")
+        out.append(
+            (
+                n.name,
+                n.op,
+                str(n.target),
+                repr(map_arg((n.args, n.kwargs), lambda x: x.name)),
+                n.meta.get("custom"),
+                repeat._outputs(n),
+                None if meta is None else (meta.shape, meta.dtype, meta.stride),
+            )
+        )
+    return out
+
+
+def _full_and_repeated(model: nn.Module, batch, monkeypatch) -> tuple:
+    made = []
+    expand = repeat.expand
+    monkeypatch.setattr(
+        repeat, "expand", lambda *a: made.append(expand(*a)) or made[-1]
+    )
+    repeated = trace(model, batch)
+    monkeypatch.setattr(repeat, "block_pattern", lambda m: None)
+    full = trace(model, batch)
+    return repeated, full, made
+
+
+@pytest.mark.parametrize("spec", REPEATING)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_repeated_trace_equals_full_trace(spec: str, batch: int, monkeypatch) -> None:
+    model, example = build_model(spec, batch=batch, device="meta")
+    repeated, full, made = _full_and_repeated(model, example, monkeypatch)
+    assert len(made) == 1 and made[0] is not None  # the short trace was repeated
+    assert _fx(repeated.gm) == _fx(full.gm)
+    assert repeated.gm.code == full.gm.code
+    assert [dataclasses.asdict(n) for n in repeated.nodes] == [
+        dataclasses.asdict(n) for n in full.nodes
+    ]
+    assert repeated.params == full.params and repeated.buffers == full.buffers
+    assert repeated.fingerprint() == full.fingerprint()
+
+
+def test_block_pattern() -> None:
+    def pattern(spec: str):
+        return repeat.block_pattern(build_model(spec, batch=1, device="meta")[0])
+
+    assert pattern(REPEATING[0]) == (0, 1, 5)
+    assert pattern(REPEATING[4]) == (2, 1, 4)
+    assert pattern(REPEATING[5]) == (1, 2, 4)
+    # three units or fewer: the short trace would be the whole one
+    assert pattern("gpt:hidden=8,layers=3,heads=2,seq=4,vocab=16") is None
+    # a model that does not declare its blocks index-free is traced whole
+    assert pattern("wresnet-tiny") is None
+
+
+class _Skip(nn.Module):
+    """Each block also adds the output of the block two back: not one unit's reference."""
+
+    repeats_blocks = True
+
+    def __init__(self, layers: int, keep: slice | None = None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(layers))
+        self.keep = keep
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [x, x]
+        for block in self.blocks:
+            outs.append(block(outs[-1]) + (outs[-2] if self.keep is None else 0))
+        if self.keep is not None:  # a list of some units' values, not one per unit
+            return torch.stack(outs[2:][self.keep]).sum()
+        return outs[-1].sum()
+
+
+@pytest.mark.parametrize("keep", [None, slice(1, None)])
+def test_stack_that_does_not_repeat_keeps_full_trace(keep, monkeypatch) -> None:
+    model = _Skip(6, keep)
+    repeated, full, made = _full_and_repeated(model, (torch.randn(2, 4),), monkeypatch)
+    assert made == [None]
+    assert _fx(repeated.gm) == _fx(full.gm)
+    assert len([n for n in repeated.ops if n.target == "aten.addmm.default"]) == 6
