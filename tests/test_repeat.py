@@ -14,20 +14,23 @@ from planner import trace
 from planner.models import build_model
 from planner.tracing import repeat
 
+MIXTRAL = "mixtral:hidden=8,layers=5,heads=2,kv_heads=1,ffn=8,experts=2,seq=4,vocab=16,group_size=4"
+DEEPSEEK = (
+    "deepseek-moe:hidden=16,layers=6,heads=2,kv_heads=1,ffn=16,experts=4,shared=1,top_k=2,"
+    "expert_ffn=8,dense_layers=2,seq=8,vocab=32"
+)
+#: (spec, rows of the example batch: one row, where an op can vanish, and two)
 REPEATING = [
-    "gpt:hidden=8,layers=5,heads=2,seq=4,vocab=16",
+    ("gpt:hidden=8,layers=5,heads=2,seq=4,vocab=16", 1),
     # dropout: random ops, and the graph functionalized (placeholders arg0_1, ...)
-    "gpt:hidden=8,layers=6,heads=2,seq=4,vocab=16,attn=explicit,attn_dropout=0.1",
-    "llama:hidden=8,layers=4,heads=2,kv_heads=1,ffn=8,seq=4,vocab=16",
+    ("gpt:hidden=8,layers=6,heads=2,seq=4,vocab=16,attn=explicit,attn_dropout=0.1", 2),
+    ("llama:hidden=8,layers=4,heads=2,kv_heads=1,ffn=8,seq=4,vocab=16", 2),
     # the blocks' auxiliary losses stacked after the stack: one per unit of the whole model
-    "mixtral:hidden=8,layers=5,heads=2,kv_heads=1,ffn=8,experts=2,seq=4,vocab=16,group_size=4",
+    (MIXTRAL, 1),
     # two dense blocks, then mixtures: the stack repeats from block 2
-    (
-        "deepseek-moe:hidden=16,layers=6,heads=2,kv_heads=1,ffn=16,experts=4,shared=1,"
-        "top_k=2,expert_ffn=8,dense_layers=2,seq=8,vocab=32"
-    ),
+    (DEEPSEEK, 2),
     # mixture and dense blocks alternate (period 2); an odd count starts the stack at block 1
-    "moe:hidden=8,layers=9,heads=2,seq=4,vocab=16,experts=2",
+    ("moe:hidden=8,layers=9,heads=2,seq=4,vocab=16,experts=2", 1),
 ]
 
 
@@ -61,8 +64,7 @@ def _full_and_repeated(model: nn.Module, batch, monkeypatch) -> tuple:
     return repeated, full, made
 
 
-@pytest.mark.parametrize("spec", REPEATING)
-@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize(("spec", "batch"), REPEATING)
 def test_repeated_trace_equals_full_trace(spec: str, batch: int, monkeypatch) -> None:
     model, example = build_model(spec, batch=batch, device="meta")
     repeated, full, made = _full_and_repeated(model, example, monkeypatch)
@@ -80,9 +82,9 @@ def test_block_pattern() -> None:
     def pattern(spec: str):
         return repeat.block_pattern(build_model(spec, batch=1, device="meta")[0])
 
-    assert pattern(REPEATING[0]) == (0, 1, 5)
-    assert pattern(REPEATING[4]) == (2, 1, 4)
-    assert pattern(REPEATING[5]) == (1, 2, 4)
+    assert pattern(REPEATING[0][0]) == (0, 1, 5)
+    assert pattern(REPEATING[4][0]) == (2, 1, 4)
+    assert pattern(REPEATING[5][0]) == (1, 2, 4)
     # three units or fewer: the short trace would be the whole one
     assert pattern("gpt:hidden=8,layers=3,heads=2,seq=4,vocab=16") is None
     # a model that does not declare its blocks index-free is traced whole
