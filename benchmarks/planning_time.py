@@ -277,9 +277,11 @@ warm process, float32: llama3-70b at 4 rows 10.3 -> 2.8 s of CPU, mixtral-8x7b a
 0.11-0.19 the day before): gpt-39b 125.2 and 93.7 s wall (168.5 and 157.7 s CPU) before, 77.6
 and 86.8 s (130.0 and 145.5 s CPU) after; llama3-70b 275.9 s (476.4 s CPU) before, 236.0 s
 (410.0 s CPU) after, at python_speed 0.229 and 0.234. The plan JSON, planner time aside, is
-equal before and after for both. Median of 3 in the results, on the next commit (the model of
-a name built once per plan, not per size: 0.3-0.8 s of CPU per size after a process's first
-build, within the noise of two alternating pairs of gpt-39b runs), python_speed 0.13-0.22:
+equal before and after for both. Median of 3 in the results, on commit 3ed4671 (which also
+built a named model once per plan instead of once per size: 0.3-0.8 s of CPU per size after a
+process's first build, within the noise of two alternating pairs of gpt-39b runs; reverted,
+since a user's factory is called per size and the tests make a worker fail through it),
+python_speed 0.13-0.22:
 gpt-39b 79.8 s (133-140 s CPU), llama3-70b 212.9 s (376-385 s CPU); 4.0x and 3.5x over the
 targets. llama3-70b's plan is 63.250 s per iteration, as 4c257b5's; the record of 2026-11-29
 had 63.258 s (which commit between them moved it was not looked for). What a size of

@@ -215,26 +215,6 @@ def test_plans_with_and_without_pruning_agree(monkeypatch) -> None:
     assert a == b
 
 
-def test_a_model_name_is_built_once_for_every_size(monkeypatch) -> None:
-    """A built-in model given by name is built once (the probe for the default batch); every
-    micro-batch size gets that module with a batch of its size, shaped as the model's own."""
-    import planner.models
-    from planner.tracing.inputs import resolve_model
-
-    built = []
-    build = planner.models.build_model
-    monkeypatch.setattr(
-        planner.models, "build_model", lambda *a, **k: built.append(k) or build(*a, **k)
-    )
-    _, make, default = resolve_model("gpt-tiny", None, torch.float16, None)
-    (m2, b2), (m4, b4) = make(2), make(4)
-    assert len(built) == 1 and m2 is m4
-    for b, rows in ((b2, 2), (b4, 4)):
-        own = build("gpt-tiny", batch=rows, device="meta", dtype=torch.float16)[1]
-        assert [(t.shape, t.dtype) for t in b] == [(t.shape, t.dtype) for t in own]
-    assert default == build("gpt-tiny", device="meta")[1][0].shape[0]
-
-
 def test_held_memory_kept_per_solution_matches_fresh() -> None:
     """What `planner.inter.held_memory` keeps per solution (it is attributed to several layer
     clusterings) gives, clustering after clustering, what a fresh solution gives."""

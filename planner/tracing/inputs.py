@@ -16,15 +16,17 @@ from planner.tracing.calls import batch_tuple
 def resolve_model(
     model: Any, example_batch: Any, dtype: torch.dtype, name: str | None
 ) -> tuple[str, Callable[[int], tuple[nn.Module, tuple]], int]:
-    """(name, batch_fn(b) -> (module, batch), default global batch). The module is built once
-    (a built-in model name or spec: on the meta device, 1.5-3 s of CPU for the largest) and
-    `batch_fn` gives it with an example batch of `b` rows, for every size the planner tries."""
+    """(name, batch_fn(b) -> (module, batch), default global batch)."""
     if isinstance(model, str):
         from planner.models import build_model
 
-        module, probe = build_model(model, device="meta", dtype=dtype)
+        _, probe = build_model(model, device="meta", dtype=dtype)
         default = int(probe[0].shape[0]) if probe and probe[0].dim() else 1
-        return name or model, _resized(module, probe), default
+        return (
+            name or model,
+            lambda b: build_model(model, batch=b, device="meta", dtype=dtype),
+            default,
+        )
     if not isinstance(model, nn.Module):
         raise MeshplanError(
             f"model must be an nn.Module or a model name, got {type(model).__name__}"
@@ -37,17 +39,11 @@ def resolve_model(
     batch = (
         example_batch if isinstance(example_batch, (tuple, list)) else (example_batch,)
     )
-    return name or type(model).__name__, _resized(model, batch), int(batch[0].shape[0])
+    default = int(batch[0].shape[0])
 
-
-def _resized(
-    module: nn.Module, batch: tuple
-) -> Callable[[int], tuple[nn.Module, tuple]]:
-    """b -> (`module`, meta tensors shaped like `batch`'s with `b` rows)."""
-
-    def make(b: int) -> tuple[nn.Module, tuple]:
-        return module, tuple(
+    def make(b: int):
+        return model, tuple(
             t.new_empty((b, *t.shape[1:]), device="meta") for t in batch
         )
 
-    return make
+    return name or type(model).__name__, make, default

@@ -10,16 +10,16 @@ trace a module once and instantiate its graph many times (`torch.compile`'s regi
 reuses compiled code, not aten graphs), so we write the copies ourselves.
 
 Units. Blocks ``start, start + 1, ...`` repeat with ``period`` (a GShard MoE alternates dense and
-mixture blocks: period 2; DeepSeek's first dense blocks: ``start``); a unit is ``period`` blocks.
-In the short trace, the nodes from a unit's first op to the next unit's first op belong to it
-(ops of the model's own loop between blocks included, such as an auxiliary-loss sum); the third
-unit takes as many ops after its last block's as the second. The first unit may differ from the
-others (it reads the embedding, its loop ops see no earlier loss), so unit 3 must equal unit 2
-with every reference moved one unit on (`_shifted_equal`): units 3, 4, ... of the whole model
-are unit 3's nodes moved on again, and the ops after the stack read the last unit where they read
-the third; a list of one value per unit (the blocks' auxiliary losses stacked) gets one per unit of
-the whole model. Anything else (a reference two units back, a constant tensor in a block, a list
-that is not one value per unit) keeps the full trace: `expand` returns None.
+mixture blocks: period 2; DeepSeek's first dense blocks: ``start``); a unit is ``period`` blocks,
+numbered from 0. In the short trace, the nodes from a unit's first op to the next unit's first
+op belong to it (ops of the model's own loop between blocks included, such as an auxiliary-loss
+sum); unit 2, the last, takes as many ops after its blocks' as unit 1. Unit 0 may differ from
+the others (it reads the embedding, its loop ops see no earlier loss), so unit 2 must equal
+unit 1 with every reference moved one unit on (`_shifted_equal`): units 3, 4, ... of the whole
+model are unit 2's nodes moved on again, and the ops after the stack read the last unit where
+they read unit 2; a list of one value per unit (the blocks' auxiliary losses stacked) gets one
+per unit of the whole model. Anything else (a reference two units back, a constant tensor in a
+block, a list that is not one value per unit) keeps the full trace: `expand` returns None.
 
 Names are made as the tracer makes them: each op's name asked of a fresh `torch.fx.Graph`'s
 namespace in the same order (``mm``, ``mm_1``, ...), placeholders numbered per kind (``p_1``,
