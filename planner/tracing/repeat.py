@@ -47,7 +47,7 @@ UNITS = 3
 _NUMBERED = re.compile(r"^(.*)_(\d+)$")
 _BLOCK = re.compile(r"^blocks\.(\d+)(\.|$)")
 
-Key = tuple  # ("ph", path) | ("pre", k) | ("u", unit, k) | ("suf", k)
+Key = tuple  # ("ph", path) | ("pre", k) | ("u", unit, k) | ("suf", k) | ("out",)
 
 
 def _signature(block: nn.Module) -> tuple:
@@ -299,14 +299,17 @@ def expand(
         new = g.create_node("placeholder", name, name=name, type_expr=t.type)
         new.meta = dict(t.meta)
         env[("ph", path)] = new
+
+    def copy_moved(n: fx.Node, key: Key, d: int) -> None:
+        """`n` with every reference moved `d` units on."""
+        args = (n.args, n.kwargs)
+        add(n, key, *map_arg(args, lambda x: env[lay.shifted(lay.key[x], d)]), d)
+
     for n in [*lay.pre, *lay.units[0], *lay.units[1]]:
-        add(n, lay.key[n], *map_arg((n.args, n.kwargs), lambda x: env[lay.key[x]]))
+        copy_moved(n, lay.key[n], 0)
     for d in range(units - UNITS + 1):
         for k, n in enumerate(lay.units[2]):
-            moved = map_arg(
-                (n.args, n.kwargs), lambda x, d=d: env[lay.shifted(lay.key[x], d)]
-            )
-            add(n, ("u", UNITS - 1 + d, k), *moved, d)
+            copy_moved(n, ("u", UNITS - 1 + d, k), d)
     try:
         for k, n in enumerate(lay.suf):
             add(n, ("suf", k), *_tail_args(lay, (n.args, n.kwargs), units, env))
