@@ -85,6 +85,16 @@ def test_bad_specs_are_named() -> None:
         build_model("hf:notatype:hidden_size=64", batch=1)
 
 
+def test_python_literals_in_specs() -> None:
+    """True, False and None as a config's repr writes them, besides JSON's."""
+    from planner.models import hf
+
+    config, _ = hf.parse("hf:qwen2:use_sliding_window=True,tie_word_embeddings=false")
+    assert config.use_sliding_window is True and config.tie_word_embeddings is False
+    config, _ = hf.parse("hf:qwen2:sliding_window=None")
+    assert config.sliding_window is None
+
+
 @functools.cache
 def _plans(name: str) -> dict[str, Any]:
     """The model's manual plans (`MANUAL`: tp4, dp4, pp2 x dp2) and its automatic plan for 4

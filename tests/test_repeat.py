@@ -32,6 +32,47 @@ REPEATING = [
     # mixture and dense blocks alternate (period 2); an odd count starts the stack at block 1
     ("moe:hidden=8,layers=9,heads=2,seq=4,vocab=16,experts=2", 1),
 ]
+_HF = "hidden_size=16,intermediate_size=24,num_attention_heads=2,vocab_size=32,seq=4"
+_QWEN2_MOE = "num_experts=2,num_experts_per_tok=1,moe_intermediate_size=8"
+_SLIDING = "use_sliding_window=True,max_window_layers=2,sliding_window=2"
+#: Hugging Face models (their longest ModuleList is the stack), with the stack expected
+HF_REPEATING = [
+    # dropout on by default: functionalized; the stack is transformer.h
+    (
+        "hf:gpt2:n_embd=16,n_layer=5,n_head=2,vocab_size=32,n_positions=8,seq=4",
+        1,
+        ("transformer.h", 0, 1, 5),
+    ),
+    (
+        f"hf:llama:{_HF},num_hidden_layers=5,num_key_value_heads=1",
+        2,
+        ("model.layers", 0, 1, 5),
+    ),
+    (
+        f"hf:bert:{_HF},num_hidden_layers=4,task=masked-lm",
+        2,
+        ("bert.encoder.layer", 0, 1, 4),
+    ),
+    (
+        f"hf:qwen2_moe:{_HF},num_hidden_layers=4,num_key_value_heads=1,{_QWEN2_MOE},"
+        + "shared_expert_intermediate_size=8",
+        1,
+        ("model.layers", 0, 1, 4),
+    ),
+    # full attention in the first two layers, a sliding window after: the stack starts at 2
+    (
+        f"hf:qwen2:{_HF},num_hidden_layers=6,num_key_value_heads=1,{_SLIDING}",
+        2,
+        ("model.layers", 2, 1, 4),
+    ),
+    # sliding and full attention alternate: period 2
+    (
+        f"hf:gemma2:{_HF},num_hidden_layers=8,num_key_value_heads=1,head_dim=8,sliding_window=2,"
+        + "attn=eager",
+        1,
+        ("model.layers", 0, 2, 4),
+    ),
+]
 
 
 def _fx(gm: torch.fx.GraphModule) -> list[tuple]:
@@ -78,13 +119,23 @@ def test_repeated_trace_equals_full_trace(spec: str, batch: int, monkeypatch) ->
     assert repeated.fingerprint() == full.fingerprint()
 
 
+@pytest.mark.parametrize(("spec", "batch", "stack"), HF_REPEATING)
+def test_hf_repeated_trace_equals_full_trace(spec, batch, stack, monkeypatch) -> None:
+    """What the layers' attributes say differs (sliding or full attention) ends or breaks the
+    repeated stack, and the repeated trace equals the full trace."""
+    pytest.importorskip("transformers")
+    model, _ = build_model(spec, batch=1, device="meta")
+    assert repeat.block_pattern(model) == stack
+    test_repeated_trace_equals_full_trace(spec, batch, monkeypatch)
+
+
 def test_block_pattern() -> None:
     def pattern(spec: str):
         return repeat.block_pattern(build_model(spec, batch=1, device="meta")[0])
 
-    assert pattern(REPEATING[0][0]) == (0, 1, 5)
-    assert pattern(REPEATING[4][0]) == (2, 1, 4)
-    assert pattern(REPEATING[5][0]) == (1, 2, 4)
+    assert pattern(REPEATING[0][0]) == ("blocks", 0, 1, 5)
+    assert pattern(REPEATING[4][0]) == ("blocks", 2, 1, 4)
+    assert pattern(REPEATING[5][0]) == ("blocks", 1, 2, 4)
     # three units or fewer: the short trace would be the whole one
     assert pattern("gpt:hidden=8,layers=3,heads=2,seq=4,vocab=16") is None
     # a model that does not declare its blocks index-free is traced whole

@@ -35,6 +35,7 @@ from cost_models.errors import MeshplanError
 TASKS = ("causal-lm", "masked-lm")
 ATTENTION = ("sdpa", "eager")
 _OURS = ("task", "seq", "attn")
+_PYTHON = {"True": True, "False": False, "None": None}
 FORM = "hf:MODEL_TYPE:key=value,... or hf:PATH/config.json[,key=value,...]"
 
 
@@ -49,7 +50,10 @@ def _transformers() -> Any:
 
 
 def _value(raw: str) -> Any:
-    """A config value from its text: a JSON literal (number, true/false/null, list) or a string."""
+    """A config value from its text: a JSON literal (number, true/false/null, list), Python's
+    True/False/None as a config's repr writes them, or a string."""
+    if raw in _PYTHON:
+        return _PYTHON[raw]
     try:
         return json.loads(raw)
     except json.JSONDecodeError:

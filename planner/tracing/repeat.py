@@ -9,6 +9,14 @@ and the graph of the whole stack is written from that one (`expand`): PyTorch ha
 trace a module once and instantiate its graph many times (`torch.compile`'s regional compilation
 reuses compiled code, not aten graphs), so we write the copies ourselves.
 
+A Hugging Face model is read the same way, its stack being its longest ``nn.ModuleList``
+(``model.layers``, ``transformer.h``, ``bert.encoder.layer``): ``transformers`` builds what
+differs between its layers into the layers' attributes (``attention_type``, ``sliding_window``,
+``use_rope``) or their module types (a dense first layer, ``mlp_only_layers``), and every
+layer's forward reads those, so a block's signature (`_signature`) holds its modules' types,
+its tensors' shapes and its modules' plain attributes other than the layer's own index
+(``layer_idx``); layers that differ end or break the repeating stack.
+
 Units. Blocks ``start, start + 1, ...`` repeat with ``period`` (a GShard MoE alternates dense and
 mixture blocks: period 2; DeepSeek's first dense blocks: ``start``); a unit is ``period`` blocks,
 numbered from 0. In the short trace, the nodes from a unit's first op to the next unit's first
@@ -32,7 +40,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx, nn
@@ -42,17 +50,50 @@ from torch.fx.node import map_arg
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils._pytree import tree_flatten
 
+from planner.tracing.calls import is_hf_model
+
 #: units of the short trace: the first, one the next repeats, and that next one
 UNITS = 3
 _NUMBERED = re.compile(r"^(.*)_(\d+)$")
-_BLOCK = re.compile(r"^blocks\.(\d+)(\.|$)")
+#: attributes that number a block (`_signature` leaves them out): transformers' ``layer_idx``
+_INDEX = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number"})
+_PLAIN = (bool, int, float, str, type(None))
 
 Key = tuple  # ("ph", path) | ("pre", k) | ("u", unit, k) | ("suf", k) | ("out",)
 
 
+class Stack(NamedTuple):
+    """The repeating part of a model's block list: the list's module path (``blocks``,
+    ``model.layers``), the block the repetition starts at, its period and its number of units."""
+
+    prefix: str
+    start: int
+    period: int
+    units: int
+
+    def unit(self, path: str) -> int | None:
+        """The unit of a module or placeholder path in the repeated stack, or None."""
+        i = self._index(path)
+        return None if i is None or i < self.start else (i - self.start) // self.period
+
+    def shift(self, path: str, d: int) -> str:
+        """``PREFIX.i.rest`` -> ``PREFIX.(i + d * period).rest`` in the repeated stack."""
+        i = self._index(path)
+        if i is None or i < self.start or d == 0:
+            return path
+        head = f"{self.prefix}.{i}"
+        return f"{self.prefix}.{i + d * self.period}{path[len(head) :]}"
+
+    def _index(self, path: str) -> int | None:
+        if not path.startswith(self.prefix + "."):
+            return None
+        head = path[len(self.prefix) + 1 :].split(".", 1)[0]
+        return int(head) if head.isdigit() else None
+
+
 def _signature(block: nn.Module) -> tuple:
     return (
-        tuple((n, type(m)) for n, m in block.named_modules()),
+        tuple((n, type(m), _attributes(m)) for n, m in block.named_modules()),
         tuple(
             (n, tuple(t.shape), t.dtype)
             for n, t in [*block.named_parameters(), *block.named_buffers()]
@@ -60,16 +101,49 @@ def _signature(block: nn.Module) -> tuple:
     )
 
 
-def block_pattern(model: nn.Module) -> tuple[int, int, int] | None:
-    """(start, period, units) of a model whose ``blocks`` repeat from block ``start`` with
-    ``period`` (the least period whose stack holds more than `UNITS` units), or None when the
-    model does not declare ``repeats_blocks`` or its stack is too short to gain."""
-    blocks = getattr(model, "blocks", None)
-    if not getattr(model, "repeats_blocks", False) or not isinstance(
-        blocks, nn.ModuleList
-    ):
+def _attributes(m: nn.Module) -> tuple:
+    """`m`'s own plain attributes (numbers, strings, their tuples and lists) but its index."""
+    out = []
+    for k, v in vars(m).items():
+        if k.startswith("_") or k in _INDEX:
+            continue
+        if isinstance(v, (tuple, list)) and all(isinstance(x, _PLAIN) for x in v):
+            v = tuple(v)
+        elif not isinstance(v, _PLAIN):
+            continue
+        out.append((k, v))
+    return tuple(sorted(out, key=lambda kv: kv[0]))
+
+
+def block_list(model: nn.Module) -> str | None:
+    """The module path of `model`'s block list: ``blocks`` for a model that declares
+    ``repeats_blocks``, a Hugging Face model's longest ``nn.ModuleList`` outside its layers, or
+    None."""
+    if getattr(model, "repeats_blocks", False):
+        return (
+            "blocks"
+            if isinstance(getattr(model, "blocks", None), nn.ModuleList)
+            else None
+        )
+    if not is_hf_model(model):
         return None
-    sigs = [_signature(b) for b in blocks]
+    lists = [
+        (len(m), path)
+        for path, m in model.named_modules()
+        if isinstance(m, nn.ModuleList)
+        and not any(p.isdigit() for p in path.split("."))
+    ]
+    return max(lists, key=lambda x: x[0])[1] if lists else None
+
+
+def block_pattern(model: nn.Module) -> Stack | None:
+    """The `Stack` of a model whose block list (`block_list`) repeats from block ``start`` with
+    ``period`` (the least period whose stack holds more than `UNITS` units), or None when the
+    model has no such list or its stack is too short to gain."""
+    prefix = block_list(model)
+    if prefix is None:
+        return None
+    sigs = [_signature(b) for b in model.get_submodule(prefix)]
     for period in range(1, 5):
         start = len(sigs) - period
         while start > 0 and sigs[start - 1] == sigs[start - 1 + period]:
@@ -77,16 +151,24 @@ def block_pattern(model: nn.Module) -> tuple[int, int, int] | None:
         start += (len(sigs) - start) % period
         units = (len(sigs) - start) // period
         if units > UNITS:
-            return start, period, units
+            return Stack(prefix, start, period, units)
     return None
 
 
-def short_model(model: nn.Module, blocks: int) -> nn.Module:
-    """A shallow copy of `model` whose ``blocks`` list holds its first `blocks` blocks (the same
-    module objects; `model` is not changed)."""
+def short_model(model: nn.Module, prefix: str, blocks: int) -> nn.Module:
+    """A shallow copy of `model` whose block list at `prefix` holds its first `blocks` blocks
+    (the same module objects; `model` and its submodules are not changed): each module on the
+    way to the list is copied with its own dict of children."""
+    *parents, name = prefix.split(".")
     short = copy.copy(model)
     short._modules = dict(model._modules)
-    short._modules["blocks"] = nn.ModuleList(list(model.blocks)[:blocks])
+    at = short
+    for p in parents:
+        child = copy.copy(at._modules[p])
+        child._modules = dict(child._modules)
+        at._modules[p] = child
+        at = child
+    at._modules[name] = nn.ModuleList(list(at._modules[name])[:blocks])
     return short
 
 
@@ -101,32 +183,17 @@ def repeated_trace(
     (`planner.tracing.tracer`'s) on the model's first ``start + UNITS * period`` blocks and
     expanded (`expand`); None for a model that does not repeat (`block_pattern`) or whose short
     trace does not."""
-    pattern = block_pattern(model)
-    if pattern is None:
+    stack = block_pattern(model)
+    if stack is None:
         return None
-    start, period, _ = pattern
-    gm, paths = make_fx(short_model(model, start + UNITS * period), batch)
+    blocks = stack.start + UNITS * stack.period
+    gm, paths = make_fx(short_model(model, stack.prefix, blocks), batch)
     buffers = [n for n, _ in model.named_buffers()]
     full = [n for n, _ in model.named_parameters()] + buffers
     full += [f"batch[{i}]" for i in range(len(batch))]
     kinds = (len(set(paths) & set(buffers)), len(buffers))
-    big = expand(gm, paths, full, pattern, kinds)
+    big = expand(gm, paths, full, stack, kinds)
     return None if big is None else (big, full)
-
-
-def _shift_path(path: str, start: int, period: int, d: int) -> str:
-    """``blocks.i.rest`` -> ``blocks.(i + d * period).rest`` for a block of the repeated stack."""
-    m = _BLOCK.match(path)
-    if m is None or int(m.group(1)) < start or d == 0:
-        return path
-    return f"blocks.{int(m.group(1)) + d * period}{path[m.end(1) :]}"
-
-
-def _unit(path: str, start: int, period: int) -> int | None:
-    m = _BLOCK.match(path)
-    if m is None or int(m.group(1)) < start:
-        return None
-    return (int(m.group(1)) - start) // period
 
 
 def _path(n: fx.Node) -> str:
@@ -148,15 +215,13 @@ class _NoRepeat(Exception):
 class _Layout:
     """Where each node of the short trace lies (module docstring): its `Key`."""
 
-    def __init__(
-        self, gm: fx.GraphModule, paths: list[str], start: int, period: int
-    ) -> None:
-        self.start, self.period = start, period
+    def __init__(self, gm: fx.GraphModule, paths: list[str], stack: Stack) -> None:
+        self.stack = stack
         nodes = list(gm.graph.nodes)
         self.ph = [n for n in nodes if n.op == "placeholder"]
         body = [n for n in nodes if n.op not in ("placeholder", "output")]
         self.output = nodes[-1]
-        units = [_unit(_path(n), start, period) for n in body]
+        units = [stack.unit(_path(n)) for n in body]
         if any(u is not None and u >= UNITS for u in units) or any(
             j not in units for j in range(UNITS)
         ):
@@ -187,13 +252,13 @@ class _Layout:
         if key[0] == "u":
             return key[1]
         if key[0] == "ph":
-            return _unit(key[1], self.start, self.period)
+            return self.stack.unit(key[1])
         return None
 
     def shifted(self, key: Key, d: int) -> Key:
         """`key` moved `d` units on."""
         if key[0] == "ph":
-            return ("ph", _shift_path(key[1], self.start, self.period, d))
+            return ("ph", self.stack.shift(key[1], d))
         if key[0] == "u":
             return ("u", key[1] + d, key[2])
         return key
@@ -207,7 +272,7 @@ def _shifted_equal(lay: _Layout, a: fx.Node, b: fx.Node) -> bool:
         and _base(a.name) == _base(b.name)
         and map_arg((a.args, a.kwargs), lambda n: lay.shifted(lay.key[n], 1))
         == map_arg((b.args, b.kwargs), lambda n: lay.key[n])
-        and _shift_path(_path(a), lay.start, lay.period, 1) == _path(b)
+        and lay.stack.shift(_path(a), 1) == _path(b)
         and _outputs(a) == _outputs(b)
     )
 
@@ -257,7 +322,7 @@ def expand(
     gm: fx.GraphModule,
     paths: list[str],
     full_paths: list[str],
-    pattern: tuple[int, int, int],
+    stack: Stack,
     buffers: tuple[int, int],
 ) -> fx.GraphModule | None:
     """The graph of the whole stack from the trace `gm` of its first ``start + UNITS * period``
@@ -265,9 +330,9 @@ def expand(
     needs. `paths` and `full_paths` name the placeholders of the short and the whole model
     (parameters, then buffers, ``buffers`` of each, then the batch, as
     `planner.tracing.tracer` lists them)."""
-    start, period, units = pattern
+    units = stack.units
     try:
-        lay = _Layout(gm, paths, start, period)
+        lay = _Layout(gm, paths, stack)
     except _NoRepeat:
         return None
     if any(n.op == "get_attr" for n in gm.graph.nodes):
@@ -288,14 +353,14 @@ def expand(
         new = g.create_node(t.op, t.target, args, kwargs, _base(t.name), t.type)
         new.meta = dict(t.meta)
         if "custom" in t.meta:
-            path = _shift_path(_path(t), start, period, d)
+            path = stack.shift(_path(t), d)
             new.meta["custom"] = {**t.meta["custom"], "module_path": path}
         env[key] = new
 
     by_path = dict(zip(paths, lay.ph))
     for path, name in zip(full_paths, names):
-        d = max(0, (_unit(path, start, period) or 0) - (UNITS - 1))
-        t = by_path[_shift_path(path, start, period, -d)]
+        d = max(0, (stack.unit(path) or 0) - (UNITS - 1))
+        t = by_path[stack.shift(path, -d)]
         new = g.create_node("placeholder", name, name=name, type_expr=t.type)
         new.meta = dict(t.meta)
         env[("ph", path)] = new
