@@ -83,6 +83,17 @@ def test_bad_specs_are_named() -> None:
         build_model("hf:/nonexistent/config.json", batch=1)
     with pytest.raises(MeshplanError, match="notatype"):
         build_model("hf:notatype:hidden_size=64", batch=1)
+    with pytest.raises(MeshplanError, match="no model type"):
+        build_model("hf:", batch=1)
+    # transformers' own validation: a value of the wrong type, an inconsistent config
+    with pytest.raises(MeshplanError, match="'num_hidden_layers' expected int"):
+        build_model("hf:llama:num_hidden_layers=abc", batch=1)
+    with pytest.raises(
+        MeshplanError, match="multiple of the number of attention heads"
+    ):
+        build_model("hf:llama:hidden_size=64,num_attention_heads=5", batch=1)
+    with pytest.raises(MeshplanError, match="seq must be a positive integer, got 0"):
+        build_model("hf:llama:hidden_size=64,seq=0", batch=1)
 
 
 def test_python_literals_in_specs() -> None:

@@ -49,6 +49,16 @@ def _transformers() -> Any:
     return transformers
 
 
+def _hub_errors() -> tuple[type[Exception], ...]:
+    """The errors a config raises for a value of the wrong type or an inconsistent set
+    (``huggingface_hub``'s strict dataclasses, transformers 5's configs)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
 def _value(raw: str) -> Any:
     """A config value from its text: a JSON literal (number, true/false/null, list), Python's
     True/False/None as a config's repr writes them, or a string."""
@@ -94,12 +104,14 @@ def parse(name: str) -> tuple[Any, dict[str, Any]]:
         fields = {k: v for k, v in saved.items() if k != "model_type"}
     else:
         model_type, _, rest = body.partition(":")
+        if not model_type.strip():
+            raise MeshplanError(f"model spec {name!r}: no model type; expected {FORM}")
         items, fields = _items(rest, name), {}
     options = {k: items.pop(k) for k in _OURS if k in items}
     fields.update(items)
     try:
         config = tf.AutoConfig.for_model(model_type, **fields)
-    except (ValueError, KeyError) as exc:
+    except (ValueError, KeyError, TypeError, *_hub_errors()) as exc:
         raise MeshplanError(
             f"model spec {name!r}: {' '.join(str(exc).split())[:300]}"
         ) from None
@@ -118,8 +130,8 @@ def parse(name: str) -> tuple[Any, dict[str, Any]]:
             f"model spec {name!r}: task must be one of {TASKS} and attn one of {ATTENTION}, "
             f"got task={task!r}, attn={attn!r}"
         )
-    seq = options.get("seq") or min(
-        getattr(config, "max_position_embeddings", 2048), 2048
+    seq = options.get(
+        "seq", min(getattr(config, "max_position_embeddings", 2048), 2048)
     )
     if not isinstance(seq, int) or seq < 1:
         raise MeshplanError(
