@@ -96,6 +96,24 @@ def test_bad_specs_are_named() -> None:
         build_model("hf:llama:hidden_size=64,seq=0", batch=1)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_unpadded_batch_has_no_mask_tensor(name: str) -> None:
+    """Without an attention_mask every attention runs causal (or, for BERT, unmasked) with no
+    mask tensor, as transformers runs it on unpadded rows; with the batch's own mask, every
+    attention reads a mask."""
+    model, (ids, labels) = build_model(SPECS[name], batch=2, device="meta")
+
+    def inputs(batch: tuple) -> list[int]:
+        """The tensor inputs of each attention: query, key, value and any mask."""
+        graph = trace(model, batch)
+        return [
+            len(n.inputs) for n in graph.ops if "scaled_dot_product" in str(n.target)
+        ]
+
+    assert inputs((ids, labels)) == [3, 3]
+    assert inputs((ids, labels, torch.ones_like(ids))) == [4, 4]
+
+
 def test_python_literals_in_specs() -> None:
     """True, False and None as a config's repr writes them, besides JSON's."""
     from planner.models import hf

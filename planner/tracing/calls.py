@@ -8,7 +8,9 @@ attribute, i.e. a ``PreTrainedModel``. Its batch is ``(input_ids, labels[, atten
 all ``[batch, seq]`` integer tensors; the task head decides what ``labels`` mean (next tokens for
 a causal LM, which shifts them itself; masked tokens, -100 elsewhere, for a masked LM). The key/
 value cache is switched off: training does not use it, and a cache object is no loss. Without an
-``attention_mask`` in the batch the model gets an all-ones mask (no padding).
+``attention_mask`` in the batch the model is called without one, as transformers' trainers call
+it on unpadded rows: its ``sdpa`` attention then runs causal (``is_causal``) with no mask tensor,
+as it would on a device (`tracing_patches` says what the trace needs for that).
 """
 
 from __future__ import annotations
@@ -84,9 +86,6 @@ def _hf_kwargs(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str, A
         )
     kwargs: dict[str, Any] = dict(zip(HF_BATCH, batch))
     kwargs.setdefault("labels", batch[0])
-    # An explicit mask: without one, transformers checks position ids for packed sequences by
-    # reading a tensor's value, which a trace on fake tensors cannot do.
-    kwargs.setdefault("attention_mask", torch.ones_like(batch[0]))
     params = inspect.signature(model.forward).parameters
     if "use_cache" in params:
         kwargs["use_cache"] = False
@@ -124,19 +123,51 @@ def call_for_loss(
 
 @contextlib.contextmanager
 def tracing_patches(model: nn.Module) -> Iterator[None]:
-    """What a Hugging Face mixture of experts needs to be traced on fake tensors, for the length
-    of a trace:
+    """What a Hugging Face model needs to be traced on fake tensors, for the length of a trace:
 
-    * the experts run transformers' grouped matrix-product path: its ``eager`` path loops over
-      the experts that received tokens (data-dependent control flow); both compute the same;
+    * without an attention mask, transformers looks for packed sequences (several documents in
+      one row) in the position ids it made, by reading their values, which a fake tensor does
+      not have; while tracing it then builds the mask of every packing it cannot rule out, a
+      ``[batch, 1, seq, seq]`` tensor turned into an additive float mask in every attention
+      layer (8192 tokens: 128 MiB saved per layer and row, and no flash kernel). The batch has no
+      position ids (`_hf_kwargs`), so transformers' own are ``0 .. seq - 1`` in every row: one
+      sequence, no packing. The mask's preprocessing is given no position ids, as for a batch
+      known not to be packed (giving it ours would also add an expand of them, at more than
+      one row only, and change the graph with the batch size);
+    * a mixture of experts' experts run transformers' grouped matrix-product path: its
+      ``eager`` path loops over the experts that received tokens (data-dependent control
+      flow); both compute the same;
     * ``torch.nn.functional.grouped_mm`` is used only for bfloat16 weights: its fake kernel
       rejects other dtypes (the CPU kernel accepts them), so other dtypes take transformers' own
       fallback operator (``transformers::grouped_mm_fallback``, one matrix product per expert).
 
     The runtime executes the traced graph, so it runs the same operators the planner priced."""
+    if not is_hf_model(model):
+        yield
+        return
+    masks = sys.modules.get("transformers.masking_utils")
+    with contextlib.ExitStack() as undo:
+        preprocess = getattr(masks, "_preprocess_mask_arguments", None)
+        signature = None if preprocess is None else inspect.signature(preprocess)
+        if signature is not None and "position_ids" in signature.parameters:
+
+            def unpacked(*args: Any, **kwargs: Any) -> Any:
+                bound = signature.bind(*args, **kwargs)
+                bound.arguments["position_ids"] = None
+                return preprocess(*bound.args, **bound.kwargs)
+
+            masks._preprocess_mask_arguments = unpacked
+            undo.callback(setattr, masks, "_preprocess_mask_arguments", preprocess)
+        with _experts_patches(model):
+            yield
+
+
+@contextlib.contextmanager
+def _experts_patches(model: nn.Module) -> Iterator[None]:
+    """The mixture-of-experts part of `tracing_patches`."""
     moe = sys.modules.get("transformers.integrations.moe")
     config = getattr(model, "config", None)
-    if not is_hf_model(model) or moe is None:
+    if moe is None:
         yield
         return
     original = moe._can_use_grouped_mm
