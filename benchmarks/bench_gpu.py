@@ -2,6 +2,8 @@
 
     python -m benchmarks.bench_gpu                      # needs a CUDA GPU; prints a table
     python -m benchmarks.bench_gpu --device H100-80GB --json benchmarks/results/gpu-H100-80GB.json
+    meshplan profile --nproc 1 --op-model gpt:hidden=1024,layers=24,heads=16 --op-batch 8 --out p.json
+    python -m benchmarks.bench_gpu --profile p.json --kernels --json gpu.json
 
 For each model (GPT shapes in bfloat16 on one GPU) the planner plans on ``1x1xDEVICE`` from the
 datasheet cost models, as the suites price every case. One NCCL rank then trains two copies of
@@ -18,6 +20,14 @@ reference; and, before those steps, the runtime's peak memory in a training step
 warm step, less what was allocated before the trainer was built) against the plan's predicted
 peak per device (``memory``, `benchmarks.records.memory_record`). CI has no GPU: this runs where
 one is lent, and its results are committed.
+
+With ``--profile FILE`` (`meshplan profile` of this GPU) the same configuration is also priced on
+the preset carrying that profile (``predicted_profile_s``: measured matrix products, bandwidth and,
+with ``--op-model``, op rates in place of the datasheet's). With ``--kernels``, one more step of
+each (runtime and reference) runs under torch's profiler (`kernel_summary`): the step's wall time,
+the time the GPU was busy and its kernels by name, and the device time of each matrix product by
+shape, which is what the preset's efficiency terms are checked against.
+Each case is its own launch; with ``--json`` the file is rewritten after every case.
 """
 
 from __future__ import annotations
@@ -44,15 +54,87 @@ LR = 1e-4
 OPTIMIZER = "adam_16bit"  # what the ranks run: torch.optim.Adam on bfloat16 parameters
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timed(fn: Any, *args: Any) -> float:
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     fn(*args)
-    torch.cuda.synchronize()
+    _sync()
     return time.perf_counter() - t0
 
 
-def _case(spec: str, batch: int, device: str, steps: int, warmup: int) -> dict:
+def _busy_s(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of (start, end) intervals in microseconds."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy * 1e-6
+
+
+_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def kernel_summary(fn: Any, *args: Any, top: int = 40) -> dict:
+    """Run ``fn(*args)`` once under torch's profiler: ``wall_s``, ``kernels`` (the count),
+    ``busy_s`` (the union of the kernels' intervals), ``kernel_s`` (their sum), ``by_name`` (the
+    ``top`` kernel names by total time: count and seconds) and ``products`` (each matrix-product
+    op by input shapes: count and its kernels' seconds)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(ProfilerActivity.CUDA)
+    with profile(activities=acts, record_shapes=True) as prof:
+        wall = _timed(fn, *args)
+    # the device timeline also holds user annotations (the optimizer's step, say) spanning kernels
+    kernels = [
+        e
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)
+    ]
+    names: dict[str, list[float]] = {}
+    for e in kernels:
+        n = names.setdefault(e.name, [0, 0.0])
+        n[0] += 1
+        n[1] += e.time_range.elapsed_us() * 1e-6
+    products = [
+        {
+            "op": e.key,
+            "shapes": e.input_shapes,
+            "count": e.count,
+            "device_s": e.device_time_total * 1e-6,
+        }
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.key in _PRODUCTS
+    ]
+    ranked = sorted(names.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "wall_s": wall,
+        "kernels": len(kernels),
+        "busy_s": _busy_s([(e.time_range.start, e.time_range.end) for e in kernels]),
+        "kernel_s": sum(e.time_range.elapsed_us() for e in kernels) * 1e-6,
+        "by_name": [{"name": k, "count": c, "s": t} for k, (c, t) in ranked],
+        "products": sorted(products, key=lambda r: -r["device_s"]),
+    }
+
+
+def _case(
+    spec: str,
+    batch: int,
+    device: str,
+    steps: int,
+    warmup: int,
+    profile: str | None = None,
+    kernels: bool = False,
+) -> dict:
     """One model on this rank's GPU: plan, then train runtime and reference side by side."""
     from benchmarks.records import memory_record
     from planner.api import plan as make_plan
@@ -96,6 +178,17 @@ def _case(spec: str, batch: int, device: str, steps: int, warmup: int) -> dict:
     runtime_s = statistics.median(times["runtime"])
     reference_s = statistics.median(times["reference"])
     predicted_s = p.estimate.iteration_time_s
+    extra: dict[str, Any] = {}
+    if profile:
+        extra["predicted_profile_s"] = _priced_on_profile(
+            p, spec, device, batch, profile
+        )
+        extra["profile_error"] = (extra["predicted_profile_s"] - runtime_s) / runtime_s
+    if kernels:
+        extra["kernels"] = {
+            "runtime": kernel_summary(trainer.step, batches[0]),
+            "reference": kernel_summary(reference, batches[0]),
+        }
     return {
         "model": spec,
         "global_batch": batch,
@@ -111,16 +204,37 @@ def _case(spec: str, batch: int, device: str, steps: int, warmup: int) -> dict:
         ),
         "step_times_s": times,
         "memory": memory,
+        **extra,
     }
 
 
-def _rank(
-    device: str, steps: int, warmup: int, cases: Sequence[tuple[str, int]]
-) -> dict:
+def _priced_on_profile(p: Any, spec: str, device: str, batch: int, path: str) -> float:
+    """The predicted iteration time of `p`'s configuration on the preset carrying the profile."""
+    from cost_models.cluster import Cluster
+    from cost_models.profile import load_profile
+    from planner.plans.manual import manual_plan
+
+    cluster = Cluster.from_spec(f"1x1x{device}", load_profile(path))
+    q = manual_plan(
+        spec,
+        cluster,
+        dp=1,
+        tp=1,
+        pp=1,
+        num_microbatches=p.num_microbatches,
+        global_batch=batch,
+        dtype=torch.bfloat16,
+        optimizer=OPTIMIZER,
+        allow_oom=True,
+    )
+    return q.estimate.iteration_time_s
+
+
+def _rank(*case_args: Any) -> dict:
     return {
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
-        "cases": [_case(s, b, device, steps, warmup) for s, b in cases],
+        "case": _case(*case_args),
     }
 
 
@@ -134,7 +248,7 @@ def _memory(mem: dict | None) -> str:
 def _table(res: dict) -> str:
     head = (
         "model                                 batch  mb  predicted  runtime  reference  error   "
-        "rt/ref  memory pred/measured GiB"
+        "rt/ref  memory pred/measured GiB  profile-priced error"
     )
     rows = [head, "-" * len(head)]
     for c in res["cases"]:
@@ -143,6 +257,11 @@ def _table(res: dict) -> str:
             f"{c['predicted_s'] * 1e3:>7.1f} ms {c['runtime_s'] * 1e3:>6.1f} ms "
             f"{c['reference_s'] * 1e3:>7.1f} ms {c['prediction_error']:>+6.0%}  "
             f"{c['runtime_over_reference']:>5.2f}  {_memory(c.get('memory'))}"
+            + (
+                f"  {c['predicted_profile_s'] * 1e3:.1f} ms {c['profile_error']:+.0%}"
+                if "predicted_profile_s" in c
+                else ""
+            )
         )
     return "\n".join(rows)
 
@@ -155,6 +274,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per model")
     ap.add_argument("--warmup", type=int, default=3, help="untimed first steps")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument(
+        "--profile", help="also price each case on the preset carrying this profile"
+    )
+    ap.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also record one step of each under torch's profiler",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit(
@@ -164,22 +291,30 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("bench_gpu: --steps and --warmup must be at least 1")
     from runtime.launch import launch
 
-    try:
-        res = launch(
-            _rank, 1, args=(args.device, args.steps, args.warmup, CASES), backend="nccl"
-        )[0]
-    except MeshplanError as exc:
-        raise SystemExit(f"bench_gpu: {exc}") from exc
-    res.update(
-        planned_for=f"1x1x{args.device}",
-        date=date.today().isoformat(),
-        machine=f"{platform.node()} ({platform.machine()})",
-    )
+    res: dict[str, Any] = {
+        "planned_for": f"1x1x{args.device}",
+        "date": date.today().isoformat(),
+        "machine": f"{platform.node()} ({platform.machine()})",
+        "profile": args.profile,
+        "cases": [],
+    }
+    for spec, batch in CASES:
+        case = (spec, batch, args.device, args.steps, args.warmup)
+        try:
+            r = launch(
+                _rank, 1, args=(*case, args.profile, args.kernels), backend="nccl"
+            )[0]
+        except MeshplanError as exc:
+            raise SystemExit(f"bench_gpu: {exc}") from exc
+        res.update(gpu=r["gpu"], torch=r["torch"])
+        res["cases"].append(r["case"])
+        print(_table(res).splitlines()[-1], flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
     print(f"{res['gpu']}, torch {res['torch']}, planned for {res['planned_for']}")
     print(_table(res))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
         print(f"wrote {args.json}")
 
 

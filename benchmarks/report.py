@@ -241,18 +241,41 @@ def gpu_section(directory: Path) -> list[str]:
                 f"{doc['torch']}. Planned for {doc['planned_for']} (datasheet cost models); "
                 "runtime = meshplan's compiled runtime on one NCCL rank, reference = the same "
                 "model in plain eager PyTorch; medians of the timed steps, Adam, bfloat16. "
-                "error = (predicted - runtime) / runtime."
+                "error = (predicted - runtime) / runtime. runtime's kernels = the time the GPU was "
+                "busy in one more runtime step under torch's profiler; profile-priced = the same "
+                "configuration priced with this GPU's `meshplan profile` attached."
             ),
             "",
-            "| model | batch | micro-batches | predicted ms | runtime ms | reference ms | error | runtime / reference |",
-            "|---|---|---|---|---|---|---|---|",
+            (
+                "| model | batch | micro-batches | predicted ms | runtime ms | reference ms | error "
+                "| runtime / reference | runtime's kernels ms | predicted peak / measured GiB "
+                "| profile-priced ms |"
+            ),
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for c in doc["cases"]:
+            busy = c.get("kernels", {}).get("runtime", {}).get("busy_s")
+            mem = c.get("memory")
             out.append(
                 f"| {c['model']} | {c['global_batch']} | {c['num_microbatches']} | "
                 f"{c['predicted_s'] * 1e3:.1f} | {c['runtime_s'] * 1e3:.1f} | "
                 f"{c['reference_s'] * 1e3:.1f} | {c['prediction_error']:+.0%} | "
-                f"{c['runtime_over_reference']:.2f} |"
+                f"{c['runtime_over_reference']:.2f} | "
+                + (f"{busy * 1e3:.1f}" if busy else "-")
+                + " | "
+                + (
+                    f"{mem['predicted_bytes'] / 2**30:.2f} / {mem['measured_bytes'] / 2**30:.2f} "
+                    f"({mem['predicted_bytes'] / mem['measured_bytes'] - 1:+.0%})"
+                    if mem
+                    else "-"
+                )
+                + " | "
+                + (
+                    f"{c['predicted_profile_s'] * 1e3:.1f} ({c['profile_error']:+.0%})"
+                    if "predicted_profile_s" in c
+                    else "-"
+                )
+                + " |"
             )
         out.append("")
     return out

@@ -153,26 +153,40 @@ _IB_LAT = 9.6e-6
 _TCP_LAT = 30e-6
 
 
-def _dgx_a100(memory_gib: int, bandwidth_gb_s: float) -> Preset:
-    """A DGX A100 host; the 40 and 80 GB models differ only in memory and its bandwidth."""
-    name = f"A100-{memory_gib}GB"
+def _dgx(
+    name: str,
+    tflops: tuple[float, float, float],
+    memory_gib: int,
+    bandwidth_gb_s: float,
+    nvlink_gb_s: float,
+    nic_gbit_s: float,
+    machine: str,
+) -> Preset:
+    """A DGX host of 8 GPUs behind NVSwitch, one InfiniBand NIC per GPU: ``tflops`` = dense
+    (float32, tfloat32, float16 = bfloat16) TFLOP/s; memory in GiB and its bandwidth in GB/s;
+    NVLink GB/s per GPU per direction; the NIC's Gbit/s."""
+    fp32, tf32, half = tflops
     return Preset(
         device=DeviceSpec(
             name=name,
             peak_flops={
-                "float32": 19.5 * _T,
-                "tfloat32": 156 * _T,
-                "float16": 312 * _T,
-                "bfloat16": 312 * _T,
+                "float32": fp32 * _T,
+                "tfloat32": tf32 * _T,
+                "float16": half * _T,
+                "bfloat16": half * _T,
             },
             memory_bytes=memory_gib * _GiB,
             memory_bandwidth_bytes_per_s=bandwidth_gb_s * _GB,
         ),
-        intra_host_link=LinkSpec(300 * _GB, _NVLINK_LAT),
-        inter_host_link=LinkSpec(200e9 / 8, _IB_LAT),
+        intra_host_link=LinkSpec(nvlink_gb_s * _GB, _NVLINK_LAT),
+        inter_host_link=LinkSpec(nic_gbit_s * 1e9 / 8, _IB_LAT),
         gpus_per_host=8,
-        machine=f"NVIDIA DGX A100 ({memory_gib} GB)",
+        machine=machine,
     )
+
+
+_A100 = (19.5, 156, 312)
+_HOPPER = (66.9, 494.7, 989.4)
 
 
 PRESETS: dict[str, Preset] = {
@@ -220,29 +234,21 @@ PRESETS: dict[str, Preset] = {
     # 80 GB HBM2e at 2039 GB/s. NVLink 3: 12 links x 25 GB/s = 300 GB/s per GPU per direction, all
     # GPUs through NVSwitch. Between hosts: 8 x Mellanox HDR 200 Gb/s InfiniBand per DGX A100 (one per
     # GPU) = 25 GB/s per GPU.
-    "A100-40GB": _dgx_a100(40, 1555),
-    "A100-80GB": _dgx_a100(80, 2039),
+    "A100-40GB": _dgx(
+        "A100-40GB", _A100, 40, 1555, 300, 200, "NVIDIA DGX A100 (40 GB)"
+    ),
+    "A100-80GB": _dgx(
+        "A100-80GB", _A100, 80, 2039, 300, 200, "NVIDIA DGX A100 (80 GB)"
+    ),
     # DGX H100, 8 x H100-SXM5 80 GB. NVIDIA H100 whitepaper (SXM5, dense, i.e. half the "with
     # sparsity" datasheet figures): 66.9 TFLOP/s fp32, 494.7 TFLOP/s TF32, 989.4 TFLOP/s fp16/bf16;
     # 80 GB HBM3 at 3.35 TB/s. NVLink 4: 18 links x 25 GB/s = 450 GB/s per GPU per direction through
     # NVSwitch. Between hosts: 8 x ConnectX-7 NDR 400 Gb/s InfiniBand (one per GPU) = 50 GB/s per GPU.
-    "H100-80GB": Preset(
-        device=DeviceSpec(
-            name="H100-80GB",
-            peak_flops={
-                "float32": 66.9 * _T,
-                "tfloat32": 494.7 * _T,
-                "float16": 989.4 * _T,
-                "bfloat16": 989.4 * _T,
-            },
-            memory_bytes=80 * _GiB,
-            memory_bandwidth_bytes_per_s=3350 * _GB,
-        ),
-        intra_host_link=LinkSpec(450 * _GB, _NVLINK_LAT),
-        inter_host_link=LinkSpec(400e9 / 8, _IB_LAT),
-        gpus_per_host=8,
-        machine="NVIDIA DGX H100",
-    ),
+    "H100-80GB": _dgx("H100-80GB", _HOPPER, 80, 3350, 450, 400, "NVIDIA DGX H100"),
+    # DGX H200, 8 x H200-SXM 141 GB: the H100's chip (GH100, 132 SMs, the same clocks and so the
+    # same FLOP/s; NVIDIA H200 datasheet) with 141 GB of HBM3e at 4.8 TB/s, and the DGX H100's
+    # NVLink 4 switches and ConnectX-7 NICs.
+    "H200-141GB": _dgx("H200-141GB", _HOPPER, 141, 4800, 450, 400, "NVIDIA DGX H200"),
 }
 
 #: The device name for "the local CPU, as described by a measured profile".

@@ -8,7 +8,11 @@ measured here instead.
 How (`measure_op_rates`, on every rank of a launched group at once, as the profiler's other compute
 measurements): each model spec is built small and real on the CPU at two batch sizes (``batch``
 and ``BATCH_FACTOR`` times it) and traced (`planner.tracing.tracer.trace`), and each traced graph is run
-once on the real weights and the model's example batch, keeping every value. Then, for each op
+once on the real weights and the model's example batch, keeping every value. On a GPU rank the
+model and batch are moved to the rank's GPU in bfloat16 (what GPUs train in) and the graph runs
+there, with the CPU-only targets the trace records replaced as the runtime replaces them
+(`runtime.device_ops.device_targets`: the CUDA attention kernels, factory ops on the GPU), so the
+rates are the GPU's. Then, for each op
 target that is neither a view nor a GEMM (a GEMM's rate depends on the shape a sharding gives it:
 the profile's matmul samples price those), up to ``CALLS_PER_TARGET`` of its calls are re-run on
 their recorded inputs: the forward alone, and the forward followed by the gradients of the inputs
@@ -58,13 +62,14 @@ def measure_op_rates(
     model_specs: tuple[str, ...],
     batch: int,
     time_all: Callable[[list[Callable[[], Any]]], list[float]],
+    device_type: str = "cpu",
 ) -> list[OpRate]:
     """Rates of the non-view, non-GEMM ops of the models `model_specs` (built-in model specs),
     the slope between batches of `batch` and ``BATCH_FACTOR * batch`` rows, every call timed in
-    one ``time_all(fns)`` (seconds per call of each fn); module docstring. Targets in the order
-    first met."""
+    one ``time_all(fns)`` (seconds per call of each fn) on this process's device of
+    `device_type` ("cpu" or "cuda"); module docstring. Targets in the order first met."""
     pairs = [
-        [_calls_of(spec, b) for b in (batch, BATCH_FACTOR * batch)]
+        [_calls_of(spec, b, device_type) for b in (batch, BATCH_FACTOR * batch)]
         for spec in model_specs
     ]
     fns = [
@@ -120,21 +125,28 @@ def _slope(u0: float, t0: float, u1: float, t1: float) -> float | None:
     return (t1 - t0) / (u1 - u0)
 
 
-def _calls_of(spec: str, batch: int) -> dict[str, Call]:
-    """Node name -> `Call` of the calls to time (`_calls`) in `spec`'s graph at `batch` rows."""
+def _calls_of(spec: str, batch: int, device_type: str = "cpu") -> dict[str, Call]:
+    """Node name -> `Call` of the calls to time (`_calls`) in `spec`'s graph at `batch` rows, on
+    this process's device of `device_type`."""
     import torch
 
     from planner.models import build_model
     from planner.tracing.tracer import trace
+    from runtime.device_ops import device_targets, run_device
 
+    device = run_device(device_type)
     torch.manual_seed(0)
-    model, example = build_model(spec, batch=batch, device="cpu")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model, example = build_model(spec, batch=batch, device="cpu", dtype=dtype)
     example = tuple(example) if isinstance(example, (tuple, list)) else (example,)
     graph = trace(model, example)
-    values = _run_graph(graph.gm, model, example)
+    model = model.to(device)
+    example = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in example)
+    targets = device_targets(graph.gm, device_type)
+    values = _run_graph(graph.gm, model, example, targets)
     out: dict[str, Call] = {}
     for fx_node, op in _calls(graph):
-        fns = _call_fns(fx_node, op, graph, values)
+        fns = _call_fns(fx_node, op, graph, values, targets.get(fx_node))
         if fns is not None:
             unit = "flop" if op.fwd_flops > 0 else "byte"
             units = op.fwd_flops if unit == "flop" else op.bytes_read + op.bytes_written
@@ -159,8 +171,11 @@ def _calls(graph: Any) -> list[tuple[Any, Any]]:
     return out
 
 
-def _run_graph(gm: Any, model: Any, example: tuple) -> dict[str, Any]:
-    """Every value of the traced graph `gm` run on the model's real tensors: node name -> value."""
+def _run_graph(
+    gm: Any, model: Any, example: tuple, targets: dict[Any, Any] | None = None
+) -> dict[str, Any]:
+    """Every value of the traced graph `gm` run on the model's real tensors, the nodes of
+    `targets` (fx node -> callable) run by their replacement: node name -> value."""
     import torch
 
     flat = [
@@ -168,17 +183,31 @@ def _run_graph(gm: Any, model: Any, example: tuple) -> dict[str, Any]:
         *dict(model.named_buffers()).values(),
     ]
     flat += list(example)
-    interp = torch.fx.Interpreter(gm, garbage_collect_values=False)
+    replaced = targets or {}
+
+    class Run(torch.fx.Interpreter):
+        def run_node(self, n: Any) -> Any:
+            if n not in replaced:
+                return super().run_node(n)
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            return replaced[n](*args, **kwargs)
+
+    interp = Run(gm, garbage_collect_values=False)
     with torch.no_grad():
         interp.run(*flat)
     return {n.name: v for n, v in interp.env.items()}
 
 
 def _call_fns(
-    fx_node: Any, op: Any, graph: Any, values: dict[str, Any]
+    fx_node: Any,
+    op: Any,
+    graph: Any,
+    values: dict[str, Any],
+    replacement: Callable[..., Any] | None = None,
 ) -> tuple[Callable[[], Any], Callable[[], Any] | None] | None:
     """(forward, forward-and-backward or None when no input needs a gradient) of one call on its
-    recorded inputs, each run once here; None when the call fails on its own."""
+    recorded inputs (by `replacement` when given), each run once here; None when the call fails
+    on its own."""
     import torch
     from torch.utils._pytree import tree_flatten, tree_map
 
@@ -196,7 +225,7 @@ def _call_fns(
             leaves.append(v)
         return v
 
-    target = fx_node.target
+    target = replacement or fx_node.target
     args, kwargs = tree_map(lambda a: real(a, False), (fx_node.args, fx_node.kwargs))
     g_args, g_kwargs = tree_map(lambda a: real(a, True), (fx_node.args, fx_node.kwargs))
 

@@ -68,6 +68,9 @@ from runtime.launch import MAX_LOCAL_RANKS_CPU, default_backend, launch, rank_cp
 KB = 1 << 10
 MB = 1 << 20
 DEFAULT_MATMUL_DIMS = (128, 512, 2048)
+#: On a GPU a product fills its multiprocessors only at thousands of rows (an H100's 132 SMs take
+#: 132 output tiles of 128 x 128 at a time), so the grid reaches the shapes of training's products.
+GPU_MATMUL_DIMS = (128, 512, 2048, 8192)
 QUICK_MATMUL_SHAPES = ((128, 128, 128), (512, 512, 512), (1024, 1024, 1024))
 
 
@@ -234,11 +237,11 @@ def time_calls(
     return [float(reduce(t)) for t in times]
 
 
-def matmul_grid(opts: ProfileOptions) -> list[tuple[int, int, int]]:
-    """The (m, n, k) shapes to measure."""
+def matmul_grid(opts: ProfileOptions, gpu: bool = False) -> list[tuple[int, int, int]]:
+    """The (m, n, k) shapes to measure (``gpu``: the larger grid of a GPU)."""
     if opts.matmul_shapes is not None:
         return list(opts.matmul_shapes)
-    d = DEFAULT_MATMUL_DIMS
+    d = GPU_MATMUL_DIMS if gpu else DEFAULT_MATMUL_DIMS
     return [(m, n, k) for m in d for n in d for k in d]
 
 
@@ -292,12 +295,14 @@ def measure_matmul(opts: ProfileOptions) -> list[MatmulSample]:
     import torch
 
     dev = _device()
-    shapes = matmul_grid(opts)
+    shapes = matmul_grid(opts, gpu=dev.type == "cuda")
+    # the probe's size: one a GPU's launch latency does not dominate
+    p = 2048 if dev.type == "cuda" else 256
     samples: list[MatmulSample] = []
     for dtype_name in opts.dtypes:
         dtype = getattr(torch, dtype_name)
         try:  # supported at all? and how fast, to skip shapes over budget
-            a = torch.randn(256, 256, device=dev).to(dtype)
+            a = torch.randn(p, p, device=dev).to(dtype)
             probe = time_call(lambda a=a: a @ a, repeats=1, warmup=1)
         except RuntimeError:
             probe = float("inf")
@@ -305,7 +310,7 @@ def measure_matmul(opts: ProfileOptions) -> list[MatmulSample]:
         if probe == float("inf"):
             _log(opts, f"matmul {dtype_name}: not supported on {dev}, skipped")
             continue
-        probe_rate = 2 * 256**3 / probe
+        probe_rate = 2 * p**3 / probe
         timed = []
         for m, n, k in shapes:
             predicted = 2 * m * n * k / probe_rate * (opts.matmul_repeats + 2)
@@ -436,7 +441,9 @@ def _measure_op_rates(opts: ProfileOptions) -> list[Any]:
             fns, opts.matmul_repeats, meet=lambda: _meet(opts), **_timer(opts)
         )
 
-    return measure_op_rates(opts.op_models, opts.op_batch, time_all)
+    return measure_op_rates(
+        opts.op_models, opts.op_batch, time_all, device_type=_device().type
+    )
 
 
 def _plan_collectives(opts: ProfileOptions) -> list[tuple[str, int]]:

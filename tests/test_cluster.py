@@ -60,6 +60,7 @@ def test_v100_preset_matches_published_figures():
         ("A100-40GB", 312e12, 300e9, 25e9),
         ("A100-80GB", 312e12, 300e9, 25e9),
         ("H100-80GB", 989.4e12, 450e9, 50e9),
+        ("H200-141GB", 989.4e12, 450e9, 50e9),
     ],
 )
 def test_dgx_presets(name, fp16, intra, inter):

@@ -158,3 +158,26 @@ def test_a_rate_is_the_slope_without_the_fixed_cost_of_a_call(gpt_rates):
     gelu = next(r for r in gpt_rates if r.target == GELU)
     assert gelu.forward_s == pytest.approx(PER_BYTE_S, rel=1e-9)
     assert gelu.backward_s == pytest.approx(1.5 * PER_BYTE_S, rel=1e-9)
+
+
+def test_the_graph_runs_the_replacement_of_a_node_it_is_given():
+    """On a GPU rank, nodes the trace recorded for the CPU (attention) run through the runtime's
+    replacements (`runtime.device_ops.device_targets`); here a replacement that counts its
+    calls and returns what the original target returns."""
+    from runtime.op_rates import _run_graph
+
+    torch.manual_seed(0)
+    model, example = build_model(SPEC, batch=2, device="cpu")
+    graph = trace(model, tuple(example))
+    node = next(n for n in graph.gm.graph.nodes if str(n.target) == SDPA)
+    calls = []
+
+    def replacement(*args, **kwargs):
+        calls.append(1)
+        return node.target(*args, **kwargs)
+
+    plain = _run_graph(graph.gm, model, tuple(example))
+    replaced = _run_graph(graph.gm, model, tuple(example), {node: replacement})
+    assert calls == [1]
+    loss = tree_flatten(list(graph.gm.graph.nodes)[-1].args[0])[0][0]
+    assert torch.equal(replaced[loss.name], plain[loss.name])

@@ -31,7 +31,7 @@ from cost_models.profile import (
 )
 from runtime.cli import main
 from runtime.launch import LaunchError, launch, rank_cpu_sets
-from runtime.profiler import time_call, time_calls
+from runtime.profiler import ProfileOptions, matmul_grid, time_call, time_calls
 
 TOLERANCE = 0.25
 
@@ -78,6 +78,16 @@ def test_time_calls_takes_the_fns_in_rounds():
     )
     assert asked == [[1, 1]]
     assert "".join(log) == "ab" + ("aaabb" * 2)
+
+
+def test_a_gpu_measures_the_products_of_training_sizes():
+    """A GPU's grid reaches 8192 in every dimension (its multiprocessors fill only there); a
+    CPU's stops at 2048; shapes given explicitly are kept either way."""
+    cpu, gpu = matmul_grid(ProfileOptions()), matmul_grid(ProfileOptions(), gpu=True)
+    assert max(map(max, cpu)) == 2048 and len(cpu) == 27
+    assert (8192, 8192, 8192) in gpu and len(gpu) == 64 and set(cpu) <= set(gpu)
+    given = ProfileOptions(matmul_shapes=[(4, 4, 4)])
+    assert matmul_grid(given, gpu=True) == [(4, 4, 4)]
 
 
 def test_save_load_roundtrip(tmp_path):

@@ -276,7 +276,18 @@ def test_report_shows_one_gpu_measurements(tmp_path) -> None:
     (tmp_path / "gpu-H100-80GB.json").write_text(json.dumps(doc))
     text = write_report(tmp_path).read_text()
     assert "## Measured on one GPU: NVIDIA H100" in text
-    assert "| gpt:hidden=64 | 8 | 1 | 30.0 | 40.0 | 32.0 | -25% | 1.25 |" in text
+    assert (
+        "| gpt:hidden=64 | 8 | 1 | 30.0 | 40.0 | 32.0 | -25% | 1.25 | - | - | - |"
+        in text
+    )
+    # with the kernels' busy time, the memory record and the profile-priced time
+    c["kernels"] = {"runtime": {"busy_s": 0.035}}
+    c["memory"] = {"predicted_bytes": 3 * 2**30, "measured_bytes": 2.5 * 2**30}
+    c |= {"predicted_profile_s": 0.036, "profile_error": -0.1}
+    (tmp_path / "gpu-H100-80GB.json").write_text(json.dumps(doc))
+    text = write_report(tmp_path).read_text()
+    row = "| 1.25 | 35.0 | 3.00 / 2.50 (+20%) | 36.0 (-10%) |"
+    assert row in text
 
 
 def test_merge_replaces_rerun_cases_and_keeps_the_others(tmp_path) -> None:

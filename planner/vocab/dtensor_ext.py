@@ -18,6 +18,7 @@ DTensor's registries changed.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -39,6 +40,14 @@ from planner.vocab.placements import PARTIAL_OPS
 
 aten = torch.ops.aten
 _registered = [0]
+# torch 2.13 refuses uneven single-dim shardings unless told; earlier versions (2.11) have no such
+# argument and take them.
+_UNEVEN = (
+    {"allow_uneven_sharding": True}
+    if "allow_uneven_sharding"
+    in inspect.signature(register_single_dim_strategy).parameters
+    else {}
+)
 
 
 def placement_to_str(p: Placement, strided: bool = False) -> str | None:
@@ -153,7 +162,7 @@ def register_missing_rules() -> None:
     for op in (aten.bernoulli.p,):
         if not _has_strategy(op):
             _registered[0] += 1
-            register_single_dim_strategy(op, allow_uneven_sharding=True)(_like_input)
+            register_single_dim_strategy(op, **_UNEVEN)(_like_input)
 
 
 def _like_input(op: Any, args_schema: tuple, kwargs_schema: dict) -> list:
