@@ -5,7 +5,8 @@ One launch (`runtime.launch.launch`) of N ranks measures, in order:
 1. matrix products on rank 0 alone (the other ranks wait in a barrier), over a grid of (m, n, k)
    shapes, for float32 and for bfloat16 / float16 when the device runs them; warm-up, then the
    fastest of the repeats (small products are looped so one repeat lasts at least ~1 ms), the
-   shapes taking turns, one loop of each per round (`time_calls`). The
+   shapes taking turns, one loop of each per round (`time_calls`); on a GPU the grid reaches 8192
+   (`GPU_MATMUL_DIMS`) and the budget's probe is a 2048^3 product. The
    fastest, not the median: one process's kernel is only slowed by outside interference, and on a
    loaded 2-core machine a 1.5 ms product preempted for a ~4 ms scheduler slice in most repeats
    showed a median 3.7x its real time. A rank computes with the cores and threads it gets in
