@@ -2,8 +2,8 @@
 
     python -m benchmarks.bench_gpu                      # needs a CUDA GPU; prints a table
     python -m benchmarks.bench_gpu --device H100-80GB --json benchmarks/results/gpu-H100-80GB.json
-    meshplan profile --nproc 1 --op-model gpt:hidden=1024,layers=24,heads=16 --op-batch 8 --out p.json
-    python -m benchmarks.bench_gpu --profile p.json --kernels --json gpu.json
+    meshplan profile --nproc 1 --op-model gpt:hidden=1024,layers=24,heads=16 --op-batch 2 --out p.json
+    python -m benchmarks.bench_gpu --device H200-141GB --profile p.json --kernels --json gpu.json
 
 For each model (GPT shapes in bfloat16 on one GPU) the planner plans on ``1x1xDEVICE`` from the
 datasheet cost models, as the suites price every case. One NCCL rank then trains two copies of
