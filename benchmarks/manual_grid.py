@@ -29,7 +29,8 @@ Pruning, so the grid stays fast (each pruned configuration cannot be the best fe
   recomputation the time is never larger and the memory never smaller), and once recompute-off has
   not fitted at one micro-batch size it is not tried at larger ones.
 
-Pricing traces the model once per micro-batch size (`shared_traces`), not once per configuration.
+Pricing traces the model once per micro-batch size (`planner.tracing.inputs.ModelSource`), not
+once per configuration.
 
 Today's space (the suites of `TODAY_SUITES`: Llama 3 and Mixtral, as torchtitan and Megatron-Core
 configure them by hand) is larger; every configuration is still one `manual_plan` call:
@@ -79,8 +80,7 @@ heuristic, not a bound).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -90,9 +90,7 @@ from cost_models.memory import state_bytes_per_param
 from planner.intra.megatron import is_expert_weight
 from planner.models import build_model
 from planner.models.registry import get_config
-from planner.plans import manual
 from planner.plans.manual import manual_plan
-from planner.tracing.opgraph import OpGraph
 from planner.vocab.plan_file import ParallelPlan
 
 MICROBATCH_SIZES = (1, 2, 4, 8, 16)
@@ -322,27 +320,6 @@ def _layouts(
     return [(f, v) for f in shards for v in vs]
 
 
-@contextmanager
-def shared_traces() -> Iterator[None]:
-    """Within the block, `planner.plans.manual` traces a model once per (name, batch shapes) and reuses
-    the OpGraph (planning reads it and never changes it): most of a configuration's pricing time is
-    tracing, and a grid prices the same micro-batch size many times."""
-    original = manual.trace
-    graphs: dict[tuple[str, tuple], OpGraph] = {}
-
-    def cached(module: Any, batch: Any, *, model_name: str = "") -> OpGraph:
-        key = (model_name, tuple(tuple(t.shape) for t in batch))
-        if key not in graphs:
-            graphs[key] = original(module, batch, model_name=model_name)
-        return graphs[key]
-
-    manual.trace = cached
-    try:
-        yield
-    finally:
-        manual.trace = original
-
-
 def price(
     model: str,
     cluster: Cluster,
@@ -414,45 +391,42 @@ def best_manual(
     # that fits
     fitted_1f1b: set[tuple[int, int, int, bool, str, int]] = set()
     cp_priced: list[tuple[ManualConfig, ParallelPlan]] = []  # with context parallelism
-    with shared_traces():
-        for group in groups:
-            g = group[0]
-            layout = (g.dp, g.tp, g.pp, g.expert_parallel, g.fsdp, g.context_parallel)
-            if g.virtual_stages > 1 and layout not in fitted_1f1b:
-                continue  # interleaving needs at least 1F1B's memory (module docstring)
-            previous = float("inf")  # best time at the previous micro-batch size
-            first = 0  # ladder rungs below this one did not fit at a smaller size
-            for rungs in _by_size(group):
-                fitted, here = False, float("inf")
-                for k, config in enumerate(rungs):
-                    if k < first:
-                        continue
-                    try:
-                        p = price(
-                            model, cluster, config, global_batch, dtype, optimizer
-                        )
-                    except MeshplanError as exc:  # e.g. too few ops for pp stages
-                        if say:
-                            say(f"  {config.label()}: skipped ({exc})")
-                        continue
-                    priced += 1
-                    if config.context_parallel > 1:
-                        cp_priced.append((config, p))
-                    if not p.manual["fits"]:
-                        first = max(first, k + 1)
-                        continue
-                    fitted = True
-                    if g.virtual_stages == 1:
-                        fitted_1f1b.add(layout)
-                    here = t = p.estimate.iteration_time_s
+    for group in groups:
+        g = group[0]
+        layout = (g.dp, g.tp, g.pp, g.expert_parallel, g.fsdp, g.context_parallel)
+        if g.virtual_stages > 1 and layout not in fitted_1f1b:
+            continue  # interleaving needs at least 1F1B's memory (module docstring)
+        previous = float("inf")  # best time at the previous micro-batch size
+        first = 0  # ladder rungs below this one did not fit at a smaller size
+        for rungs in _by_size(group):
+            fitted, here = False, float("inf")
+            for k, config in enumerate(rungs):
+                if k < first:
+                    continue
+                try:
+                    p = price(model, cluster, config, global_batch, dtype, optimizer)
+                except MeshplanError as exc:  # e.g. too few ops for pp stages
                     if say:
-                        say(f"  {config.label()}: {t:.2f} s")
-                    if (best is None or t < best[0]) and not (skip and skip(p)):
-                        best = (t, config, p)
-                    break  # more recomputation would only be slower
-                if not fitted or here > previous:
-                    break
-                previous = here
+                        say(f"  {config.label()}: skipped ({exc})")
+                    continue
+                priced += 1
+                if config.context_parallel > 1:
+                    cp_priced.append((config, p))
+                if not p.manual["fits"]:
+                    first = max(first, k + 1)
+                    continue
+                fitted = True
+                if g.virtual_stages == 1:
+                    fitted_1f1b.add(layout)
+                here = t = p.estimate.iteration_time_s
+                if say:
+                    say(f"  {config.label()}: {t:.2f} s")
+                if (best is None or t < best[0]) and not (skip and skip(p)):
+                    best = (t, config, p)
+                break  # more recomputation would only be slower
+            if not fitted or here > previous:
+                break
+            previous = here
     out: dict[str, Any] = {
         "config": None,
         "iteration_time_s": None,

@@ -58,7 +58,6 @@ from planner.models.gpt import GPT_CONFIGS
 from planner.plans.manual import manual_plan
 from planner.tracing.inputs import resolve_model
 from planner.tracing.opgraph import OpGraph
-from planner.tracing.tracer import trace
 from planner.vocab.plan_file import ParallelPlan
 from planner.vocab.strategy import Strategy
 
@@ -232,10 +231,7 @@ def megatron_prediction(
         allow_oom=True,
         split="blocks",
     )
-    module, example = resolve_model(model, None, torch.float16, None)[1](
-        global_batch // B
-    )
-    graph = trace(module, example, model_name=model)
+    graph = resolve_model(model, None, torch.float16, None)[1].trace(global_batch // B)
     cluster = Cluster.from_spec(cluster_spec)
     seconds = megatron_iteration_time(m, graph, cluster, tp=tp, pp=pp)
     config = GPT_CONFIGS[model]

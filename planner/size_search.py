@@ -45,8 +45,7 @@ from planner.plans.assemble import (
     predicted_iteration_time,
     stage_from_profile,
 )
-from planner.tracing.inputs import resolve_model
-from planner.tracing.tracer import trace
+from planner.tracing.inputs import ModelSource, resolve_model
 from planner.vocab.plan_file import ParallelPlan
 
 Progress = Callable[[str], None]
@@ -98,13 +97,12 @@ class SizeResult:
         return self.best is not None or self.plan is not None
 
 
-def evaluate(job: SizeJob, make: Callable, b: int, say: Progress) -> SizeResult:
+def evaluate(job: SizeJob, make: ModelSource, b: int, say: Progress) -> SizeResult:
     """Trace the model at micro-batch size `b` and search it (`planner.inter.mesh_search`)."""
     name = job.model_name
     say(f"tracing {name} with micro-batch {b}")
-    module, batch = make(b)
     try:
-        graph = trace(module, batch, model_name=name)
+        graph = make.trace(b)
     except MeshplanError as exc:  # e.g. BatchNorm over a single value per channel
         say(f"micro-batch {b} skipped: {exc}")
         return SizeResult(b, untraceable=exc)
@@ -196,7 +194,7 @@ def start_method() -> str:
 
 
 def evaluate_all(
-    job: SizeJob, make: Callable, sizes: list[int], say: Progress
+    job: SizeJob, make: ModelSource, sizes: list[int], say: Progress
 ) -> list[SizeResult]:
     """`evaluate` every size, in worker processes when `processes` says so; results in the
     order of `sizes`.
@@ -316,7 +314,7 @@ _worker: dict[str, Any] = {}
 
 
 def _init_worker(
-    messages: Any, job: SizeJob, make: Callable | None, parent: int
+    messages: Any, job: SizeJob, make: ModelSource | None, parent: int
 ) -> None:
     _worker.update(messages=messages, job=job, make=make)
     if make is not None:

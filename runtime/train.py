@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from cost_models.errors import MeshplanError
+from planner.tracing.opgraph import OpGraph, TensorMeta
 from planner.tracing.tracer import trace
 from planner.vocab.plan_file import ParallelPlan
 from runtime.dropout import DropoutMasks, samples_randomly
@@ -61,12 +62,27 @@ def split_batch(batch: Sequence[torch.Tensor], n: int) -> list[Batch]:
     return [tuple(t.chunk(n, dim=0)[i] for t in batch) for i in range(n)]
 
 
+def _check_graph_params(graph: OpGraph, model: nn.Module) -> None:
+    mine = {k: TensorMeta.of(p) for k, p in model.named_parameters()}
+    if mine != graph.params:
+        wrong = sorted(set(mine) ^ set(graph.params)) or [
+            k for k in mine if mine[k] != graph.params[k]
+        ]
+        raise MeshplanError(
+            f"the graph given is not this model's trace: its parameters differ at "
+            f"{', '.join(wrong[:3])}; pass the model's own trace (planner.trace) or none"
+        )
+
+
 class Trainer:
     """One rank's share of training `model` under `plan` (module docstring). ``compile``: run
     the stages through AOTAutograd-compiled graphs (`runtime.pipeline.PipelineRunner`).
     ``seed``: the random ops' samples are those of one device after ``torch.manual_seed(seed)``
     (None: from the default generator's current state); ``masks`` holds them (None when the
-    model draws nothing)."""
+    model draws nothing). ``graph``: the model's trace (`planner.trace`) at one micro-batch of
+    `example_batch`, for a caller that holds it already (several trainers of one model in a
+    process: `graph` of an earlier one); traced here when None. Its parameters must be the
+    model's (names, shapes and dtypes are checked; the ops are trusted)."""
 
     def __init__(
         self,
@@ -81,14 +97,19 @@ class Trainer:
         pipeline: str | None = None,
         compile: bool = True,
         seed: int | None = None,
+        graph: OpGraph | None = None,
     ) -> None:
         if optimizer not in OPTIMIZERS:
             raise MeshplanError(f"optimizer {optimizer!r}: use one of {OPTIMIZERS}")
         self.plan = plan
         rng = torch.default_generator.get_state()
         micro = split_batch(example_batch, plan.num_microbatches)[0]
-        graph = trace(model, micro, model_name=plan.model.get("name", ""))
+        if graph is None:
+            graph = trace(model, micro, model_name=plan.model.get("name", ""))
+        else:
+            _check_graph_params(graph, model)
         plan.check_model(graph.fingerprint(), graph.model_name)
+        self.graph = graph
         self.masks: DropoutMasks | None = None
         if samples_randomly(graph):
             whole = graph

@@ -38,18 +38,39 @@ def assert_same_parameters(
         assert err < rel, (k, err.item())
 
 
+#: this process's traces, per (model key, micro-batch shapes): `trainer`
+_GRAPHS: dict[tuple, Any] = {}
+
+
+def trainer(plan, model: torch.nn.Module, batch: Any, key: str, **kw: Any) -> Any:
+    """`runtime.train.Trainer` of `model` under `plan`, given the model's trace when a trainer of
+    this process already traced the model `key` names (its spec) at the plan's micro-batch: a
+    launch that trains one model under several plans traces it once per micro-batch size, not
+    once per plan (the trace is a second or more of a small model's time in each rank)."""
+    from runtime.train import Trainer, split_batch
+
+    micro = split_batch(batch, plan.num_microbatches)[0]
+    k = (key, tuple(tuple(t.shape) for t in micro))
+    tr = Trainer(plan, model, batch, graph=_GRAPHS.get(k), **kw)
+    _GRAPHS[k] = tr.graph
+    return tr
+
+
 def train_plan(
-    plan, model: torch.nn.Module, batches: list, lr: float, compile: bool = True
+    plan,
+    model: torch.nn.Module,
+    batches: list,
+    lr: float,
+    key: str,
+    compile: bool = True,
 ) -> dict:
     """In a rank of a launched group: the losses of SGD steps on `batches` under `plan` and this
     rank's full parameters afterwards (numpy arrays, for the launcher to send back).
     ``compile=False``: the stages run eagerly (the same arithmetic, `runtime.train.Trainer`);
     the model-zoo launches compile one plan per model (`tests/test_hf.py`: per model family)
     and run the others eagerly, since AOTAutograd's tracing is about three quarters of a small
-    model's time in a launch."""
-    from runtime.train import Trainer
-
-    tr = Trainer(plan, model, batches[0], lr=lr, compile=compile)
+    model's time in a launch. `key`: the model's spec, to share its traces (`trainer`)."""
+    tr = trainer(plan, model, batches[0], key, lr=lr, compile=compile)
     losses = [tr.step(b) for b in batches]
     return {
         "losses": losses,

@@ -10,7 +10,7 @@ import pytest
 from profiles import cpu_profile
 
 from benchmarks.ceiling import ceiling
-from benchmarks.manual_grid import grid, price, shared_traces
+from benchmarks.manual_grid import grid, price
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from planner import plan
@@ -31,14 +31,13 @@ def test_no_plan_beats_the_bound(model, spec, G, suite, dtype, optimizer) -> Non
     groups, pruned = grid(model, cluster, G, optimizer, suite)
     assert pruned == 0 and groups
     times = {}
-    with shared_traces():
-        for config in (c for group in groups for c in group):
-            try:
-                p = price(model, cluster, config, G, dtype, optimizer)
-            # e.g. a micro-batch size the model cannot be traced at
-            except MeshplanError:
-                continue
-            times[config.label()] = p.estimate.iteration_time_s
+    for config in (c for group in groups for c in group):
+        try:
+            p = price(model, cluster, config, G, dtype, optimizer)
+        # e.g. a micro-batch size the model cannot be traced at
+        except MeshplanError:
+            continue
+        times[config.label()] = p.estimate.iteration_time_s
     assert len(times) >= 8
     auto = plan(model, cluster, global_batch=G, dtype=dtype, optimizer=optimizer)
     times["auto"] = auto.estimate.iteration_time_s

@@ -226,7 +226,7 @@ def _train(plans: dict[str, Any]) -> dict[str, Any]:
         model, batches = _model_and_batches()
         # one plan compiled, the others eager (`single_device.train_plan`)
         out[name] = single_device.train_plan(
-            p, model, batches, LR, compile=name == "ep2_tp2"
+            p, model, batches, LR, SMALL, compile=name == "ep2_tp2"
         )
     return out
 

@@ -169,8 +169,6 @@ def _train(plans: dict[str, dict[str, tuple[Any, dict]]]) -> dict[str, Any]:
     steps; with ``seed=None`` the default generator is seeded with `SEED` just before."""
     import logging
 
-    from runtime.train import Trainer
-
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     out: dict[str, Any] = {}
     for name, cases in plans.items():
@@ -182,7 +180,9 @@ def _train(plans: dict[str, dict[str, tuple[Any, dict]]]) -> dict[str, Any]:
                 torch.manual_seed(SEED)
             # compiled: `COMPILED`, and the recomputed case, whose stages must still run eagerly
             kw["compile"] = (name, case) in COMPILED or "recompute" in case
-            tr = Trainer(p, model, batches[0], lr=LR, **({"seed": SEED} | kw))
+            tr = single_device.trainer(
+                p, model, batches[0], name, lr=LR, **({"seed": SEED} | kw)
+            )
             if own:
                 for ex in tr.runner.executors.values():
                     ex.masks = None

@@ -60,13 +60,20 @@ def _plans() -> dict[str, Any]:
 
 
 def _train(plans: dict[str, Any]) -> dict[str, Any]:
-    from runtime.train import Trainer
 
     out = {}
     for case, p in plans.items():
         model, batches = _model_and_batches(CASES[case][0])
         compile = case == "tp2"  # the others eagerly (module docstring)
-        tr = Trainer(p, model, batches[0], lr=LR, seed=SEED, compile=compile)
+        tr = single_device.trainer(
+            p,
+            model,
+            batches[0],
+            SPEC + CASES[case][0],
+            lr=LR,
+            seed=SEED,
+            compile=compile,
+        )
         if case.endswith("own_draws"):
             for ex in tr.runner.executors.values():
                 ex.masks = None

@@ -99,11 +99,10 @@ def _train(plan: ParallelPlan) -> dict[str, Any]:
     import logging
 
     from runtime.comm_count import CommCounter
-    from runtime.train import Trainer
 
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     model, batches = _model_and_batches()
-    tr = Trainer(plan, model, batches[0], optimizer="adam", lr=LR)
+    tr = single_device.trainer(plan, model, batches[0], SPEC, optimizer="adam", lr=LR)
     mesh = tr.runner.executor.mesh
     axis_of = {mesh.get_group(i).group_name: i for i in range(mesh.ndim)}
     losses = [tr.step(batches[0])]

@@ -170,7 +170,7 @@ def _train(plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
             # (`single_device.train_plan`)
             compiled = name == "auto_cpu" and spec in {SPECS[m] for m in COMPILED}
             out[spec, name] = single_device.train_plan(
-                p, model, batches, LR, compile=compiled
+                p, model, batches, LR, spec, compile=compiled
             )
     return out
 

@@ -272,11 +272,11 @@ def _train(plan: ParallelPlan, ckpt: str) -> dict[str, Any]:
 
     from runtime.checkpoint import load_checkpoint, optimizer_state, save_checkpoint
     from runtime.comm_count import CommCounter
-    from runtime.train import Trainer, split_batch
+    from runtime.train import split_batch
 
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     model, batches = _model_and_batches()
-    tr = Trainer(plan, model, batches[0], optimizer="adam", lr=LR)
+    tr = single_device.trainer(plan, model, batches[0], SPEC, optimizer="adam", lr=LR)
     mesh = tr.runner.executor.mesh
     axis_of = {mesh.get_group(i).group_name: i for i in range(mesh.ndim)}
     losses = [tr.step(batches[0])]

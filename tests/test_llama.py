@@ -219,12 +219,11 @@ def _train(spec: str, plans: dict[str, Any]) -> dict[str, Any]:
         if name != "pp2_dp2_overlap":
             # the automatic plan compiled, the manual ones eager (`single_device.train_plan`)
             out[name] = single_device.train_plan(
-                p, model, batches, LR, compile=name == "auto"
+                p, model, batches, LR, spec, compile=name == "auto"
             )
             continue
-        from runtime.train import Trainer
 
-        tr = Trainer(p, model, batches[0], lr=LR)
+        tr = single_device.trainer(p, model, batches[0], spec, lr=LR)
         out[name] = {"losses": [tr.step(b) for b in batches]}
         out[name]["params"] = {k: v.numpy().copy() for k, v in tr.full_params().items()}
         ov = tr.runner.overlap

@@ -12,7 +12,7 @@ import pytest
 from benchmarks import suites
 from benchmarks.llama_configs import PUBLISHED, price_published, unpriced_reason
 from benchmarks.llama_report import llama_checks, long_context_table
-from benchmarks.manual_grid import ManualConfig, grid, price, shared_traces
+from benchmarks.manual_grid import ManualConfig, grid, price
 from benchmarks.records import RESULTS, TIE, context_degree
 from benchmarks.suites import LLAMA_LONG, run_case, suite_cases
 from cost_models.cluster import Cluster
@@ -100,11 +100,9 @@ def test_today_grid_enumerates_context_parallel_and_prices_it() -> None:
     last = {
         (c.context_parallel, c.tp, c.pp, c.fsdp, c.virtual_stages): c for c in expected
     }
-    with shared_traces():
-        plans = [
-            (c, price(TINY, cluster, c, 8, "bfloat16", "adam_mixed"))
-            for c in last.values()
-        ]
+    plans = [
+        (c, price(TINY, cluster, c, 8, "bfloat16", "adam_mixed")) for c in last.values()
+    ]
     for config, p in plans:
         assert p.manual["context_parallel"] == config.context_parallel
         assert context_degree(p) == config.context_parallel, config.label()

@@ -32,6 +32,7 @@ from planner.models import (
     wresnet_param_count,
 )
 from planner.models.moe import top2_gating
+from planner.tracing.tracer import trace
 
 TINY = ["gpt-tiny", "moe-tiny", "wresnet-tiny", "mlp"]
 
@@ -342,3 +343,63 @@ def test_factory_errors(user_module: str, target: str, needle: str) -> None:
         build_model(target)
     assert needle in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_traces_of_a_spec_are_kept_and_a_factorys_are_not(
+    user_module: str, monkeypatch
+) -> None:
+    """A model named by a string that builds the same model every time is traced once per
+    (micro-batch size, dtype, name) in a process; a user factory, a config file and a module are
+    traced at every call (`planner.tracing.inputs.ModelSource`)."""
+    from planner.models.registry import built_from_string_alone
+    from planner.plans.manual import manual_plan
+    from planner.tracing import inputs
+
+    assert built_from_string_alone("gpt-tiny")
+    assert built_from_string_alone("gpt:hidden=16,layers=2,heads=2,seq=8,vocab=32")
+    assert built_from_string_alone("hf:llama:hidden_size=64,num_hidden_layers=2")
+    assert not built_from_string_alone("hf:/tmp/config.json,seq=16")
+    assert not built_from_string_alone(f"{user_module}.nets:make")
+
+    traced = []
+    real = inputs.trace
+    monkeypatch.setattr(inputs, "_TRACES", type(inputs._TRACES)())
+    monkeypatch.setattr(
+        inputs,
+        "trace",
+        lambda m, b, model_name: traced.append(model_name) or real(m, b),
+    )
+    kw = {"dp": 2, "tp": 1, "pp": 1, "global_batch": 8, "dtype": "float32"}
+    spec = "gpt:hidden=16,layers=2,heads=2,seq=8,vocab=32"
+    first = manual_plan(spec, "1x2xA100-80GB", num_microbatches=1, **kw)
+    again = manual_plan(spec, "1x2xA100-80GB", num_microbatches=1, **kw)
+    assert traced == [spec] and first.to_json() == again.to_json()
+    manual_plan(spec, "1x2xA100-80GB", num_microbatches=2, **kw)  # another size
+    manual_plan(spec, "1x2xA100-80GB", num_microbatches=1, **kw | {"dtype": "float16"})
+    assert len(traced) == 3
+    factory = f"{user_module}.nets:make"
+    for _ in range(2):
+        manual_plan(factory, "1x2xA100-80GB", num_microbatches=1, **kw)
+    assert len(traced) == 5
+    monkeypatch.setattr(inputs, "TRACES_KEPT", 1)
+    half = kw | {"dtype": "float16"}
+    manual_plan(spec, "1x2xA100-80GB", num_microbatches=2, **half)  # the others dropped
+    manual_plan(spec, "1x2xA100-80GB", num_microbatches=1, **kw)
+    assert len(traced) == 7 and len(inputs._TRACES) == 1
+
+
+def test_a_trainer_refuses_another_models_graph() -> None:
+    """`runtime.train.Trainer`'s ``graph``: a trace whose parameters are not the model's is
+    refused with the parameters that differ, before any process group is needed."""
+    from planner.plans.manual import manual_plan
+    from runtime.train import Trainer
+
+    small = "gpt:hidden=16,layers=2,heads=2,seq=8,vocab=32"
+    wider = "gpt:hidden=32,layers=2,heads=2,seq=8,vocab=32"
+    p = manual_plan(
+        small, "1x1xA100-80GB", dp=1, tp=1, pp=1, num_microbatches=1, global_batch=4
+    )
+    model, batch = build_model(small, batch=4, device="cpu")
+    other, other_batch = build_model(wider, batch=4, device="meta")
+    with pytest.raises(MeshplanError, match="not this model's trace.*wte.weight"):
+        Trainer(p, model, batch, graph=trace(other, other_batch))

@@ -36,6 +36,7 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
+import single_device
 import torch
 
 from planner.models import build_model
@@ -104,7 +105,6 @@ def _count(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
     import logging
 
     from runtime.comm_count import CommCounter
-    from runtime.train import Trainer
 
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     out = {}
@@ -116,7 +116,9 @@ def _count(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
             compile = name.startswith(
                 "pp2_dp2"
             )  # the others eagerly (module docstring)
-            tr = Trainer(plan, model, batch, lr=0.1, pipeline=impl, compile=compile)
+            tr = single_device.trainer(
+                plan, model, batch, SPEC, lr=0.1, pipeline=impl, compile=compile
+            )
             tr.step(batch)  # warm-up (process groups, caches)
             with CommCounter() as counter:
                 tr.step(batch)

@@ -101,14 +101,14 @@ def _train_all(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
     """Body of every rank: train each plan for 3 steps; its losses and full chunk parameters."""
     import logging
 
-    from runtime.train import Trainer
-
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     out = {}
     for name, plan in plans.items():
         model, batches = _model_and_batches()
         compile = name == "auto_v2"  # the manual plans eagerly (module docstring)
-        tr = Trainer(plan, model, batches[0], lr=LR, pipeline="ours", compile=compile)
+        tr = single_device.trainer(
+            plan, model, batches[0], SPEC, lr=LR, pipeline="ours", compile=compile
+        )
         losses = [tr.step(b) for b in batches]
         runner = tr.runner
         out[name] = {

@@ -112,14 +112,18 @@ def _train_all(plans: dict[str, tuple[ParallelPlan, str]]) -> dict[str, Any]:
     """Body of every rank: train each plan for 3 steps; losses, full parameters, shardings."""
     import logging
 
-    from runtime.train import Trainer
-
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     out = {}
     for name, (plan, optimizer) in plans.items():
         model, batches = _model_and_batches()
-        tr = Trainer(
-            plan, model, batches[0], lr=LR, pipeline="ours", compile=name in COMPILED
+        tr = single_device.trainer(
+            plan,
+            model,
+            batches[0],
+            SPEC,
+            lr=LR,
+            pipeline="ours",
+            compile=name in COMPILED,
         )
         if tr.optimizer is not None:
             tr.optimizer = _optimizer(list(tr.params.values()), optimizer)

@@ -85,16 +85,15 @@ def _train_all(plans: dict[str, tuple[ParallelPlan, str | None]]) -> dict[str, A
     """Body of every rank: train each plan for 3 steps; its losses and full stage parameters."""
     import logging
 
-    from runtime.train import Trainer
-
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     out = {}
     for name, (plan, schedule) in plans.items():
         model, batches = _model_and_batches()
-        tr = Trainer(
+        tr = single_device.trainer(
             plan,
             model,
             batches[0],
+            SPEC,
             lr=LR,
             schedule=schedule,
             pipeline="ours",

@@ -159,9 +159,12 @@ def _train_all(plans: dict[str, tuple[ParallelPlan, str | None]]) -> dict[str, A
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     out: dict[str, Any] = {}
     for name, (plan, schedule) in plans.items():
-        model, batches = _model_and_batches(MOE if name.startswith("moe") else GPT)
+        spec = MOE if name.startswith("moe") else GPT
+        model, batches = _model_and_batches(spec)
         compile = name in COMPILED
-        tr = Trainer(plan, model, batches[0], lr=LR, schedule=schedule, compile=compile)
+        tr = single_device.trainer(
+            plan, model, batches[0], spec, lr=LR, schedule=schedule, compile=compile
+        )
         runner = tr.runner
         res: dict[str, Any] = {"runner": type(runner).__name__}
         if isinstance(runner, tp.TorchPipelineRunner):

@@ -113,15 +113,15 @@ def _train_all(plans: dict[str, tuple[ParallelPlan, str]]) -> dict[str, Any]:
     parameters, local sizes of the parameters and of Adam's state."""
     import logging
 
-    from runtime.train import Trainer
-
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     out: dict[str, Any] = {}
     for name, (plan, kind) in plans.items():
         model, batches = _model_and_batches()
         lr = ADAM_LR if kind == "adam" else SGD_LR
         compile = name == "tp2_vocab"  # the Adam plans eagerly (module docstring)
-        tr = Trainer(plan, model, batches[0], optimizer=kind, lr=lr, compile=compile)
+        tr = single_device.trainer(
+            plan, model, batches[0], SPEC, optimizer=kind, lr=lr, compile=compile
+        )
         losses = [tr.step(b) for b in batches]
         ex = tr.runner.executor
         state = tr.optimizer.state if tr.optimizer is not None else {}

@@ -297,13 +297,15 @@ def _train(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
     import logging
 
     from runtime.comm_count import CommCounter
-    from runtime.train import Trainer, split_batch
+    from runtime.train import split_batch
 
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     out = {}
     for name, plan in plans.items():
         model, batches = _model_and_batches()
-        tr = Trainer(plan, model, batches[0], optimizer="adam", lr=LR)
+        tr = single_device.trainer(
+            plan, model, batches[0], SPEC, optimizer="adam", lr=LR
+        )
         losses = [tr.step(batches[0])]
         executors = list(tr.runner.executors.values())
         runs: dict[str, int] = {}

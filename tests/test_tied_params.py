@@ -337,17 +337,17 @@ def _train_all(plans: dict[str, ParallelPlan], root: str) -> dict[str, Any]:
     from torch.distributed.checkpoint import FileSystemReader
 
     from runtime.checkpoint import load_checkpoint, save_checkpoint
-    from runtime.train import Trainer
 
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     out: dict[str, Any] = {}
     trainers = {}
     for run, (name, pipeline, _) in RUNS.items():
         model, batches = _model_and_batches()
-        tr = Trainer(
+        tr = single_device.trainer(
             plans[name],
             model,
             batches[0],
+            "tied",
             lr=LR,
             pipeline=pipeline,
             compile=run in COMPILED,

@@ -349,6 +349,15 @@ def _is_hf(name: Any) -> bool:
     return isinstance(name, str) and name.strip().lower().startswith("hf:")
 
 
+def built_from_string_alone(name: str) -> bool:
+    """Whether ``name`` (a valid model name) builds the same model every time: a built-in name or
+    spec, or a Hugging Face spec written inline (``hf:TYPE:...``). Not a user factory (its code may
+    read state) nor a Hugging Face config file (it may be edited)."""
+    if _is_hf(name):
+        return not name.strip()[3:].partition(",")[0].endswith(".json")
+    return _resolve(name) is not None
+
+
 def get_config(name: str) -> Any:
     """The config dataclass (``GPTConfig``, ``MoEConfig``, ...) of a built-in name or spec string."""
     resolved = _resolve(name)

@@ -83,7 +83,6 @@ from planner.plans.recompute import block_chunks
 from planner.tracing.blocks import block_units
 from planner.tracing.inputs import resolve_model
 from planner.tracing.opgraph import OpGraph
-from planner.tracing.tracer import trace
 from planner.vocab.plan_check import RECOMPUTE_MODES, recompute_mode
 from planner.vocab.plan_file import ParallelPlan
 
@@ -212,8 +211,7 @@ def manual_plan(
             f"global batch {G} does not split into {B} micro-batches divisible by dp={dp}"
         )
     b = G // B
-    module, batch = make(b)
-    graph = trace(module, batch, model_name=name)
+    graph = make.trace(b)
     chunks = pp * virtual_stages
     if split not in ("balanced", "blocks"):
         raise MeshplanError(f"split must be 'balanced' or 'blocks', got {split!r}")
