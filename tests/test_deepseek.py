@@ -224,9 +224,12 @@ def _train(plans: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for name, p in plans.items():
         model, batches = _model_and_batches()
-        # one plan compiled, the others eager (`single_device.train_plan`)
+        # eager: compiling ep2_tp2 tripled this launch's time (44 s against 21 s alone, 4 ranks
+        # on 2 cores); compiled MoE stages are trained in tests/test_runtime_moe.py and
+        # tests/test_llama.py (Mixtral's automatic plan), against the eager executor in
+        # tests/test_compiled.py
         out[name] = single_device.train_plan(
-            p, model, batches, LR, SMALL, compile=name == "ep2_tp2"
+            p, model, batches, LR, SMALL, compile=False
         )
     return out
 
@@ -234,7 +237,7 @@ def _train(plans: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.slow
 def test_small_deepseek_trains_like_one_device() -> None:
     """tp4 (2 key/value heads on 4 devices), dp4, two pipeline stages of dp2, routed experts split
-    over dp2 with tp2 (compiled; the others eager), on 4 gloo processes: 3 SGD steps give the losses
+    over dp2 with tp2 (all eager), on 4 gloo processes: 3 SGD steps give the losses
     and parameters of one device within 1e-5."""
     model, batches = _model_and_batches()
     ref_losses, ref_params = single_device.train(
