@@ -68,13 +68,17 @@ MAX_LOCAL_RANKS_CPU = 8  # gloo on one of the development machines; see DESIGN.m
 
 #: What the fork server imports once for every rank (module docstring): torch, the distributed
 #: pieces a rank runs, and the runtime that runs plans (which imports the planner's plan files).
+#: A program whose ranks import more names those modules in ``MESHPLAN_PRELOAD`` (comma
+#: separated; read when the server starts): each rank then finds them imported.
 PRELOAD = (
     "torch",
     "torch.distributed",
     "torch.distributed.tensor",
     "torch.distributed.pipelining",
     "runtime.executor",
+    "runtime.train",
 )
+PRELOAD_ENV = "MESHPLAN_PRELOAD"
 
 
 class LaunchError(MeshplanError):
@@ -255,7 +259,8 @@ def launch(
         threads_per_rank = max(1, len(_available_cpus()) // world_size)
     ctx = mp.get_context("forkserver")
     # read when the server starts, at the first launch
-    ctx.set_forkserver_preload(list(PRELOAD))
+    extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
+    ctx.set_forkserver_preload([*PRELOAD, *extra])
     port = free_port()
     stack_dir = tempfile.TemporaryDirectory(prefix="meshplan-stacks-")
     stack_files = [

@@ -5,6 +5,9 @@ the worker processes against this."""
 import os
 
 os.environ.setdefault("MESHPLAN_PLANNER_PROCESSES", "1")
+# what the test modules that ranks import (as their main module) import besides the runtime:
+# once in each worker's fork server instead of in every rank (`runtime.launch.PRELOAD`)
+os.environ.setdefault("MESHPLAN_PRELOAD", "pytest,planner.api,planner.plans.manual")
 
 
 import pytest

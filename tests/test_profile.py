@@ -351,7 +351,7 @@ from runtime.launch import launch
 def f(where):
     import torch.distributed as dist
     with open(os.path.join(where, f"rank{dist.get_rank()}.pid"), "w") as out:
-        out.write(str(os.getpid()))
+        out.write(f"{os.getpid()} {'json.tool' in sys.modules}")
     time.sleep(120)
 
 if __name__ == "__main__":
@@ -362,14 +362,17 @@ if __name__ == "__main__":
 @pytest.mark.slow
 def test_ranks_stop_when_the_launching_process_is_killed(tmp_path):
     """SIGKILL to the launching process mid-run leaves no rank running (their parent, the fork
-    server, would otherwise keep them: `runtime.launch._exit_with_launcher`)."""
+    server, would otherwise keep them: `runtime.launch._exit_with_launcher`). The ranks find
+    the modules of ``MESHPLAN_PRELOAD`` imported (by the fork server)."""
+    import os
     import signal
     import subprocess
     import sys
 
     script = tmp_path / "launcher.py"
     script.write_text(KILLED_LAUNCHER)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    env = os.environ | {"MESHPLAN_PRELOAD": "json.tool, no_such_module_anywhere"}
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
     pids_at = [tmp_path / f"rank{r}.pid" for r in (0, 1)]
     deadline = time.monotonic() + 60
     while not all(p.exists() and p.read_text() for p in pids_at):
@@ -377,7 +380,8 @@ def test_ranks_stop_when_the_launching_process_is_killed(tmp_path):
             "ranks did not start"
         )
         time.sleep(0.2)
-    pids = [int(p.read_text()) for p in pids_at]
+    pids = [int(p.read_text().split()[0]) for p in pids_at]
+    assert all(p.read_text().split()[1] == "True" for p in pids_at)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 10
