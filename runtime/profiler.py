@@ -27,6 +27,7 @@ One launch (`runtime.launch.launch`) of N ranks measures, in order:
    mutual scheduling, so the median is their typical time).
    Byte convention: see cost_models/profile.py (the full unsharded tensor for all_gather output /
    reduce_scatter input / all_reduce / all_to_all buffer; the per-rank message for send_recv).
+   (`runtime.profile_collectives`.)
 
 With ``concurrent_compute`` steps 1 and 2 run on every rank at once (rank 0's figures are kept;
 see `ProfileOptions`; every loop starts at a barrier and lasts as many calls on every rank,
@@ -47,15 +48,12 @@ import os
 import platform
 import socket
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from cost_models.errors import MeshplanError
 from cost_models.profile import (
-    COLLECTIVE_OPS,
     PROFILE_VERSION,
     CollectiveFit,
     DeviceProfile,
@@ -63,86 +61,18 @@ from cost_models.profile import (
     fit_alpha_beta,
     fit_segments,
 )
-from planner.vocab.plan_file import ParallelPlan
 from runtime.launch import MAX_LOCAL_RANKS_CPU, default_backend, launch, rank_cpu_sets
-
-KB = 1 << 10
-MB = 1 << 20
-DEFAULT_MATMUL_DIMS = (128, 512, 2048)
-#: On a GPU a product fills its multiprocessors only at thousands of rows (an H100's 132 SMs take
-#: 132 output tiles of 128 x 128 at a time), so the grid reaches the shapes of training's products.
-GPU_MATMUL_DIMS = (128, 512, 2048, 8192)
-QUICK_MATMUL_SHAPES = ((128, 128, 128), (512, 512, 512), (1024, 1024, 1024))
-
-
-@dataclass
-class ProfileOptions:
-    """What to measure. `full()` / `quick()` give the CLI's two presets; tests shrink further."""
-
-    nproc: int = 2
-    world_sizes: list[int] | None = None  # None: 2..nproc
-    ops: tuple[str, ...] = COLLECTIVE_OPS
-    sizes: list[int] = field(default_factory=lambda: [64 * KB << i for i in range(11)])
-    repeats: int = 5
-    warmup: int = 1
-    target_repeat_s: float = 0.02
-    matmul_shapes: list[tuple[int, int, int]] | None = (
-        None  # None: DEFAULT_MATMUL_DIMS grid
-    )
-    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
-    matmul_repeats: int = 5
-    matmul_budget_s: float = 0.3
-    bandwidth_bytes: int = 256 * MB
-    backend: str | None = None
-    timeout_s: float = 1200.0
-    progress: bool = True
-    #: Every rank measures matmul and bandwidth at once (rank 0's figures are kept): a device is
-    #: what one rank gets while all of them compute, as in data- or tensor-parallel training (on a
-    #: CPU with fewer cores than ranks, the ranks time-share the cores). False: rank 0 alone.
-    concurrent_compute: bool = False
-    #: Measure the runtime's overheads per op, parameter, micro-batch and step (`runtime.overhead`;
-    #: CPU ranks only).
-    op_overhead: bool = False
-    #: The plans `op_overhead` trains (`runtime.overhead.calibration_plans` for `nproc` ranks):
-    #: None until `check_options` makes them, before the launch.
-    calibration_plans: list[ParallelPlan] | None = None
-    #: `op_overhead`'s (steps, warmup, repeats) for `runtime.overhead.measure_op_overhead`;
-    #: None: its defaults (tests shrink them).
-    calibration_rounds: tuple[int, int, int] | None = None
-    #: Time a collective of w ranks on every group of w consecutive ranks at once (rank 0's
-    #: group's figures are kept), as a mesh axis's groups all communicate at once in training.
-    #: False: ranks 0..w-1 alone, the others idle (an upper bound on speed where the groups share
-    #: cores or links).
-    concurrent_collectives: bool = False
-    #: Built-in model specs whose non-GEMM ops to time (`runtime.op_rates`), at a batch of
-    #: `op_batch` rows, on the ranks that measure matmul; () measures none.
-    op_models: tuple[str, ...] = ()
-    op_batch: int = 1
-
-    @staticmethod
-    def full(nproc: int, max_bytes: int = 64 * MB) -> ProfileOptions:
-        """64 KB .. max_bytes in powers of 2, 5 repeats, the full matmul grid."""
-        return ProfileOptions(nproc=nproc, sizes=size_range(64 * KB, max_bytes, 2))
-
-    @staticmethod
-    def quick(nproc: int, max_bytes: int = 4 * MB) -> ProfileOptions:
-        """64 KB .. max_bytes in powers of 2, 3 repeats, three square products."""
-        return ProfileOptions(
-            nproc=nproc,
-            sizes=size_range(64 * KB, max_bytes, 2),
-            repeats=3,
-            matmul_shapes=list(QUICK_MATMUL_SHAPES),
-            matmul_repeats=3,
-            bandwidth_bytes=64 * MB,
-        )
-
-
-def size_range(lo: int, hi: int, factor: int) -> list[int]:
-    """lo, lo*factor, ... up to and including hi (at least [lo])."""
-    out = [lo]
-    while out[-1] * factor <= hi:
-        out.append(out[-1] * factor)
-    return out
+from runtime.profile_options import (  # noqa: F401 - KB, MB, size_range: re-exported
+    DEFAULT_MATMUL_DIMS,
+    GPU_MATMUL_DIMS,
+    KB,
+    MB,
+    ProfileOptions,
+    _device,
+    _log,
+    _sync,
+    size_range,
+)
 
 
 def check_nproc(nproc: int, backend: str | None = None) -> None:
@@ -157,27 +87,6 @@ def check_nproc(nproc: int, backend: str | None = None) -> None:
         raise MeshplanError(
             f"--nproc must be between 1 and {limit} ({what}), got {nproc}"
         )
-
-
-def _log(opts: ProfileOptions, msg: str) -> None:
-    if opts.progress:
-        print(f"[profile] {msg}", file=sys.stderr, flush=True)
-
-
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def _device() -> Any:
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def time_call(
@@ -350,87 +259,6 @@ def measure_bandwidth(nbytes: int, repeats: int = 5, **timer: Any) -> float:
     return 2.0 * nbytes / sec
 
 
-def _collective_call(
-    op: str, nbytes: int, group: Any, w: int, rank: int
-) -> Callable[[], Any]:
-    """A closure running `op` once on buffers sized by the byte convention (float32 elements)."""
-    import torch
-    import torch.distributed as dist
-
-    dev = _device()
-    numel = max(w, nbytes // 4 // w * w)  # divisible by w, for the sharded ops
-    if op == "all_reduce":
-        x = torch.ones(numel, device=dev)
-        return lambda: dist.all_reduce(x, group=group)
-    if op == "all_gather":
-        out, inp = torch.empty(numel, device=dev), torch.ones(numel // w, device=dev)
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return lambda: fn(out, inp, group=group)
-    if op == "reduce_scatter":
-        out, inp = torch.empty(numel // w, device=dev), torch.ones(numel, device=dev)
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return lambda: fn(out, inp, group=group)
-    if op == "all_to_all":
-        out, inp = torch.empty(numel, device=dev), torch.ones(numel, device=dev)
-        return lambda: dist.all_to_all_single(out, inp, group=group)
-    if op == "send_recv":
-        x = torch.ones(max(1, nbytes // 4), device=dev)
-
-        def ping_pong() -> None:
-            # one round trip between the group's ranks 0 and 1; halved by the caller
-            if rank == 0:  # ranks within `group`
-                dist.send(x, group=group, group_dst=1)
-                dist.recv(x, group=group, group_src=1)
-            else:
-                dist.recv(x, group=group, group_src=0)
-                dist.send(x, group=group, group_dst=0)
-
-        return ping_pong
-    raise MeshplanError(f"unknown collective {op!r}")
-
-
-def _time_sizes(
-    fns: list[Callable[[], Any]], group: Any, opts: ProfileOptions
-) -> list[float]:
-    """Median seconds of one call of each closure (one per message size), the slowest rank's.
-
-    Repeats go round-robin over the sizes (size 1, size 2, ..., size 1, ...), so a burst of load
-    from elsewhere on the machine spoils one repeat of several sizes rather than every repeat of one.
-    Loop counts are agreed across ranks (max of the warm-up times), so every rank calls alike.
-    """
-    import torch
-    import torch.distributed as dist
-
-    dev = _device()
-    first = []
-    for fn in fns:
-        for _ in range(opts.warmup):
-            fn()
-        dist.barrier(group=group)
-        t = time.perf_counter()
-        fn()
-        _sync()
-        first.append(time.perf_counter() - t)
-    agreed = torch.tensor(first, dtype=torch.float64, device=dev)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    inner = [
-        max(1, min(50, int(opts.target_repeat_s / max(t, 1e-9))))
-        for t in agreed.tolist()
-    ]
-    times = torch.zeros(opts.repeats, len(fns), dtype=torch.float64)
-    for r in range(opts.repeats):
-        for i, fn in enumerate(fns):
-            dist.barrier(group=group)
-            t = time.perf_counter()
-            for _ in range(inner[i]):
-                fn()
-            _sync()
-            times[r, i] = (time.perf_counter() - t) / inner[i]
-    times = times.to(dev)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return [statistics.median(col) for col in times.cpu().T.tolist()]
-
-
 def _measure_op_rates(opts: ProfileOptions) -> list[Any]:
     """`runtime.op_rates.measure_op_rates` of `opts.op_models`, timed as matrix products are."""
     from runtime.op_rates import measure_op_rates
@@ -445,18 +273,6 @@ def _measure_op_rates(opts: ProfileOptions) -> list[Any]:
     return measure_op_rates(
         opts.op_models, opts.op_batch, time_all, device_type=_device().type
     )
-
-
-def _plan_collectives(opts: ProfileOptions) -> list[tuple[str, int]]:
-    """(op, world size) pairs to measure, in order."""
-    sizes = opts.world_sizes or list(range(2, opts.nproc + 1))
-    pairs = []
-    for w in sizes:
-        for op in opts.ops:
-            if op == "send_recv" and w != 2:
-                continue
-            pairs.append((op, w))
-    return pairs
 
 
 def _profile_worker(opts: ProfileOptions) -> dict[str, Any] | None:
@@ -484,48 +300,10 @@ def _profile_worker(opts: ProfileOptions) -> dict[str, Any] | None:
             f"(tiny GPTs, llama and Mixtral, every rank, {times} times)",
         )
         out["op_overhead"] = measure_op_overhead(opts.calibration_plans, *rounds)
-    pairs = _plan_collectives(opts)
-    groups = _collective_groups(opts, sorted({w for _, w in pairs}), rank)
-    fits: list[tuple[str, int, list[tuple[int, float]]]] = []
-    for i, (op, w) in enumerate(pairs, 1):
-        if rank == 0:
-            sizes = f"{_fmt_bytes(opts.sizes[0])}..{_fmt_bytes(opts.sizes[-1])}"
-            _log(opts, f"{op} on {w} ranks, {sizes} ({i}/{len(pairs)})")
-        if w in groups:
-            grank = dist.get_group_rank(groups[w], rank)
-            fns = [_collective_call(op, n, groups[w], w, grank) for n in opts.sizes]
-            secs = _time_sizes(fns, groups[w], opts)
-            del fns
-            if op == "send_recv":
-                secs = [s / 2 for s in secs]
-            if rank == 0:
-                fits.append((op, w, list(zip(opts.sizes, secs))))
-        dist.barrier()
-    out["collectives"] = fits
+    from runtime.profile_collectives import measure_collectives
+
+    out["collectives"] = measure_collectives(opts, rank)
     return out if rank == 0 else None
-
-
-def _collective_groups(
-    opts: ProfileOptions, worlds: list[int], rank: int
-) -> dict[int, Any]:
-    """World size -> this rank's process group to time collectives of that size on: ranks
-    0..w-1, or with ``concurrent_collectives`` the w consecutive ranks holding this rank (then
-    only whole groups: the last ``nproc % w`` ranks get none). Every rank creates every group
-    (``new_group`` is collective), in the same order."""
-    import torch.distributed as dist
-
-    out: dict[int, Any] = {}
-    for w in worlds:
-        starts = range(0, opts.nproc - w + 1, w) if opts.concurrent_collectives else [0]
-        for start in starts:
-            g = dist.new_group(list(range(start, start + w)))
-            if start <= rank < start + w:
-                out[w] = g
-    return out
-
-
-def _fmt_bytes(n: int) -> str:
-    return f"{n // MB} MiB" if n >= MB else f"{n // KB} KiB"
 
 
 def _device_name(backend: str, threads: int) -> str:

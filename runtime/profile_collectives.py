@@ -1,0 +1,155 @@
+"""Step 3 of `runtime.profiler`: every collective timed for every world size and message size
+(the module docstring of `runtime.profiler` says how: sub-groups, byte convention, repeats)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cost_models.errors import MeshplanError
+from runtime.profile_options import KB, MB, ProfileOptions, _device, _log, _sync
+
+
+def measure_collectives(
+    opts: ProfileOptions, rank: int
+) -> list[tuple[str, int, list[tuple[int, float]]]]:
+    """On every rank of the launch: (op, world size, [(bytes, seconds)]) of every pair of
+    `_plan_collectives`, on rank 0 (empty elsewhere)."""
+    import torch.distributed as dist
+
+    pairs = _plan_collectives(opts)
+    groups = _collective_groups(opts, sorted({w for _, w in pairs}), rank)
+    fits: list[tuple[str, int, list[tuple[int, float]]]] = []
+    for i, (op, w) in enumerate(pairs, 1):
+        if rank == 0:
+            sizes = f"{_fmt_bytes(opts.sizes[0])}..{_fmt_bytes(opts.sizes[-1])}"
+            _log(opts, f"{op} on {w} ranks, {sizes} ({i}/{len(pairs)})")
+        if w in groups:
+            grank = dist.get_group_rank(groups[w], rank)
+            fns = [_collective_call(op, n, groups[w], w, grank) for n in opts.sizes]
+            secs = _time_sizes(fns, groups[w], opts)
+            del fns
+            if op == "send_recv":
+                secs = [s / 2 for s in secs]
+            if rank == 0:
+                fits.append((op, w, list(zip(opts.sizes, secs))))
+        dist.barrier()
+    return fits
+
+
+def _collective_call(
+    op: str, nbytes: int, group: Any, w: int, rank: int
+) -> Callable[[], Any]:
+    """A closure running `op` once on buffers sized by the byte convention (float32 elements)."""
+    import torch
+    import torch.distributed as dist
+
+    dev = _device()
+    numel = max(w, nbytes // 4 // w * w)  # divisible by w, for the sharded ops
+    if op == "all_reduce":
+        x = torch.ones(numel, device=dev)
+        return lambda: dist.all_reduce(x, group=group)
+    if op == "all_gather":
+        out, inp = torch.empty(numel, device=dev), torch.ones(numel // w, device=dev)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: fn(out, inp, group=group)
+    if op == "reduce_scatter":
+        out, inp = torch.empty(numel // w, device=dev), torch.ones(numel, device=dev)
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: fn(out, inp, group=group)
+    if op == "all_to_all":
+        out, inp = torch.empty(numel, device=dev), torch.ones(numel, device=dev)
+        return lambda: dist.all_to_all_single(out, inp, group=group)
+    if op == "send_recv":
+        x = torch.ones(max(1, nbytes // 4), device=dev)
+
+        def ping_pong() -> None:
+            # one round trip between the group's ranks 0 and 1; halved by the caller
+            if rank == 0:  # ranks within `group`
+                dist.send(x, group=group, group_dst=1)
+                dist.recv(x, group=group, group_src=1)
+            else:
+                dist.recv(x, group=group, group_src=0)
+                dist.send(x, group=group, group_dst=0)
+
+        return ping_pong
+    raise MeshplanError(f"unknown collective {op!r}")
+
+
+def _time_sizes(
+    fns: list[Callable[[], Any]], group: Any, opts: ProfileOptions
+) -> list[float]:
+    """Median seconds of one call of each closure (one per message size), the slowest rank's.
+
+    Repeats go round-robin over the sizes (size 1, size 2, ..., size 1, ...), so a burst of load
+    from elsewhere on the machine spoils one repeat of several sizes rather than every repeat of one.
+    Loop counts are agreed across ranks (max of the warm-up times), so every rank calls alike.
+    """
+    import torch
+    import torch.distributed as dist
+
+    dev = _device()
+    first = []
+    for fn in fns:
+        for _ in range(opts.warmup):
+            fn()
+        dist.barrier(group=group)
+        t = time.perf_counter()
+        fn()
+        _sync()
+        first.append(time.perf_counter() - t)
+    agreed = torch.tensor(first, dtype=torch.float64, device=dev)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    inner = [
+        max(1, min(50, int(opts.target_repeat_s / max(t, 1e-9))))
+        for t in agreed.tolist()
+    ]
+    times = torch.zeros(opts.repeats, len(fns), dtype=torch.float64)
+    for r in range(opts.repeats):
+        for i, fn in enumerate(fns):
+            dist.barrier(group=group)
+            t = time.perf_counter()
+            for _ in range(inner[i]):
+                fn()
+            _sync()
+            times[r, i] = (time.perf_counter() - t) / inner[i]
+    times = times.to(dev)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return [statistics.median(col) for col in times.cpu().T.tolist()]
+
+
+def _plan_collectives(opts: ProfileOptions) -> list[tuple[str, int]]:
+    """(op, world size) pairs to measure, in order."""
+    sizes = opts.world_sizes or list(range(2, opts.nproc + 1))
+    pairs = []
+    for w in sizes:
+        for op in opts.ops:
+            if op == "send_recv" and w != 2:
+                continue
+            pairs.append((op, w))
+    return pairs
+
+
+def _collective_groups(
+    opts: ProfileOptions, worlds: list[int], rank: int
+) -> dict[int, Any]:
+    """World size -> this rank's process group to time collectives of that size on: ranks
+    0..w-1, or with ``concurrent_collectives`` the w consecutive ranks holding this rank (then
+    only whole groups: the last ``nproc % w`` ranks get none). Every rank creates every group
+    (``new_group`` is collective), in the same order."""
+    import torch.distributed as dist
+
+    out: dict[int, Any] = {}
+    for w in worlds:
+        starts = range(0, opts.nproc - w + 1, w) if opts.concurrent_collectives else [0]
+        for start in starts:
+            g = dist.new_group(list(range(start, start + w)))
+            if start <= rank < start + w:
+                out[w] = g
+    return out
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n // MB} MiB" if n >= MB else f"{n // KB} KiB"
