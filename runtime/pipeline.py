@@ -414,9 +414,11 @@ class PipelineRunner:
         params: dict[str, DTensor],
         microbatches: Sequence[Sequence[torch.Tensor]],
         buffers: dict[str, torch.Tensor] | None = None,
-    ) -> float:
+    ) -> torch.Tensor:
         """Forward and backward of every micro-batch, then the parameters' gradient sync; the
-        mean micro-batch loss (the global batch's loss), the same on every rank of the world."""
+        mean micro-batch loss (the global batch's loss), the same on every rank of the world, as
+        a 0-dim tensor on this rank's device (nothing here waits for the device: ``float()`` of
+        it does, after the caller has queued its optimizer step)."""
         B = len(microbatches)
         loss = torch.zeros((), device=self.device)
         if self.index is not None:
@@ -437,7 +439,7 @@ class PipelineRunner:
             self._state = {}
             self._finish_grads(params, used)
         dist.broadcast(loss, src=self.plan.stages[-1].devices[0])
-        return float(loss) / B
+        return loss / B
 
     def _finish_grads(
         self, params: dict[str, DTensor], used: dict[str, DTensor]
@@ -485,7 +487,7 @@ class PipelineRunner:
         params: dict[str, DTensor],
         buffers: dict[str, torch.Tensor],
         B: int,
-    ) -> float | None:
+    ) -> torch.Tensor | None:
         ex, st = self.executors[c], self.stages[c]
         inputs = {}
         devices = self.plan.stages[c].devices
@@ -513,7 +515,8 @@ class PipelineRunner:
                 with comm_count.site("fwd:output"):
                     loss = loss.redistribute(placements=[Replicate()] * ex.mesh.ndim)
             state["loss"] = loss / B
-            return float(loss.to_local().detach())
+            # a tensor, not float(): that would wait for the device before backward is queued
+            return loss.to_local().detach()
         sent = {}
         for (v, dsts), x in zip(st.outputs.items(), out):
             full = x

@@ -371,7 +371,7 @@ class TorchPipelineRunner(PipelineRunner):
         self._micro: Sequence[Sequence[torch.Tensor]] = ()
         self._used: dict[str, DTensor] = {}
         self._buffers: dict[str, torch.Tensor] = {}
-        self._losses: list[float] = []
+        self._losses: list[torch.Tensor] = []
         self.pipeline_stages: list[PipelineStage] = []
         self.pipeline_schedule: Any = None
         if not self.chunks:
@@ -450,9 +450,10 @@ class TorchPipelineRunner(PipelineRunner):
         params: dict[str, DTensor],
         microbatches: Sequence[Sequence[torch.Tensor]],
         buffers: dict[str, torch.Tensor] | None = None,
-    ) -> float:
+    ) -> torch.Tensor:
         """Forward and backward of every micro-batch in PyTorch's schedule, then the gradient
-        sync; the mean micro-batch loss, the same on every rank of the world."""
+        sync; the mean micro-batch loss, the same on every rank of the world, as a 0-dim tensor
+        on this rank's device (`PipelineRunner.step`)."""
         B = len(microbatches)
         if B != self.plan.num_microbatches:
             raise MeshplanError(
@@ -473,7 +474,7 @@ class TorchPipelineRunner(PipelineRunner):
                 loss += x
             self._finish_grads(params, used)
         dist.broadcast(loss, src=self.plan.stages[-1].devices[0])
-        return float(loss) / B
+        return loss / B
 
 
 class _StageModule(nn.Module):
@@ -574,7 +575,7 @@ class _StageModule(nn.Module):
                 with comm_count.site("fwd:output"):
                     loss = loss.redistribute(placements=[Replicate()] * ex.mesh.ndim)
             local = loss.to_local()
-            runner._losses.append(float(local.detach()))
+            runner._losses.append(local.detach())  # float() would wait for the device
             return local
         produced = dict(zip(self.st.outputs, out))
         sent = []

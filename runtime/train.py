@@ -9,8 +9,9 @@ into ``plan.num_microbatches`` micro-batches along dimension 0. Every rank trace
 micro-batch (fake tensors), checks that the plan was made for it (`ParallelPlan.check_model`), and
 runs its stage with the runner `runtime.torch_pipeline.make_runner` picks (``torch.distributed.pipelining``
 when the stages' submeshes are equal, else `runtime.pipeline.PipelineRunner`; ``pipeline="ours"`` or
-``MESHPLAN_PIPELINE=ours`` forces the latter); the optimizer (``torch.optim`` on the
-stage's DTensor parameters) updates each rank's shards locally after the gradient sync.
+``MESHPLAN_PIPELINE=ours`` forces the latter); the optimizer (`runtime.shard_optim.ShardOptimizer`:
+``torch.optim`` on the local tensors of the stage's DTensor parameters) updates each rank's shards
+after the gradient sync.
 
 Random ops (dropout in training mode) draw what one device draws: single-device training
 ``torch.manual_seed(seed)`` followed by steps of ``model(*batch).backward(); opt.step()`` is
@@ -36,6 +37,7 @@ from planner.vocab.plan_file import ParallelPlan
 from runtime.dropout import DropoutMasks, samples_randomly
 from runtime.peak_memory import PeakMemory
 from runtime.pipeline import PipelineRunner
+from runtime.shard_optim import OPTIMIZERS, ShardOptimizer
 from runtime.torch_pipeline import make_runner
 
 __all__ = [
@@ -49,7 +51,6 @@ __all__ = [
 ]
 
 Batch = tuple[torch.Tensor, ...]
-OPTIMIZERS = ("sgd", "adam")
 
 
 def split_batch(batch: Sequence[torch.Tensor], n: int) -> list[Batch]:
@@ -132,13 +133,11 @@ class Trainer:
         if self.masks is not None:
             for ex in self.runner.executors.values():
                 self.masks.attach(ex)
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer: ShardOptimizer | None = None
         if self.params:
-            cls = torch.optim.SGD if optimizer == "sgd" else torch.optim.Adam
-            # foreach: one DTensor dispatch per parameter list instead of one per parameter and
-            # op (the per-parameter loop on DTensors cost more than the whole update on plain
-            # tensors; same arithmetic, see tests/test_compiled.py and the runtime tests)
-            self.optimizer = cls(list(self.params.values()), lr=lr, foreach=True)
+            self.optimizer = ShardOptimizer(
+                self.params, optimizer, lr=lr, device_type=device_type
+            )
 
     def step(self, batch: Sequence[torch.Tensor]) -> float:
         """One training step on a global batch; its loss (the same on every rank)."""
@@ -149,7 +148,7 @@ class Trainer:
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return loss
+        return float(loss)  # waits for the device only now, the update queued
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """This rank's stage's parameters as full tensors (collective within the stage's mesh)."""
