@@ -4,6 +4,7 @@
     python -m benchmarks.bench_gpu --device H100-80GB --json benchmarks/results/gpu-H100-80GB.json
     meshplan profile --nproc 1 --op-model gpt:hidden=1024,layers=24,heads=16 --op-batch 2 --out p.json
     python -m benchmarks.bench_gpu --device H200-141GB --profile p.json --kernels --json gpu.json
+    python -m benchmarks.bench_gpu --device H200-141GB --kernels --case gpt:hidden=1536,layers=12,heads=12 8
 
 For each model (GPT shapes in bfloat16 on one GPU) the planner plans on ``1x1xDEVICE`` from the
 datasheet cost models, as the suites price every case. One NCCL rank then trains two copies of
@@ -12,7 +13,8 @@ the same seeded model on the same seeded batches, steps alternating so both see 
 * **runtime**: `runtime.train.Trainer` (compiled stages) on that plan;
 * **reference**: the model in plain eager PyTorch, one forward and backward of the global batch.
 
-Both use Adam (``torch.optim.Adam`` on the bfloat16 parameters: planned as ``adam_16bit``). Per
+Both use Adam (``torch.optim.Adam(fused=True)`` on the bfloat16 parameters, as
+`runtime.shard_optim` runs it on CUDA: planned as ``adam_16bit``). Per
 model: the predicted iteration time, each one's median over the timed steps, the prediction's
 error ((predicted - measured) / measured, against the runtime) and the ratio runtime /
 reference; and, before those steps, the runtime's peak memory in a training step
@@ -43,6 +45,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.gpu_breakdown import kernels_by_kind
 from cost_models.errors import MeshplanError
 
 CASES = (
@@ -83,8 +86,9 @@ _PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 def kernel_summary(fn: Any, *args: Any, top: int = 40) -> dict:
     """Run ``fn(*args)`` once under torch's profiler: ``wall_s``, ``kernels`` (the count),
     ``busy_s`` (the union of the kernels' intervals), ``kernel_s`` (their sum), ``by_name`` (the
-    ``top`` kernel names by total time: count and seconds) and ``products`` (each matrix-product
-    op by input shapes: count and its kernels' seconds)."""
+    ``top`` kernel names by total time: count and seconds), ``by_kind`` (seconds of every
+    kernel by kind of work, `benchmarks.gpu_breakdown.kernel_kind`) and ``products`` (each
+    matrix-product op by input shapes: count and its kernels' seconds)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -122,6 +126,7 @@ def kernel_summary(fn: Any, *args: Any, top: int = 40) -> dict:
         "busy_s": _busy_s([(e.time_range.start, e.time_range.end) for e in kernels]),
         "kernel_s": sum(e.time_range.elapsed_us() for e in kernels) * 1e-6,
         "by_name": [{"name": k, "count": c, "s": t} for k, (c, t) in ranked],
+        "by_kind": kernels_by_kind([(k, t) for k, (_, t) in names.items()]),
         "products": sorted(products, key=lambda r: -r["device_s"]),
     }
 
@@ -162,7 +167,7 @@ def _case(
         ),
     )
     trainer = Trainer(p, model, batches[0], optimizer="adam", lr=LR, device_type="cuda")
-    opt = torch.optim.Adam(model.parameters(), lr=LR, foreach=True)
+    opt = torch.optim.Adam(model.parameters(), lr=LR, fused=True)
 
     def reference(b: tuple[torch.Tensor, ...]) -> None:
         model(*b).backward()
@@ -191,6 +196,7 @@ def _case(
         }
     return {
         "model": spec,
+        "optimizer": OPTIMIZER,
         "global_batch": batch,
         "num_microbatches": p.num_microbatches,
         "planner_time_s": planned_s,
@@ -275,6 +281,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=3, help="untimed first steps")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument(
+        "--case",
+        nargs=2,
+        action="append",
+        metavar=("MODEL", "BATCH"),
+        help="a model spec and its global batch instead of the built-in cases (repeatable)",
+    )
+    ap.add_argument(
         "--profile", help="also price each case on the preset carrying this profile"
     )
     ap.add_argument(
@@ -283,6 +296,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="also record one step of each under torch's profiler",
     )
     args = ap.parse_args(argv)
+    cases = CASES
+    if args.case:
+        try:
+            cases = tuple((spec, int(batch)) for spec, batch in args.case)
+        except ValueError as exc:
+            raise SystemExit(
+                f"bench_gpu: --case MODEL BATCH needs a whole batch: {exc}"
+            )
     if not torch.cuda.is_available():
         raise SystemExit(
             "bench_gpu: needs a CUDA GPU (torch.cuda.is_available() is False)"
@@ -298,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "profile": args.profile,
         "cases": [],
     }
-    for spec, batch in CASES:
+    for spec, batch in cases:
         case = (spec, batch, args.device, args.steps, args.warmup)
         try:
             r = launch(
@@ -314,7 +335,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                 json.dump(res, f, indent=1)
     print(f"{res['gpu']}, torch {res['torch']}, planned for {res['planned_for']}")
     print(_table(res))
+    if args.kernels:
+        from benchmarks.gpu_breakdown import breakdown, table
+
+        res["breakdown"] = breakdown(res)
+        print(table(res["breakdown"]))
     if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
         print(f"wrote {args.json}")
 
 

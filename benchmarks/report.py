@@ -234,11 +234,12 @@ def gpu_section(directory: Path) -> list[str]:
     for f in sorted(directory.glob("gpu-*.json")):
         doc = json.loads(f.read_text())
         out += [
-            f"## Measured on one GPU: {doc['gpu']}",
+            f"## Measured on one GPU: {doc['gpu']} ({f.stem})",
             "",
             (
                 f"File `{f.name}` (`python -m benchmarks.bench_gpu`), {doc['date']}, torch "
-                f"{doc['torch']}. Planned for {doc['planned_for']} (datasheet cost models); "
+                f"{doc['torch']}. Planned for {doc['planned_for']} (the preset's cost models "
+                "as they were that day); "
                 "runtime = meshplan's compiled runtime on one NCCL rank, reference = the same "
                 "model in plain eager PyTorch; medians of the timed steps, Adam, bfloat16. "
                 "error = (predicted - runtime) / runtime. runtime's kernels = the time the GPU was "
@@ -278,6 +279,31 @@ def gpu_section(directory: Path) -> list[str]:
                 + " |"
             )
         out.append("")
+        if doc.get("breakdown"):
+            out += _breakdown_table(doc["breakdown"])
+    return out
+
+
+def _breakdown_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The step by kind of work, predicted / measured ms (`benchmarks.gpu_breakdown`)."""
+    from benchmarks.gpu_breakdown import KINDS
+
+    out = [
+        (
+            "By kind of work (`python -m benchmarks.gpu_breakdown FILE`; predicted on the presets "
+            "committed with this file, optimizer included although a plan's estimate leaves it "
+            "out; host = the runtime's step less its kernels' busy time), predicted / measured ms:"
+        ),
+        "",
+        "| model | " + " | ".join(KINDS) + " | step |",
+        "|---|" + "---|" * (len(KINDS) + 1),
+    ]
+    for r in rows:
+        p, m = r["predicted"], r["measured"]
+        cells = [f"{p[k] * 1e3:.1f} / {m[k] * 1e3:.1f}" for k in KINDS]
+        step = f"{sum(p.values()) * 1e3:.1f} / {sum(m.values()) * 1e3:.1f}"
+        out.append(f"| {r['model']} | " + " | ".join(cells) + f" | {step} |")
+    out.append("")
     return out
 
 

@@ -23,7 +23,10 @@ Roofline (no profile)::
 - An op without a shape hint (elementwise, reductions, softmax, norms) is priced at ``E_max``; its
   FLOPs are few, so in practice its time is the memory term.
 
-``MEMORY_EFFICIENCY`` = 0.85: streaming kernels reach about 85 % of the datasheet HBM bandwidth.
+``MEMORY_EFFICIENCY`` = 0.85: streaming kernels reach about 85 % of the datasheet HBM bandwidth;
+a device whose training-step kernels were measured has its own (``DEVICE_MEMORY_EFFICIENCY``).
+Fused attention on such a device is priced by ``fused_attention_time`` (``FUSED_ATTENTION_E``)
+instead of as a product.
 
 With a measured profile attached to the cluster (``cluster.profile``), its figures replace the
 datasheet ones: the memory term uses the measured bandwidth as is, ops without a shape use the
@@ -82,6 +85,31 @@ FP32_CURVE = (0.90, 16.0)
 #: smaller runs spend more of their time outside the products; benchmarks/results/REPORT.md).
 TENSOR_CORE_E_MAX: dict[str, float] = {"A100-80GB": 0.7262}
 MEMORY_EFFICIENCY = 0.85
+#: Memory-bound efficiency of the devices where it was fitted to the kernels of measured training
+#: steps (device name -> fraction of the datasheet bandwidth), replacing ``MEMORY_EFFICIENCY``.
+#: H200-141GB: fitted by ``python -m benchmarks.gpu_breakdown --fit
+#: benchmarks/results/gpu-H200-141GB-fit.json`` to the memory-bound kernels (every kernel neither a
+#: matrix product, attention nor the optimizer's) and the fused Adam kernels of three bf16 GPT
+#: training steps on one H200 (2026-11-30): their seconds against the bytes the ops move. It also
+#: absorbs kernels the graph does not price as ops of their own (bias-gradient reductions, the
+#: copies of concatenations, fills): 2.3 ms of the 12.5 ms of the first case. Leave-one-out it
+#: moves between 0.604 and 0.624, and the fit of a second run of the same models
+#: (benchmarks/results/gpu-H200-141GB.json) gives 0.6025. The H100-80GB
+#: (the same chip with HBM3) keeps 0.85 until a training step on one is measured (its preset
+#: prices the committed H100 suites).
+DEVICE_MEMORY_EFFICIENCY: dict[str, float] = {"H200-141GB": 0.6129}
+#: Fused (flash) attention on the devices where it was measured: device name -> the fraction of
+#: the tensor-core peak its FLOPs run at, counted with the head dimension rounded up to a
+#: multiple of ``FLASH_HEAD_DIM_STEP`` (the flash kernels are built for head dimensions 32, 64,
+#: 96, ..., 256: a head of 80 runs the 96 kernel). Without an entry attention is priced as a
+#: product of smallest dimension the head dimension. FLOPs count the full square of scores, as
+#: PyTorch's FLOP counter does, so a causal kernel, which skips the upper half, is absorbed here.
+#: H200-141GB: fitted like ``DEVICE_MEMORY_EFFICIENCY`` to the flash kernels of the same three
+#: steps (heads of 64, 128 and 80; leave-one-out 0.295-0.327; the second run's fit 0.297). It
+#: prices a Llama's attention at sequence 2048 38% slower than it ran (heldout file): longer
+#: sequences fill the kernels better, which this one number does not model.
+FUSED_ATTENTION_E: dict[str, float] = {"H200-141GB": 0.3044}
+FLASH_HEAD_DIM_STEP = 32
 #: Fixed seconds per GPU kernel (datasheet pricing only): a CUDA kernel launch takes about 5-10 us
 #: on a V100, and each kernel ramps up and drains its waves of thread blocks; we charge the low end,
 #: 5 us, per kernel a pass runs (``op_time(..., kernels=k)``). A GPT block launches some 20 kernels
@@ -146,10 +174,17 @@ def _measured_rate(
     return math.exp(sum(w * v for w, (_, v) in zip(weights, nearest)) / sum(weights))
 
 
+def memory_efficiency(device: str) -> float:
+    """The fraction of ``device``'s datasheet bandwidth memory-bound kernels reach: its fitted
+    ``DEVICE_MEMORY_EFFICIENCY`` entry, else ``MEMORY_EFFICIENCY``."""
+    return DEVICE_MEMORY_EFFICIENCY.get(device, MEMORY_EFFICIENCY)
+
+
 def _memory_time(cluster: Cluster, nbytes: float) -> float:
     if cluster.profile is not None and cluster.profile.memory_bandwidth_bytes_per_s > 0:
         return nbytes / cluster.profile.memory_bandwidth_bytes_per_s
-    return nbytes / (cluster.device.memory_bandwidth_bytes_per_s * MEMORY_EFFICIENCY)
+    bandwidth = cluster.device.memory_bandwidth_bytes_per_s
+    return nbytes / (bandwidth * memory_efficiency(cluster.device.name))
 
 
 def _measured_peak(cluster: Cluster, dtype: str) -> float | None:
@@ -201,6 +236,30 @@ def op_time(
         else:
             rate = peak * max_efficiency(name, device)
     return max(flops / rate, memory) + overhead
+
+
+def fused_attention_time(
+    cluster: Cluster,
+    flops: float,
+    bytes_accessed: float,
+    dtype: object,
+    head_dim: int,
+    *,
+    kernels: int = 0,
+) -> float | None:
+    """Seconds of a fused attention op of ``flops`` FLOPs on a device with a measured
+    ``FUSED_ATTENTION_E`` (datasheet pricing only): ``max(flops * padded / head_dim /
+    (peak * E), memory) + kernels * KERNEL_OVERHEAD_S``, ``padded`` the head dimension rounded
+    up to ``FLASH_HEAD_DIM_STEP``. None where the device has no entry or a profile prices the
+    cluster: price it as a product then (`op_time`)."""
+    e = FUSED_ATTENTION_E.get(cluster.device.name)
+    if e is None or cluster.profile is not None or head_dim < 1:
+        return None
+    step = FLASH_HEAD_DIM_STEP
+    padded = -(-head_dim // step) * step
+    rate = cluster.device.peak(canonical_dtype(dtype)) * e
+    memory = _memory_time(cluster, max(bytes_accessed, 0.0))
+    return max(flops * padded / head_dim / rate, memory) + kernels * KERNEL_OVERHEAD_S
 
 
 def measured_op_time(

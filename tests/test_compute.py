@@ -187,3 +187,81 @@ def test_optimizer_step_and_fused_dropout_bytes() -> None:
     assert b == pytest.approx(
         5e6 / BW + KERNEL_OVERHEAD_S
     )  # read grad + mask, write grad
+
+
+def test_a_measured_device_prices_memory_at_its_fitted_efficiency() -> None:
+    from cost_models.compute import DEVICE_MEMORY_EFFICIENCY, memory_efficiency
+
+    h200 = Cluster.from_spec("1x1xH200-141GB")
+    fitted = DEVICE_MEMORY_EFFICIENCY["H200-141GB"]
+    assert 0 < fitted < 1 and memory_efficiency("A100-80GB") == MEMORY_EFFICIENCY
+    nbytes = 1e9
+    assert op_time(h200, 0.0, nbytes, "bfloat16") == pytest.approx(
+        nbytes / (4800e9 * fitted)
+    )
+    # the optimizer step is memory-bound too
+    assert optimizer_step_time(h200, 1e6, "adam_16bit") == pytest.approx(
+        14e6 / (4800e9 * fitted)
+    )
+
+
+def test_fused_attention_runs_the_head_dimension_its_kernel_pads_to() -> None:
+    from cost_models.compute import FUSED_ATTENTION_E, fused_attention_time
+
+    h200 = Cluster.from_spec("1x1xH200-141GB")
+    e = FUSED_ATTENTION_E["H200-141GB"]
+    peak = 989.4e12
+    flops = 1e12
+    for head, padded in ((64, 64), (80, 96), (96, 96), (100, 128), (128, 128)):
+        got = fused_attention_time(h200, flops, 1.0, "bfloat16", head, kernels=3)
+        want = flops * padded / head / (peak * e) + 3 * KERNEL_OVERHEAD_S
+        assert got == pytest.approx(want), head
+    # memory-bound when it moves far more than it computes
+    slow = fused_attention_time(h200, 1.0, 1e12, "bfloat16", 64)
+    assert slow == pytest.approx(op_time(h200, 0.0, 1e12, "bfloat16"))
+    # no measured kernels (A100), or a profile: priced as a product instead
+    a100 = Cluster.from_spec("1x1xA100-80GB")
+    assert fused_attention_time(a100, flops, 1.0, "bfloat16", 64) is None
+    profiled = Cluster.from_spec("1x1xH200-141GB", cpu_profile([]))
+    assert fused_attention_time(profiled, flops, 1.0, "bfloat16", 64) is None
+
+
+def test_the_planner_prices_sdpa_by_the_fused_attention_formula() -> None:
+    from cost_models.communication import LogicalMesh
+    from cost_models.compute import fused_attention_time
+    from planner.intra.prices import Option, StageSettings, compute_time, forward_time
+    from planner.models import build_model
+    from planner.tracing.tracer import trace
+    from planner.vocab.strategy import Strategy
+
+    model, batch = build_model(
+        "gpt:hidden=64,layers=1,heads=2,seq=32,vocab=64", device="meta"
+    )
+    graph = trace(model, batch)
+    (node,) = [n for n in graph.nodes if "scaled_dot_product" in n.target]
+    opt = Option(Strategy(tuple(("R", "R") for _ in node.outputs), (), "test"))
+    for device, fused in (("H200-141GB", True), ("A100-80GB", False)):
+        cluster = Cluster.from_spec(f"1x1x{device}")
+        s = StageSettings(LogicalMesh(cluster, (1, 1), (1, 1)))
+        nbytes = node.bytes_read + node.bytes_written
+        want = fused_attention_time(
+            cluster,
+            node.fwd_flops + node.bwd_flops,
+            3 * nbytes,
+            node.outputs[0].dtype,
+            32,
+            kernels=3,
+        )
+        assert (want is not None) == fused
+        if fused:
+            assert compute_time(node, opt, s) == pytest.approx(want)
+            assert forward_time(node, opt, s) == pytest.approx(
+                fused_attention_time(
+                    cluster,
+                    node.fwd_flops,
+                    nbytes,
+                    node.outputs[0].dtype,
+                    32,
+                    kernels=1,
+                )
+            )

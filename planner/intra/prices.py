@@ -38,10 +38,16 @@ import numpy as np
 import torch
 
 from cost_models.communication import LogicalMesh
-from cost_models.compute import measured_op_time, op_overhead, op_time
+from cost_models.compute import (
+    fused_attention_time,
+    measured_op_time,
+    op_overhead,
+    op_time,
+)
 from cost_models.resharding import reshard_cost, reshard_steps
 from planner.intra.context import gathered_kv_bytes
 from planner.intra.strategies import node_strategies
+from planner.tracing.attention import FUSED_ATTENTION
 from planner.tracing.opgraph import OpGraph, OpNode, TensorMeta
 from planner.vocab.grads import bucketed_axes, expected_grad, grad_from_consumer
 from planner.vocab.placements import norm, shards, zero_shard
@@ -154,17 +160,41 @@ def compute_time(node: OpNode, option: Option, s: StageSettings) -> float:
         3 if node.requires_grad else 1
     )  # backward reads and writes about twice what forward does
     nbytes = _sharded_bytes(node, option, f, s) * passes
+    # forward, and the input- and weight-gradient kernels of backward
+    return op_overhead(s.mesh.cluster) + _op_time(
+        node, option, s, flops, nbytes, passes
+    )
+
+
+def _op_time(
+    node: OpNode,
+    option: Option,
+    s: StageSettings,
+    flops: float,
+    nbytes: float,
+    kernels: int,
+) -> float:
+    """`cost_models.compute.op_time` of the node's share; a fused attention on a device whose
+    flash kernels were measured by `cost_models.compute.fused_attention_time`."""
     dtype = node.outputs[0].dtype if node.outputs else "float32"
-    return (
-        op_overhead(s.mesh.cluster)
-        + op_time(
+    if node.target.startswith(FUSED_ATTENTION) and node.outputs:
+        t = fused_attention_time(
             s.mesh.cluster,
             flops,
             nbytes,
             dtype,
-            shape_hint=_matmul_hint(node, option.strategy, s.mesh.shape),
-            kernels=passes,  # forward, and the input- and weight-gradient kernels of backward
+            node.outputs[0].shape[-1],
+            kernels=kernels,
         )
+        if t is not None:
+            return t
+    return op_time(
+        s.mesh.cluster,
+        flops,
+        nbytes,
+        dtype,
+        shape_hint=_matmul_hint(node, option.strategy, s.mesh.shape),
+        kernels=kernels,
     )
 
 
@@ -182,14 +212,8 @@ def forward_time(node: OpNode, option: Option, s: StageSettings) -> float:
     measured = _measured_time(node, option, f, s, backward=False)
     if measured is not None:
         return measured
-    dtype = node.outputs[0].dtype if node.outputs else "float32"
-    return op_time(
-        s.mesh.cluster,
-        node.fwd_flops / f,
-        _sharded_bytes(node, option, f, s),
-        dtype,
-        shape_hint=_matmul_hint(node, option.strategy, s.mesh.shape),
-        kernels=1,
+    return _op_time(
+        node, option, s, node.fwd_flops / f, _sharded_bytes(node, option, f, s), 1
     )
 
 

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from planner.tracing.opgraph import OpGraph, OpNode
 
-__all__ = ["attention_cores", "storage_owner"]
+__all__ = ["FUSED_ATTENTION", "attention_cores", "storage_owner"]
 
-_FUSED = "aten._scaled_dot_product_"
+#: The prefix of the targets of fused attention ops (flash, efficient, cuDNN, math, CPU flash).
+FUSED_ATTENTION = "aten._scaled_dot_product_"
 _SOFTMAX = ("aten._softmax.", "aten.softmax.", "aten._safe_softmax.")
 _PRODUCTS = ("aten.bmm.", "aten.mm.", "aten.matmul.", "aten.baddbmm.")
 
@@ -66,7 +67,7 @@ def attention_cores(graph: OpGraph) -> dict[str, int]:
     out: dict[str, int] = {}
     for n in graph.ops:
         t = _target(n)
-        if t.startswith(_FUSED):
+        if t.startswith(FUSED_ATTENTION):
             core = [n.name] + [
                 w for w in users.get(n.name, []) if graph.node(w).target == "getitem"
             ]
