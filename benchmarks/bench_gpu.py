@@ -28,7 +28,9 @@ the preset carrying that profile (``predicted_profile_s``: measured matrix produ
 with ``--op-model``, op rates in place of the datasheet's). With ``--kernels``, one more step of
 each (runtime and reference) runs under torch's profiler (`kernel_summary`): the step's wall time,
 the time the GPU was busy and its kernels by name, and the device time of each matrix product by
-shape, which is what the preset's efficiency terms are checked against.
+shape, which is what the preset's efficiency terms are checked against; and at the end the step
+split by kind of work, predicted against measured (``breakdown``, `benchmarks.gpu_breakdown`).
+``--case MODEL BATCH`` (repeatable) measures other models than ``CASES``.
 Each case is its own launch; with ``--json`` the file is rewritten after every case.
 """
 
