@@ -222,8 +222,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="also fit the device's memory-bound and fused-attention efficiencies, leave-one-out",
     )
     args = ap.parse_args(argv)
-    with open(args.result) as f:
-        result = json.load(f)
+    try:
+        with open(args.result) as f:
+            result = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(
+            f"gpu_breakdown: cannot read {args.result} ({exc}); give the JSON file "
+            "`python -m benchmarks.bench_gpu --kernels --json FILE` wrote"
+        ) from None
+    if not isinstance(result, dict) or "cases" not in result:
+        raise SystemExit(f"gpu_breakdown: {args.result} is not a bench_gpu result")
     rows = breakdown(result)
     if not rows:
         raise SystemExit(

@@ -106,8 +106,9 @@ DEVICE_MEMORY_EFFICIENCY: dict[str, float] = {"H200-141GB": 0.6129}
 #: PyTorch's FLOP counter does, so a causal kernel, which skips the upper half, is absorbed here.
 #: H200-141GB: fitted like ``DEVICE_MEMORY_EFFICIENCY`` to the flash kernels of the same three
 #: steps (heads of 64, 128 and 80; leave-one-out 0.295-0.327; the second run's fit 0.297). It
-#: prices a Llama's attention at sequence 2048 38% slower than it ran (heldout file): longer
-#: sequences fill the kernels better, which this one number does not model.
+#: prices a Llama's attention at sequence 2048 38% slower than it ran (heldout file), and the
+#: three held-out models (heads of 128 each) alone fit 0.376: the kernels' efficiency grows with
+#: the head dimension and the sequence, which this one number does not model.
 FUSED_ATTENTION_E: dict[str, float] = {"H200-141GB": 0.3044}
 FLASH_HEAD_DIM_STEP = 32
 #: Fixed seconds per GPU kernel (datasheet pricing only): a CUDA kernel launch takes about 5-10 us

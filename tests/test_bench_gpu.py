@@ -154,3 +154,18 @@ def test_the_fit_scales_each_efficiency_by_predicted_over_measured():
     step = 0.010 + 0.002 + 0.004 * 6 / 4
     assert a["predicted_s"] == pytest.approx(step)
     assert a["error"] == pytest.approx(step / (0.010 + 0.002 + 0.008 + 0.001) - 1)
+
+
+def test_the_breakdown_names_what_it_cannot_read(tmp_path):
+    from benchmarks.gpu_breakdown import main
+
+    with pytest.raises(SystemExit, match="cannot read .*no-such.json"):
+        main([str(tmp_path / "no-such.json")])
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(SystemExit, match="is not a bench_gpu result"):
+        main([str(tmp_path / "list.json")])
+    (tmp_path / "bare.json").write_text(
+        '{"planned_for": "1x1xH200-141GB", "cases": []}'
+    )
+    with pytest.raises(SystemExit, match="no case recorded with --kernels"):
+        main([str(tmp_path / "bare.json")])
