@@ -7,6 +7,11 @@ be redistributed to the parameter's placements) and one parameter has no gradien
 The parameters and the Adam state, gathered, equal those of single-tensor ``torch.optim`` over
 full tensors (the ground truth); the state reads back as DTensors placed like their parameters;
 `zero_grad` drops the DTensor gradients.
+
+And the order of a `runtime.train.Trainer` step, which on a GPU decides whether the host waits
+for the device: in each runner (ours with two micro-batches, torch.distributed.pipelining over
+two stages) the step reads no tensor's value (``float()``, ``.item()``: each would wait for the
+device), and `Trainer.step` reads the loss once, after it has launched the optimizer's update.
 """
 
 from __future__ import annotations
@@ -90,14 +95,92 @@ def _rank(kind: str) -> dict[str, Any]:
     }
 
 
-def _both() -> dict[str, Any]:
-    return {kind: _rank(kind) for kind in ("adam", "sgd")}
+SPEC = "gpt:hidden=32,layers=2,heads=2,seq=8,vocab=64"
+
+
+def _reads(plans: dict[str, Any]) -> dict[str, list[str]]:
+    """Per plan: what a runner step, then a Trainer step, did in order: "read" for each value
+    read off a tensor outside the optimizer's update (Adam on the CPU reads its step counters;
+    fused on CUDA it does not), "update" for the optimizer's step."""
+    from runtime.shard_optim import ShardOptimizer
+    from runtime.train import Trainer, seeded_model_and_batches, split_batch
+
+    events: list[str] = []
+    read_float, read_item = torch.Tensor.__float__, torch.Tensor.item
+    update = ShardOptimizer.step
+
+    inside: list[bool] = []  # torch.optim's own reads of its step counters on the CPU
+
+    def spy_float(self: torch.Tensor) -> float:
+        if not inside:
+            events.append("read")
+        return read_float(self)
+
+    def spy_item(self: torch.Tensor) -> Any:
+        if not inside:
+            events.append("read")
+        return read_item(self)
+
+    def spy_update(self: ShardOptimizer) -> None:
+        events.append("update")
+        inside.append(True)
+        try:
+            update(self)
+        finally:
+            inside.pop()
+
+    out = {}
+    for name, plan in plans.items():
+        model, batches = seeded_model_and_batches(SPEC, 4, 2)
+        tr = Trainer(plan, model, batches[0], optimizer="adam", lr=0.01)
+        tr.step(batches[0])  # the first step compiles
+        torch.Tensor.__float__, torch.Tensor.item = spy_float, spy_item
+        ShardOptimizer.step = spy_update
+        try:
+            events.clear()
+            tr.runner.step(tr.params, split_batch(batches[1], 2), tr.buffers)
+            tr.optimizer.zero_grad()
+            events.append("|")
+            tr.step(batches[1])
+        finally:
+            torch.Tensor.__float__, torch.Tensor.item = read_float, read_item
+            ShardOptimizer.step = update
+        out[name] = list(events)
+    return out
+
+
+def _both(plans: dict[str, Any]) -> dict[str, Any]:
+    return {kind: _rank(kind) for kind in ("adam", "sgd")} | {"reads": _reads(plans)}
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, list[dict[str, Any]]]:
-    out = launch(_both, 2)
-    return {kind: [r[kind] for r in out] for kind in ("adam", "sgd")}
+    from planner.plans.manual import manual_plan
+
+    plans = {
+        "dp2_mb2": manual_plan(
+            SPEC,
+            "1x2xA100-80GB",
+            dp=2,
+            tp=1,
+            pp=1,
+            num_microbatches=2,
+            global_batch=4,
+            dtype=torch.float32,
+        ),
+        "pp2": manual_plan(
+            SPEC,
+            "1x2xA100-80GB",
+            dp=1,
+            tp=1,
+            pp=2,
+            num_microbatches=2,
+            global_batch=4,
+            dtype=torch.float32,
+        ),
+    }
+    out = launch(_both, 2, args=(plans,))
+    return {key: [r[key] for r in out] for key in ("adam", "sgd", "reads")}
 
 
 @pytest.mark.parametrize("kind", ["adam", "sgd"])
@@ -129,3 +212,11 @@ def test_unknown_optimizer_is_refused() -> None:
 
     with pytest.raises(MeshplanError, match="use one of"):
         ShardOptimizer({}, "lamb", lr=0.1)
+
+
+def test_a_step_reads_the_loss_once_after_launching_the_update(results: dict) -> None:
+    for rank in results["reads"]:
+        assert set(rank) == {"dp2_mb2", "pp2"}
+        for name, events in rank.items():
+            # the runner's step reads nothing; the trainer's step: the update, then one read
+            assert events == ["|", "update", "read"], name
