@@ -63,6 +63,12 @@ def split_batch(batch: Sequence[torch.Tensor], n: int) -> list[Batch]:
     return [tuple(t.chunk(n, dim=0)[i] for t in batch) for i in range(n)]
 
 
+def _param_dtype(graph: OpGraph) -> str | None:
+    """The dtype of the graph's floating parameters when they share one, else None."""
+    dtypes = {m.dtype for m in graph.params.values() if "float" in m.dtype}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
 def _check_graph_params(graph: OpGraph, model: nn.Module) -> None:
     mine = {k: TensorMeta.of(p) for k, p in model.named_parameters()}
     if mine != graph.params:
@@ -109,7 +115,7 @@ class Trainer:
             graph = trace(model, micro, model_name=plan.model.get("name", ""))
         else:
             _check_graph_params(graph, model)
-        plan.check_model(graph.fingerprint(), graph.model_name)
+        plan.check_model(graph.fingerprint(), graph.model_name, _param_dtype(graph))
         self.graph = graph
         self.masks: DropoutMasks | None = None
         if samples_randomly(graph):

@@ -297,6 +297,13 @@ def test_plan_refuses_other_model() -> None:
     p = _small_plan()
     with pytest.raises(MeshplanError, match="plan was made for model"):
         p.check_model("0000", "other")
+    # the same model in another dtype: the refusal says so
+    name = p.model["name"]
+    with pytest.raises(
+        MeshplanError, match=f"in {p.dtype}, and this model's parameters are"
+    ):
+        p.check_model("0000", name, "bfloat16" if p.dtype != "bfloat16" else "float32")
+    p.check_model(p.model["fingerprint"], name, "anything")  # the same graph runs
 
 
 def test_intra_only_is_one_stage_on_the_whole_cluster() -> None:

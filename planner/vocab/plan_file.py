@@ -184,10 +184,25 @@ class ParallelPlan:
                 f"plan names op {exc.args[0]} that the traced model does not have"
             ) from None
 
-    def check_model(self, fingerprint: str, name: str = "") -> None:
-        """Refuse to run a plan made for another model."""
-        if self.model.get("fingerprint") != fingerprint:
-            raise MeshplanError(
-                f"plan was made for model {self.model.get('name')!r} (fingerprint {self.model.get('fingerprint')}), "
-                f"not for {name or 'this model'} (fingerprint {fingerprint}); plan it again with `meshplan plan`"
+    def check_model(
+        self, fingerprint: str, name: str = "", dtype: str | None = None
+    ) -> None:
+        """Refuse to run a plan made for another model. `dtype`: the model's parameters' dtype,
+        named in the refusal when the plan was made for the same model in another dtype."""
+        if self.model.get("fingerprint") == fingerprint:
+            return
+        if dtype is not None and dtype != self.dtype and name == self.model.get("name"):
+            how = (
+                f" (`meshplan plan ... --dtype {dtype}`)"
+                if dtype in ("float16", "bfloat16", "float32")
+                else ""
             )
+            raise MeshplanError(
+                f"plan was made for model {name!r} in {self.dtype}, and this model's "
+                f"parameters are {dtype}: build the model in {self.dtype}, or plan it again "
+                f"in {dtype}{how}"
+            )
+        raise MeshplanError(
+            f"plan was made for model {self.model.get('name')!r} (fingerprint {self.model.get('fingerprint')}), "
+            f"not for {name or 'this model'} (fingerprint {fingerprint}); plan it again with `meshplan plan`"
+        )
