@@ -81,8 +81,9 @@ def predicted(case: dict[str, Any], planned_for: str) -> dict[str, float]:
     from cost_models.compute import optimizer_step_time
     from planner.intra.prices import Option, StageSettings, compute_time
     from planner.plans.manual import manual_plan
+    from planner.tracing.attention import FUSED_ATTENTION
     from planner.tracing.inputs import resolve_model
-    from planner.vocab.strategy import Strategy
+    from planner.vocab.strategy import strategy_from_json
 
     cluster = Cluster.from_spec(planned_for)
     B = case["num_microbatches"]
@@ -108,14 +109,10 @@ def predicted(case: dict[str, Any], planned_for: str) -> dict[str, float]:
             node = graph.node(name)
             if node.op != "call":
                 continue
-            strategy = Strategy(
-                tuple(tuple(x) for x in st["outputs"]),
-                tuple(tuple(x) if x is not None else None for x in st["inputs"]),
-                "plan",
-            )
+            strategy = strategy_from_json(st)
             kind = (
                 "attention"
-                if "scaled_dot_product" in node.target
+                if node.target.startswith(FUSED_ATTENTION)
                 else "products"
                 if node.kind == "matmul"
                 else "memory"
@@ -138,12 +135,9 @@ def breakdown(result: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def fit(rows: list[dict[str, Any]], device: str) -> dict[str, float]:
-    """The memory-bound efficiency and the fused-attention efficiency of `device` that make the
-    predicted seconds of those kinds over `rows` equal the measured ones: each constant's
-    current value times predicted / measured (the optimizer's kernels count as memory-bound;
-    both kinds' prices are inversely proportional to their constant, so the fit is a fixed
-    point: run again on the fitted constants, it returns them)."""
+def _current(device: str) -> dict[str, float]:
+    """`device`'s memory-bound and fused-attention efficiencies as `cost_models.compute` has
+    them (the names `fit` returns)."""
     from cost_models.compute import FUSED_ATTENTION_E, memory_efficiency
 
     if device not in FUSED_ATTENTION_E:
@@ -151,16 +145,29 @@ def fit(rows: list[dict[str, Any]], device: str) -> dict[str, float]:
             f"gpu_breakdown --fit: {device} has no FUSED_ATTENTION_E entry in "
             "cost_models/compute.py; give it a provisional one, fit, and fit again"
         )
+    return {
+        "memory_efficiency": memory_efficiency(device),
+        "fused_attention_e": FUSED_ATTENTION_E[device],
+    }
+
+
+def fit(rows: list[dict[str, Any]], device: str) -> dict[str, float]:
+    """The memory-bound efficiency and the fused-attention efficiency of `device` that make the
+    predicted seconds of those kinds over `rows` equal the measured ones: each constant's
+    current value times predicted / measured (the optimizer's kernels count as memory-bound;
+    both kinds' prices are inversely proportional to their constant, so the fit is a fixed
+    point: run again on the fitted constants, it returns them)."""
+    current = _current(device)
 
     def total(kinds: tuple[str, ...], side: str) -> float:
         return sum(r[side][k] for r in rows for k in kinds)
 
     memory = ("memory", "optimizer")
     return {
-        "memory_efficiency": memory_efficiency(device)
+        "memory_efficiency": current["memory_efficiency"]
         * total(memory, "predicted")
         / total(memory, "measured"),
-        "fused_attention_e": FUSED_ATTENTION_E[device]
+        "fused_attention_e": current["fused_attention_e"]
         * total(("attention",), "predicted")
         / total(("attention",), "measured"),
     }
@@ -170,12 +177,7 @@ def leave_one_out(rows: list[dict[str, Any]], device: str) -> list[dict[str, Any
     """Per row: the constants fitted to the other rows, and the row's predicted step (every
     kind, the host's 0 included; its prices scaled from the device's current constants to
     those) against its measured step."""
-    from cost_models.compute import FUSED_ATTENTION_E, memory_efficiency
-
-    current = {
-        "memory_efficiency": memory_efficiency(device),
-        "fused_attention_e": FUSED_ATTENTION_E[device],
-    }
+    current = _current(device)
     out = []
     for i, r in enumerate(rows):
         loo = fit(rows[:i] + rows[i + 1 :], device)

@@ -59,7 +59,7 @@ from planner.plans.manual import manual_plan
 from planner.tracing.inputs import resolve_model
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.plan_file import ParallelPlan
-from planner.vocab.strategy import Strategy
+from planner.vocab.strategy import Strategy, strategy_from_json
 
 
 def alpa_gpt_flops(
@@ -130,11 +130,7 @@ def stage_corrections(
         delta = 0.0
         for name, st in stage.node_strategies.items():
             node = graph.node(name)
-            strategy = Strategy(
-                tuple(tuple(p) for p in st["outputs"]),
-                tuple(tuple(p) if p is not None else None for p in st["inputs"]),
-                "plan",
-            )
+            strategy = strategy_from_json(st)
             opt = Option(strategy)
             local = _local_shape(node.outputs[0].shape, st["outputs"][0], mesh.shape)
             if "scaled_dot_product" in node.target:

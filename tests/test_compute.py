@@ -190,18 +190,23 @@ def test_optimizer_step_and_fused_dropout_bytes() -> None:
 
 
 def test_a_measured_device_prices_memory_at_its_fitted_efficiency() -> None:
-    from cost_models.compute import DEVICE_MEMORY_EFFICIENCY, memory_efficiency
+    from cost_models.compute import (
+        DEVICE_MEMORY_EFFICIENCY,
+        OPTIMIZER_STEP_BYTES,
+        memory_efficiency,
+    )
 
     h200 = Cluster.from_spec("1x1xH200-141GB")
     fitted = DEVICE_MEMORY_EFFICIENCY["H200-141GB"]
     assert 0 < fitted < 1 and memory_efficiency("A100-80GB") == MEMORY_EFFICIENCY
+    bandwidth = h200.device.memory_bandwidth_bytes_per_s
     nbytes = 1e9
     assert op_time(h200, 0.0, nbytes, "bfloat16") == pytest.approx(
-        nbytes / (4800e9 * fitted)
+        nbytes / (bandwidth * fitted)
     )
     # the optimizer step is memory-bound too
     assert optimizer_step_time(h200, 1e6, "adam_16bit") == pytest.approx(
-        14e6 / (4800e9 * fitted)
+        OPTIMIZER_STEP_BYTES["adam_16bit"] * 1e6 / (bandwidth * fitted)
     )
 
 
@@ -210,7 +215,7 @@ def test_fused_attention_runs_the_head_dimension_its_kernel_pads_to() -> None:
 
     h200 = Cluster.from_spec("1x1xH200-141GB")
     e = FUSED_ATTENTION_E["H200-141GB"]
-    peak = 989.4e12
+    peak = h200.device.peak("bfloat16")
     flops = 1e12
     for head, padded in ((64, 64), (80, 96), (96, 96), (100, 128), (128, 128)):
         got = fused_attention_time(h200, flops, 1.0, "bfloat16", head, kernels=3)

@@ -111,15 +111,13 @@ def _reads(plans: dict[str, Any]) -> dict[str, list[str]]:
 
     inside: list[bool] = []  # torch.optim's own reads of its step counters on the CPU
 
-    def spy_float(self: torch.Tensor) -> float:
-        if not inside:
-            events.append("read")
-        return read_float(self)
+    def spy(read: Any) -> Any:
+        def reading(self: torch.Tensor) -> Any:
+            if not inside:
+                events.append("read")
+            return read(self)
 
-    def spy_item(self: torch.Tensor) -> Any:
-        if not inside:
-            events.append("read")
-        return read_item(self)
+        return reading
 
     def spy_update(self: ShardOptimizer) -> None:
         events.append("update")
@@ -134,7 +132,7 @@ def _reads(plans: dict[str, Any]) -> dict[str, list[str]]:
         model, batches = seeded_model_and_batches(SPEC, 4, 2)
         tr = Trainer(plan, model, batches[0], optimizer="adam", lr=0.01)
         tr.step(batches[0])  # the first step compiles
-        torch.Tensor.__float__, torch.Tensor.item = spy_float, spy_item
+        torch.Tensor.__float__, torch.Tensor.item = spy(read_float), spy(read_item)
         ShardOptimizer.step = spy_update
         try:
             events.clear()
@@ -158,26 +156,17 @@ def results() -> dict[str, list[dict[str, Any]]]:
     from planner.plans.manual import manual_plan
 
     plans = {
-        "dp2_mb2": manual_plan(
+        name: manual_plan(
             SPEC,
             "1x2xA100-80GB",
-            dp=2,
+            dp=dp,
             tp=1,
-            pp=1,
+            pp=pp,
             num_microbatches=2,
             global_batch=4,
             dtype=torch.float32,
-        ),
-        "pp2": manual_plan(
-            SPEC,
-            "1x2xA100-80GB",
-            dp=1,
-            tp=1,
-            pp=2,
-            num_microbatches=2,
-            global_batch=4,
-            dtype=torch.float32,
-        ),
+        )
+        for name, dp, pp in (("dp2_mb2", 2, 1), ("pp2", 1, 2))
     }
     out = launch(_both, 2, args=(plans,))
     return {key: [r[key] for r in out] for key in ("adam", "sgd", "reads")}
