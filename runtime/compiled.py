@@ -13,9 +13,11 @@ work this overhead, not the arithmetic, sets the step time. `CompiledStage` remo
   program, `Edge`'s backward included, so the gradients and their collectives are the planned
   ones. The compilers are no-ops (``nop``, boxed): the graphs run as fx GraphModules, no Inductor.
 * **Replay every step.** The result is an autograd-aware callable (AOTAutograd's
-  ``CompiledFunction``) taking and returning DTensors: leaves receive DTensor gradients with the
-  placements the trace produced, so gradient accumulation over micro-batches, `sync_grads` and
-  the pipeline runner's per micro-batch forward / backward work unchanged.
+  ``CompiledFunction``) returning DTensors. DTensor leaves (parameters, received activations)
+  go in as aliases of their local tensors and their gradients come back into the DTensor
+  leaves' ``.grad`` with the placements the trace produced (`runtime.local_leaves`: without
+  AOTAutograd wrapping every gradient per call), so gradient accumulation over micro-batches,
+  `sync_grads` and the pipeline runner's per micro-batch forward / backward work unchanged.
 * **Cache** one callable per input signature (`signature`: type, shape, stride, dtype,
   requires_grad and placements of every input, and the grad mode): ``aot_function`` itself
   compiles on its first call and never checks its inputs again.
@@ -52,6 +54,7 @@ from torch._functorch.partitioners import default_partition
 from torch.distributed.tensor import DTensor
 
 from runtime import comm_count
+from runtime.local_leaves import LocalLeaves, is_leaf_input
 
 __all__ = ["CompiledStage", "signature"]
 
@@ -119,7 +122,6 @@ def _backward_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
     return gm
 
 
-_FORWARD = make_boxed_compiler(_forward_compiler)
 _BACKWARD = make_boxed_compiler(_backward_compiler)
 
 
@@ -133,33 +135,64 @@ class CompiledStage:
 
     def __init__(self, run: Callable[..., Any]) -> None:
         self.run = run
-        self._fns: dict[tuple, Callable[..., Any]] = {}
+        self._fns: dict[tuple, tuple[Callable[..., Any], LocalLeaves]] = {}
         self.compiles = 0
         self.compiled_calls = 0
         self.error: str | None = None
 
     def __call__(self, values: Sequence[Any]) -> Any:
         """The outputs of ``run(*values)`` computed by the compiled graphs, or None when this
-        stage cannot be compiled (``error``)."""
+        stage cannot be compiled (``error``). DTensor leaves are passed as local aliases
+        (`runtime.local_leaves`)."""
         if self.error is not None:
             return None
         key = signature(values)
-        fn = self._fns.get(key)
-        if fn is None:
-            fn = aot_function(
-                self.run,
-                fw_compiler=_FORWARD,
-                bw_compiler=_BACKWARD,
-                partition_fn=default_partition,
-            )
-            try:
-                out = fn(*values)  # traces, compiles, then runs
-            except Exception as exc:  # noqa: BLE001 - any tracing failure means: run eagerly
-                self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-                return None
-            self._fns[key] = fn
+        got = self._fns.get(key)
+        if got is None:
+            leaves = [i for i, v in enumerate(values) if is_leaf_input(v)]
+            local = LocalLeaves(leaves, [values[i]._spec for i in leaves])
+            while True:
+                fn = self._aot(local)
+                try:
+                    out = fn(*local.substitute(values))  # traces, compiles, then runs
+                except _Mismatch as m:
+                    local = m.leaves
+                    continue
+                except Exception as exc:  # noqa: BLE001 - any tracing failure: run eagerly
+                    self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                    return None
+                break
+            self._fns[key] = (fn, local)
             self.compiles += 1
         else:
-            out = fn(*values)
+            fn, local = got
+            out = fn(*local.substitute(values))
         self.compiled_calls += 1
         return out
+
+    def _aot(self, local: LocalLeaves) -> Callable[..., Any]:
+        """AOTAutograd's callable of ``run`` with `local`'s leaves as local aliases. Its forward
+        compiler, called after the joint trace and before anything runs, stops the
+        compilation (`_Mismatch`) when a leaf's gradient cannot be its alias's."""
+
+        def forward_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            retry = local.without_mismatched()
+            if retry is not None:
+                raise _Mismatch(retry)
+            return _forward_compiler(gm, example_inputs)
+
+        run = self.run
+        return aot_function(
+            lambda *xs: run(*local.wrap(xs)),
+            fw_compiler=make_boxed_compiler(forward_compiler),
+            bw_compiler=_BACKWARD,
+            partition_fn=default_partition,
+        )
+
+
+class _Mismatch(Exception):
+    """Trace again with `leaves` (`CompiledStage._aot`)."""
+
+    def __init__(self, leaves: LocalLeaves) -> None:
+        super().__init__("a leaf's gradient is split otherwise than the leaf")
+        self.leaves = leaves

@@ -12,7 +12,9 @@ One gloo launch of 4 ranks runs:
 * the ``data_parallel`` plan with ``sync_param_grads=False`` over two micro-batches and one
   `sync_grads`: the accumulated gradients of single-device training;
 * `runtime.train.Trainer` on a pipeline x tensor plan (2 stages of 2 devices, 2 micro-batches):
-  3 SGD steps compiled and eager give single-device training's losses and parameters; with
+  3 SGD steps compiled and eager give single-device training's losses and parameters (the
+  compiled stages taking their parameters as local aliases, `runtime.local_leaves`, but for
+  those whose gradient is split otherwise than the parameter); with
   activation recomputation the executors fall back to the eager interpreter (and still match); a
   second compiled trainer of the same plan in the same process compiles too (`runtime.meshes`).
 """
@@ -126,6 +128,13 @@ def _trainer_runs(batches: list) -> dict[str, Any]:
             "ran_compiled": [
                 ex.last_run_compiled for ex in tr.runner.executors.values()
             ],
+            # per compiled callable: (leaves passed as local aliases, left DTensors)
+            "leaves": [
+                (len(local.indices), local.excluded)
+                for ex in tr.runner.executors.values()
+                if ex._compiled is not None
+                for _, local in ex._compiled._fns.values()
+            ],
         }
     return out
 
@@ -213,6 +222,13 @@ def test_trainer_compiled_eager_and_recomputed_match_one_device(runs: list) -> N
         ]  # checkpointed layers run eagerly
         for name in ("compiled", "eager", "recompute", "compiled_again"):
             assert t[name]["losses"] == pytest.approx(ref_losses, rel=1e-5), name
+        # the parameters went in as local aliases (`runtime.local_leaves`), except weights
+        # whose gradient arrives split otherwise (this small model's plan gathers its
+        # tensor-parallel weights before use: their gradients arrive replicated)
+        assert t["compiled"]["leaves"] and all(
+            n > 0 for n, _ in t["compiled"]["leaves"]
+        )
+        assert any(x > 0 for _, x in t["compiled"]["leaves"])
     for rank in (0, 2):  # the first device of each stage holds the stage's parameters
         for name in ("compiled", "eager", "recompute"):
             got = {
