@@ -13,11 +13,14 @@ rank of this machine, a 24-layer GPT of 293 small parameters: Adam's step 28 ms 
 (the same storage: its in-place update is the DTensors' update) and each `step` hands it the
 local tensors of the DTensor gradients.
 
-On CUDA the update is ``fused=True``: one kernel reads the weight, gradient and state and writes
-the weight and state, the bytes `cost_models.compute.OPTIMIZER_STEP_BYTES` prices (the
-``foreach`` implementation makes a pass over memory per arithmetic op). On the CPU it is
-``foreach=True``, whose arithmetic is the single-tensor loop's, which the tests' single-device
-references run.
+Adam's update is ``fused=True``: one kernel per parameter reads the weight, gradient and state
+and writes the weight and state, the bytes `cost_models.compute.OPTIMIZER_STEP_BYTES` prices.
+The ``foreach`` implementation makes a pass over memory per arithmetic op and holds a
+weight-sized temporary (the square roots of the second moments) at once for all parameters; on
+this machine's CPU (one thread) it took 17.4, 40.6 and 57.1 ms for the 293, 53 and 29 parameters
+of three small GPTs where the fused one took 5.2, 7.5 and 11.1 ms, their results within 3e-7
+(relative) of each other after five steps. SGD keeps ``foreach=True`` on the CPU (fused: no
+faster there) and is fused on CUDA.
 
 What PyTorch lacks: ``torch.optim`` has no mode that steps DTensors on their local tensors
 (FSDP2 and torchtitan step the DTensors through DTensor's dispatch).
@@ -58,7 +61,8 @@ class ShardOptimizer:
         self.params = list(params.values())
         self.locals = [p._local_tensor for p in self.params]
         cls = torch.optim.SGD if kind == "sgd" else torch.optim.Adam
-        impl = {"fused": True} if device_type == "cuda" else {"foreach": True}
+        fused = device_type == "cuda" or cls is torch.optim.Adam
+        impl = {"fused": True} if fused else {"foreach": True}
         self.inner = cls(self.locals, lr=lr, **impl)
 
     def step(self) -> None:

@@ -100,8 +100,9 @@ SPEC = "gpt:hidden=32,layers=2,heads=2,seq=8,vocab=64"
 
 def _reads(plans: dict[str, Any]) -> dict[str, list[str]]:
     """Per plan: what a runner step, then a Trainer step, did in order: "read" for each value
-    read off a tensor outside the optimizer's update (Adam on the CPU reads its step counters;
-    fused on CUDA it does not), "update" for the optimizer's step."""
+    read off a tensor outside the optimizer's update (the update's own reads are not counted:
+    foreach Adam reads its step counters, fused Adam does not), "update" for the optimizer's
+    step."""
     from runtime.shard_optim import ShardOptimizer
     from runtime.train import Trainer, seeded_model_and_batches, split_batch
 
@@ -109,7 +110,7 @@ def _reads(plans: dict[str, Any]) -> dict[str, list[str]]:
     read_float, read_item = torch.Tensor.__float__, torch.Tensor.item
     update = ShardOptimizer.step
 
-    inside: list[bool] = []  # torch.optim's own reads of its step counters on the CPU
+    inside: list[bool] = []  # set during the update, whose own reads are not counted
 
     def spy(read: Any) -> Any:
         def reading(self: torch.Tensor) -> Any:
