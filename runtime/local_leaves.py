@@ -11,7 +11,7 @@ the wrapping of the 294 gradients was the largest part of the host time profiled
 
 `LocalLeaves` removes it for the inputs that are autograd leaves (the parameters, a pipeline
 stage's received activations): the compiled function takes an alias of each leaf's local tensor
-(the same storage, a leaf requiring grad itself), and inside the traced function `as_dtensor`
+(the same storage, a leaf requiring grad itself), and inside the traced function `_AsDTensor`
 wraps it with the leaf's spec. `_AsDTensor`'s backward hands the local gradient back as it is
 (no redistribution: a replicated weight's gradient stays partial, to be summed once per step
 by `runtime.grad_sync` / `runtime.grad_overlap`, as with DTensor leaves) and records the
@@ -20,6 +20,12 @@ alias moves each micro-batch's local gradient into the DTensor leaf's ``.grad`` 
 wrapped with the recorded spec, the next ones added in place to its local tensor) and runs the
 leaf's own post-accumulate-grad hooks (`runtime.grad_overlap` counts the accumulations there),
 so everything after backward reads ``.grad`` of the DTensor leaves as before.
+
+A leaf whose gradient the trace produces split otherwise than the leaf (a sharded weight that the
+plan gathers before use gets a replicated gradient, sliced at the step's gradient sync) cannot
+take it through an alias of its local shape: the compilation stops after the joint trace, before
+anything runs, and the stage is traced again with that leaf a DTensor input
+(`LocalLeaves.without_mismatched`, `runtime.compiled.CompiledStage`).
 
 What PyTorch lacks: AOTAutograd has no mode that keeps a subclass input's local tensor as the
 autograd leaf; DTensor's own ``from_local`` redistributes the gradient to the input's placements
@@ -36,7 +42,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-__all__ = ["LocalLeaves", "as_dtensor", "is_leaf_input"]
+__all__ = ["LocalLeaves", "is_leaf_input"]
 
 
 class _AsDTensor(torch.autograd.Function):
@@ -58,15 +64,10 @@ class _AsDTensor(torch.autograd.Function):
         if local.shape != ctx.shape:
             # the gradient is split otherwise than the leaf (a sharded weight gathered before
             # use: its gradient arrives replicated): it cannot be the alias's gradient;
-            # `LocalLeaves.check` stops the compilation, which leaves this input a DTensor
+            # `LocalLeaves.without_mismatched` has it traced again as a DTensor input
             ctx.slot[1] = True
             return local.new_zeros(ctx.shape), None, None
         return local, None, None
-
-
-def as_dtensor(local: torch.Tensor, spec: DTensorSpec, slot: list) -> DTensor:
-    """`local` as a DTensor placed per `spec`, differentiable (`_AsDTensor`)."""
-    return _AsDTensor.apply(local, spec, slot)
 
 
 def is_leaf_input(v: Any) -> bool:
@@ -136,7 +137,7 @@ class LocalLeaves:
         """Inside the traced function: the aliases wrapped back into DTensors."""
         out = list(values)
         for k, i in enumerate(self.indices):
-            out[i] = as_dtensor(out[i], self.specs[k], self.slots[k])
+            out[i] = _AsDTensor.apply(out[i], self.specs[k], self.slots[k])
         return out
 
     def substitute(self, values: Sequence[Any]) -> list[Any]:
