@@ -253,3 +253,13 @@ def test_planning_error_comes_back_as_one_line(
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_numbers_in_cli_tables_never_print_an_exponent() -> None:
+    from planner.commands.fmt import nbytes, si
+
+    assert si(1.3e9, "FLOP") == "1.3 GFLOP"
+    assert si(999.7e3, "B/s") == "1 MB/s"  # not "1e+03 KB/s"
+    assert nbytes(1000 * 1024) == "0.977 MiB"  # not "1e+03 KiB"
+    assert nbytes(944 * 1024) == "944 KiB"
+    assert nbytes(1023) == "0.999 KiB"  # not "1.02e+03 B"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def si(x: float, unit: str = "", base: float = 1000.0) -> str:
-    """3 significant digits with an SI prefix: si(1.3e9, "FLOP") -> "1.30 GFLOP"."""
+    """At most 3 significant digits with an SI prefix: si(1.3e9, "FLOP") -> "1.3 GFLOP";
+    base 1024 for binary prefixes (1000 KiB reads "0.977 MiB", never "1e+03 KiB")."""
     prefixes = (
         ["", "K", "M", "G", "T", "P", "E"]
         if base == 1000.0
@@ -12,7 +13,8 @@ def si(x: float, unit: str = "", base: float = 1000.0) -> str:
     )
     i = 0
     x = float(x)
-    while abs(x) >= base and i < len(prefixes) - 1:
+    # 3 significant digits print a value that rounds to 1000 or more as "1e+03"
+    while i < len(prefixes) - 1 and (abs(x) >= base or abs(float(f"{x:.3g}")) >= 1000):
         x /= base
         i += 1
     return f"{x:.3g} {prefixes[i]}{unit}".rstrip()
