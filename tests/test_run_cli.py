@@ -263,3 +263,29 @@ def test_numbers_in_cli_tables_never_print_an_exponent() -> None:
     assert nbytes(1000 * 1024) == "0.977 MiB"  # not "1e+03 KiB"
     assert nbytes(944 * 1024) == "944 KiB"
     assert nbytes(1023) == "0.999 KiB"  # not "1.02e+03 B"
+
+
+def test_plan_summary_counts_parameters_and_micro_batches_as_people_write_them() -> (
+    None
+):
+    from planner.commands.plan import _params, summary
+    from planner.plans.manual import manual_plan
+
+    assert [_params(n) for n in (70.55e9, 124.4e6, 14336, 512)] == [
+        "70.55 B",
+        "124.4 M",
+        "14.3 K",
+        "512",
+    ]
+    p = manual_plan(
+        "gpt:hidden=64,layers=2,heads=4,seq=16,vocab=128",
+        "1x2xA100-80GB",
+        dp=2,
+        tp=1,
+        pp=1,
+        num_microbatches=1,
+        global_batch=8,
+        dtype="float32",
+    )
+    head = summary(p).splitlines()[0]
+    assert "(117.5 K params)" in head and "1 micro-batch," in head, head

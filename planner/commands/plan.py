@@ -309,11 +309,20 @@ def _sharded_state(s: StagePlan) -> str:
     return ", ".join(parts) or "-"
 
 
+def _params(n: float) -> str:
+    """A parameter count as people write it: 70.55 B, 124.4 M, 14.3 K."""
+    for scale, suffix, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f} {suffix}"
+    return f"{n:.0f}"
+
+
 def summary(p: ParallelPlan) -> str:
     """The plan as a readable table."""
     head = (
-        f"{p.kind} plan for {p.model['name']} ({p.model['params'] / 1e9:.2f} B params) on {p.cluster['spec']}: "
-        f"global batch {p.global_batch}, {p.num_microbatches} micro-batches, {p.schedule}"
+        f"{p.kind} plan for {p.model['name']} ({_params(p.model['params'])} params) on {p.cluster['spec']}: "
+        f"global batch {p.global_batch}, {p.num_microbatches} micro-batch"
+        f"{'es' if p.num_microbatches != 1 else ''}, {p.schedule}"
         + (f" x{p.virtual_stages}" if p.virtual_stages > 1 else "")
     )
     rows = [
