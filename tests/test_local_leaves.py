@@ -1,5 +1,6 @@
 """runtime.local_leaves: a compiled stage takes DTensor leaves as local aliases and hands their
-gradients back into the DTensor leaves' ``.grad``, in one process (a gloo group of one rank).
+gradients back into the DTensor leaves' ``.grad``, and its input signature keeps each parameter's
+part, in one process (a gloo group of one rank).
 
 The 4-rank checks (training under a pipeline x tensor plan, where some weights' gradients arrive
 split otherwise than the weights and stay DTensor inputs) are in tests/test_compiled.py."""
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from runtime.compiled import CompiledStage
 
@@ -85,3 +86,27 @@ def test_without_grad_nothing_is_aliased(mesh) -> None:
     assert out is not None and w.grad is None
     ((_, local),) = stage._fns.values()
     assert local.indices == []
+
+
+def test_the_signature_of_a_kept_parameter_follows_its_changes(mesh) -> None:
+    """`runtime.compiled.signature` keeps each DTensor's part while the same local tensor and
+    spec back it: a new key when requires_grad flips, the local tensor is swapped for one of
+    other strides or the DTensor is placed anew; the old key when nothing changed."""
+    from runtime.compiled import signature
+
+    w = _leaf(mesh, torch.randn(4, 3))
+    x = DTensor.from_local(torch.randn(5, 4), mesh, [Replicate()])
+    key = signature([w, x])
+    assert (
+        signature([w, DTensor.from_local(torch.randn(5, 4), mesh, [Replicate()])])
+        == key
+    )
+    w.requires_grad_(False)
+    assert signature([w, x]) != key
+    w.requires_grad_(True)
+    assert signature([w, x]) == key
+    w._local_tensor = torch.randn(3, 4).t()  # same shape, other strides
+    assert signature([w, x]) != key
+    assert signature([_leaf(mesh, torch.randn(4, 3)), x]) == key
+    shard = DTensor.from_local(torch.randn(4, 3), mesh, [Shard(0)]).requires_grad_(True)
+    assert signature([shard, x]) != key
