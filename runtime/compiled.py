@@ -62,7 +62,8 @@ __all__ = ["CompiledStage", "signature"]
 
 def signature(values: Sequence[Any]) -> tuple:
     """What a traced graph assumes about its inputs: per input its type, shape, strides (of the
-    local tensor for a DTensor), dtype, requires_grad and placements; and the grad mode. Each
+    local tensor for a DTensor), dtype, requires_grad (and for a DTensor whether it is a leaf)
+    and placements; and the grad mode. Each
     input's part is a small int (`_entry_id`), so the key hashes fast."""
     return (*map(_entry_id, values), torch.is_grad_enabled())
 
@@ -70,9 +71,10 @@ def signature(values: Sequence[Any]) -> tuple:
 # An input's signature part, interned as an int: a stage takes hundreds of parameters, the same
 # objects on every call, and building and hashing their parts took ~2 ms a call on this machine
 # (once per micro-batch and chunk). A DTensor's part is kept with it, valid while it holds the
-# same local tensor and spec objects and its requires_grad is unchanged.
+# same local tensor and spec objects and its requires_grad and is_leaf are unchanged.
 _IDS: dict[tuple, int] = {}
-# id(DTensor) -> (weakref to it, weakref to its local tensor, its spec, requires_grad, part)
+# id(DTensor) -> (weakref to it, weakref to its local tensor, its spec, (requires_grad,
+# is_leaf), part)
 _KEPT: dict[int, tuple] = {}
 
 
@@ -86,7 +88,7 @@ def _entry_id(v: Any) -> int:
             and kept[0]() is v
             and kept[1]() is local
             and kept[2] is spec
-            and kept[3] == v.requires_grad
+            and kept[3] == (v.requires_grad, v.is_leaf)
         ):
             return kept[4]
         entry: tuple = (
@@ -94,14 +96,14 @@ def _entry_id(v: Any) -> int:
             tuple(v.shape),
             tuple(local.stride()),
             v.dtype,
-            v.requires_grad,
+            (v.requires_grad, v.is_leaf),  # a leaf goes in as its alias (`LocalLeaves`)
             tuple(v.placements),
             id(v.device_mesh),
         )
         out = _IDS.setdefault(entry, len(_IDS))
         key = id(v)
         ref = weakref.ref(v, lambda _, key=key: _forget(key))
-        _KEPT[key] = (ref, weakref.ref(local), spec, v.requires_grad, out)
+        _KEPT[key] = (ref, weakref.ref(local), spec, (v.requires_grad, v.is_leaf), out)
         return out
     if isinstance(v, torch.Tensor):
         entry = (type(v), tuple(v.shape), tuple(v.stride()), v.dtype, v.requires_grad)

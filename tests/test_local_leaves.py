@@ -110,3 +110,17 @@ def test_the_signature_of_a_kept_parameter_follows_its_changes(mesh) -> None:
     assert signature([_leaf(mesh, torch.randn(4, 3)), x]) == key
     shard = DTensor.from_local(torch.randn(4, 3), mesh, [Shard(0)]).requires_grad_(True)
     assert signature([shard, x]) != key
+
+
+def test_a_non_leaf_input_gets_its_own_graph(mesh) -> None:
+    """An input that requires grad but is computed (not a leaf) is not aliased: its gradient
+    flows on to what computed it, through a graph traced for it."""
+    stage = CompiledStage(_run)
+    x = DTensor.from_local(torch.randn(5, 4), mesh, [Replicate()])
+    stage([_leaf(mesh, torch.randn(4, 3)), x]).backward()
+    base = _leaf(mesh, torch.randn(4, 3))
+    stage([base * 2, x]).backward()  # the same shape and placements, not a leaf
+    assert stage.compiles == 2
+    ref = base.to_local().detach().clone().requires_grad_(True)
+    _run(ref * 2, x.to_local()).backward()
+    torch.testing.assert_close(base.grad.to_local(), ref.grad)
