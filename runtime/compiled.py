@@ -70,7 +70,7 @@ def signature(values: Sequence[Any]) -> tuple:
 
 # An input's signature part, interned as an int: a stage takes hundreds of parameters, the same
 # objects on every call, and building and hashing their parts took ~2 ms a call on this machine
-# (once per micro-batch and chunk). A DTensor's part is kept with it, valid while it holds the
+# (once per micro-batch and chunk). A DTensor leaf's part is kept with it, valid while it holds the
 # same local tensor and spec objects and its requires_grad and is_leaf are unchanged.
 _IDS: dict[tuple, int] = {}
 # id(DTensor) -> (weakref to it, weakref to its local tensor, its spec, (requires_grad,
@@ -101,9 +101,10 @@ def _entry_id(v: Any) -> int:
             id(v.device_mesh),
         )
         out = _IDS.setdefault(entry, len(_IDS))
-        key = id(v)
-        ref = weakref.ref(v, lambda _, key=key: _forget(key))
-        _KEPT[key] = (ref, weakref.ref(local), spec, (v.requires_grad, v.is_leaf), out)
+        if v.is_leaf:  # parameters come back every call; a computed value never does
+            key = id(v)
+            ref = weakref.ref(v, lambda _, key=key: _forget(key))
+            _KEPT[key] = (ref, weakref.ref(local), spec, (v.requires_grad, True), out)
         return out
     if isinstance(v, torch.Tensor):
         entry = (type(v), tuple(v.shape), tuple(v.stride()), v.dtype, v.requires_grad)
