@@ -6,7 +6,9 @@
 * on a pipeline-bound case (a GPT with hidden 4096 on four single-device hosts, 4 micro-batches)
   interleaving wins in the cost model, and the automatic plan (schedule "auto", the default) is at
   least as fast as the manual interleaved plan of the same mesh, within that plan's memory; with
-  the schedule pinned to "1f1b" it is not interleaved and slower.
+  the schedule pinned to "1f1b" it is not interleaved and slower;
+* the search's bound (candidates cut in increasing order of their lower bound, stopping above
+  the K-th kept) keeps exactly what cutting every candidate keeps, and cuts fewer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 
 from cost_models.errors import MeshplanError
 from planner import plan
+from planner.inter import interleave, mesh_search
 from planner.inter.interleave import balanced_cut, balanced_cuts
 from planner.plans.manual import manual_plan
 
@@ -103,3 +106,39 @@ def test_schedule_errors() -> None:
         plan(MODEL, CLUSTER, global_batch=G, schedule="interleaved", mode="intra-only")
     with pytest.raises(MeshplanError, match="unknown pipeline schedule"):
         plan(MODEL, CLUSTER, global_batch=G, schedule="round-robin")
+
+
+def test_bounded_search_keeps_what_cutting_everything_keeps(monkeypatch) -> None:
+    """`InterleavedSearch.best` cuts candidates in increasing order of their lower bound and
+    stops at the first above the K-th kept time: it keeps exactly the options (times, chunks,
+    submeshes, v, recomputation) of cutting every candidate, and cuts fewer."""
+    seen = []
+
+    class Both(interleave.InterleavedSearch):
+        def best(self):
+            entries, cut = list(self._pending), []
+            self._cut = lambda e, f=self._cut: (cut.append(e), f(e))
+            bounded = super().best()
+            self._pending = [(-np.inf, *e[1:]) for e in entries]
+            self._kept = []
+            every = super().best()
+            seen.append((bounded, every, len(entries), len(cut) - len(entries)))
+            return bounded
+
+    monkeypatch.setattr(mesh_search, "InterleavedSearch", Both)
+    plan(
+        "gpt:hidden=256,layers=12,heads=4,seq=128,vocab=1024",
+        "1x8xA100-80GB",
+        global_batch=64,
+        microbatch_size=[4],
+    )
+    ((bounded, every, entered, cut),) = seen
+
+    def key(picks: list) -> list:
+        return [
+            (p.seconds, p.chunks, p.submesh, p.virtual_stages, p.option.recompute)
+            for p in picks
+        ]
+
+    assert len(every) == interleave.KEEP and key(bounded) == key(every)
+    assert 0 < cut < entered

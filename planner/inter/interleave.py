@@ -27,9 +27,12 @@ search (`planner.size_search`) prices them as plans (`planner.plans.assemble`: t
 sends between the chunks' real devices) beside the stage DP's 1F1B candidates and returns the
 fastest. The cut is a heuristic for the interleaved objective (B max_d T_d + ...: minimising the
 largest chunk, then balancing all chunks, balances the groups' sums); the price is the plan's own.
-A (submesh, option) is skipped without cutting when ``B sum_l t_l / p`` (a lower bound of its
-time: the busiest group carries at least the mean) is no better than the K-th kept, or when its
-parameter state alone, spread evenly over the p groups, exceeds the budget.
+The candidates are cut once all profiles are in, in increasing order of ``B sum_l t_l / p`` (a
+lower bound of their time: the busiest group carries at least the mean), until that bound
+exceeds the K-th kept time; a candidate is skipped when its parameter state alone, spread evenly
+over the p groups, exceeds the budget. Cutting at the end also keeps these DPs (many small
+numpy operations) off the GIL while the intra-op solves run in threads
+(`planner.inter.mesh_search`): there each small operation waited for the solver threads' turn.
 """
 
 from __future__ import annotations
@@ -146,7 +149,12 @@ class InterleavedPick:
 
 
 class InterleavedSearch:
-    """The `KEEP` fastest interleaved options of one layer clustering, fed profile by profile."""
+    """The `KEEP` fastest interleaved options of one layer clustering. Profiles are entered as
+    the search makes them (`add`); `best` then cuts the (submesh, profile, recomputation)
+    candidates in increasing order of their lower bound (module docstring) and stops at the
+    first whose bound exceeds the K-th kept time: the candidates after it cannot enter. Ties go
+    to the earlier entered (candidate, v), as if every candidate had been cut, so the kept
+    options do not depend on the order the bounds visit them in."""
 
     def __init__(
         self,
@@ -163,10 +171,11 @@ class InterleavedSearch:
         self.boundary_bytes = bd.boundary_bytes(graph, self.bounds)
         self.grad_bytes = bd.boundary_bytes(graph, self.bounds, gradients=True)
         self.D, self.B, self.budget = num_devices, num_microbatches, budget
-        self._kept: list[
-            tuple[float, int, InterleavedPick]
-        ] = []  # max-heap by -seconds
-        self._count = 0
+        # (lower bound, entry index, submesh, p, send times, profile, recomputation,
+        # make_option)
+        self._pending: list[tuple] = []
+        # max-heap of the kept by (seconds, order): items (-seconds, -order, pick)
+        self._kept: list[tuple[float, int, InterleavedPick]] = []
 
     def groups(self, sub: tuple[int, int]) -> int:
         """p: the device groups of submesh `sub` tiling the cluster, 0 when they cannot be
@@ -177,8 +186,12 @@ class InterleavedSearch:
             return 0
         return p
 
-    def _bar(self) -> float:
-        return -self._kept[0][0] if len(self._kept) >= KEEP else np.inf
+    def _bar(self) -> tuple[float, float]:
+        """(seconds, order) of the K-th kept option; (inf, inf) while fewer are kept."""
+        if len(self._kept) < KEEP:
+            return (np.inf, np.inf)
+        seconds, order, _ = self._kept[0]
+        return (-seconds, -order)
 
     def add(
         self,
@@ -188,61 +201,69 @@ class InterleavedSearch:
         crosses_hosts: bool,
         make_option,
     ) -> None:
-        """Try every recomputation mode and v for one profile (attributed to this clustering)
-        on submesh `sub`; `make_option(recompute)` builds the chunks' `StageOption`."""
+        """Enter one profile (attributed to this clustering) on submesh `sub` for every
+        recomputation mode; `make_option(recompute)` builds the chunks' `StageOption`."""
         p = self.groups(sub)
         if not p:
             return
         send = bd.send_times(
             mesh, self.boundary_bytes, crosses_hosts, grad_bytes=self.grad_bytes
         )
-        modes = prof.recompute_modes()
-        B = self.B
-        for rc in modes:
-            params, kept, transient = st.range_footprint(prof, rc)
-            if params[0, self.L - 1] / p > self.budget:
-                continue
-            per_layer = prof.time + prof.extra_time(rc)
+        for rc in prof.recompute_modes():
             # FSDP with recomputation: the recomputed forward hides more of FSDP's collectives
             # (`LayerProfile.fsdp_recompute`, terms that can be negative), so the compute alone
             # is no lower bound there
-            bounded = prof.gathered is None or rc == "none"
-            if bounded and B * float(np.sum(per_layer)) / p >= self._bar():
+            bound = -np.inf
+            if prof.gathered is None or rc == "none":
+                per_layer = prof.time + prof.extra_time(rc)
+                bound = self.B * float(np.sum(per_layer)) / p
+            entry = (bound, len(self._pending), sub, p, send, prof, rc, make_option)
+            self._pending.append(entry)
+
+    def _cut(self, entry: tuple) -> None:
+        """Cut one candidate into p v chunks for every v and keep what beats the bar."""
+        _, index, sub, p, send, prof, rc, make_option = entry
+        B = self.B
+        params, kept, transient = st.range_footprint(prof, rc)
+        if params[0, self.L - 1] / p > self.budget:
+            return
+        time = prof.range_times(rc) + send[None, :]
+        acc = prof.accumulate_bytes(rc)
+        chunks = [v for v in VIRTUAL_STAGES if p * v <= self.L]
+        for v, cuts in zip(chunks, balanced_cuts(time, [p * v for v in chunks])):
+            if cuts is None:
                 continue
-            time = prof.range_times(rc) + send[None, :]
-            acc = prof.accumulate_bytes(rc)
-            chunks = [v for v in VIRTUAL_STAGES if p * v <= self.L]
-            for v, cuts in zip(chunks, balanced_cuts(time, [p * v for v in chunks])):
-                if cuts is None:
-                    continue
-                t = [float(time[k, j]) for k, j in cuts]
-                seconds = pipeline_time(t, B, "interleaved", virtual_stages=v)
-                if seconds >= self._bar():
-                    continue
-                ks, js = np.array(cuts).T
-                memory = max(
-                    device_peak_bytes(
-                        params[ks[d::p], js[d::p]],
-                        kept[ks[d::p], js[d::p]],
-                        transient[ks[d::p], js[d::p]],
-                        microbatches_in_flight(
-                            "interleaved", B, p, d, virtual_stages=v
-                        ),
-                        acc[ks[d::p], js[d::p]],
-                        B,
-                    )
-                    for d in range(p)
+            t = [float(time[k, j]) for k, j in cuts]
+            seconds = pipeline_time(t, B, "interleaved", virtual_stages=v)
+            order = index * len(VIRTUAL_STAGES) + VIRTUAL_STAGES.index(v)
+            if (seconds, order) >= self._bar():
+                continue
+            ks, js = np.array(cuts).T
+            memory = max(
+                device_peak_bytes(
+                    params[ks[d::p], js[d::p]],
+                    kept[ks[d::p], js[d::p]],
+                    transient[ks[d::p], js[d::p]],
+                    microbatches_in_flight("interleaved", B, p, d, virtual_stages=v),
+                    acc[ks[d::p], js[d::p]],
+                    B,
                 )
-                if memory > self.budget:
-                    continue
-                pick = InterleavedPick(seconds, cuts, sub, v, make_option(rc))
-                self._count += 1
-                item = (-seconds, self._count, pick)
-                if len(self._kept) < KEEP:
-                    heapq.heappush(self._kept, item)
-                else:
-                    heapq.heappushpop(self._kept, item)
+                for d in range(p)
+            )
+            if memory > self.budget:
+                continue
+            pick = InterleavedPick(seconds, cuts, sub, v, make_option(rc))
+            item = (-seconds, -order, pick)
+            if len(self._kept) < KEEP:
+                heapq.heappush(self._kept, item)
+            else:
+                heapq.heappushpop(self._kept, item)
 
     def best(self) -> list[InterleavedPick]:
-        """The kept options, fastest first."""
-        return [pick for _, _, pick in sorted(self._kept, key=lambda x: (-x[0], x[1]))]
+        """The kept options, fastest first (cutting the entered candidates first)."""
+        pending, self._pending = sorted(self._pending, key=lambda e: e[:2]), []
+        for entry in pending:
+            if entry[0] > self._bar()[0]:
+                break  # every later candidate's bound is at least this one's
+            self._cut(entry)
+        return [pick for _, _, pick in sorted(self._kept, key=lambda x: (-x[0], -x[1]))]
