@@ -289,7 +289,16 @@ def _per_pricing(sol: StageSolution, graph: OpGraph, key: tuple, make: Callable)
 
 def _root(graph: OpGraph, name: str) -> str:
     """The value owning `name`'s storage, as the tracer resolves ``saved`` (through views; a
-    getitem of a multi-output op owns its storage)."""
+    getitem of a multi-output op owns its storage); found once per graph and value (every
+    solution of every mesh asks)."""
+    roots = graph.derived("storage_roots", dict)
+    root = roots.get(name)
+    if root is None:
+        root = roots[name] = _find_root(graph, name)
+    return root
+
+
+def _find_root(graph: OpGraph, name: str) -> str:
     node = graph.node(name)
     while node.is_view and node.inputs:
         src = graph.node(node.inputs[0])
@@ -347,12 +356,11 @@ def _compute_resharded_saves(sol: StageSolution, graph: OpGraph) -> dict[str, fl
     # saved values some op keeps in their own storage: its own outputs (a layer norm's mean,
     # an attention's log-sum-exp), inputs read without a copy, inputs of ops not examined here
     kept_whole: set[str] = set()
-    for name, inputs in _saving_reads(sol, graph):
-        node = graph.node(name)
-        kept_whole.update(set(node.saved) - {_root(graph, w) for w in node.inputs})
+    for name, inputs, own in _saving_reads(sol, graph):
+        kept_whole.update(own)
         strategy = sol.choice[name].strategy
         if (
-            len(strategy.inputs) != len(node.inputs)
+            len(strategy.inputs) != len(graph.node(name).inputs)
             or context_axis(strategy) is not None
         ):
             # context-parallel attention: its gathered k and v are in its activation bytes
@@ -381,25 +389,28 @@ def _compute_resharded_saves(sol: StageSolution, graph: OpGraph) -> dict[str, fl
 
 def _saving_reads(
     sol: StageSolution, graph: OpGraph
-) -> list[tuple[str, list[tuple[int, str]]]]:
+) -> list[tuple[str, list[tuple[int, str]], frozenset[str]]]:
     """Per op of the solution that saves something, in its order: (position, input) of each
-    input it saves (a saved parameter, or a value whose storage it saves)."""
+    input it saves (a saved parameter, or a value whose storage it saves), and the values it
+    saves that are none of its inputs' storage (its own outputs, say: kept whole)."""
 
-    def make() -> list[tuple[str, list[tuple[int, str]]]]:
+    def make() -> list[tuple[str, list[tuple[int, str]], frozenset[str]]]:
         out = []
         for name in sol.choice:
             node = graph.node(name)
             if node.op != "call" or not (node.saved or node.saved_params):
                 continue
             saved = set(node.saved)
+            roots = [_root(graph, w) for w in node.inputs]
             out.append(
                 (
                     name,
                     [
                         (i, w)
-                        for i, w in enumerate(node.inputs)
-                        if w in node.saved_params or _root(graph, w) in saved
+                        for i, (w, r) in enumerate(zip(node.inputs, roots))
+                        if w in node.saved_params or r in saved
                     ],
+                    frozenset(saved.difference(roots)),
                 )
             )
         return out

@@ -231,11 +231,19 @@ def _weight_placements(graph: OpGraph) -> dict[str, str]:
     return out
 
 
-def sequence_parallel_nodes(graph: OpGraph) -> set[str]:
+def sequence_parallel_nodes(graph: OpGraph) -> frozenset[str]:
     """The ops sequence parallelism splits along the sequence (module docstring): ops computed
     from the data that lead to a column-parallel op (the LM head included), neither a weight's
     op nor inside a tensor-parallel region (reached from a column-parallel op before any
-    row-parallel one, and leading to a row-parallel one), no view (views follow their input), with an output of at least two dimensions."""
+    row-parallel one, and leading to a row-parallel one), no view (views follow their input),
+    with an output of at least two dimensions. Found once per graph (every seed of every
+    logical mesh asks, `planner.inter.stage_solves`)."""
+    return graph.derived(
+        "sequence_parallel_nodes", lambda: frozenset(_sequence_parallel_nodes(graph))
+    )
+
+
+def _sequence_parallel_nodes(graph: OpGraph) -> set[str]:
     weights = _weight_placements(graph)
     column = [
         n
