@@ -119,7 +119,7 @@ def test_bounded_search_keeps_what_cutting_everything_keeps(monkeypatch) -> None
             entries, cut = list(self._pending), []
             self._cut = lambda e, f=self._cut: (cut.append(e), f(e))
             bounded = super().best()
-            self._pending = [(-np.inf, *e[1:]) for e in entries]
+            self._pending = [e._replace(bound=-np.inf) for e in entries]
             self._kept = []
             every = super().best()
             seen.append((bounded, every, len(entries), len(cut) - len(entries)))

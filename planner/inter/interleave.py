@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -148,6 +149,19 @@ class InterleavedPick:
     option: object = field(compare=False)
 
 
+class _Candidate(NamedTuple):
+    """One (submesh, profile, recomputation) entered into `InterleavedSearch`."""
+
+    bound: float  # lower bound of its time (-inf where there is none)
+    index: int  # entry order: ties go to the earlier
+    sub: tuple[int, int]
+    p: int  # device groups
+    send: np.ndarray  # boundary send times on its mesh
+    prof: st.LayerProfile
+    recompute: str
+    make_option: Any
+
+
 class InterleavedSearch:
     """The `KEEP` fastest interleaved options of one layer clustering. Profiles are entered as
     the search makes them (`add`); `best` then cuts the (submesh, profile, recomputation)
@@ -171,9 +185,7 @@ class InterleavedSearch:
         self.boundary_bytes = bd.boundary_bytes(graph, self.bounds)
         self.grad_bytes = bd.boundary_bytes(graph, self.bounds, gradients=True)
         self.D, self.B, self.budget = num_devices, num_microbatches, budget
-        # (lower bound, entry index, submesh, p, send times, profile, recomputation,
-        # make_option)
-        self._pending: list[tuple] = []
+        self._pending: list[_Candidate] = []
         # max-heap of the kept by (seconds, order): items (-seconds, -order, pick)
         self._kept: list[tuple[float, int, InterleavedPick]] = []
 
@@ -217,12 +229,15 @@ class InterleavedSearch:
             if prof.gathered is None or rc == "none":
                 per_layer = prof.time + prof.extra_time(rc)
                 bound = self.B * float(np.sum(per_layer)) / p
-            entry = (bound, len(self._pending), sub, p, send, prof, rc, make_option)
-            self._pending.append(entry)
+            self._pending.append(
+                _Candidate(
+                    bound, len(self._pending), sub, p, send, prof, rc, make_option
+                )
+            )
 
-    def _cut(self, entry: tuple) -> None:
+    def _cut(self, c: _Candidate) -> None:
         """Cut one candidate into p v chunks for every v and keep what beats the bar."""
-        _, index, sub, p, send, prof, rc, make_option = entry
+        _, index, sub, p, send, prof, rc, make_option = c
         B = self.B
         params, kept, transient = st.range_footprint(prof, rc)
         if params[0, self.L - 1] / p > self.budget:
@@ -261,9 +276,9 @@ class InterleavedSearch:
 
     def best(self) -> list[InterleavedPick]:
         """The kept options, fastest first (cutting the entered candidates first)."""
-        pending, self._pending = sorted(self._pending, key=lambda e: e[:2]), []
-        for entry in pending:
-            if entry[0] > self._bar()[0]:
+        pending, self._pending = sorted(self._pending, key=lambda c: c[:2]), []
+        for c in pending:
+            if c.bound > self._bar()[0]:
                 break  # every later candidate's bound is at least this one's
-            self._cut(entry)
+            self._cut(c)
         return [pick for _, _, pick in sorted(self._kept, key=lambda x: (-x[0], -x[1]))]
