@@ -215,6 +215,11 @@ def test_plans_with_and_without_pruning_agree(monkeypatch) -> None:
     assert a == b
 
 
+def _sharded_or_fsdp(path: str, o) -> bool:
+    """A parameter filter: every weight stored sharded or fully sharded (FSDP)."""
+    return o.zero == 3 or any(p.startswith("S") for p in o.strategy.output[0])
+
+
 def test_held_memory_kept_per_solution_matches_fresh() -> None:
     """What `planner.inter.held_memory` keeps per solution (it is attributed to several layer
     clusterings) gives, clustering after clustering, what a fresh solution gives."""
@@ -232,9 +237,7 @@ def test_held_memory_kept_per_solution_matches_fresh() -> None:
         graph,
         mesh,
         num_microbatches=2,
-        param_filter=lambda path, o: (
-            o.zero == 3 or any(p.startswith("S") for p in o.strategy.output[0])
-        ),
+        param_filter=_sharded_or_fsdp,
     )
     n = len(graph.ops)
     clusterings = [[(0, n - 1)], [(0, n // 3), (n // 3 + 1, n - 1)], [(0, n - 1)]]
@@ -249,6 +252,63 @@ def test_held_memory_kept_per_solution_matches_fresh() -> None:
         assert hm.resharded_saves(sol, graph) == hm.resharded_saves(fresh, graph)
         assert fresh._derived  # it keeps them too
     assert hm._weight_copies(sol, graph, 2.0) is copies
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "llama:hidden=64,layers=4,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32",
+        "mixtral:hidden=32,layers=3,heads=2,kv_heads=1,ffn=32,experts=2,seq=16,vocab=64",
+        "gpt:hidden=64,layers=3,heads=4,seq=32,vocab=256",
+    ],
+)
+def test_held_memory_per_class_equals_per_node(spec: str, monkeypatch) -> None:
+    """`held_memory` prices one node per class of block copies (`_classes`) and gives every
+    copy its leader's terms: equal, term for term, to pricing every node, for the time-optimal
+    solution, one with weights sharded or FSDP (gathered copies) and one under a memory budget;
+    a solution whose copies choose otherwise than their representative has no classes."""
+    from dataclasses import replace
+
+    from planner.inter import held_memory as hm
+
+    model, batch = build_model(spec, batch=4, dtype=torch.float16)
+    graph = trace(model, batch)
+    cluster = Cluster.from_spec("1x4xA100-80GB")
+    mesh = LogicalMesh(cluster, cluster.shape, (2, 2))
+    fast = solve_stage(graph, mesh, num_microbatches=2)
+    sharded = solve_stage(
+        graph,
+        mesh,
+        num_microbatches=2,
+        param_filter=_sharded_or_fsdp,
+    )
+    tight = solve_stage(
+        graph, mesh, num_microbatches=2, memory_budget=0.5 * fast.memory_bytes
+    )
+
+    def terms(sol) -> tuple:
+        fresh = replace(sol, _derived={})
+        return (
+            hm.backward_terms(fresh, graph),
+            hm.resharded_saves(fresh, graph),
+            hm._weight_copies(fresh, graph, 2.0),
+        )
+
+    for sol in (fast, sharded, tight):
+        leaders = hm._classes(sol, graph)
+        assert len(set(leaders.values())) < len(leaders)  # copies share a leader
+        per_class = terms(sol)
+        with monkeypatch.context() as m:
+            m.setattr(hm, "_classes", lambda sol, graph: {})
+            assert terms(sol) == per_class
+    # a copy choosing another option than its representative: no classes
+    rep = sharded._ctx.rep
+    copy = next(
+        n for n, r in rep.items() if n != r and len(sharded._ctx.options[n]) > 1
+    )
+    other = next(o for o in sharded._ctx.options[copy] if o is not sharded.choice[copy])
+    odd = replace(sharded, choice=sharded.choice | {copy: other}, _derived={})
+    assert hm._classes(odd, graph) == {}
 
 
 def test_reshard_plans_kept_per_placements_price_every_size_alike() -> None:

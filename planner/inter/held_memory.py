@@ -52,11 +52,17 @@ checks and the plan's memory include them, while the intra-op program's own memo
 
 The sum is an upper bound: the peak is taken as if every gradient and every saved activation
 coexisted with the largest backward working set (measured on the local suite: 2 to 10% above).
+
+Each term is computed once per class of repeated-block copies that read the same choices
+(`_classes`: all copies of a block node but the first block's) and given to every member: the
+search asks for them for every solution of every logical mesh and micro-batch size (issue 23).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -122,17 +128,24 @@ def _compute_own_terms(
     sol: StageSolution, graph: OpGraph, grad_bytes: float
 ) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
     # a node's term depends on its option alone (unless its strategy does not give its inputs'
-    # placements): kept per (node, option) for every solution of the pricing
+    # placements): kept per (node, option) for every solution of the pricing; a copy of a
+    # repeated block takes its class leader's (`_classes`)
     memo = sol._ctx.shared.setdefault(("own_terms", grad_bytes), {})
     work: dict[str, float] = {}
     grads: dict[str, tuple[float, float]] = {}
+    leader_of = _classes(sol, graph)
+    terms: dict[str, tuple[str | None, Any]] = {}
     for name, opt in sol.choice.items():
-        key = (name, id(opt))
-        term = memo.get(key)
+        leader = leader_of.get(name, name)
+        term = terms.get(leader)
         if term is None:
-            term, alone = _own_term(sol, graph, grad_bytes, name, opt)
-            if alone:
-                memo[key] = term
+            key = (leader, id(opt))
+            term = memo.get(key)
+            if term is None:
+                term, alone = _own_term(sol, graph, grad_bytes, leader, opt)
+                if alone:
+                    memo[key] = term
+            terms[leader] = term
         kind, value = term
         if kind == "work":
             work[name] = value
@@ -241,20 +254,26 @@ def _compute_weight_copies(
     sol: StageSolution, graph: OpGraph, grad_bytes: float
 ) -> list[tuple[str, str, float]]:
     mesh = sol.mesh_shape
+    leader_of = _classes(sol, graph)
+    # per class leader: (position, gradient bytes) of each weight it receives as a new tensor
+    found: dict[str, list[tuple[int, float]]] = {}
     out = []
     for name, reads in _weight_reads(sol, graph):
-        ins = sol.choice[name].strategy.inputs
-        if len(ins) != len(graph.node(name).inputs):
-            continue
-        for i, w, root in reads:
-            target = ins[i]
-            if target is None:
-                continue
-            if _copied_on_the_way(sol, graph, w, target):
-                meta = graph.node(w).outputs[0]
-                out.append(
-                    (name, root, meta.numel() / shards(target, mesh) * grad_bytes)
-                )
+        leader = leader_of.get(name, name)
+        copies = found.get(leader)
+        if copies is None:
+            copies = found[leader] = []
+            ins = sol.choice[leader].strategy.inputs
+            if len(ins) == len(graph.node(leader).inputs):
+                for i, _, _ in reads:  # the leader's reads are at the same positions
+                    w = graph.node(leader).inputs[i]
+                    if ins[i] is not None and _copied_on_the_way(sol, graph, w, ins[i]):
+                        meta = graph.node(w).outputs[0]
+                        copies.append(
+                            (i, meta.numel() / shards(ins[i], mesh) * grad_bytes)
+                        )
+        roots = {i: root for i, _, root in reads}
+        out.extend((name, roots[i], nbytes) for i, nbytes in copies)
     return out
 
 
@@ -280,6 +299,88 @@ def _weight_reads(
         return out
 
     return _per_pricing(sol, graph, ("weight_reads", len(sol.choice)), make)
+
+
+def _classes(sol: StageSolution, graph: OpGraph) -> dict[str, str]:
+    """The class leader of each node of the solution whose terms here are, in every solution of
+    its pricing, those of its leader (the first of its class in the solution's order): a copy
+    of a repeated block's node, choosing as its representative does (the pricing's ``rep``,
+    `planner.tracing.blocks.representatives`), whose own attributes and saved inputs, and the
+    attributes and representatives of each input and of the views between it and the value
+    owning its storage, are the leader's (`_class_key`): so it reads the same options
+    everywhere. Copies of a block after the first are one class per node; the first block's
+    inputs come from outside the stack, so it has its own. Empty (each node its own class)
+    for a solution whose copies do not choose their representative's option (one not made
+    by `planner.intra.solve.solve_stage`)."""
+    ctx = sol._ctx
+    if ctx is None or ctx.graph is not graph or not ctx.rep:
+        return {}
+    return cached_on(sol, graph, ("classes",), lambda: _make_classes(sol, graph))
+
+
+def _make_classes(sol: StageSolution, graph: OpGraph) -> dict[str, str]:
+    choice, rep = sol.choice, sol._ctx.rep
+    made = graph.derived("held_memory_classes", dict)
+    names = list(choice)
+    key = (id(rep), tuple(names))
+    if key not in made:
+        if len(made) >= 4:  # a few lists of names (whole model, stages) at a time
+            made.clear()
+        leaders: dict[tuple, str] = {}
+        walk = functools.partial(_along_views, graph, rep, set(names), {})
+        made[key] = (
+            {n: leaders.setdefault(_class_key(graph, n, walk), n) for n in names},
+            [n for n in names if rep.get(n, n) != n],
+            [rep[n] for n in names if rep.get(n, n) != n],
+        )
+    leader_of, copies, their_reps = made[key]
+    get = choice.get
+    if all(map(operator.is_, map(get, copies), map(get, their_reps))):
+        return leader_of
+    return {}
+
+
+def _class_key(graph: OpGraph, name: str, walk: Callable[[str], tuple]) -> tuple:
+    """What the terms of op `name` read besides the choices (`_classes`): its own and its
+    inputs' `_along_views` (`walk`), and the positions of the inputs it saves."""
+    node = graph.node(name)
+    saved = set(node.saved)
+    return (
+        walk(name),
+        tuple(walk(u) for u in node.inputs),
+        tuple(
+            i
+            for i, w in enumerate(node.inputs)
+            if w in node.saved_params or _root(graph, w) in saved
+        ),
+    )
+
+
+def _along_views(
+    graph: OpGraph, rep: dict[str, str], inside: set[str], memo: dict, name: str
+) -> tuple:
+    """Node `name`'s representative, attributes and whether the solution has it (is in
+    `inside`), then the same of the views from it to the value owning its storage (as
+    `_find_root` and `_copied_on_the_way` walk)."""
+    if name not in memo:
+        node = graph.node(name)
+        step = None
+        if node.is_view and node.inputs:
+            src = graph.node(node.inputs[0])
+            if not (node.target == "getitem" and not src.is_view):
+                step = _along_views(graph, rep, inside, memo, node.inputs[0])
+        memo[name] = (
+            rep.get(name, name),
+            name in inside,
+            node.op,
+            node.target,
+            node.requires_grad,
+            node.is_view,
+            tuple(node.outputs),
+            len(node.inputs),
+            step,
+        )
+    return memo[name]
 
 
 def _per_pricing(sol: StageSolution, graph: OpGraph, key: tuple, make: Callable) -> Any:
@@ -356,29 +457,22 @@ def _compute_resharded_saves(sol: StageSolution, graph: OpGraph) -> dict[str, fl
     # saved values some op keeps in their own storage: its own outputs (a layer norm's mean,
     # an attention's log-sum-exp), inputs read without a copy, inputs of ops not examined here
     kept_whole: set[str] = set()
-    for name, inputs, own in _saving_reads(sol, graph):
+    leader_of = _classes(sol, graph)
+    # per class leader: its total, and which of its saved inputs it keeps whole
+    found: dict[str, tuple[float, list[int]]] = {}
+    reads, saved = _saving_reads(sol, graph)
+    for name, positions, roots, own in reads:
         kept_whole.update(own)
-        strategy = sol.choice[name].strategy
-        if (
-            len(strategy.inputs) != len(graph.node(name).inputs)
-            or context_axis(strategy) is not None
-        ):
-            # context-parallel attention: its gathered k and v are in its activation bytes
-            # already (`planner.intra.context.gathered_kv_bytes`)
-            kept_whole.update(_root(graph, w) for _, w in inputs)
-            continue
-        total = 0.0
-        for i, w in inputs:
-            target = strategy.inputs[i]
-            if target is not None and _copied_on_the_way(sol, graph, w, target):
-                total += graph.node(w).outputs[0].nbytes / shards(target, mesh)
-            else:
-                kept_whole.add(_root(graph, w))
+        leader = leader_of.get(name, name)
+        if leader not in found:
+            found[leader] = _saving_terms(sol, graph, leader, positions)
+        total, whole = found[leader]
+        kept_whole.update(roots[k] for k in whole)
         if total:
             out[name] = total
     # a saved value every saver receives as a copy is not kept itself: take back the bytes its
     # producer's activation price counts for it
-    for w in saved_values(graph, list(sol.choice)) - kept_whole:
+    for w in saved - kept_whole:
         own = sol.choice.get(w)
         if own is None or not own.strategy.output or not own.strategy.output[0]:
             continue
@@ -387,14 +481,39 @@ def _compute_resharded_saves(sol: StageSolution, graph: OpGraph) -> dict[str, fl
     return out
 
 
+def _saving_terms(
+    sol: StageSolution, graph: OpGraph, name: str, positions: list[int]
+) -> tuple[float, list[int]]:
+    """For op `name` saving its inputs at `positions`: the bytes per micro-batch of those it
+    receives as new tensors (`resharded_saves`), and the indices in `positions` of the
+    others, whose storage it keeps whole."""
+    strategy = sol.choice[name].strategy
+    inputs = graph.node(name).inputs
+    if len(strategy.inputs) != len(inputs) or context_axis(strategy) is not None:
+        # context-parallel attention: its gathered k and v are in its activation bytes
+        # already (`planner.intra.context.gathered_kv_bytes`)
+        return 0.0, list(range(len(positions)))
+    total, whole = 0.0, []
+    for k, i in enumerate(positions):
+        target, w = strategy.inputs[i], inputs[i]
+        if target is not None and _copied_on_the_way(sol, graph, w, target):
+            total += graph.node(w).outputs[0].nbytes / shards(target, sol.mesh_shape)
+        else:
+            whole.append(k)
+    return total, whole
+
+
 def _saving_reads(
     sol: StageSolution, graph: OpGraph
-) -> list[tuple[str, list[tuple[int, str]], frozenset[str]]]:
-    """Per op of the solution that saves something, in its order: (position, input) of each
-    input it saves (a saved parameter, or a value whose storage it saves), and the values it
-    saves that are none of its inputs' storage (its own outputs, say: kept whole)."""
+) -> tuple[list[tuple[str, list[int], list[str], frozenset[str]]], set[str]]:
+    """Per op of the solution that saves something, in its order: the positions of the inputs
+    it saves (a saved parameter, or a value whose storage it saves), the values owning their
+    storage, and the values it saves that are none of its inputs' storage (its own outputs,
+    say: kept whole); and every value some op of the solution saves (`saved_values`)."""
 
-    def make() -> list[tuple[str, list[tuple[int, str]], frozenset[str]]]:
+    def make() -> tuple[
+        list[tuple[str, list[int], list[str], frozenset[str]]], set[str]
+    ]:
         out = []
         for name in sol.choice:
             node = graph.node(name)
@@ -402,17 +521,13 @@ def _saving_reads(
                 continue
             saved = set(node.saved)
             roots = [_root(graph, w) for w in node.inputs]
-            out.append(
-                (
-                    name,
-                    [
-                        (i, w)
-                        for i, (w, r) in enumerate(zip(node.inputs, roots))
-                        if w in node.saved_params or r in saved
-                    ],
-                    frozenset(saved.difference(roots)),
-                )
-            )
-        return out
+            positions = [
+                i
+                for i, (w, r) in enumerate(zip(node.inputs, roots))
+                if w in node.saved_params or r in saved
+            ]
+            own = frozenset(saved.difference(roots))
+            out.append((name, positions, [roots[i] for i in positions], own))
+        return out, saved_values(graph, list(sol.choice))
 
     return _per_pricing(sol, graph, ("saving_reads", len(sol.choice)), make)
