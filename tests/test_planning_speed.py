@@ -17,7 +17,7 @@ from planner.intra import dominance, ilp
 from planner.intra import prices as sc
 from planner.intra.ilp import ILPModel, ILPProblem, brute_force
 from planner.intra.pulp_route import _BulkHiGHS
-from planner.intra.solve import solve_stage
+from planner.intra.solve import price_stage, solve_stage
 from planner.models import build_model
 
 
@@ -265,8 +265,10 @@ def test_held_memory_kept_per_solution_matches_fresh() -> None:
 def test_held_memory_per_class_equals_per_node(spec: str, monkeypatch) -> None:
     """`held_memory` prices one node per class of block copies (`_classes`) and gives every
     copy its leader's terms: equal, term for term, to pricing every node, for the time-optimal
-    solution, one with weights sharded or FSDP (gathered copies) and one under a memory budget;
-    a solution whose copies choose otherwise than their representative has no classes."""
+    solution, one with weights sharded or FSDP (gathered copies), one under a memory budget and
+    one data-parallel on the first axis; a solution whose copies choose otherwise than their
+    representative has no classes. The solutions' gradient buckets (looked up per pair of
+    options) are those of pricing every edge alone."""
     from dataclasses import replace
 
     from planner.inter import held_memory as hm
@@ -275,16 +277,13 @@ def test_held_memory_per_class_equals_per_node(spec: str, monkeypatch) -> None:
     graph = trace(model, batch)
     cluster = Cluster.from_spec("1x4xA100-80GB")
     mesh = LogicalMesh(cluster, cluster.shape, (2, 2))
-    fast = solve_stage(graph, mesh, num_microbatches=2)
-    sharded = solve_stage(
-        graph,
-        mesh,
-        num_microbatches=2,
-        param_filter=_sharded_or_fsdp,
-    )
-    tight = solve_stage(
-        graph, mesh, num_microbatches=2, memory_budget=0.5 * fast.memory_bytes
-    )
+    pricing = price_stage(graph, mesh, num_microbatches=2)
+    kw = {"num_microbatches": 2, "pricing": pricing}
+    fast = solve_stage(graph, mesh, **kw)
+    sharded = solve_stage(graph, mesh, param_filter=_sharded_or_fsdp, **kw)
+    tight = solve_stage(graph, mesh, memory_budget=0.5 * fast.memory_bytes, **kw)
+    data = solve_stage(graph, mesh, batch_axes=(0,), **kw)  # gradient buckets
+    assert data.buckets
 
     def terms(sol) -> tuple:
         fresh = replace(sol, _derived={})
@@ -294,7 +293,13 @@ def test_held_memory_per_class_equals_per_node(spec: str, monkeypatch) -> None:
             hm._weight_copies(fresh, graph, 2.0),
         )
 
-    for sol in (fast, sharded, tight):
+    for sol in (fast, sharded, tight, data):
+        # the gradient buckets, looked up per pair of options (`grad_buckets`' memo, kept
+        # with the pricing): those of every edge priced alone
+        ctx = sol._ctx
+        derived = ctx.param_derived - ctx.fsdp_derived(sol._index)
+        edges = ctx.param_grad_edges
+        assert sol.buckets == sc.grad_buckets(graph, sol.choice, mesh, derived, edges)
         leaders = hm._classes(sol, graph)
         assert len(set(leaders.values())) < len(leaders)  # copies share a leader
         per_class = terms(sol)

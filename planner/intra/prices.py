@@ -447,34 +447,52 @@ def grad_buckets(
     mesh: LogicalMesh,
     param_derived: set[str],
     edges: list[tuple[str, str, int, int, TensorMeta]] | None = None,
+    memo: dict | None = None,
 ) -> dict[tuple, Bucket]:
     """The gradient buckets of a solution, keyed (axes, parameter placement, bytes per element) as
     the runtime keys them: one per distinct key among the edges leaving parameters (and their
     views) whose gradient `bucketed_axes` all-reduces. `edge_matrices` prices those edges'
     bandwidth only; the latency here is added per stage (`planner.inter.stage_table.LayerProfile.fixed`).
     `edges`: `param_grad_edges` of the graph, when the caller keeps them (those leaving values
-    outside `param_derived` are left out: an FSDP parameter's gradient is not all-reduced)."""
+    outside `param_derived` are left out: an FSDP parameter's gradient is not all-reduced).
+    `memo`: each edge's bucket key per (u's option, v's option, positions, dtype), kept by a
+    caller between calls (a pricing's solutions: the copies of a block, and the solutions
+    choosing alike, look it up)."""
     out: dict[tuple, Bucket] = {}
     if edges is None:
         edges = param_grad_edges(graph, param_derived)
+    if memo is None:
+        memo = {}
     for u, v, o, k, meta in edges:
         if u not in choice or v not in choice or u not in param_derived:
             continue
-        vs = choice[v].strategy
-        src, dst = choice[u].strategy.output[o], vs.inputs[k]
-        if not src or dst is None:
+        cu, cv = choice[u], choice[v]
+        at = (id(cu), id(cv), o, k, meta.dtype)
+        if at not in memo:  # the options kept with it: their ids stay theirs
+            memo[at] = (_bucket_key(cu.strategy, cv.strategy, o, k, meta, mesh), cu, cv)
+        key = memo[at][0]
+        if key is None:
             continue
-        want = expected_grad(tuple(map(norm, src)))
-        axes = bucketed_axes(
-            grad_from_consumer(tuple(map(norm, dst)), vs, mesh.shape), want
-        )
-        if not axes:
-            continue
-        key = (axes, want, _element_bytes(meta))
         if key not in out:
-            out[key] = Bucket(bucket_latency(mesh, axes), [])
+            out[key] = Bucket(bucket_latency(mesh, key[0]), [])
         out[key].consumers.append(v)
     return out
+
+
+def _bucket_key(
+    us: Strategy, vs: Strategy, o: int, k: int, meta: TensorMeta, mesh: LogicalMesh
+) -> tuple | None:
+    """The bucket (axes, parameter placement, bytes per element) of the gradient on an edge from
+    output o of a parameter (or view) run as `us` to input k of an op run as `vs`; None when
+    no all-reduce alone brings it back (`grad_buckets`)."""
+    src, dst = us.output[o], vs.inputs[k]
+    if not src or dst is None:
+        return None
+    want = expected_grad(tuple(map(norm, src)))
+    axes = bucketed_axes(
+        grad_from_consumer(tuple(map(norm, dst)), vs, mesh.shape), want
+    )
+    return (axes, want, _element_bytes(meta)) if axes else None
 
 
 def saved_values(graph: OpGraph, names: list[str]) -> set[str]:

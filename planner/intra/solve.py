@@ -547,6 +547,7 @@ def _summarise(
         s.mesh,
         ctx.param_derived - ctx.fsdp_derived(index),
         ctx.param_grad_edges,
+        memo=ctx.shared.setdefault(("grad_bucket_keys",), {}),
     )
     grad_sync += sum(b.latency_s for b in buckets.values())
     params = {g.placeholder_paths[n]: choice[n] for n in choice if is_param[n]}
