@@ -455,9 +455,9 @@ def grad_buckets(
     bandwidth only; the latency here is added per stage (`planner.inter.stage_table.LayerProfile.fixed`).
     `edges`: `param_grad_edges` of the graph, when the caller keeps them (those leaving values
     outside `param_derived` are left out: an FSDP parameter's gradient is not all-reduced).
-    `memo`: each edge's bucket key per (u's option, v's option, positions, dtype), kept by a
-    caller between calls (a pricing's solutions: the copies of a block, and the solutions
-    choosing alike, look it up)."""
+    `memo`: each edge's bucket key per (u's option, v's option, positions, bytes per element),
+    kept by a caller between calls on one mesh (a pricing's solutions: the copies of a block,
+    and the solutions choosing alike, look it up)."""
     out: dict[tuple, Bucket] = {}
     if edges is None:
         edges = param_grad_edges(graph, param_derived)
@@ -467,7 +467,7 @@ def grad_buckets(
         if u not in choice or v not in choice or u not in param_derived:
             continue
         cu, cv = choice[u], choice[v]
-        at = (id(cu), id(cv), o, k, meta.dtype)
+        at = (id(cu), id(cv), o, k, _element_bytes(meta))
         if at not in memo:  # the options kept with it: their ids stay theirs
             memo[at] = (_bucket_key(cu.strategy, cv.strategy, o, k, meta, mesh), cu, cv)
         key = memo[at][0]
