@@ -9,8 +9,9 @@ interpreter per rank ("spawn") imports torch every time (on a 2-core machine a 4
 4-6 s and 8.5 s of CPU that way; from the fork server 0.1-0.4 s, after its start of about 6 s at
 the first launch). A rank then sets up as a spawned one would: the caller's working directory,
 `sys.path`, main module and environment (passed with the job: the server keeps the environment of
-its own start). Its `torch.distributed` default group is initialised over localhost on a free port
-(gloo on CPU, NCCL when there is one GPU per rank) before `fn` is called; `fn` reads its rank with
+its own start). Its `torch.distributed` default group is initialised over localhost, through a
+store the launching process serves (`_serve_store`), with gloo on CPU or NCCL when there is one GPU
+per rank, before `fn` is called; `fn` reads its rank with
 `torch.distributed.get_rank()`. `fn` and its arguments must be picklable (a module-level
 function), and a script that calls `launch` needs the usual `if __name__ == "__main__":` guard
 (each rank re-imports it). A module the server preloaded stays the version of the server's start:
@@ -106,6 +107,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _serve_store(world_size: int, timeout_s: float) -> Any:
+    """The launch's rendezvous store, served by the launching process on a port the OS picks as
+    it binds. Rank 0 used to serve it on a port `free_port` had found free a moment before: under
+    parallel test runs another launch could take that port first, and a rank then joined the
+    other launch's group ("Gloo connectFullMesh failed ... Connection closed by peer")."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
+    )
+
+
 def default_backend(world_size: int) -> str:
     """ "nccl" when CUDA has at least `world_size` devices, otherwise "gloo"."""
     import torch
@@ -184,11 +202,15 @@ def _worker(
         if backend == "nccl":
             torch.cuda.set_device(rank)
             device_id = torch.device("cuda", rank)
+        timeout = datetime.timedelta(seconds=max(timeout_s, 1.0))
+        # a client of the store the launching process serves (`_serve_store`)
+        store = dist.TCPStore("127.0.0.1", port, world_size, timeout=timeout)
         dist.init_process_group(
             backend,
+            store=store,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
+            timeout=timeout,
             device_id=device_id,
         )
         value = fn(*args, **kwargs)
@@ -261,7 +283,8 @@ def launch(
     # read when the server starts, at the first launch
     extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
     ctx.set_forkserver_preload([*PRELOAD, *extra])
-    port = free_port()
+    store = _serve_store(world_size, timeout_s)
+    port = store.port
     stack_dir = tempfile.TemporaryDirectory(prefix="meshplan-stacks-")
     stack_files = [
         os.path.join(stack_dir.name, f"rank{r}.txt") for r in range(world_size)
@@ -373,6 +396,7 @@ def launch(
         for c in [*conns, *jobs]:
             c.close()
         stack_dir.cleanup()
+        del store  # its only reference: the server closes now, even if an error keeps this frame
     return [results[r] for r in range(world_size)]
 
 

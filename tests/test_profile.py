@@ -288,6 +288,27 @@ def test_ranks_see_the_callers_environment_and_directory_at_each_launch(
     assert again == [("later", None, str(tmp_path))] * 2
 
 
+def _group_port() -> int:
+    """The port of the store this rank's default group joined through."""
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store.port
+
+
+@pytest.mark.slow
+def test_a_port_taken_by_another_launch_does_not_join_its_group(monkeypatch):
+    """The CI failure of 2026-12-01 ("Gloo connectFullMesh failed ... Connection closed by
+    peer"): a launch's store port, once picked with `free_port` and bound later by rank 0, could
+    be taken meanwhile by a launch of another test process, whose group the ranks then met. Here
+    `free_port` hands out a port another group's store holds; the launch still runs, through a
+    store of its own that the launching process binds as it picks the port."""
+    other = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    monkeypatch.setattr("runtime.launch.free_port", lambda: other.port)
+    ports = launch(_group_port, 2, timeout_s=60)
+    assert ports[0] == ports[1] != other.port
+
+
 @pytest.mark.parametrize(
     ("fn", "expected"),
     [
