@@ -297,9 +297,9 @@ class Block(nn.Module):
 
 def init_transformer_weights(module: nn.Module, num_layers: int) -> None:
     """GPT-2 initialisation: N(0, 0.02) weights, zero biases, residual projections scaled by
-    ``1/sqrt(2 * layers)``. A no-op in cost on the meta device."""
+    ``1/sqrt(2 * layers)``. Skipped on the meta device, which holds no values."""
     for name, sub in module.named_modules():
-        if isinstance(sub, (nn.Linear, nn.Embedding)):
+        if isinstance(sub, (nn.Linear, nn.Embedding)) and not sub.weight.is_meta:
             std = 0.02
             if isinstance(sub, nn.Linear) and name.endswith(".proj"):
                 std = 0.02 / math.sqrt(2 * num_layers)

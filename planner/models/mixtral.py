@@ -100,7 +100,8 @@ def add_experts(
     m.w_up = nn.Parameter(torch.empty(experts, hidden, ffn, dtype=dtype))
     m.w_down = nn.Parameter(torch.empty(experts, ffn, hidden, dtype=dtype))
     for w in (m.w_gate, m.w_up, m.w_down):
-        nn.init.normal_(w, std=0.02)
+        if not w.is_meta:  # no values to draw on the meta device
+            nn.init.normal_(w, std=0.02)
 
 
 def run_experts(

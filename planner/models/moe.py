@@ -278,8 +278,9 @@ class MoEMLP(nn.Module):
         self.gate = nn.Linear(h, e, bias=False, dtype=dtype)
         self.wi = nn.Parameter(torch.empty(e, h, f, dtype=dtype))
         self.wo = nn.Parameter(torch.empty(e, f, h, dtype=dtype))
-        nn.init.normal_(self.wi, std=0.02)
-        nn.init.normal_(self.wo, std=0.02 / math.sqrt(2 * config.layers))
+        if not self.wi.is_meta:  # no values to draw on the meta device
+            nn.init.normal_(self.wi, std=0.02)
+            nn.init.normal_(self.wo, std=0.02 / math.sqrt(2 * config.layers))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x[B, s, h] -> (y[B, s, h], aux_loss)``."""
