@@ -138,14 +138,27 @@ def test_bulk_highs_passes_the_model_pulp_would() -> None:
         assert a.a_matrix_.format_ == b.a_matrix_.format_
 
 
+@pytest.mark.parametrize("presolve_max_columns", [None, 0])
 def test_relaxation_first_and_branch_and_bound_both_match_brute_force(
-    monkeypatch,
+    monkeypatch, presolve_max_columns
 ) -> None:
     """HiGHS's route (`ILPModel.solve`): the LP relaxation, kept when integral, else the
-    branch-and-bound on the pruned program. Random programs under tight budgets take both
-    routes; every answer is the brute-force optimum."""
+    branch-and-bound on the pruned program, with presolve (these small programs) or, as large
+    programs get it (`highs.PRESOLVE_MAX_COLUMNS` set to 0), without. Random programs under
+    tight budgets take both routes; every answer is the brute-force optimum."""
     from planner.intra import highs
 
+    if presolve_max_columns is not None:
+        monkeypatch.setattr(highs, "PRESOLVE_MAX_COLUMNS", presolve_max_columns)
+    presolve = []  # the presolve option of each branch-and-bound run
+    run = highs._run
+
+    def seen(h):
+        if len(h.getLp().integrality_):  # the relaxations have no integral columns
+            presolve.append(h.getOptionValue("presolve")[1])
+        return run(h)
+
+    monkeypatch.setattr(highs, "_run", seen)
     calls = {"relaxation": 0, "branch_and_bound": 0}
     relax, bnb = highs.solve_relaxation, highs.run_highs
 
@@ -167,6 +180,8 @@ def test_relaxation_first_and_branch_and_bound_both_match_brute_force(
         assert got.memory <= p.memory_budget + 1e-6
     assert calls["relaxation"] == 30
     assert 0 < calls["branch_and_bound"] < 30
+    want = "off" if presolve_max_columns == 0 else "choose"
+    assert presolve == [want] * calls["branch_and_bound"]
 
 
 def test_settle_takes_the_least_memory_then_the_lowest_index_among_ties() -> None:
