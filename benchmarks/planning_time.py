@@ -289,6 +289,27 @@ llama3-70b spends now (py-spy --gil, 4 rows, one process, one solver thread): th
 passes 60% (solution summaries 12%, building the programs 9%, pricing 8%, layer profiles 19%
 of which held-memory terms 10%), the mesh search's own work 11%, imports 7%, the trace 6%,
 the process's first model build 5%; no line of our code above 3.2% of the samples.
+
+2026-12-01: mixtral-8x7b's rung of 2026-11-29 (above) made exact and cheaper. With HiGHS's log,
+that program (8 rows, the 4x8 mesh, 52,211 columns) restarted twice at the root after presolve,
+each restart solving the root of a program reduced by 17.9% and then 3.4%; without presolve it
+took 18.7 s instead of 72.0 s to the same optimum within `LADDER_GAP`. Over the 42
+branch-and-bound programs over 0.5 s of llama3-70b and mixtral-8x7b (every size, one process),
+seconds with presolve / without: llama3-70b's 15 (11-23K columns) 12.8 / 22.8, where the
+restarts shrank two 20K-column programs to under 1K columns (0.6 / 5.0 and 0.7 / 7.2 s);
+mixtral-8x7b's 15 over 30K columns 144.1 / 61.7 and its 12 smaller ones 27.9 / 20.5. So
+programs of over 30K columns now go without presolve (`planner.intra.highs.PRESOLVE_MAX_COLUMNS`);
+llama3-70b's never reach it. Whole plans (one `planner.api.plan` per process, default two
+processes, python_speed about 0.094 s): mixtral-8x7b 198.5 s wall (355 s CPU) with presolve
+everywhere, 146.4 s (270 s CPU) with it nowhere, 149.4 s (277 s CPU) with the threshold, each
+plan 6.81818971505199 s per iteration; llama3-70b 74.5 s with presolve everywhere, 78.3 s with
+it nowhere (plan 63.2380 s instead of 63.2503 s: other rungs within the gap), 78.7 s with the
+threshold (63.2503 s, as before). The median of 3 in the results: mixtral-8x7b 161.1 s
+(280-316 s CPU; 1.79x over 90 s). Tried and dropped: a warm start of the relaxation from the
+previous budget's basis (0.25 against 0.30 s on the largest program), the primal simplex and
+presolve for the relaxations (38.4 and 4.2 s against 1.2 s on seven programs, each with and without its memory row), restarts off
+with presolve on (51.7 s on the largest), presolve at the root only (62.7 s), more heuristic
+effort (57.1 s at 1.0).
 """
 
 from __future__ import annotations
