@@ -298,8 +298,8 @@ branch-and-bound programs over 0.5 s of llama3-70b and mixtral-8x7b (every size,
 seconds with presolve / without: llama3-70b's 15 (11-23K columns) 12.8 / 22.8, where the
 restarts shrank two 20K-column programs to under 1K columns (0.6 / 5.0 and 0.7 / 7.2 s);
 mixtral-8x7b's 15 over 30K columns 144.1 / 61.7 and its 12 smaller ones 27.9 / 20.5. So
-programs of over 30K columns now go without presolve (`planner.intra.highs.PRESOLVE_MAX_COLUMNS`);
-llama3-70b's never reach it. Whole plans (one `planner.api.plan` per process, default two
+programs of over 30K columns went without presolve (commit 10f0f26; replaced by the rule
+below); llama3-70b's never reach it. Whole plans (one `planner.api.plan` per process, default two
 processes, python_speed about 0.094 s): mixtral-8x7b 198.5 s wall (355 s CPU) with presolve
 everywhere, 146.4 s (270 s CPU) with it nowhere, 149.4 s (277 s CPU) with the threshold, each
 plan 6.81818971505199 s per iteration; llama3-70b 74.5 s with presolve everywhere, 78.3 s with
@@ -307,9 +307,24 @@ it nowhere (plan 63.2380 s instead of 63.2503 s: other rungs within the gap), 78
 threshold (63.2503 s, as before). The median of 3 in the results: mixtral-8x7b 161.1 s
 (280-316 s CPU; 1.79x over 90 s). Tried and dropped: a warm start of the relaxation from the
 previous budget's basis (0.25 against 0.30 s on the largest program), the primal simplex and
-presolve for the relaxations (38.4 and 4.2 s against 1.2 s on seven programs, each with and without its memory row), restarts off
-with presolve on (51.7 s on the largest), presolve at the root only (62.7 s), more heuristic
-effort (57.1 s at 1.0).
+presolve for the relaxations (38.4 and 4.2 s against 1.2 s on seven programs, each with and
+without its memory row), restarts off with presolve on (51.7 s on the largest), presolve at the
+root only (62.7 s), more heuristic effort (57.1 s at 1.0).
+
+The same day, later: the column count was the wrong signal. llama3-405b's programs (11-12K
+columns, seven of one size) took 26.2 s with presolve and 19.2 s without, and mixtral-8x7b's
+smaller ones also went faster without it. What tells the programs apart is the LP relaxation
+solved just before: llama3-70b's two programs that presolve sped up tenfold leave two binaries
+fractional, one node split between two strategies, at a root bound 0.02% below the optimum,
+so reduced-cost fixing removes most of the program at the first restart; the programs that
+went faster without presolve leave 4 to 192 fractional. So presolve now runs only where the
+relaxation leaves at most two binaries fractional (`planner.intra.highs.presolve_for`). Over
+the 49 programs, seconds with presolve / without / by this rule: llama3-70b 14.4 / 24.1 /
+12.4, mixtral-8x7b 172.0 / 82.2 / 79.2, llama3-405b 26.2 / 19.2 / 19.2 (the rule was chosen
+on these programs). Whole plans, one run each (python_speed about 0.094 s): mixtral-8x7b 145.4
+s wall (265 s CPU), llama3-70b 73.2 s, llama3-405b 173.6 s (195.6 s on commit 60b7663, whose
+column threshold left every llama3-405b program presolved, run just after), all three plans as
+before to the last digit.
 """
 
 from __future__ import annotations

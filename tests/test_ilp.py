@@ -138,18 +138,19 @@ def test_bulk_highs_passes_the_model_pulp_would() -> None:
         assert a.a_matrix_.format_ == b.a_matrix_.format_
 
 
-@pytest.mark.parametrize("presolve_max_columns", [None, 0])
+@pytest.mark.parametrize("max_fractional", [None, -1, 10**9])
 def test_relaxation_first_and_branch_and_bound_both_match_brute_force(
-    monkeypatch, presolve_max_columns
+    monkeypatch, max_fractional
 ) -> None:
     """HiGHS's route (`ILPModel.solve`): the LP relaxation, kept when integral, else the
-    branch-and-bound on the pruned program, with presolve (these small programs) or, as large
-    programs get it (`highs.PRESOLVE_MAX_COLUMNS` set to 0), without. Random programs under
-    tight budgets take both routes; every answer is the brute-force optimum."""
+    branch-and-bound on the pruned program, presolved or not by how many binaries the
+    relaxation left fractional (`highs.presolve_for`; forced off with -1, on with 10**9).
+    Random programs under tight budgets take both routes; every answer is the brute-force
+    optimum."""
     from planner.intra import highs
 
-    if presolve_max_columns is not None:
-        monkeypatch.setattr(highs, "PRESOLVE_MAX_COLUMNS", presolve_max_columns)
+    if max_fractional is not None:
+        monkeypatch.setattr(highs, "PRESOLVE_MAX_FRACTIONAL", max_fractional)
     presolve = []  # the presolve option of each branch-and-bound run
     run = highs._run
 
@@ -180,8 +181,9 @@ def test_relaxation_first_and_branch_and_bound_both_match_brute_force(
         assert got.memory <= p.memory_budget + 1e-6
     assert calls["relaxation"] == 30
     assert 0 < calls["branch_and_bound"] < 30
-    want = "off" if presolve_max_columns == 0 else "choose"
-    assert presolve == [want] * calls["branch_and_bound"]
+    assert len(presolve) == calls["branch_and_bound"]
+    if max_fractional is not None:
+        assert set(presolve) == {"off" if max_fractional < 0 else "choose"}
 
 
 def test_settle_takes_the_least_memory_then_the_lowest_index_among_ties() -> None:
@@ -202,3 +204,14 @@ def test_settle_takes_the_least_memory_then_the_lowest_index_among_ties() -> Non
     assert ilp.settle(q, [2], 1e-12) == [1]
     # never towards more memory, even at a lower cost
     assert ilp.settle(p, [0, 3], 1e-12) == [0, 3]
+
+
+def test_presolve_only_where_the_relaxation_splits_at_most_one_node() -> None:
+    """`highs.presolve_for`: a relaxation that splits one node between two strategies (two
+    fractional binaries) is presolved, one that splits more is not."""
+    from planner.intra import highs
+
+    assert highs.presolve_for(np.array([1.0, 0.0, 0.0, 1.0]))
+    assert highs.presolve_for(np.array([1.0, 0.0, 0.25, 0.75]))
+    assert not highs.presolve_for(np.array([0.3, 0.3, 0.4, 1.0]))
+    assert not highs.presolve_for(np.array([0.5, 0.5, 0.5, 0.5]))

@@ -54,21 +54,6 @@ HIGHS_OPTIONS = {
 }
 
 
-#: Programs with more columns than this go to the branch-and-bound without presolve. HiGHS's
-#: branch-and-bound restarts from a new presolve whenever reduced-cost fixing has made enough
-#: binaries inactive; each restart solves the root again, cuts and all. On small programs the
-#: restarts shrink the LP a node solves many times over and pay; on large ones they remove a
-#: smaller share and the root solves cost more than the tree saves. Measured on the 42
-#: branch-and-bound programs over 0.5 s of llama3-70b and mixtral-8x7b on 8x8 H100s (every
-#: micro-batch size; the same optima within the gap), seconds with presolve / without:
-#: the 15 llama3-70b programs (11-23K columns) 12.8 / 22.8 (two of them 0.6 / 5.0 and 0.7 / 7.2,
-#: where the restarts shrank 20K columns to under 1K); the 15 mixtral-8x7b programs of over 30K
-#: columns 144.1 / 61.7 (the largest 72.0 / 18.7: 17.9% of its binaries inactive at the first
-#: restart) and its 12 smaller ones 27.9 / 20.5. The whole plan of mixtral-8x7b took 198.5 s wall with presolve everywhere and
-#: 146.4 s with presolve nowhere, the same plan (6.818 s per iteration).
-PRESOLVE_MAX_COLUMNS = 30_000
-
-
 @dataclass
 class HighsArrays:
     """A program as highspy takes it (module docstring). `position[c]`: the HiGHS column of the
@@ -149,10 +134,11 @@ def run_highs(
     time_limit: float | None,
     msg: bool,
     gap: float = GAP_REL,
+    presolve: bool = True,
 ) -> tuple[str, np.ndarray | None]:
-    """Solve the program with HiGHS's branch-and-bound to the relative gap `gap`: ("optimal" |
-    "stopped" | "infeasible" | "failed", column values or None). "stopped": a time limit left a
-    feasible, maybe not optimal, solution."""
+    """Solve the program with HiGHS's branch-and-bound to the relative gap `gap`, with or without
+    presolve (`presolve_for`): ("optimal" | "stopped" | "infeasible" | "failed", column values or
+    None). "stopped": a time limit left a feasible, maybe not optimal, solution."""
     if not len(arrays.cost):  # every node has one strategy: nothing to choose
         return "optimal", np.zeros(0)
     import highspy
@@ -161,7 +147,7 @@ def run_highs(
     h.setOptionValue("mip_rel_gap", gap)
     for key, val in HIGHS_OPTIONS.items():
         h.setOptionValue(key, val)
-    if len(arrays.cost) > PRESOLVE_MAX_COLUMNS:
+    if not presolve:
         h.setOptionValue("presolve", "off")
     if len(arrays.integer):
         h.changeColsIntegrality(
@@ -181,6 +167,29 @@ INTEGRAL_TOL = 1e-7
 def integral(x: np.ndarray) -> bool:
     """Whether every value of `x` lies within `INTEGRAL_TOL` of an integer."""
     return bool(np.all(np.abs(x - np.round(x)) <= INTEGRAL_TOL))
+
+
+#: The most binaries the relaxation may leave fractional for the branch-and-bound to presolve
+#: (`presolve_for`): two, a single node split between two strategies (where the memory row
+#: binds). HiGHS's branch-and-bound restarts from a new presolve whenever reduced-cost fixing
+#: has made enough binaries inactive, solving the root again, cuts and all. With one node split,
+#: the root bound lay within 0.1% of the optimum in 16 of the 19 such programs below, and the
+#: restarts shrink the program fast (one of llama3-70b's: 20K columns to under 1K in six
+#: restarts); with more split, the bound is weaker, the restarts remove a smaller share (17.9%
+#: at the first on mixtral-8x7b's largest) and the root solves cost more than they save. Measured on the 49 branch-and-bound programs over
+#: 0.5-1 s of llama3-70b, mixtral-8x7b and llama3-405b (on 8x8, 8x8 and 128x8 H100s), seconds
+#: with presolve / without / this rule: llama3-70b's 15 programs 14.4 / 24.1 / 12.4 (two with
+#: one node split took 0.5 / 5.0 and 0.7 / 7.4 s: the restarts shrank 20K columns to under 1K),
+#: mixtral-8x7b's 27 172.0 / 82.2 / 79.2 (the largest, 146 binaries fractional, 72.0 / 18.7 s),
+#: llama3-405b's 7 (one size) 26.2 / 19.2 / 19.2; the same optima within the gap.
+PRESOLVE_MAX_FRACTIONAL = 2
+
+
+def presolve_for(relaxed_binaries: np.ndarray) -> bool:
+    """Whether the branch-and-bound of a program whose LP relaxation gave `relaxed_binaries`
+    should presolve (`PRESOLVE_MAX_FRACTIONAL`)."""
+    fractional = np.abs(relaxed_binaries - np.round(relaxed_binaries)) > INTEGRAL_TOL
+    return int(fractional.sum()) <= PRESOLVE_MAX_FRACTIONAL
 
 
 def solve_relaxation(

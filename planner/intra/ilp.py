@@ -162,7 +162,8 @@ class ILPModel:
     How `solve` runs HiGHS: first the LP relaxation of this program
     (`planner.intra.highs.solve_relaxation`); when its optimum is integral in the binaries, no
     integral choice can beat it and it is the optimum. Otherwise (on these programs mostly
-    when the memory row binds) the branch-and-bound solves `pruned`: with `prune` (the default)
+    when the memory row binds) the branch-and-bound, presolving where the relaxation splits at
+    most one node (`planner.intra.highs.presolve_for`), solves `pruned`: with `prune` (the default)
     the program of the strategies `planner.intra.dominance.undominated` keeps, built then, else
     this one. CBC always gets `pruned`. `settle` then breaks ties the same way on every route.
     """
@@ -381,9 +382,16 @@ class ILPModel:
             elif state == "infeasible":  # no integral choice fits either
                 binaries = None
             else:
+                presolve = state != "optimal" or highs.presolve_for(
+                    values[self._arrays.integer]
+                )
                 model = self.pruned
                 state, values = highs.run_highs(
-                    model.highs_arrays(budget), time_limit=time_limit, msg=msg, gap=gap
+                    model.highs_arrays(budget),
+                    time_limit=time_limit,
+                    msg=msg,
+                    gap=gap,
+                    presolve=presolve,
                 )
                 if state == "failed":
                     raise MeshplanError(
