@@ -110,8 +110,9 @@ def free_port() -> int:
 def _serve_store(world_size: int, timeout_s: float) -> Any:
     """The launch's rendezvous store, served by the launching process on a port the OS picks as
     it binds. Rank 0 used to serve it on a port `free_port` had found free a moment before: under
-    parallel test runs another launch could take that port first, and a rank then joined the
-    other launch's group ("Gloo connectFullMesh failed ... Connection closed by peer")."""
+    parallel test runs another launch could take that port first (the likely cause of a CI
+    failure in which rank 1 of 2 alone failed with "Gloo connectFullMesh failed ... Connection
+    closed by peer")."""
     import torch.distributed as dist
 
     return dist.TCPStore(
