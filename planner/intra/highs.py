@@ -164,9 +164,14 @@ def run_highs(
 INTEGRAL_TOL = 1e-7
 
 
+def _fractional(x: np.ndarray) -> np.ndarray:
+    """Which values of `x` lie farther than `INTEGRAL_TOL` from an integer."""
+    return np.abs(x - np.round(x)) > INTEGRAL_TOL
+
+
 def integral(x: np.ndarray) -> bool:
     """Whether every value of `x` lies within `INTEGRAL_TOL` of an integer."""
-    return bool(np.all(np.abs(x - np.round(x)) <= INTEGRAL_TOL))
+    return not _fractional(x).any()
 
 
 #: The most binaries the relaxation may leave fractional for the branch-and-bound to presolve
@@ -188,8 +193,7 @@ PRESOLVE_MAX_FRACTIONAL = 2
 def presolve_for(relaxed_binaries: np.ndarray) -> bool:
     """Whether the branch-and-bound of a program whose LP relaxation gave `relaxed_binaries`
     should presolve (`PRESOLVE_MAX_FRACTIONAL`)."""
-    fractional = np.abs(relaxed_binaries - np.round(relaxed_binaries)) > INTEGRAL_TOL
-    return int(fractional.sum()) <= PRESOLVE_MAX_FRACTIONAL
+    return int(_fractional(relaxed_binaries).sum()) <= PRESOLVE_MAX_FRACTIONAL
 
 
 def solve_relaxation(
