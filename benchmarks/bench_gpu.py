@@ -32,6 +32,11 @@ shape, which is what the preset's efficiency terms are checked against; and at t
 split by kind of work, predicted against measured (``breakdown``, `benchmarks.gpu_breakdown`).
 ``--case MODEL BATCH`` (repeatable) measures other models than ``CASES``.
 Each case is its own launch; with ``--json`` the file is rewritten after every case.
+
+``--reprice FILE ...`` needs no GPU: it plans every case of committed results again with the
+cost models as they are now (`reprice`) and prints the new prediction of step time and peak
+memory against the steps those files measured, so that a change of the cost models is checked
+against every GPU measurement on record.
 """
 
 from __future__ import annotations
@@ -238,6 +243,62 @@ def _priced_on_profile(p: Any, spec: str, device: str, batch: int, path: str) ->
     return q.estimate.iteration_time_s
 
 
+def reprice(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per case of a committed bench_gpu `result`: its configuration planned again on the preset
+    it was planned for, as `_case` plans it, with the step time and peak memory it measured."""
+    from planner.api import plan as make_plan
+
+    out = []
+    for c in result["cases"]:
+        p = make_plan(
+            c["model"],
+            result["planned_for"],
+            global_batch=c["global_batch"],
+            dtype=torch.bfloat16,
+            optimizer=OPTIMIZER,
+        )
+        predicted = p.estimate.iteration_time_s
+        memory = max(s.memory_bytes for s in p.stages)
+        measured_memory = (c.get("memory") or {}).get("measured_bytes")
+        out.append(
+            {
+                "model": c["model"],
+                "predicted_s": predicted,
+                "recorded_predicted_s": c["predicted_s"],
+                "runtime_s": c["runtime_s"],
+                "error": predicted / c["runtime_s"] - 1,
+                "predicted_bytes": memory,
+                "measured_bytes": measured_memory,
+                "memory_error": memory / measured_memory - 1
+                if measured_memory
+                else None,
+            }
+        )
+    return out
+
+
+def _repriced_table(rows: list[dict[str, Any]]) -> str:
+    w = max(len("model"), *(len(r["model"]) for r in rows))
+    head = (
+        f"{'model':<{w}} {'predicted':>10} {'recorded':>9} {'runtime':>9}  error  "
+        "memory pred/measured GiB"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        memory = (
+            f"{r['predicted_bytes'] / 2**30:.2f}/{r['measured_bytes'] / 2**30:.2f} "
+            f"({r['memory_error']:+.1%})"
+            if r["measured_bytes"]
+            else "-"
+        )
+        lines.append(
+            f"{r['model']:<{w}} {r['predicted_s'] * 1e3:>7.1f} ms "
+            f"{r['recorded_predicted_s'] * 1e3:>6.1f} ms {r['runtime_s'] * 1e3:>6.1f} ms "
+            f"{r['error']:>+6.1%}  {memory}"
+        )
+    return "\n".join(lines)
+
+
 def _rank(*case_args: Any) -> dict:
     return {
         "gpu": torch.cuda.get_device_name(0),
@@ -297,7 +358,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="also record one step of each under torch's profiler",
     )
+    ap.add_argument(
+        "--reprice",
+        nargs="+",
+        metavar="FILE",
+        help="no GPU: plan the cases of these committed results again and compare",
+    )
     args = ap.parse_args(argv)
+    if args.reprice:
+        for path in args.reprice:
+            try:
+                with open(path) as f:
+                    result = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise SystemExit(f"bench_gpu --reprice: cannot read {path} ({exc})")
+            if not isinstance(result, dict) or "cases" not in result:
+                raise SystemExit(
+                    f"bench_gpu --reprice: {path} is not a bench_gpu result"
+                )
+            print(
+                f"{path}: {result.get('gpu', '?')}, planned for {result['planned_for']}"
+            )
+            print(_repriced_table(reprice(result)))
+        return
     cases = CASES
     if args.case:
         try:

@@ -17,7 +17,7 @@ attention  fused attention (``scaled_dot_product``)          ``flash``, ``fmha``
 memory     every other op (elementwise, norms, softmax,      every other kernel
            loss, embedding): the memory roofline
 optimizer  `cost_models.compute.optimizer_step_time` on the  ``multi_tensor_apply``, ``fused_adam``,
-           plan's parameters (not in the plan's estimate)    ``fused_sgd``
+           plan's parameters                                 ``fused_sgd``
 host       0: the roofline assumes the host queues kernels   the runtime's median step less the
            ahead of the device                               profiled step's GPU busy time
 ========== ================================================= ==================================

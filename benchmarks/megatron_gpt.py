@@ -27,8 +27,9 @@ of what Megatron runs differently, each from ``cost_models.compute``:
   of the all-reduce: the same ring bytes), their price is replaced by the unsharded one;
 * hidden dropout: each residual add inside a block is Megatron's bias-dropout-add, which also
   writes a keep-mask and runs a dropout backward (``fused_dropout_time``);
-* one optimizer step after the pipeline flush (``optimizer_step_time``) on the parameters of one
-  device, ``params / (tp * pp)``.
+* nothing for the optimizer step: the plan's stage times already hold it (each parameter's
+  ``cost_models.compute.param_step_time`` on the parameters of one device, ``params / (tp * pp)``
+  in all, spread over the micro-batches as the planner prices every per-step cost).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from cost_models.communication import LogicalMesh
 from cost_models.compute import (
     fp32_cross_entropy_time,
     fused_dropout_time,
-    optimizer_step_time,
     unfused_attention_time,
 )
 from cost_models.pipeline import iteration_time
@@ -172,17 +172,14 @@ def stage_corrections(
 
 
 def megatron_iteration_time(
-    plan: ParallelPlan, graph: OpGraph, cluster: Cluster, *, tp: int, pp: int
+    plan: ParallelPlan, graph: OpGraph, cluster: Cluster
 ) -> float:
     """Seconds of one iteration of Megatron-LM's program on ``plan``'s configuration: the 1F1B
-    pipeline over the corrected stage times plus one optimizer step."""
+    pipeline over the corrected stage times (the optimizer step included)."""
     times = [
         s.time_s + d
         for s, d in zip(plan.stages, stage_corrections(plan, graph, cluster))
     ]
-    step = optimizer_step_time(
-        cluster, plan.model["params"] / (tp * pp), plan.optimizer
-    )
     return iteration_time(
         cluster,
         times,
@@ -195,7 +192,6 @@ def megatron_iteration_time(
         plan.num_microbatches,
         plan.schedule,
         virtual_stages=plan.virtual_stages,
-        step_s=step,
     )
 
 
@@ -229,7 +225,7 @@ def megatron_prediction(
     )
     graph = resolve_model(model, None, torch.float16, None)[1].trace(global_batch // B)
     cluster = Cluster.from_spec(cluster_spec)
-    seconds = megatron_iteration_time(m, graph, cluster, tp=tp, pp=pp)
+    seconds = megatron_iteration_time(m, graph, cluster)
     config = GPT_CONFIGS[model]
     flops = alpa_gpt_flops(
         global_batch,

@@ -291,8 +291,10 @@ def _breakdown_table(rows: list[dict[str, Any]]) -> list[str]:
     out = [
         (
             "By kind of work (`python -m benchmarks.gpu_breakdown FILE`; predicted on the presets "
-            "committed with this file, optimizer included although a plan's estimate leaves it "
-            "out; host = the runtime's step less its kernels' busy time), predicted / measured ms:"
+            "committed with this file, optimizer included, which the plans' estimates recorded "
+            "above left out: since 2026-12-01 they hold it, `python -m benchmarks.bench_gpu "
+            "--reprice FILE` prices them again; host = the runtime's step less its kernels' "
+            "busy time), predicted / measured ms:"
         ),
         "",
         "| model | " + " | ".join(KINDS) + " | step |",

@@ -415,11 +415,13 @@ def test_gradient_bytes_priced_once_per_step_on_the_bytes_a_device_holds(tmp_pat
     parallelism on two devices less than all of them and more than half (split weights count
     their shard, replicated biases and norms whole). A profile file keeps the figure."""
     g = 1e-9
-    profile = dataclasses.replace(_profile(0.0), grad_byte_overhead_s=g)
+    # g and 2 g: a profile with the figure prices the optimizer's step in it (none without)
+    base_profile = dataclasses.replace(_profile(0.0), grad_byte_overhead_s=g)
+    profile = dataclasses.replace(_profile(0.0), grad_byte_overhead_s=2 * g)
     model, _ = build_model(SPEC, batch=BATCH, device="meta")
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for B in (1, 2):
-        base, _ = _one_device_iteration(_profile(0.0), B)
+        base, _ = _one_device_iteration(base_profile, B)
         more, _ = _one_device_iteration(profile, B)
         assert more - base == pytest.approx(nbytes * g, rel=1e-6)
 
@@ -440,11 +442,11 @@ def test_gradient_bytes_priced_once_per_step_on_the_bytes_a_device_holds(tmp_pat
             optimizer="sgd",
         ).estimate.iteration_time_s
 
-    added = tp2(g) - tp2(0.0)
+    added = tp2(2 * g) - tp2(g)
     assert nbytes * g / 2 < added < nbytes * g
     path = tmp_path / "p.json"
     save_profile(profile, path)
-    assert load_profile(path).grad_byte_overhead_s == g
+    assert load_profile(path).grad_byte_overhead_s == 2 * g
 
 
 def test_step_overhead_added_once_per_iteration():

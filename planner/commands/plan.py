@@ -372,7 +372,7 @@ def run_explain(args: argparse.Namespace) -> int:
             f"\nstage {i}: layers {s.layers[0]}-{s.layers[1]} on devices {_ranks(s.devices)}, logical mesh {s.logical_mesh}"
         )
         print(
-            f"  time per micro-batch {s.time_s * 1e3:.3f} ms (compute and resharding; gradient sync {s.grad_sync_s * 1e3:.3f} ms per "
+            f"  time per micro-batch {s.time_s * 1e3:.3f} ms (compute and resharding; gradient sync {s.grad_sync_s * 1e3:.3f} ms and optimizer step {s.optimizer_s * 1e3:.3f} ms per "
             f"iteration{'' if s.recompute == 'none' else f', recomputation {s.recompute}'}); memory {nbytes(s.memory_bytes)} per device"
         )
         layers = [p.layer_nodes[k] for k in range(s.layers[0], s.layers[1] + 1)]

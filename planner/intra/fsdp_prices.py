@@ -167,17 +167,31 @@ def param_state_bytes(meta: TensorMeta, option: Option, s: StageSettings) -> flo
             zero_shards=shards(held, s.mesh.shape) / shards(planned, s.mesh.shape),
             zero_stage=3,
         )
-    zero = (
-        math.prod(size for p, size in zip(placements, s.mesh.shape) if p == "R")
-        if option.zero
-        else 1
-    )
     return state_bytes(
         meta.numel(),
         s.optimizer,
         shards=shards(placements, s.mesh.shape),
-        zero_shards=zero,
+        zero_shards=_zero_shards(option, s),
     )
+
+
+def _zero_shards(option: Option, s: StageSettings) -> int:
+    """The devices a ZeRO-2 parameter's gradient and optimizer state are split over: those of
+    the mesh axes that replicate it (1 without ZeRO)."""
+    if not option.zero:
+        return 1
+    placements = option.strategy.output[0]
+    return math.prod(size for p, size in zip(placements, s.mesh.shape) if p == "R")
+
+
+def optimizer_numel(meta: TensorMeta, option: Option, s: StageSettings) -> float:
+    """Elements of one parameter's optimizer state on one device, the part of the parameter its
+    optimizer step updates there: its placement's shard, divided further over the axes that
+    replicate it under ZeRO-2, and FSDP's shard (`param_state_bytes`' division)."""
+    if option.zero == 3:
+        return meta.numel() / shards(fsdp_placements(meta, option, s)[1], s.mesh.shape)
+    placements = option.strategy.output[0]
+    return meta.numel() / shards(placements, s.mesh.shape) / _zero_shards(option, s)
 
 
 def fsdp_placements(

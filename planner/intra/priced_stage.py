@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cost_models.compute import param_overhead
+from cost_models.compute import param_overhead, param_step_time
 from planner.intra import fsdp_prices as fp
 from planner.intra import prices as sc
 from planner.intra.prices import Option, StageSettings
@@ -43,16 +43,34 @@ class PricedStage:
 
     def node_cost(self, name: str, opt: Option) -> float:
         """Seconds per micro-batch of node `name` under `opt`: an op's compute
-        (`prices.compute_time`); a parameter's ZeRO / FSDP collectives (`fsdp_prices.zero_cost`)
-        and the runtime's time per parameter tensor and per byte of its gradient
-        (`cost_models.compute.param_overhead`, 0 without a measured profile)."""
+        (`prices.compute_time`); a parameter's ZeRO / FSDP collectives (`fsdp_prices.zero_cost`),
+        the runtime's time per parameter tensor and per byte of its gradient
+        (`cost_models.compute.param_overhead`, 0 without a measured profile) and its optimizer
+        step on the shard of its state (`cost_models.compute.param_step_time`), the per-step
+        terms spread over the micro-batches."""
         node = self.graph.node(name)
         if name in self.graph.placeholder_paths and node.op == "param":
             s, meta = self.settings, node.outputs[0]
-            return fp.zero_cost(meta, opt, s) + param_overhead(
-                s.mesh.cluster, s.num_microbatches, fp.grad_bytes(meta, opt, s)
+            return (
+                fp.zero_cost(meta, opt, s)
+                + param_overhead(
+                    s.mesh.cluster, s.num_microbatches, fp.grad_bytes(meta, opt, s)
+                )
+                + self.optimizer_cost(name, opt)
             )
         return sc.compute_time(node, opt, self.settings)
+
+    def optimizer_cost(self, name: str, opt: Option) -> float:
+        """Seconds per micro-batch of parameter `name`'s optimizer step under `opt` (its share
+        of one step per iteration; in `node_cost`)."""
+        key = (self.price_key(name), opt)
+        hit = self._steps.get(key)
+        if hit is None:
+            s = self.settings
+            numel = fp.optimizer_numel(self.graph.node(name).outputs[0], opt, s)
+            step = param_step_time(s.mesh.cluster, numel, s.optimizer)
+            hit = self._steps[key] = step / s.num_microbatches
+        return hit
 
     def ilp_node_cost(self, name: str, opt: Option) -> float:
         """`node_cost` as the intra-op program sees it: less `fsdp_prices.ilp_credit` for an
@@ -83,6 +101,8 @@ class PricedStage:
         default_factory=dict
     )  # (price_key, index in full_options) -> [cost, memory, forward time]; shared like _edges
     _price_keys: dict[str, int] = field(default_factory=dict)  # shared like _edges
+    # (price_key, option) -> `optimizer_cost`; shared like _edges
+    _steps: dict[tuple[int, Option], float] = field(default_factory=dict)
     _price_ids: dict[tuple, int] = field(default_factory=dict)  # shared like _edges
     _keys: dict[tuple[str, str], tuple[str, str, int]] = field(
         default_factory=dict
@@ -206,6 +226,7 @@ class PricedStage:
             keep,
             _values=self._values,
             _price_keys=self._price_keys,
+            _steps=self._steps,
             _price_ids=self._price_ids,
             _keys=self._keys,
             shared=self.shared,

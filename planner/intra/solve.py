@@ -64,7 +64,7 @@ class StageSolution:
     compute_s: float
     comm_s: float
     # per iteration, bucket latencies and the runtime's per-parameter overhead included
-    # (`PricedStage.node_cost` of the parameters)
+    # (`PricedStage.node_cost` of the parameters, less their optimizer step)
     grad_sync_s: float
     param_state_bytes: float
     activation_bytes: float
@@ -80,6 +80,8 @@ class StageSolution:
     )
     # the runtime's fixed seconds per stage and micro-batch (`cost_models.compute`), once a stage
     overhead_s: float = 0.0
+    # the optimizer's step per iteration (`PricedStage.optimizer_cost` of the parameters)
+    optimizer_s: float = 0.0
     # parameters fully sharded (FSDP, ZeRO stage 3; `planner.intra.fsdp_prices`), by path
     fsdp_params: list[str] = field(default_factory=list)
     _ctx: PricedStage | None = field(default=None, repr=False, compare=False)
@@ -123,11 +125,12 @@ class StageSolution:
 
     @property
     def time_s(self) -> float:
-        """Per-micro-batch time with the gradient synchronisation spread over the micro-batches."""
+        """Per-micro-batch time with the gradient synchronisation and the optimizer's step spread
+        over the micro-batches."""
         return (
             self.compute_s
             + self.comm_s
-            + self.grad_sync_s / self.num_microbatches
+            + (self.grad_sync_s + self.optimizer_s) / self.num_microbatches
             + self.overhead_s
         )
 
@@ -535,7 +538,8 @@ def _summarise(
     # (cost, memory, forward time), kept for `StageSolution.node_cost_table`
     values = ctx.all_values({n: index[n] for n in choice})
     compute = sum(values[n][0] for n in choice if not is_param[n])
-    zero = sum(values[n][0] for n in choice if is_param[n])
+    step = sum(ctx.optimizer_cost(n, choice[n]) for n in choice if is_param[n])
+    zero = sum(values[n][0] for n in choice if is_param[n]) - step
     comm, grad_sync = 0.0, zero * s.num_microbatches
     edge_terms = ctx.edge_terms(index)
     for act, grad in zip(*edge_terms):
@@ -567,6 +571,7 @@ def _summarise(
         compute_s=compute,
         comm_s=comm,
         grad_sync_s=grad_sync,
+        optimizer_s=step * s.num_microbatches,
         param_state_bytes=param_mem,
         activation_bytes=act_mem,
         fallback_ops=fallbacks,

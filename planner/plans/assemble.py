@@ -447,6 +447,7 @@ def _stage_plan(
         memory_bytes=memory,
         compute_s=s.cost.compute_s,
         grad_sync_s=float(sol.grad_sync_s),
+        optimizer_s=float(sol.optimizer_s),
         zero_params=[p for p in sol.zero_params if p in params],
         fsdp_params=[p for p in sol.fsdp_params if p in params],
         fsdp_axes={p: a for p, a in sol.fsdp_axes.items() if p in params},

@@ -233,7 +233,14 @@ def _stage_list(p: Plan) -> None:
             s.recompute,
             f"one of {', '.join(RECOMPUTE_MODES)} (true and false read as full and none)",
         )
-        for key in ("time_s", "memory_bytes", "compute_s", "comm_s", "grad_sync_s"):
+        for key in (
+            "time_s",
+            "memory_bytes",
+            "compute_s",
+            "comm_s",
+            "grad_sync_s",
+            "optimizer_s",
+        ):
             value = getattr(s, key)
             _expect(_is_number(value), f"stages[{i}].{key}", value, "a number >= 0")
 

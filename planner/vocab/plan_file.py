@@ -48,6 +48,7 @@ class StagePlan:
     compute_s: float = 0.0
     comm_s: float = 0.0
     grad_sync_s: float = 0.0  # per iteration
+    optimizer_s: float = 0.0  # the optimizer's step, per iteration
     zero_params: list[str] = field(default_factory=list)
     # parameters fully sharded (FSDP, ZeRO stage 3) over the axes that replicate them
     fsdp_params: list[str] = field(default_factory=list)
