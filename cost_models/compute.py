@@ -77,15 +77,16 @@ TENSOR_CORE_CURVE = (0.80, 64.0)
 FP32_CURVE = (0.90, 16.0)
 #: Tensor-core E_max of the devices where it was fitted to measured training runs (device name ->
 #: E_max), replacing ``TENSOR_CORE_CURVE[0]``; a device without an entry keeps the guess above.
-#: A100-80GB: 0.7262, fitted by ``python -m benchmarks.published`` (benchmarks/results/published.json)
+#: A100-80GB: 0.7378, fitted by ``python -m benchmarks.published`` (benchmarks/results/published.json)
 #: to Korthikanti et al. 2022's four full-recomputation GPT runs on DGX A100-80GB (22B, 175B, 530B,
 #: 1T; ../shared/reference/published-measurements.md), least squares in the relative error of
 #: iteration time, every other constant at its datasheet value; leave-one-out it predicts each of
-#: the four within 8.6% (mean 5.5%; refitted 2026-11-26 on the merged search, 0.7246 before). It stands for what fp16 GEMMs sustained in those runs
+#: the four within 6.4% (mean 3.3%; refitted 2026-12-01 once plans priced the optimizer's step,
+#: 0.7262 before, 0.7246 before 2026-11-26). It stands for what fp16 GEMMs sustained in those runs
 #: against the 312 TFLOP/s datasheet peak, and also absorbs what the datasheet constants left at
-#: their values miss there (its leave-one-out errors trend from -7.9% at 22B to +8.6% at 1T: the
-#: smaller runs spend more of their time outside the products; benchmarks/results/REPORT.md).
-TENSOR_CORE_E_MAX: dict[str, float] = {"A100-80GB": 0.7262}
+#: their values miss there (its leave-one-out errors run from -4.7% at 175B to +6.4% at 1T;
+#: benchmarks/results/REPORT.md).
+TENSOR_CORE_E_MAX: dict[str, float] = {"A100-80GB": 0.7378}
 MEMORY_EFFICIENCY = 0.85
 #: Memory-bound efficiency of the devices where it was fitted to the kernels of measured training
 #: steps (device name -> fraction of the datasheet bandwidth), replacing ``MEMORY_EFFICIENCY``.
