@@ -458,7 +458,7 @@ def param_step_time(cluster: Cluster, numel: float, optimizer: str) -> float:
 
     Measured on one H200 (`benchmarks.gpu_breakdown`, eight GPTs and Llamas of 0.1-0.8B
     parameters, Adam on 16-bit weights): the optimizer's kernels took 1.25-5.42 ms per step,
-    this price 1.17-4.85 ms (-6% to -12%)."""
+    this price 1.17-4.85 ms (-6.7% to -11.1%)."""
     if float(getattr(cluster.profile, "grad_byte_overhead_s", 0.0)) > 0:
         return 0.0
     return optimizer_step_time(cluster, numel, optimizer)

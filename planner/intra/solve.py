@@ -538,8 +538,10 @@ def _summarise(
     # (cost, memory, forward time), kept for `StageSolution.node_cost_table`
     values = ctx.all_values({n: index[n] for n in choice})
     compute = sum(values[n][0] for n in choice if not is_param[n])
-    step = sum(ctx.optimizer_cost(n, choice[n]) for n in choice if is_param[n])
-    zero = sum(values[n][0] for n in choice if is_param[n]) - step
+    # a parameter's price less its optimizer step: its collectives and runtime overhead
+    steps = {n: ctx.optimizer_cost(n, choice[n]) for n in choice if is_param[n]}
+    step = sum(steps.values())
+    zero = sum(max(0.0, values[n][0] - t) for n, t in steps.items())
     comm, grad_sync = 0.0, zero * s.num_microbatches
     edge_terms = ctx.edge_terms(index)
     for act, grad in zip(*edge_terms):
