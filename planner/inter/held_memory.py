@@ -30,10 +30,12 @@ checks and the plan's memory include them, while the intra-op program's own memo
       work(v) = grad bytes of v's output  +  grad bytes of v's non-parameter inputs
 
   on one device (each at the placement the op runs it with), counted for ops whose output needs a
-  gradient and that allocate (views alias their input's gradient). The stage holds the largest
-  such set once: one micro-batch is back-propagated at a time, one op at a time. (The LM head's
-  log-softmax of a ``tokens x vocabulary`` tensor is typically the largest: its gradient in and
-  out.)
+  gradient and that allocate (views alias their input's gradient); an input that is a view of a
+  weight (``t(weight)``) is not an activation: its gradient is the weight's, which the parameter
+  state counts. The stage holds the largest such set once: one micro-batch is back-propagated at
+  a time, one op at a time. (The LM head's log-softmax of a ``tokens x vocabulary`` tensor is
+  typically the largest: its gradient in and out; it runs first in backward, before most
+  parameter gradients are made, `planner.inter.grad_timeline`.)
 * **Fresh parameter gradients** (``fresh`` and ``priced`` per parameter). The runtime's compiled
   stages (`runtime.compiled`: AOTAutograd) run a micro-batch's backward as one graph that returns
   every parameter gradient of the stage at its end, at the parameter's own placement; only then
@@ -50,8 +52,9 @@ checks and the plan's memory include them, while the intra-op program's own memo
   the new gradients next to the accumulated ones (`cost_models.memory.stage_peak_bytes`'s
   ``accumulating``).
 
-The sum is an upper bound: the peak is taken as if every gradient and every saved activation
-coexisted with the largest backward working set (measured on the local suite: 2 to 10% above).
+The sum is an upper bound: every saved activation is taken to coexist with every gradient and
+with the largest backward working set net of the gradients not yet made when it runs
+(`planner.inter.grad_timeline`: the LM head's, largest in a language model, runs first).
 
 Each term is computed once per class of repeated-block copies that read the same choices
 (`_classes`: all copies of a block node but the first block's) and given to every member: the
@@ -186,6 +189,8 @@ def _own_term(
         src = graph.node(u)
         if src.op == "param" or not src.requires_grad or not src.outputs:
             continue
+        if graph.node(_root(graph, u)).op == "param":
+            continue  # a view of a weight (``t(weight)``): its gradient is the weight's
         if not _is_float(src.outputs[0].dtype):
             continue
         placement = strategy.inputs[i] if by_index else None

@@ -69,6 +69,7 @@ from cost_models.errors import MeshplanError
 from cost_models.memory import stage_peak_bytes
 from planner.inter import boundaries as bd
 from planner.inter.full_recompute import layer_terms, node_terms
+from planner.inter.grad_timeline import grad_timeline, net_backward_work
 from planner.inter.held_memory import backward_terms, cached_on, resharded_saves
 from planner.inter.selective import selective_table
 from planner.inter.wgrad import wgrad_table
@@ -114,9 +115,11 @@ class LayerProfile:
     wgrad: np.ndarray | None = None
     wgrad_bytes: np.ndarray | None = None
     # what the backward holds besides saved activations and priced gradients
-    # (`planner.inter.held_memory`), per layer: its largest op's activation-gradient bytes,
-    # and the bytes of its parameters' fresh gradients and of those the parameter state prices
-    grad_work: np.ndarray | None = None
+    # (`planner.inter.held_memory`): per span of last layers, per layer its largest op's
+    # activation-gradient bytes net of the layer's gradients not yet made then, and the
+    # gradients of its parameters made in it (`planner.inter.grad_timeline`); per layer the
+    # bytes of its parameters' fresh gradients and of those the parameter state prices
+    grad_work: list[tuple[int, np.ndarray, np.ndarray]] | None = None
     fresh_grads: np.ndarray | None = None
     priced_grads: np.ndarray | None = None
     # node -> layer of the clustering the profile attributes to (`planner.inter.dp_overlap`
@@ -140,13 +143,14 @@ class LayerProfile:
 
     def backward_bytes(self) -> np.ndarray:
         """[k, j]: the backward's bytes beyond activations and parameter state for a stage of
-        layers k..j (`planner.inter.held_memory`): the largest op's activation gradients and
-        ZeRO gradients held whole until the step's sync (the second set of fresh gradients with
+        layers k..j (`planner.inter.held_memory`): the largest op's activation gradients net
+        of the gradients not yet made when it runs (`planner.inter.grad_timeline`) and ZeRO
+        gradients held whole until the step's sync (the second set of fresh gradients with
         several micro-batches: `accumulate_bytes`)."""
         L = len(self.time)
         if self.grad_work is None:
             return np.zeros((L, L))
-        return _range_max(self.grad_work) + _range_sums(
+        return net_backward_work(self.grad_work, L) + _range_sums(
             self.fresh_grads - self.priced_grads
         )
 
@@ -316,15 +320,22 @@ def profile(
     )
     full = layer_terms(node_terms(sol, graph), index, _saved(sol, graph), L)
     work, grads = backward_terms(sol, graph, layer_of)
-    grad_work = np.zeros(L)
-    np.maximum.at(
-        grad_work, _layer_index(layer_of, _keys(sol, graph, work)), _values(work)
-    )
     fresh, priced = np.zeros(L), np.zeros(L)
-    at = _layer_index(layer_of, _keys(sol, graph, grads))
-    np.add.at(fresh, at, np.fromiter((f for f, _ in grads.values()), float, len(grads)))
+    param_names = _keys(sol, graph, grads)
+    at = _layer_index(layer_of, param_names)
+    param_fresh = np.fromiter((f for f, _ in grads.values()), float, len(grads))
+    np.add.at(fresh, at, param_fresh)
     np.add.at(
         priced, at, np.fromiter((p for _, p in grads.values()), float, len(grads))
+    )
+    grad_work = grad_timeline(
+        graph,
+        layer_of,
+        _keys(sol, graph, work),
+        _values(work),
+        param_names,
+        param_fresh,
+        L,
     )
     unit_extra = None
     if unit is not None:
