@@ -36,15 +36,36 @@ gradient is its copy's, in a later stage, `planner.plans.assemble`). Per layer::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from planner.tracing.opgraph import OpGraph
 
 __all__ = ["grad_timeline", "net_backward_work"]
 
-# the last few index arrays, per (layer_of, op names, parameter names) object identities: the
+# the last few spans' index arrays (`_spans`), per (layer_of, op names, parameter names): the
 # search attributes many solutions of one graph to each of a few clusterings
-_INDEX: list[tuple[tuple[object, ...], tuple[np.ndarray, ...]]] = []
+_SPANS: list[tuple[tuple[Any, ...], list[_Span]]] = []
+
+
+@dataclass(frozen=True)
+class _Span:
+    """What `grad_timeline` reads of the graph and the clustering for one span of last layers:
+    a permutation of the parameters by when, in forward order, their gradients are made; per
+    op, where its layer's parameters and those made before it begin in that order; the ops
+    grouped by layer (a permutation, each group's start, its layer); and each parameter's
+    layer in ``done`` (-1: none)."""
+
+    j0: int
+    order: np.ndarray
+    upto: np.ndarray
+    start: np.ndarray
+    by_layer: np.ndarray
+    groups: np.ndarray
+    group_layer: np.ndarray
+    done_layer: np.ndarray
 
 
 def grad_timeline(
@@ -62,29 +83,18 @@ def grad_timeline(
     (up to the next triple's ``j0``). A parameter read in exactly two layers ``a < b`` (a tied
     embedding) is, in a stage ending before ``b``, one read in ``a`` alone: its gradient there
     is made at its last reader in ``a``; in a stage holding ``b``, from ``b`` on."""
-    op_key, plain_key, plain_done, own_key, own_done, until = _index(
-        graph, layer_of, ops, params
-    )
-    n = len(graph.nodes)
-    hi_key = op_key
-    lo_key = op_key - op_key % n
     out = []
-    starts = [0] + sorted({int(b) for b in until[until >= 0]})
-    for j0 in starts:
-        own = until > j0  # two-layer parameters whose later reader lies after this span
-        key = np.where(own, own_key, plain_key)
-        done_layer = np.where(own, own_done, plain_done)
-        order = np.argsort(key, kind="stable")
-        sorted_key = key[order]
-        made = np.concatenate([[0.0], np.cumsum(fresh[order])])
-        hi = np.searchsorted(sorted_key, hi_key, side="left")
-        lo = np.searchsorted(sorted_key, lo_key, side="left")
-        net = np.full(L, -np.inf)
-        np.maximum.at(net, op_key // n, work - (made[hi] - made[lo]))
-        done = np.zeros(L)
-        mask = done_layer >= 0
-        np.add.at(done, done_layer[mask], fresh[mask])
-        out.append((j0, np.where(np.isfinite(net), net, 0.0), done))
+    for span in _spans(graph, layer_of, ops, params):
+        cum = np.concatenate([[0.0], np.cumsum(fresh[span.order])])
+        within = cum[span.upto] - cum[span.start]  # within(v), module docstring
+        net = np.zeros(L)
+        if len(ops):
+            net[span.group_layer] = np.maximum.reduceat(
+                (work - within)[span.by_layer], span.groups
+            )
+        mask = span.done_layer >= 0
+        done = np.bincount(span.done_layer[mask], weights=fresh[mask], minlength=L)
+        out.append((span.j0, net, done[:L]))
     return out
 
 
@@ -107,39 +117,71 @@ def net_backward_work(
     return out
 
 
-def _index(
+def _spans(
     graph: OpGraph, layer_of: dict[str, int], ops: list[str], params: list[str]
-) -> tuple[np.ndarray, ...]:
-    """Per op: ``layer * N + position`` (N nodes in the graph). Per parameter: ``layer * N +
-    position of its last reader`` and its layer when all its readers are in it (else -1); for
-    one read in exactly two layers ``a < b``: ``a * N + position of its last reader in a``,
-    ``a`` and ``b`` (else the first two as for the others, and -1)."""
-    for known, arrays in _INDEX:
-        if known[0] is layer_of and known[1] is ops and known[2] is params:
-            return arrays
+) -> list[_Span]:
+    """`_Span` of each span of last layers (`grad_timeline`); kept for the last few."""
+    for (known, known_ops, known_params), spans in _SPANS:
+        if (
+            known is layer_of
+            and (known_ops is ops or known_ops == ops)
+            and (known_params is params or known_params == params)
+        ):
+            return spans
+    spans = _make_spans(graph, layer_of, ops, params)
+    _SPANS.insert(0, ((layer_of, ops, params), spans))
+    del _SPANS[16:]
+    return spans
+
+
+def _make_spans(
+    graph: OpGraph, layer_of: dict[str, int], ops: list[str], params: list[str]
+) -> list[_Span]:
+    """The spans, from keys ``layer * N + position`` (N nodes in the graph): per op its own;
+    per parameter its layer's and its last reader's position (beyond every op of its layer
+    when a reader lies in a later one: never within, never in ``done``), or, read in exactly
+    two layers ``a < b``, in a span ending before ``b``, its last reader's in ``a``."""
     position, readers = _positions(graph)
     n = len(graph.nodes)
     names = [node.name for node in graph.nodes]
-    op_key = np.fromiter(
-        (layer_of.get(v, 0) * n + position[v] for v in ops), int, len(ops)
-    )
+    op_layer = np.fromiter((layer_of.get(v, 0) for v in ops), int, len(ops))
+    op_key = op_layer * n + np.fromiter((position[v] for v in ops), int, len(ops))
     P = len(params)
     plain_key, plain_done = np.empty(P, int), np.empty(P, int)
-    own_key, own_done, until = np.empty(P, int), np.empty(P, int), np.full(P, -1)
+    own_key, until = np.empty(P, int), np.full(P, -1)
     for i, p in enumerate(params):
         a = layer_of.get(p, 0)
         at = readers.get(p) or [position[p]]
         layers = [layer_of.get(names[r], 0) for r in at]
-        plain_key[i] = a * n + at[-1]
+        plain_key[i] = a * n + at[-1]  # read beyond its layer: past every op of it
         plain_done[i] = a if layers[-1] == a else -1
-        own_key[i], own_done[i] = plain_key[i], plain_done[i]
+        own_key[i] = plain_key[i]
         if len(set(layers)) == 2 and layers[0] == a:
             own_key[i] = a * n + max(r for r, m in zip(at, layers) if m == a)
-            own_done[i], until[i] = a, layers[-1]
-    arrays = (op_key, plain_key, plain_done, own_key, own_done, until)
-    _INDEX.insert(0, ((layer_of, ops, params), arrays))
-    del _INDEX[16:]
-    return arrays
+            until[i] = layers[-1]
+    by_layer = np.argsort(op_layer, kind="stable")
+    sorted_layers = op_layer[by_layer]
+    groups = np.flatnonzero(np.r_[True, sorted_layers[1:] != sorted_layers[:-1]])
+    groups = groups if len(ops) else np.zeros(0, int)
+    spans = []
+    for j0 in [0] + sorted({int(b) for b in until[until >= 0]}):
+        own = until > j0  # two-layer parameters whose later reader lies after this span
+        key = np.where(own, own_key, plain_key)
+        order = np.argsort(key, kind="stable")
+        sorted_key = key[order]
+        spans.append(
+            _Span(
+                j0,
+                order,
+                np.searchsorted(sorted_key, op_key),
+                np.searchsorted(sorted_key, op_key - op_key % n),
+                by_layer,
+                groups,
+                sorted_layers[groups] if len(ops) else np.zeros(0, int),
+                np.where(own, own_key // n, plain_done),
+            )
+        )
+    return spans
 
 
 def _positions(graph: OpGraph) -> tuple[dict[str, int], dict[str, list[int]]]:
