@@ -52,9 +52,9 @@ checks and the plan's memory include them, while the intra-op program's own memo
   the new gradients next to the accumulated ones (`cost_models.memory.stage_peak_bytes`'s
   ``accumulating``).
 
-The sum is an upper bound: every saved activation is taken to coexist with every gradient and
-with the largest backward working set net of the gradients not yet made when it runs
-(`planner.inter.grad_timeline`: the LM head's, largest in a language model, runs first).
+The sum is an upper bound: every saved activation is taken to live until the backward ends, next
+to every gradient, or next to the largest backward working set and the gradients made before it
+runs (`planner.inter.grad_timeline`: the LM head's, largest in a language model, runs first).
 
 Each term is computed once per class of repeated-block copies that read the same choices
 (`_classes`: all copies of a block node but the first block's) and given to every member: the

@@ -25,7 +25,8 @@ after l are done: `_recomputed`),
 
 plus, in every mode, what the backward holds besides saved activations and priced gradients
 (`LayerProfile.backward_bytes`, `planner.inter.held_memory`: the largest op's activation
-gradients, ZeRO gradients held whole until the step's sync; and a second set of fresh gradients
+gradients net of the gradients not yet made when it runs, `planner.inter.grad_timeline`; ZeRO
+gradients held whole until the step's sync; and a second set of fresh gradients
 during later micro-batches' backward on compiled graphs, `LayerProfile.accumulate_bytes`),
 and recomputation adds to the time the blocks' (full) or the layers' (layer) forward, or their
 attention cores' (selective), each with half the resharding on the edges into the recomputed ops
