@@ -121,6 +121,7 @@ class LayerProfile:
     # gradients of its parameters made in it (`planner.inter.grad_timeline`); per layer the
     # bytes of its parameters' fresh gradients and of those the parameter state prices
     grad_work: list[tuple[int, np.ndarray, np.ndarray]] | None = None
+    grad_raw: np.ndarray | None = None  # per layer: its largest op's, not net
     fresh_grads: np.ndarray | None = None
     priced_grads: np.ndarray | None = None
     # node -> layer of the clustering the profile attributes to (`planner.inter.dp_overlap`
@@ -156,14 +157,26 @@ class LayerProfile:
         )
 
     def accumulate_bytes(self, recompute: str) -> np.ndarray:
-        """[k, j]: with several micro-batches on compiled graphs (no recomputation, no FSDP),
-        the second set of fresh gradients a later micro-batch's backward holds
-        (`cost_models.memory.stage_peak_bytes`'s ``accumulating``); else zeros."""
+        """[k, j]: what a later micro-batch's backward holds beyond the first's
+        (`cost_models.memory.stage_peak_bytes`'s ``accumulating``): on compiled graphs (no
+        recomputation, no FSDP) a second set of fresh gradients; run eagerly, the gradients
+        the first's working set found not yet made (`unmade_bytes`), accumulated by then."""
         L = len(self.time)
         compiled = recompute_mode(recompute) == "none" and self.gathered is None
-        if self.fresh_grads is None or not compiled:
+        if self.fresh_grads is None:
             return np.zeros((L, L))
+        if not compiled:
+            return self.unmade_bytes()
         return _range_sums(self.fresh_grads)
+
+    def unmade_bytes(self) -> np.ndarray:
+        """[k, j]: how much less the largest backward working set is counted for the gradients
+        not yet made when it runs (`planner.inter.grad_timeline`): only the first micro-batch
+        of a step finds them so; a later one's backward runs next to the accumulated ones."""
+        L = len(self.time)
+        if self.grad_work is None:
+            return np.zeros((L, L))
+        return _range_max(self.grad_raw) - net_backward_work(self.grad_work, L)
 
     def recompute_modes(self) -> tuple[str, ...]:
         """The recomputation modes worth pricing: selective only where the model has attention
@@ -329,6 +342,10 @@ def profile(
     np.add.at(
         priced, at, np.fromiter((p for _, p in grads.values()), float, len(grads))
     )
+    grad_raw = np.zeros(L)
+    np.maximum.at(
+        grad_raw, _layer_index(layer_of, _keys(sol, graph, work)), _values(work)
+    )
     grad_work = grad_timeline(
         graph,
         layer_of,
@@ -366,6 +383,7 @@ def profile(
         *selective,
         *wgrad,
         grad_work=grad_work,
+        grad_raw=grad_raw,
         fresh_grads=fresh,
         priced_grads=priced,
         layer_of=layer_of,
@@ -571,7 +589,11 @@ def range_costs(
         transient[:, :, None],
         inflight[None, None, :],
         # zero-bubble stages run eager (`runtime.torch_pipeline`): no second set of gradients
-        0.0 if pending is not None else prof.accumulate_bytes(recompute)[:, :, None],
+        (
+            prof.unmade_bytes()
+            if pending is not None
+            else prof.accumulate_bytes(recompute)
+        )[:, :, None],
         prof.solution.num_microbatches,
         weight_grads=deferred,
     )

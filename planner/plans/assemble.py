@@ -85,6 +85,9 @@ class StageCost:
     # held only during the backward of micro-batches after the first (a second set of fresh
     # gradients: `cost_models.memory.stage_peak_bytes`'s ``accumulating``)
     accumulate_bytes: float = 0.0
+    # held by a later micro-batch's backward run eagerly (zero bubble): the gradients the
+    # first's working set found not yet made (`LayerProfile.unmade_bytes`)
+    unmade_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,7 @@ def stage_from_profile(
         if profile.wgrad_bytes is None
         else float(profile.wgrad_bytes[k : j + 1].sum()),
         accumulate_bytes=float(profile.accumulate_bytes(recompute)[k, j]),
+        unmade_bytes=float(profile.unmade_bytes()[k, j]),
     )
     return StageChoice(layers, submesh, profile.solution, recompute, cost, sync.buckets)
 
@@ -378,7 +382,9 @@ def device_memory(spec: PlanSpec) -> list[float]:
                 s.cost.transient_bytes,
                 microbatches_in_flight(spec.schedule, B, p, c % p, virtual_stages=v),
                 # zero-bubble stages run eager (`runtime.torch_pipeline`): no second gradient set
-                0.0 if zb else s.cost.accumulate_bytes + _compiled(s) * copies[c][2],
+                s.cost.unmade_bytes
+                if zb
+                else s.cost.accumulate_bytes + _compiled(s) * copies[c][2],
                 weight_grads_pending(spec.schedule, B, p, c % p)
                 * s.cost.weight_grad_bytes,
             )
