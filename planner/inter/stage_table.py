@@ -61,6 +61,7 @@ budget, plus sending the boundary activations to the next stage and their gradie
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,9 +153,7 @@ class LayerProfile:
         L = len(self.time)
         if self.grad_work is None:
             return np.zeros((L, L))
-        return net_backward_work(self.grad_work, L) + _range_sums(
-            self.fresh_grads - self.priced_grads
-        )
+        return self._net_work + _range_sums(self.fresh_grads - self.priced_grads)
 
     def accumulate_bytes(self, recompute: str) -> np.ndarray:
         """[k, j]: what a later micro-batch's backward holds beyond the first's
@@ -176,7 +175,13 @@ class LayerProfile:
         L = len(self.time)
         if self.grad_work is None:
             return np.zeros((L, L))
-        return _range_max(self.grad_raw) - net_backward_work(self.grad_work, L)
+        return _range_max(self.grad_raw) - self._net_work
+
+    @functools.cached_property
+    def _net_work(self) -> np.ndarray:
+        """[k, j]: the largest backward working set net of the gradients not yet made
+        (`planner.inter.grad_timeline`); asked for by every option the search prices."""
+        return net_backward_work(self.grad_work, len(self.time))
 
     def recompute_modes(self) -> tuple[str, ...]:
         """The recomputation modes worth pricing: selective only where the model has attention
