@@ -104,6 +104,13 @@ from runtime.fsdp import FsdpParams
 from runtime.grad_sync import sync_grads
 from runtime.meshes import device_mesh
 from runtime.redistribute import Edge, redistribute, unmask
+from runtime.vocab_embedding import (
+    EMBEDDING,
+    MASK,
+    output_placements,
+    vocab_axes,
+    vocab_parallel_embedding,
+)
 
 if TYPE_CHECKING:
     from runtime.dropout import DropoutMasks
@@ -191,6 +198,7 @@ class PlanExecutor(torch.fx.Interpreter):
         self.param_derived = graph.param_derived()
         register_missing_rules()
         self._targets = device_targets(graph.gm, mesh.device_type)
+        self._parsed: dict[Strs, tuple[Placement, ...]] = {}
         for n in graph.gm.graph.nodes:
             strategy = program.strategies.get(n.name)
             if n.op not in ("placeholder", "output") and strategy is None:
@@ -208,7 +216,16 @@ class PlanExecutor(torch.fx.Interpreter):
                     mesh,
                     self.axes.index(context_axis(strategy)),
                 )
-        self._parsed: dict[Strs, tuple[Placement, ...]] = {}
+            if n.target is EMBEDDING and (
+                axes := vocab_axes(strategy.inputs[0], strategy.output[0])
+            ):
+                # the table's gradient split like the table (`runtime.vocab_embedding`)
+                self._targets[n] = vocab_parallel_embedding(
+                    mesh,
+                    graph.node(n.args[0].name).outputs[0].shape,
+                    self._parse(strategy.inputs[0]),
+                    output_placements(strategy.output[0], axes, self._parse),
+                )
         # FSDP parameters (placeholder name -> shard placements; `runtime.fsdp`): eager only;
         # `layers` (op node name -> FSDP unit) paces their reduce-scatters
         # with recomputation, the recomputed forward gathers them again (`runtime.fsdp`)
@@ -525,7 +542,9 @@ class PlanExecutor(torch.fx.Interpreter):
                 continue
             if parsed is None or item.placements != parsed:
                 have = self.strings(item.placements)
-                if have != strs:
+                if have != strs and have != tuple(
+                    "P" if s == MASK else s for s in strs
+                ):  # "P(mask)" as "P": `runtime.vocab_embedding`'s output
                     msg = f"{n.name} ({n.target}) output {k}: DTensor gave {have}, plan {strs}"
                     if self.strict:
                         raise MeshplanError(msg)

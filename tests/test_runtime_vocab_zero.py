@@ -108,6 +108,11 @@ def _reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     )
 
 
+def _landed(grads: dict[str, tuple[int, ...]], k: str, t: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: the local shape of parameter `k`'s first gradient."""
+    grads.setdefault(k, tuple(t.grad._local_tensor.shape))
+
+
 def _train_all(plans: dict[str, tuple[ParallelPlan, str]]) -> dict[str, Any]:
     """Body of every rank: train each plan for 3 steps (ranks outside a plan idle); losses, full
     parameters, local sizes of the parameters and of Adam's state."""
@@ -122,6 +127,12 @@ def _train_all(plans: dict[str, tuple[ParallelPlan, str]]) -> dict[str, Any]:
         tr = single_device.trainer(
             plan, model, batches[0], SPEC, optimizer=kind, lr=lr, compile=compile
         )
+        grads: dict[
+            str, tuple[int, ...]
+        ] = {}  # each gradient's local shape when it lands
+
+        for k, p in tr.params.items():
+            p.register_post_accumulate_grad_hook(functools.partial(_landed, grads, k))
         losses = [tr.step(b) for b in batches]
         ex = tr.runner.executor
         state = tr.optimizer.state if tr.optimizer is not None else {}
@@ -130,6 +141,10 @@ def _train_all(plans: dict[str, tuple[ParallelPlan, str]]) -> dict[str, Any]:
             "params": {k: v.numpy().copy() for k, v in tr.full_params().items()},
             "mismatches": [] if ex is None else ex.mismatches,
             "param_local": {k: p._local_tensor.numel() for k, p in tr.params.items()},
+            "param_shape": {
+                k: tuple(p._local_tensor.shape) for k, p in tr.params.items()
+            },
+            "grad_shape": grads,
             "state_local": {
                 k: state[p]["exp_avg"]._local_tensor.numel()
                 for k, p in tr.params.items()
@@ -170,6 +185,10 @@ def test_vocab_sharded_embedding_trains_like_one_device(
         assert res["losses"] == pytest.approx(ref_losses, rel=1e-5)
         got = {k: torch.from_numpy(v) for k, v in res["params"].items()}
         single_device.assert_same_parameters(got, ref_params)
+        # the table's gradient is this rank's rows, as the plan prices it, not the whole
+        # vocabulary DTensor's backward rule gives (`runtime.vocab_embedding`)
+        assert res["grad_shape"]["wte.weight"] == res["param_shape"]["wte.weight"]
+        assert res["param_shape"]["wte.weight"] == (64, HIDDEN)
 
 
 def test_key_bias_gradient_is_rounding_noise() -> None:
@@ -190,6 +209,8 @@ def test_zero_adam_matches_one_device(runs: list[dict[str, Any]], name: str) -> 
     for rank, r in enumerate(runs):
         res = r[name]
         assert res["mismatches"] == []
+        if base == "dp2_tp2_adam":  # vocabulary-parallel on tp, its tokens split on dp
+            assert r[base]["grad_shape"]["wte.weight"] == (64, HIDDEN)
         assert res["losses"] == pytest.approx(ref_losses, rel=1e-5)
         # ZeRO changes where the update happens, not what it computes (up to the order of
         # gloo's sums: it reduce-scatters what the plain plan all-reduces); the key bias, whose
