@@ -105,7 +105,7 @@ def test_recomputed_fsdp_stage_follows_its_derivation() -> None:
     form over the units from layer k's first to layer j's last. A layer of one unit alone
     exposes every collective whatever the compute; ranges of several may hide more than
     without recomputation."""
-    from planner.inter import stage_table as stt
+    from planner.inter import range_costs as rc
 
     prof = _fsdp_profile()
     F, K, G, R = prof.fsdp_terms
@@ -156,7 +156,7 @@ def test_recomputed_fsdp_stage_follows_its_derivation() -> None:
     # the search's table takes such stages (memory permitting)
     inflight, send = np.array([0.0, 1.0]), np.zeros(L)
     for mode in MODES:
-        cost, _ = stt.range_costs(prof, inflight, np.inf, send, mode)
+        cost, _ = rc.range_costs(prof, inflight, np.inf, send, mode)
         assert np.isfinite(cost[0, L - 1, 1])
     # memory of layers 0..L-1: layer keeps the layers' inputs, full the blocks' inputs and what
     # runs outside the blocks, selective all but the cores' bytes; live while one layer (one
@@ -190,7 +190,7 @@ def test_recomputed_fsdp_stage_follows_its_derivation() -> None:
         ),
         ("none", prof.acts, blocks),
     ):
-        _, k, t = stt.range_footprint(prof, mode)
+        _, k, t = rc.range_footprint(prof, mode)
         assert (k[0, L - 1], t[0, L - 1]) == pytest.approx(
             (kept.sum(), transient + held)
         )

@@ -14,6 +14,7 @@ from closed_forms import gpt_layer_activation_bytes
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from planner.inter import boundaries as bd
+from planner.inter import range_costs as rc
 from planner.inter import stage_table as st
 from planner.intra.solve import solve_stage
 from planner.models.gpt import GPTConfig
@@ -51,14 +52,14 @@ def test_full_keeps_block_inputs_and_recomputes_one_block_at_a_time() -> None:
     one_block = gpt_layer_activation_bytes(s, b, h, CFG.heads, P, recompute=False)
     head = P * s * b * h + 8 * s * b + P * s * b * h + P * s * b * v
     held = prof.backward_bytes()[0, 0]
-    _, kept, transient = st.range_footprint(prof, "full")
+    _, kept, transient = rc.range_footprint(prof, "full")
     assert kept[0, 0] == pytest.approx(CFG.layers * P * s * b * h + head, rel=0.02)
     # the head's saved tensors are freed before the last block is recomputed; the loss's int64
     # labels (a batch input, 8 s b) stay
     assert transient[0, 0] - held == pytest.approx(
         one_block + 8 * s * b - head, rel=0.02
     )
-    _, kept, transient = st.range_footprint(prof, "layer")
+    _, kept, transient = rc.range_footprint(prof, "layer")
     assert kept[0, 0] == prof.inputs[0] <= 2 * 8 * s * b  # int64 token ids and labels
     assert transient[0, 0] - held == prof.acts[0]
     assert prof.acts[0] > CFG.layers * one_block + head * 0.98
@@ -95,14 +96,14 @@ def test_layers_of_one_block_each_price_both_alike_inside() -> None:
 
 
 def test_recomputed_bytes_match_brute_force() -> None:
-    """`stage_table._recomputed` for every range k..j of random layers: the most, over the layer
+    """`range_costs.recomputed` for every range k..j of random layers: the most, over the layer
     l being recomputed, of the kept bytes of layers k..l-1 plus what l holds, beyond the range's
     kept bytes (0 when the start of backward, everything kept, is the larger)."""
     rng = np.random.default_rng(0)
     for _ in range(30):
         L = int(rng.integers(1, 7))
         kept, held = rng.uniform(0, 10, L), rng.uniform(0, 30, L)
-        got = st._recomputed(kept, held)
+        got = rc.recomputed(kept, held)
         for k in range(L):
             for j in range(k, L):
                 most = max(kept[k:i].sum() + held[i] for i in range(k, j + 1))

@@ -13,7 +13,8 @@ from cost_models import (
     stage_peak_bytes,
     state_bytes_per_param,
 )
-from planner.inter.stage_table import LayerProfile, range_footprint
+from planner.inter.range_costs import range_footprint
+from planner.inter.stage_table import LayerProfile
 from planner.models import gpt
 from planner.tracing import tracer
 

@@ -192,7 +192,7 @@ def test_pipeline_memory_as_predicted(runs: list[dict[str, Any]]) -> None:
     """Each rank's measured peak of the two 1F1B stages, each block recomputed, within 10% of
     the plan's prediction, on the first stage (embedding, two micro-batches in flight) and on
     the last (the head's saved tensors, freed before its blocks are recomputed:
-    `planner.inter.stage_table._recomputed`). When the executor kept every value outside the
+    `planner.inter.range_costs.recomputed`). When the executor kept every value outside the
     checkpoints through the backward (the logits) and received rotary tables were given
     gradients, the last stage measured 9% above its prediction."""
     for B, ranks in runs[0]["peaks"].items():

@@ -30,6 +30,7 @@ from torch import nn
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from planner.inter import boundaries as bd
+from planner.inter import range_costs as rc
 from planner.inter import stage_table as st
 from planner.intra import fsdp_prices as fp
 from planner.intra.prices import Option, StageSettings
@@ -141,7 +142,7 @@ def test_attention_cores_of_fused_and_explicit_attention() -> None:
     gm = trace(mlp, mb)
     assert attention_cores(gm) == {}
     with pytest.raises(MeshplanError, match="attention core"):
-        st.range_footprint(_profile(gm, 2), "selective")
+        rc.range_footprint(_profile(gm, 2), "selective")
 
 
 @pytest.mark.parametrize("which", ["explicit", "llama"])
@@ -156,7 +157,7 @@ def test_selective_keeps_what_the_graph_says(which: str) -> None:
     none, sel, peak = _derived_kept(g)
     total = {}
     for mode in ("none", "selective", "full"):
-        _, kept, transient = st.range_footprint(prof, mode)
+        _, kept, transient = rc.range_footprint(prof, mode)
         total[mode] = kept[0, L - 1] + transient[0, L - 1]
         if mode == "none":
             assert kept[0, L - 1] == pytest.approx(none)
@@ -183,7 +184,7 @@ def test_stage_dp_picks_selective_between_budgets() -> None:
     prof = _profile(g, 2)
     peak = {}
     for mode in ("none", "selective", "full"):
-        params, kept, transient = st.range_footprint(prof, mode)
+        params, kept, transient = rc.range_footprint(prof, mode)
         peak[mode] = params[0, 1] + kept[0, 1] + transient[0, 1]
     assert peak["full"] < peak["selective"] < peak["none"]
     kw = {"global_batch": BATCH, "microbatch_size": BATCH, "dtype": "float32"}

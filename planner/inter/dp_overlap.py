@@ -57,7 +57,7 @@ gradient) sharing the links with the buckets' (on NCCL they run on their own com
 streams). Per micro-batch, as every per-iteration cost of the stage table: the B micro-batches of
 a bottleneck stage add up to the iteration's sync once.
 
-**The stage DP** (`planner.inter.stage_table.range_costs`) ranks layer ranges with the
+**The stage DP** (`planner.inter.range_costs.range_costs`) ranks layer ranges with the
 all-reduce exposed (the buckets depend on where a stage starts and ends); the candidates it
 returns are then ranked by `planner.plans.assemble.predicted_iteration_time`, which includes
 the overlap, as the ILP sees FSDP's collectives unhidden and the stage table hides them.

@@ -28,7 +28,7 @@ Per layer l of a clustering and per micro-batch:
 held(l) is what layer l holds of one micro-batch while one of its blocks is recomputed: backward
 runs in reverse, so what l keeps after that block (the final norm and loss's saved tensors, in
 the last layer) is freed by then, and of the layers after l nothing is left
-(`planner.inter.stage_table.range_footprint`).
+(`planner.inter.range_costs.range_footprint`).
 
 with redo(n) = forward(n) + 1/2 * the resharding on the edges into n: the recomputed forward
 re-runs its redistributions (a tensor-parallel all-reduce, say), and an edge's price covers that

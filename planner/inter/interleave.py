@@ -49,6 +49,7 @@ from cost_models.pipeline import pipeline_time
 from planner.inter import boundaries as bd
 from planner.inter import stage_table as st
 from planner.inter.layers import auto_num_layers, cluster_layers, op_terms
+from planner.inter.range_costs import range_footprint
 from planner.tracing.opgraph import OpGraph
 
 #: Model chunks per device group tried: 2 to 8 (the manual grid's 2, 4, 5 and 8 among them,
@@ -239,7 +240,7 @@ class InterleavedSearch:
         """Cut one candidate into p v chunks for every v and keep what beats the bar."""
         _, index, sub, p, send, prof, rc, make_option = c
         B = self.B
-        params, kept, transient = st.range_footprint(prof, rc)
+        params, kept, transient = range_footprint(prof, rc)
         if params[0, self.L - 1] / p > self.budget:
             return
         time = prof.range_times(rc) + send[None, :]

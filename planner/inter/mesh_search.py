@@ -22,6 +22,7 @@ from planner.inter import boundaries as bd
 from planner.inter import stage_solves
 from planner.inter import stage_table as st
 from planner.inter.interleave import InterleavedSearch, interleave_layering
+from planner.inter.range_costs import range_costs
 from planner.inter.stage_dp import stage_dp
 from planner.intra.context import without_context
 from planner.intra.fsdp_prices import hybrid_axes
@@ -209,7 +210,7 @@ class _Table:
                 return least
             modes = ("none",)
         for rc in modes:
-            c, mem = st.range_costs(prof, self.inflight, budget, send, rc, self.pending)
+            c, mem = range_costs(prof, self.inflight, budget, send, rc, self.pending)
             if whole:
                 least = min(least, float(mem[0, self.L - 1, 1]))
             better = c < self.cost[:, :, m, :]

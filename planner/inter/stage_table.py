@@ -21,7 +21,7 @@ keeps there, `cost_models.memory.microbatches_in_flight`: min(B, s) for 1F1B, B 
 where recomputed(kept, held)[k, j] = max(0, max over l of (kept[k..l-1] + held[l]) - kept[k..j])
 is what lives while one layer l is recomputed beyond the back-propagated micro-batch's kept
 bytes, held[l] including what l still keeps then (backward runs from j down, so the layers
-after l are done: `_recomputed`),
+after l are done: `planner.inter.range_costs.recomputed`),
 
 plus, in every mode, what the backward holds besides saved activations and priced gradients
 (`LayerProfile.backward_bytes`, `planner.inter.held_memory`: the largest op's activation
@@ -56,7 +56,7 @@ gradients it defers (`planner.inter.wgrad`) times min(B, s), the most any of its
 A range's cost is the fastest option (logical mesh, memory level, recomputation none, selective,
 full or layer; `LayerProfile.recompute_modes`) that fits the
 budget, plus sending the boundary activations to the next stage and their gradient back
-(`planner.inter.boundaries.send_times`); +inf if none fits.
+(`planner.inter.boundaries.send_times`); +inf if none fits (`planner.inter.range_costs`).
 """
 
 from __future__ import annotations
@@ -68,11 +68,11 @@ from typing import Any
 import numpy as np
 
 from cost_models.errors import MeshplanError
-from cost_models.memory import stage_peak_bytes
 from planner.inter import boundaries as bd
 from planner.inter.full_recompute import layer_terms, node_terms
 from planner.inter.grad_timeline import grad_timeline, net_backward_work
 from planner.inter.held_memory import backward_terms, cached_on, resharded_saves
+from planner.inter.ranges import range_max, range_sums
 from planner.inter.selective import selective_table
 from planner.inter.wgrad import wgrad_table
 from planner.intra.fsdp_prices import fsdp_exposed
@@ -153,7 +153,7 @@ class LayerProfile:
         L = len(self.time)
         if self.grad_work is None:
             return np.zeros((L, L))
-        return self._net_work + _range_sums(self.fresh_grads - self.priced_grads)
+        return self._net_work + range_sums(self.fresh_grads - self.priced_grads)
 
     def accumulate_bytes(self, recompute: str) -> np.ndarray:
         """[k, j]: what a later micro-batch's backward holds beyond the first's
@@ -166,7 +166,7 @@ class LayerProfile:
             return np.zeros((L, L))
         if not compiled:
             return self.unmade_bytes()
-        return _range_sums(self.fresh_grads)
+        return range_sums(self.fresh_grads)
 
     def unmade_bytes(self) -> np.ndarray:
         """[k, j]: how much less the largest backward working set is counted for the gradients
@@ -175,7 +175,7 @@ class LayerProfile:
         L = len(self.time)
         if self.grad_work is None:
             return np.zeros((L, L))
-        return _range_max(self.grad_raw) - self._net_work
+        return range_max(self.grad_raw) - self._net_work
 
     @functools.cached_property
     def _net_work(self) -> np.ndarray:
@@ -203,7 +203,7 @@ class LayerProfile:
         if recompute == "full":
             return self.block_redo
         if recompute == "selective":
-            return _need_cores(self.core_time)
+            return need_cores(self.core_time)
         return 0.0
 
     def fsdp_recompute(self, recompute: str) -> tuple[np.ndarray, np.ndarray]:
@@ -218,7 +218,7 @@ class LayerProfile:
         if self.fsdp_terms is None or recompute == "none":
             return np.zeros(L), np.zeros((L, L))
         if recompute == "selective":
-            _need_cores(self.core_time)
+            need_cores(self.core_time)
         F, K, G, R = self.fsdp_terms
         X = self.unit_extra[recompute]
         e0, first0, last0 = fsdp_exposed(F, K, G, R)
@@ -232,7 +232,7 @@ class LayerProfile:
         """[k, j]: per-micro-batch time of a stage holding layers k..j (recomputation adds its
         forward, and changes what FSDP's collectives leave exposed, `fsdp_recompute`)."""
         per_layer, fixed = self.fsdp_recompute(recompute)
-        return _range_sums(self.time + self.extra_time(recompute) + per_layer) + (
+        return range_sums(self.time + self.extra_time(recompute) + per_layer) + (
             self.fixed + fixed
         )
 
@@ -246,7 +246,8 @@ class LayerProfile:
         )
 
 
-def _need_cores(x: np.ndarray | None) -> np.ndarray:
+def need_cores(x: np.ndarray | None) -> np.ndarray:
+    """`x`, the attention cores' per-layer figures; MeshplanError when the model has none."""
     if x is None:
         raise MeshplanError(
             "selective recomputation needs an attention core (scaled_dot_product_attention, "
@@ -507,101 +508,3 @@ def _sum_rows(index: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
     return np.stack(
         [np.bincount(index, weights=col, minlength=n) for col in rows.T], axis=1
     ).reshape(n, rows.shape[1])
-
-
-def _range_sums(x: np.ndarray) -> np.ndarray:
-    p = np.concatenate([[0.0], np.cumsum(x)])
-    return p[None, 1:] - p[:-1, None]  # [k, j] = sum x[k..j] (valid for j >= k)
-
-
-def _range_max(x: np.ndarray) -> np.ndarray:
-    L = len(x)
-    out = np.zeros((L, L))
-    for k in range(L):
-        out[k, k:] = np.maximum.accumulate(x[k:])
-    return out
-
-
-def range_footprint(
-    prof: LayerProfile, recompute: str
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """[k, j] arrays for a stage holding layers k..j: its parameter-state bytes, the activation
-    bytes it keeps per micro-batch in flight, and the bytes live only while one layer (one
-    attention core, selective) is recomputed or its FSDP parameters are gathered, plus what its
-    backward holds besides activations and parameter state (`LayerProfile.backward_bytes`)
-    (module docstring); `cost_models.memory.stage_peak_bytes` adds them up."""
-    recompute = recompute_mode(recompute)
-    if recompute not in RECOMPUTE_MODES:
-        raise MeshplanError(
-            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
-        )
-    params = _range_sums(prof.params)
-    extra = prof.backward_bytes()
-    if prof.gathered is not None:
-        # FSDP parameters are gathered at their use and freed after it; a recomputed segment
-        # holds its own and the next one's (`runtime.fsdp`): with "layer" two layers', else
-        # two FSDP units' (the next prefetched)
-        gathered = prof.gathered if recompute == "layer" else prof.unit_gathered
-        extra = extra + 2 * _range_max(gathered)
-    if recompute == "full" and prof.block_kept is not None:  # each block on its own
-        kept, held = prof.block_kept, prof.block_held
-    elif recompute in ("full", "layer"):  # each layer whole
-        kept, held = prof.inputs, prof.inputs + prof.acts
-    elif recompute == "selective":
-        kept = prof.acts - _need_cores(prof.core_bytes)
-        held = kept + _need_cores(prof.core_peak)
-    else:
-        return params, _range_sums(prof.acts), extra
-    return params, _range_sums(kept), _recomputed(kept, held) + extra
-
-
-def _recomputed(kept: np.ndarray, held: np.ndarray) -> np.ndarray:
-    """[k, j]: the bytes a stage of layers k..j holds while one of its layers is recomputed,
-    beyond the kept bytes of the micro-batch back-propagated (per layer l: `kept[l]` its kept
-    bytes, `held[l]` what it holds of them and of its recomputation then)::
-
-        max(0, max over l in k..j of (kept[k..l-1] + held[l]) - kept[k..j])
-
-    Backward runs from layer j down: when layer l is recomputed the layers after it are done
-    and their kept bytes freed."""
-    L = len(kept)
-    sums = _range_sums(kept)
-    upper = np.triu(np.ones((L, L), dtype=bool))
-    at = np.where(upper, sums - kept[None, :] + held[None, :], -np.inf)
-    return np.where(upper, np.maximum(np.maximum.accumulate(at, axis=1) - sums, 0), 0)
-
-
-def range_costs(
-    prof: LayerProfile,
-    inflight: np.ndarray,
-    budget: float,
-    send: np.ndarray,
-    recompute: str,
-    pending: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(cost[k, j, s], memory[k, j, s]) of one option, s indexing `inflight` (the micro-batches a
-    stage with s - 1 stages after it keeps in flight) and `pending` (the weight gradients it
-    defers, zero bubble; None: none); cost is inf where memory exceeds the budget."""
-    L = len(prof.time)
-    time = prof.range_times(recompute)
-    params, kept, transient = range_footprint(prof, recompute)
-    deferred = 0.0
-    if pending is not None and prof.wgrad_bytes is not None:
-        deferred = _range_sums(prof.wgrad_bytes)[:, :, None] * pending[None, None, :]
-    mem = stage_peak_bytes(
-        params[:, :, None],
-        kept[:, :, None],
-        transient[:, :, None],
-        inflight[None, None, :],
-        # zero-bubble stages run eager (`runtime.torch_pipeline`): no second set of gradients
-        (
-            prof.unmade_bytes()
-            if pending is not None
-            else prof.accumulate_bytes(recompute)
-        )[:, :, None],
-        prof.solution.num_microbatches,
-        weight_grads=deferred,
-    )
-    valid = np.triu(np.ones((L, L), dtype=bool))[:, :, None]
-    cost = np.where(valid & (mem <= budget), (time + send[None, :])[:, :, None], np.inf)
-    return np.broadcast_to(cost, mem.shape).copy(), mem

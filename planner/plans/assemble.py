@@ -43,6 +43,7 @@ from planner.inter import boundaries as bd
 from planner.inter import stage_table as st
 from planner.inter.dp_overlap import NO_SYNC, DpSync, stage_dp_sync
 from planner.inter.held_memory import param_grad_terms
+from planner.inter.range_costs import range_footprint
 from planner.intra.solve import StageSolution
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.placements import shards
@@ -141,7 +142,7 @@ def stage_from_profile(
     """A stage holding `layers` priced from a solution's per-layer profile
     (`planner.inter.stage_table`: the stage DP's own prices)."""
     k, j = layers
-    params, kept, transient = st.range_footprint(profile, recompute)
+    params, kept, transient = range_footprint(profile, recompute)
     sync = dp_sync(profile, layers, recompute)
     cost = StageCost(
         time_s=profile.range_time(k, j, recompute) + sync.adjust_s,
