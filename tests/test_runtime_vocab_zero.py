@@ -43,7 +43,7 @@ from runtime.launch import launch
 from runtime.train import _random_batches
 
 SPEC = "gpt:hidden=64,layers=4,heads=4,seq=16,vocab=128"
-HIDDEN, HEADS = 64, 4
+HIDDEN, HEADS, VOCAB = 64, 4, 128
 ONE = "1x4xA100-80GB"
 STEPS = 3
 SGD_LR = 0.1
@@ -127,9 +127,8 @@ def _train_all(plans: dict[str, tuple[ParallelPlan, str]]) -> dict[str, Any]:
         tr = single_device.trainer(
             plan, model, batches[0], SPEC, optimizer=kind, lr=lr, compile=compile
         )
-        grads: dict[
-            str, tuple[int, ...]
-        ] = {}  # each gradient's local shape when it lands
+        # each gradient's local shape when it lands
+        grads: dict[str, tuple[int, ...]] = {}
 
         for k, p in tr.params.items():
             p.register_post_accumulate_grad_hook(functools.partial(_landed, grads, k))
@@ -188,7 +187,7 @@ def test_vocab_sharded_embedding_trains_like_one_device(
         # the table's gradient is this rank's rows, as the plan prices it, not the whole
         # vocabulary DTensor's backward rule gives (`runtime.vocab_embedding`)
         assert res["grad_shape"]["wte.weight"] == res["param_shape"]["wte.weight"]
-        assert res["param_shape"]["wte.weight"] == (64, HIDDEN)
+        assert res["param_shape"]["wte.weight"] == (VOCAB // 2, HIDDEN)
 
 
 def test_key_bias_gradient_is_rounding_noise() -> None:
@@ -210,7 +209,11 @@ def test_zero_adam_matches_one_device(runs: list[dict[str, Any]], name: str) -> 
         res = r[name]
         assert res["mismatches"] == []
         if base == "dp2_tp2_adam":  # vocabulary-parallel on tp, its tokens split on dp
-            assert r[base]["grad_shape"]["wte.weight"] == (64, HIDDEN)
+            plain = r[base]
+            assert (
+                plain["grad_shape"]["wte.weight"] == plain["param_shape"]["wte.weight"]
+            )
+            assert plain["param_shape"]["wte.weight"] == (VOCAB // 2, HIDDEN)
         assert res["losses"] == pytest.approx(ref_losses, rel=1e-5)
         # ZeRO changes where the update happens, not what it computes (up to the order of
         # gloo's sums: it reduce-scatters what the plain plan all-reduces); the key bias, whose
