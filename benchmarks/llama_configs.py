@@ -21,6 +21,9 @@ sources, read on 2026-11-26:
   commit 8cfedd72 (2025-09-20): NVIDIA's recommended Megatron-Core pre-training configurations
   on DGX H100 (columns num_gpus, seq_len, tp, pp, cp, ep, vp, mbs, gbs, use_mcore_fsdp,
   recompute_layers; sequence parallelism is not a column).
+* NEMO-OPT: NVIDIA/NeMo, nemo/collections/llm/recipes/optim/adam.py at commit 06cca550:
+  `distributed_fused_adam_with_cosine_annealing`, the optimizer of NeMo's pre-training recipes,
+  sets ``use_distributed_optimizer=True``.
 * MB-RECIPE: NVIDIA-NeMo/Megatron-Bridge, src/megatron/bridge/perf_recipes/llama/h100/llama3.py
   and llama31.py at commit 067f987d (2026-08-22): the H100 performance recipes (they set
   sequence_parallel explicitly).
@@ -28,9 +31,9 @@ sources, read on 2026-11-26:
 Pricing: a configuration becomes a `ManualConfig` (dp = GPUs / (tp * pp * cp), micro-batches =
 global batch / (dp * micro-batch size)) priced at its own global batch in bfloat16 (FP8 runs are
 priced in bfloat16: the cost models have no FP8 GEMM rate; said per row). Megatron-Core's
-distributed optimizer (ZeRO-1, on in its recipes) is not in `manual_plan`'s vocabulary: its
-configurations without FSDP are priced with replicated optimizer state, which overstates their
-memory. A configuration is left unpriced, with the reason recorded, when it uses context
+configurations without FSDP run its distributed optimizer (NEMO-OPT): they are priced with
+ZeRO-2 (`manual_plan(fsdp="zero2")`, the same collectives and memory: the optimizer state
+sharded over the data-parallel replicas, each gradient whole until the step). A configuration is left unpriced, with the reason recorded, when it uses context
 parallelism together with data parallelism (`manual_plan` runs CP on micro-batches of one row,
 dp = 1; `benchmarks.manual_grid`'s docstring says why), expert parallelism over a part of the
 data-parallel ranks together with tensor parallelism (without it, a (dp / ep, ep) mesh,
@@ -93,10 +96,18 @@ class PublishedConfig:
     def dp(self) -> int:
         return self.gpus // (self.tp * self.pp * self.cp)
 
+    @property
+    def distributed_optimizer(self) -> bool:
+        """Megatron-Core without FSDP: its distributed optimizer shards the optimizer state
+        over the data-parallel replicas (NEMO-OPT)."""
+        return self.system.startswith("Megatron-Core") and self.fsdp == "none"
+
     def label(self) -> str:
         shard = {"full": f"FSDP{self.dp}", "hybrid": f"HSDP{self.dp}"}.get(
             self.fsdp, f"DP{self.dp}"
         )
+        if self.distributed_optimizer and self.dp > 1:
+            shard += " (dist-opt)"
         parts = [shard, f"TP{self.tp}", f"PP{self.pp}"]
         if self.virtual_stages is None:  # None: no pipeline, or not published
             if self.pp > 1:
@@ -369,7 +380,7 @@ def price_published(
         c.global_batch // (dp * c.microbatch_size),
         c.recompute,
         c.ep,  # 1: none, dp: over all replicas, else over groups of ep (tp 1)
-        c.fsdp,
+        "zero2" if c.distributed_optimizer else c.fsdp,
         c.sequence_parallel if c.tp > 1 else None,
         c.virtual_stages or 1,
         c.cp,

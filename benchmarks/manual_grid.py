@@ -125,7 +125,9 @@ class ManualConfig:
         ep = self.expert_parallel
         ep = " EP" if ep is True else f" EP{ep}" if ep and ep > 1 else ""
         rc = {True: " rc", "full": " rc", "selective": " sel"}.get(self.recompute, "")
-        shard = {"full": " fsdp", "hybrid": " hsdp"}.get(self.fsdp, "")
+        shard = {"zero2": " zero2", "full": " fsdp", "hybrid": " hsdp"}.get(
+            self.fsdp, ""
+        )
         sp = " sp" if self.sequence_parallel else ""
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         cp = f" cp{self.context_parallel}" if self.context_parallel > 1 else ""

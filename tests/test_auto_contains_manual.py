@@ -100,6 +100,25 @@ def test_seed_filters_cover_megatron_layouts() -> None:
         (),
     ]
     assert batch_axes((4, 1), None, False) == (0,)
+    # the distributed optimizer's ZeRO-2 variant (Seed.zero2) of every seed with a data-parallel
+    # axis that replicates the weights: pure dp, Megatron-SP with dp, expert parallelism
+    assert [s.zero2 for s in seed_filters((1, 4), False, {2, 4})] == [0, 0, 1, 0]
+    assert [s.zero2 for s in seed_filters((2, 4), False, {2, 4})] == [0, 1, 0, 1, 0]
+    assert [s.zero2 for s in seed_filters((1, 4), True, {2, 4})] == [0, 1, 0, 1]
+    assert [s.zero2 for s in groups] == [1, 0]
+    # manual_plan's fsdp="zero2": ZeRO-2 wherever an axis of more than one device replicates
+    # the parameter (a column-parallel weight on a (2, 4) mesh), whole elsewhere (an expert
+    # weight split by experts on axis 0 and by f on axis 1)
+    cases = (
+        (axes_filter(1, None, zero=(2, 4)), "blocks.0.attn.q.weight", ("R", "S(0)"), 2),
+        (axes_filter(1, 0, zero=(2, 4)), "blocks.0.mlp.wi", ("S(0)", "S(2)"), 0),
+    )
+    for allowed, path, planned, want in cases:
+        for zero in (0, 2):
+            option = SimpleNamespace(
+                zero=zero, shard_axes=None, strategy=SimpleNamespace(output=[planned])
+            )
+            assert allowed(path, option) == (zero == want), (path, zero)
 
 
 def test_batch_axes_split_every_activation_by_the_batch() -> None:

@@ -266,17 +266,22 @@ def test_published_configs_price_or_say_why_not() -> None:
     with_tp = dataclasses.replace(mixtral, tp=2, gpus=128)
     assert "with TP 2: a third mesh axis" in unpriced_reason(with_tp, 128)
     # priced as published (on a small Mixtral, one stage of 16): experts over 8 of the 16
-    # replicas, the same plan as manual_plan(expert_parallel=8)'s
+    # replicas with Megatron-Core's distributed optimizer, the same plan as
+    # manual_plan(expert_parallel=8, fsdp="zero2")'s
     one_stage = dataclasses.replace(mixtral, gpus=16, pp=1, virtual_stages=1)
+    assert one_stage.distributed_optimizer
     two_hosts = Cluster.from_spec("2x8xH100-80GB")
     rec = price_published(one_stage, two_hosts, TINY_MIXTRAL, 16)
     direct = manual_plan(
         TINY_MIXTRAL, two_hosts, dp=16, tp=1, pp=1, num_microbatches=16,
         global_batch=256, expert_parallel=8, dtype="bfloat16", allow_oom=True,
+        fsdp="zero2",
     )  # fmt: skip
     assert rec["priced"] and rec["iteration_time_s"] == direct.estimate.iteration_time_s
-    assert rec["label"].startswith("DP16 TP1 PP1 EP8")
+    assert rec["peak_memory_bytes"] == direct.estimate.peak_memory_bytes
+    assert rec["label"].startswith("DP16 (dist-opt) TP1 PP1 EP8")
     assert direct.stages[0].param_placements["blocks.0.mlp.w_gate"] == ["R", "S(0)"]
+    assert "blocks.0.mlp.w_gate" in direct.stages[0].zero_params
     # priced as published (the layout on a small Llama, so the test stays cheap): FSDP over 8,
     # MBS 1 of GBS 128 = 16 micro-batches, the same plan as manual_plan's
     rec = price_published(fsdp8, cluster, TINY, 8)

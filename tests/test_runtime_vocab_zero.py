@@ -6,8 +6,9 @@
   add kept partial (``P``). Before `runtime.redistribute.unmask`, the second step's embedding failed
   with "MaskBuffer has been materialized with conflicting data" (the first step's mask was never
   released). SGD, 3 steps: losses and parameters equal one device within 1e-5.
-* ``*_adam``: torch.optim.Adam (lr 1e-3) on data-parallel plans with and without ZeRO
-  (``zero_params``: the parameter the optimizer updates, and its Adam state, sharded on the
+* ``*_adam``: torch.optim.Adam (lr 1e-3) on data-parallel plans with and without ZeRO-2
+  (`manual_plan(fsdp="zero2")`, Megatron-Core's distributed optimizer as priced;
+  ``zero_params``: the parameter the optimizer updates, and its Adam state, sharded on the
   data-parallel axis), 3 steps. ZeRO's parameters equal those of the plan without ZeRO up to the
   order of gloo's sums (it reduce-scatters what the plain plan all-reduces); against one device
   both agree within 1e-5 everywhere except in the attention's key bias. Its gradient is zero in exact arithmetic (softmax is invariant to adding
@@ -73,12 +74,22 @@ def _plans() -> dict[str, tuple[ParallelPlan, str]]:
     """name -> (plan, optimizer)."""
     tp2 = manual_plan(SPEC, "1x2xA100-80GB", dp=1, tp=2, pp=1, num_microbatches=1, **KW)
     dp4 = manual_plan(SPEC, ONE, dp=4, tp=1, pp=1, num_microbatches=1, **KW)
-    dp4_zero = copy.deepcopy(dp4)
-    dp4_zero.stages[0].zero_params = sorted(dp4.stages[0].param_placements)
     dp2tp2 = manual_plan(SPEC, ONE, dp=2, tp=2, pp=1, num_microbatches=1, **KW)
-    dp2tp2_zero = copy.deepcopy(dp2tp2)
-    st = dp2tp2_zero.stages[0]
-    st.zero_params = sorted(k for k, p in st.param_placements.items() if p[0] == "R")
+    # Megatron-Core's distributed optimizer as manual_plan prices it: every parameter ZeRO-2
+    # on the data-parallel axis (each is replicated there), placed as without it
+    zero = {
+        "dp4": manual_plan(
+            SPEC, ONE, dp=4, tp=1, pp=1, num_microbatches=1, fsdp="zero2", **KW
+        ),
+        "dp2tp2": manual_plan(
+            SPEC, ONE, dp=2, tp=2, pp=1, num_microbatches=1, fsdp="zero2", **KW
+        ),
+    }
+    for name, plain in (("dp4", dp4), ("dp2tp2", dp2tp2)):
+        st = zero[name].stages[0]
+        assert sorted(st.zero_params) == sorted(st.param_placements)
+        assert st.param_placements == plain.stages[0].param_placements
+    dp4_zero, dp2tp2_zero = zero["dp4"], zero["dp2tp2"]
     return {
         "tp2_vocab": (_vocab_sharded(tp2), "sgd"),
         "dp4_adam": (dp4, "adam"),

@@ -10,7 +10,7 @@ from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from cost_models.memory import OPTIMIZERS
 from planner.commands.fmt import nbytes, table
-from planner.vocab.plan_check import RECOMPUTE_MODES
+from planner.vocab.plan_check import FSDP_MODES, RECOMPUTE_MODES
 from planner.vocab.plan_file import ParallelPlan, StagePlan
 
 
@@ -155,10 +155,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     m.add_argument(
         "--fsdp",
-        choices=("none", "full", "hybrid"),
+        choices=FSDP_MODES,
         default="none",
-        help="shard parameters, gradients and optimizer state: full (FSDP over the data-"
-        "parallel devices) or hybrid (HSDP: inside each host, replicated across hosts; tp 1)",
+        help="shard parameter state over the data-parallel devices: zero2 (gradients and "
+        "optimizer state, as Megatron-Core's distributed optimizer), full (FSDP: weights too) "
+        "or hybrid (HSDP: inside each host, replicated across hosts; tp 1)",
     )
     m.add_argument(
         "--ep",

@@ -18,7 +18,14 @@ from planner.inter.stage_table import LayerProfile, profile
 from planner.intra.batch_split import batch_split_options
 from planner.intra.context import context_filter
 from planner.intra.megatron import ParamFilter, Seed, sequence_filter
-from planner.intra.solve import StagePricing, price_stage, solve_stage
+from planner.intra.prices import Option, replicated_on
+from planner.intra.solve import (
+    StagePricing,
+    StageSolution,
+    price_stage,
+    solve_stage,
+    with_zero2,
+)
 from planner.tracing.opgraph import OpGraph
 
 #: Relative optimality gap of the memory ladder's solves. A rung is a sample of the trade-off
@@ -87,13 +94,25 @@ def profiles_for(
     paths = graph.placeholder_paths
     names, rep = pricing.names, pricing.ctx.rep
     params = [n for n in names if graph.node(n).op == "param"]
-    for seed, seed_axes, sequence_axis, context_axis in seeds:
-        axes = tuple(sorted(set(batch_axes) | set(seed_axes)))
+
+    def summary(sol: StageSolution, acts: ParamFilter | None) -> tuple:
+        """What tells two solutions' profiles apart (the activations only under a seed's own
+        activation filter)."""
+        return (
+            sol.param_placements,
+            sol.zero_params,
+            sol.fsdp_params,
+            sol.fsdp_axes,
+            acts is not activation_filter and sol.activation_bytes,
+        )
+
+    for seed in seeds:
+        axes = tuple(sorted(set(batch_axes) | set(seed.batch_axes)))
         acts = activation_filter
         try:
             for make, axis in (
-                (sequence_filter, sequence_axis),
-                (context_filter, context_axis),
+                (sequence_filter, seed.sequence_axis),
+                (context_filter, seed.context_axis),
             ):
                 if axis is not None:
                     extra = make(graph, axis, mesh.shape[axis])
@@ -109,41 +128,52 @@ def profiles_for(
             mesh.shape,
             memo=pricing.ctx.shared.setdefault(("batch_split",), {}),
         )
-        if first is not None and (
-            all(seed(paths[n], first.choice[n]) for n in params)
+        obeys = first is not None and (
+            all(seed.params(paths[n], first.choice[n]) for n in params)
             and all(first.choice[n] in allowed for n, allowed in split.items())
             and (acts is None or all(acts(n, o) for n, o in first.choice.items()))
-        ):
-            continue  # the time-optimal solution already obeys the seed: its optimum too
-        if (
-            _seed_params_per_layer(pricing, graph, seed, params, layer_of, num_layers)
-            > budget
-        ):
-            continue  # no stage holds even the lightest layer's parameters
-        both = seed if param_filter is None else _both(param_filter, seed)
-        try:
-            sol = solve_stage(
-                graph,
-                mesh,
-                **kw
-                | {"param_filter": both, "batch_axes": axes, "activation_filter": acts},
+        )  # the time-optimal solution obeys the seed: its optimum too
+        # no stage holds even the lightest layer's parameters (with the seed's ZeRO-2 variant)
+        fits = [
+            _seed_params_per_layer(
+                pricing, graph, seed.params, params, layer_of, num_layers, z
             )
-        except MeshplanError:  # the seed leaves a parameter no placement on this mesh
+            <= budget
+            for z in ((False, True) if seed.zero2 else (False,))
+        ]
+        if not any(fits):
             continue
-        if first is None or (
-            sol.param_placements,
-            sol.zero_params,
-            sol.fsdp_params,
-            sol.fsdp_axes,
-            acts is not activation_filter and sol.activation_bytes,
-        ) != (
-            first.param_placements,
-            first.zero_params,
-            first.fsdp_params,
-            first.fsdp_axes,
-            acts is not activation_filter and first.activation_bytes,
-        ):
-            out.append(profile(sol, graph, layer_of, bounds, num_layers))
+        if obeys:
+            sol = first
+        else:
+            both = (
+                seed.params
+                if param_filter is None
+                else _both(param_filter, seed.params)
+            )
+            try:
+                sol = solve_stage(
+                    graph,
+                    mesh,
+                    **kw
+                    | {
+                        "param_filter": both,
+                        "batch_axes": axes,
+                        "activation_filter": acts,
+                    },
+                )
+            except (
+                MeshplanError
+            ):  # the seed leaves a parameter no placement on this mesh
+                continue
+        found = [sol if fits[0] and not obeys else None]
+        if seed.zero2:
+            found.append(with_zero2(pricing, sol))
+        known = [] if first is None else [summary(first, acts)]
+        for new in found:
+            if new is not None and summary(new, acts) not in known:
+                known.append(summary(new, acts))
+                out.append(profile(new, graph, layer_of, bounds, num_layers))
     return out
 
 
@@ -154,17 +184,24 @@ def _seed_params_per_layer(
     params: list[str],
     layer_of: dict[str, int],
     num_layers: int,
+    zero2: bool = False,
 ) -> float:
     """The least parameter-state bytes of any layer under a seed's placements (inf when a
-    parameter has no allowed placement): a lower bound on every stage's memory."""
-    rep = pricing.ctx.rep
+    parameter has no allowed placement), with `zero2` of its ZeRO-2 variant
+    (`planner.intra.solve.with_zero2`): a lower bound on every stage's memory."""
+    ctx, rep = pricing.ctx, pricing.ctx.rep
+    shape = ctx.settings.mesh.shape
     per_layer = np.zeros(num_layers)
     for n in params:
         r = rep.get(n, n)
         memory = pricing.node_arrays(r)[1]
         path = graph.placeholder_paths[n]
         allowed = [
-            memory[i] for i, o in enumerate(pricing.ctx.options[r]) if seed(path, o)
+            memory[ctx.options[r].index(Option(o.strategy, zero=2))]
+            if zero2 and o.zero == 0 and replicated_on(o.strategy, shape)
+            else memory[i]
+            for i, o in enumerate(ctx.options[r])
+            if seed(path, o)
         ]
         if not allowed:
             return np.inf

@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 from cost_models.errors import MeshplanError
 from planner.intra.batch_split import data_nodes
-from planner.intra.prices import Option
+from planner.intra.prices import Option, replicated_on
 from planner.tracing.opgraph import OpGraph
 
 _COLUMN = (
@@ -67,6 +67,10 @@ class Seed(NamedTuple):
     sequence_axis: int | None = None
     # the axis on which every attention is context-parallel (`planner.intra.context`), or None
     context_axis: int | None = None
+    # also its ZeRO-2 variant, Megatron-Core's distributed optimizer (`planner.intra.solve.
+    # with_zero2`: every parameter a data-parallel axis replicates keeps its optimizer state
+    # sharded there), made from the seed's own solution
+    zero2: bool = False
 
 
 def megatron_placement(path: str) -> str:
@@ -89,16 +93,23 @@ def axes_filter(
     ep_axis: int | None,
     fsdp: bool = False,
     hybrid: tuple[int, ...] | None = None,
+    zero: tuple[int, ...] | None = None,
 ) -> ParamFilter:
     """Parameters placed by Megatron's rules on mesh axis `tp_axis` (None: no tensor parallelism),
     expert weights split by experts on `ep_axis` (None: no expert parallelism), replicated on the
     other axes, never ZeRO-sharded; with `fsdp`, always FSDP-sharded (ZeRO stage 3) instead, over
-    every replicating axis, or with `hybrid` over those axes only (HSDP)."""
+    every replicating axis, or with `hybrid` over those axes only (HSDP). With `zero` (the
+    logical mesh's shape), ZeRO-2 instead: gradients and optimizer state sharded over the axes
+    of more than one device that replicate the parameter, wherever there is one (Megatron-Core's
+    distributed optimizer; `planner.intra.prices.replicated_on`)."""
     if tp_axis is not None and tp_axis == ep_axis:
         raise ValueError(f"tensor and expert parallelism on the same axis {tp_axis}")
 
     def allowed(path: str, option: Option) -> bool:
-        if option.zero != (3 if fsdp else 0) or option.shard_axes != hybrid:
+        want = 3 if fsdp else 0
+        if zero is not None and replicated_on(option.strategy, zero):
+            want = 2
+        if option.zero != want or option.shard_axes != hybrid:
             return False
         for axis, placement in enumerate(option.strategy.output[0]):
             if axis == tp_axis:
@@ -151,7 +162,12 @@ def seed_filters(
       llama3-405b on 512 H100s, whose best manual configuration is dp256 x tp2 with FSDP + SP);
     * pure data parallelism (every parameter replicated) - Megatron's tp = 1 on all a * b devices;
     * for models with experts, each of those with the expert weights also split on the other axis
-      of size > 1 (expert parallelism).
+      of size > 1 (expert parallelism);
+    * each of these (Megatron's tensor parallelism only with sequence parallelism, for models
+      without experts) also with ZeRO-2 over its data-parallel replicas where it has some
+      (``Seed.zero2``: the optimizer state sharded, Megatron-Core's distributed optimizer;
+      Megatron-Core publishes Mixtral 8x7B on 64 H100s as dp2 x ep8 with it, which fits in 80 GB
+      only with the optimizer state sharded).
 
     * pure data parallelism with every parameter FSDP-sharded (ZeRO stage 3, as torchtitan runs
       FSDP over all devices; a model with a parameter the runtime cannot shard has no solution
@@ -170,10 +186,15 @@ def seed_filters(
         tps.append(None)
     for tp in tps:
         axes = batch_axes(mesh_shape, tp, has_experts)
+        # the distributed optimizer's variant where a data-parallel axis replicates the weights
+        zero2 = tp is None or a > 1
         if not (tensor_parallel_only and not has_experts):
-            out.append(Seed(axes_filter(tp, None), axes))
+            # a dense model's TP gets the distributed optimizer with SP only (below)
+            dist_opt = zero2 and (tp is None or has_experts)
+            out.append(Seed(axes_filter(tp, None), axes, zero2=dist_opt))
         if tp is not None and not has_experts:
-            out.append(Seed(axes_filter(tp, None), axes, tp))
+            # Megatron-Core's TP + SP (+ distributed optimizer)
+            out.append(Seed(axes_filter(tp, None), axes, tp, zero2=zero2))
             if a > 1:  # torchtitan's FSDP x TP + SP: weights also sharded over dp
                 out.append(Seed(axes_filter(tp, None, fsdp=True), axes, tp))
         if tp is None:
@@ -183,7 +204,7 @@ def seed_filters(
         if has_experts:
             free = [ax for ax, n in enumerate(mesh_shape) if n > 1 and ax != tp]
             if free:
-                out.append(Seed(axes_filter(tp, free[-1]), axes))
+                out.append(Seed(axes_filter(tp, free[-1]), axes, zero2=zero2))
     return out
 
 

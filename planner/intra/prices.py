@@ -82,6 +82,12 @@ class StageSettings:
     )  # reshard prices
 
 
+def replicated_on(strategy: Strategy, mesh_shape: tuple[int, ...]) -> bool:
+    """Whether a parameter placed as `strategy` is replicated on a mesh axis of more than one
+    device: where ZeRO-2 can shard its gradients and optimizer state (`node_options`)."""
+    return any(p == "R" and n > 1 for p, n in zip(strategy.output[0], mesh_shape))
+
+
 def split_factor(strategy: Strategy, mesh_shape: tuple[int, int]) -> int:
     """Product of the mesh axes on which the op's computation is divided."""
     f = 1
@@ -106,7 +112,7 @@ def node_options(
     opts = [Option(s) for s in strategies]
     if node.op == "param":
         for s in strategies:
-            if any(p == "R" and size > 1 for p, size in zip(s.output[0], mesh_shape)):
+            if replicated_on(s, mesh_shape):
                 opts.append(Option(s, zero=2))
         for s in strategies:
             planned = tuple(map(norm, s.output[0]))

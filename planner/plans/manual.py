@@ -12,7 +12,7 @@ recommendation), and the intra-op program is restricted to Megatron's parameter 
     token embedding and LM head:                  split by vocabulary          S(0) on the tp axis
     MoE expert weights wi [E, h, f] / wo [E, f, h]: split by f                  S(2) / S(1) on tp
     everything else:                              replicated
-    every parameter replicated on the dp axis (no ZeRO)
+    every parameter replicated on the dp axis (no ZeRO; ZeRO-2 with ``fsdp="zero2"``)
 
 With `expert_parallel=True` (GShard/DeepSpeed-MoE expert parallelism) the MoE expert weights
 `mlp.wi` [E, h, f] and `mlp.wo` [E, f, h] are also split by experts, S(0), on the dp axis (each
@@ -42,6 +42,14 @@ context-parallel on axis 0 (the sequence split, keys and values all-gathered;
 With cp = 1 (the default) no attention is context-parallel on any axis
 (`planner.intra.context.without_context`): a configuration without CP is priced without it,
 where the least cost would otherwise split a long sequence's attention on the tp axis.
+
+With ``fsdp="zero2"`` every parameter replicated on an axis of more than one device keeps its
+optimizer state (and its gradient between steps) sharded over those axes (ZeRO-2,
+`planner.intra.fsdp_prices`): Megatron-Core's distributed optimizer (its
+``--use-distributed-optimizer``, on in NVIDIA's published recipes). Both reduce-scatter the
+gradients once per step and all-gather the updated weights, and both hold each gradient whole
+until then (Megatron-Core in its gradient buffer; the runtime accumulates it at its full local
+size, `planner.inter.held_memory`), so the price is theirs in time and memory.
 
 Recomputation: "full" checkpoints every transformer block on its own, "layer" each chunk
 whole, "selective" only the attention cores (`planner.tracing.attention`), priced by the stage
@@ -83,7 +91,7 @@ from planner.plans.recompute import block_chunks
 from planner.tracing.blocks import block_units
 from planner.tracing.inputs import resolve_model
 from planner.tracing.opgraph import OpGraph
-from planner.vocab.plan_check import RECOMPUTE_MODES, recompute_mode
+from planner.vocab.plan_check import FSDP_MODES, RECOMPUTE_MODES, recompute_mode
 from planner.vocab.plan_file import ParallelPlan
 
 __all__ = ["manual_plan", "megatron_filter", "megatron_placement"]
@@ -127,7 +135,9 @@ def manual_plan(
     Megatron-SP on the tp axis, False for Megatron without it, None for the least cost (module
     docstring; True and False need tp > 1). `schedule`: "1f1b" (default), "gpipe",
     "interleaved" (the default when `virtual_stages` > 1) or "zero_bubble" (`cost_models.pipeline`). `fsdp`: "none" (Megatron's
-    replicas), "full" (every parameter FSDP-sharded over all the axes that replicate it,
+    replicas), "zero2" (ZeRO-2: gradients and optimizer state sharded over the axes that
+    replicate a parameter, weights kept whole; Megatron-Core's distributed optimizer, module
+    docstring), "full" (every parameter FSDP-sharded over all the axes that replicate it,
     torchtitan's FSDP) or "hybrid" (HSDP, tp = 1 only: the dp devices as a (hosts, devices per
     host) mesh, every parameter sharded inside a host and replicated across hosts).
     `context_parallel` (cp): the sequence split over cp devices, every attention computed on
@@ -184,8 +194,10 @@ def manual_plan(
         raise MeshplanError(
             f"tensor parallelism stays inside a host: tp={tp} must divide the {M} devices per host"
         )
-    if fsdp not in ("none", "full", "hybrid"):
-        raise MeshplanError(f"fsdp must be none, full or hybrid, got {fsdp!r}")
+    if fsdp not in FSDP_MODES:
+        raise MeshplanError(
+            f"fsdp must be one of {', '.join(FSDP_MODES)}, got {fsdp!r}"
+        )
     if fsdp == "hybrid" and (tp > 1 or ep > 1 or dp * tp <= M):
         raise MeshplanError(
             "fsdp=hybrid shards inside a host and replicates across hosts: it needs tp=1, no "
@@ -227,15 +239,20 @@ def manual_plan(
     param_filter = megatron_filter(tp, dp, ep > 1)
     if 1 < ep < dp:
         mesh = LogicalMesh(cluster, sub, (dp // ep, ep))
-        param_filter = axes_filter(None, 1, fsdp == "full")
+        param_filter = axes_filter(
+            None, 1, fsdp == "full", zero=mesh.shape if fsdp == "zero2" else None
+        )
     elif fsdp == "hybrid":
         mesh = LogicalMesh(cluster, sub, sub)  # axis 0 across hosts, axis 1 inside one
         param_filter = axes_filter(None, None, fsdp=True, hybrid=(1,))
     else:
         mesh = LogicalMesh(cluster, sub, (dp * cp, tp))
-        if fsdp == "full":
+        if fsdp in ("full", "zero2"):
             param_filter = axes_filter(
-                1 if tp > 1 else None, 0 if ep > 1 and dp > 1 else None, True
+                1 if tp > 1 else None,
+                0 if ep > 1 and dp > 1 else None,
+                fsdp == "full",
+                zero=mesh.shape if fsdp == "zero2" else None,
             )
     layer_of = bd.layer_of_nodes(graph, layers)
     bounds = bd.boundary_values(graph, layer_of, len(layers))
@@ -269,7 +286,9 @@ def manual_plan(
         raise MeshplanError(
             f"virtual_stages={virtual_stages} needs the interleaved schedule, not {schedule}"
         )
-    if schedule == "zero_bubble" and (recompute != "none" or fsdp != "none"):
+    if schedule == "zero_bubble" and (
+        recompute != "none" or fsdp in ("full", "hybrid")
+    ):
         # torch keeps the autograd graph from the input- to the weight-gradient pass: what a
         # recomputed layer holds then is not priced, and FSDP's in-backward reduce-scatters are
         # not split (`runtime.torch_pipeline`)

@@ -22,6 +22,9 @@ Plan = Any
 # Megatron-LM and torchtitan do); layer (each of the plan's layers checkpointed whole);
 # `planner.inter.full_recompute` prices the last two
 RECOMPUTE_MODES = ("none", "selective", "full", "layer")
+#: A manual plan's parameter-state sharding over its data-parallel replicas
+#: (`planner.plans.manual.manual_plan`'s ``fsdp``).
+FSDP_MODES = ("none", "zero2", "full", "hybrid")
 
 
 def recompute_mode(value: object) -> object:
