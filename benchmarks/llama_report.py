@@ -28,8 +28,9 @@ def published_table(doc: dict[str, Any]) -> list[str]:
             "Published configurations (`benchmarks/llama_configs.py` gives each source), priced as "
             "published at their own global batch in bfloat16; vs auto = their predicted seconds per "
             "sequence / the automatic plan's (> 1: the automatic plan is faster), also where the "
-            "configuration is predicted not to fit. Megatron-Core's runs shard the optimizer "
-            "state (distributed optimizer), which manual_plan does not: their memory is overstated."
+            "configuration is predicted not to fit. Megatron-Core's runs without FSDP shard the "
+            "optimizer state (its distributed optimizer, marked dist-opt): priced with "
+            '`manual_plan(fsdp="zero2")`, the same collectives and memory.'
         ),
         "",
         (

@@ -36,10 +36,12 @@ Today's space (the suites of `TODAY_SUITES`: Llama 3 and Mixtral, as torchtitan 
 configure them by hand) is larger; every configuration is still one `manual_plan` call:
 
     dp x tp x pp = devices     as above (tp a power of two within a host, pp <= blocks);
-    parameter sharding         fsdp "none" (Megatron's DDP), "full" (FSDP2 / ZeRO-3 over the dp
-                               replicas, torchtitan's default) or "hybrid" (HSDP: sharded inside a
-                               host, replicated across hosts; tp = 1, no expert parallelism, dp
-                               spans several hosts), `manual_plan(fsdp=...)`;
+    parameter sharding         fsdp "none" (Megatron's DDP), "zero2" (the optimizer state
+                               sharded over the dp replicas: Megatron-Core's distributed
+                               optimizer, on in its published recipes), "full" (FSDP2 / ZeRO-3
+                               over the dp replicas, torchtitan's default) or "hybrid" (HSDP:
+                               sharded inside a host, replicated across hosts; tp = 1, no expert
+                               parallelism, dp spans several hosts), `manual_plan(fsdp=...)`;
     sequence parallelism       on whenever tp > 1 (Megatron-Core and torchtitan always pair them);
     pipeline schedule          1F1B, and interleaved 1F1B with v = `VIRTUAL_STAGES` model chunks
                                per device when pp > 1, pp * v <= blocks and the micro-batch count is
@@ -55,8 +57,8 @@ configure them by hand) is larger; every configuration is still one `manual_plan
     context parallelism        cp x tp x pp = devices with cp > 1 dividing the model's sequence
                                (`manual_plan(context_parallel=cp)`: every attention on its own
                                queries against all-gathered keys and values, the sequence split
-                               over cp devices), with fsdp "none" or "full" (FSDP over the cp
-                               devices, as torchtitan combines them), 1F1B or interleaved as above,
+                               over cp devices), with fsdp "none", "zero2" or "full" (sharded
+                               over the cp devices; FSDP as torchtitan combines them), 1F1B or interleaved as above,
                                the same recomputation ladder, micro-batches of one row (B = G).
 
 Context-parallel configurations the grid skips, and why (what `manual_plan` can price today):
@@ -69,7 +71,8 @@ refuses both), and CP for models with experts at all (the automatic search seeds
 `planner.intra.megatron.context_seeds`); cp that does not divide the sequence; micro-batches of
 more than one row. `best_manual(context_parallel=False)` searches the grid without CP. The same
 pruning applies, with the recomputation ladder none -> selective -> full (each step slower and smaller),
-the memory lower bound dividing the state by the FSDP shard group too, and one more heuristic: the
+the memory lower bound dividing the state by the FSDP shard group too (with "zero2" the optimizer
+state only), and one more heuristic: the
 interleaved groups of a (dp, tp, pp, expert parallel, fsdp) are walked only when its 1F1B group had
 a configuration that fits (interleaving keeps more micro-batches in flight than 1F1B,
 `cost_models.memory.microbatches_in_flight`, so it needs at least as much activation memory; the
@@ -214,15 +217,27 @@ def state_lower_bound(
     optimizer: str,
     expert_parallel: bool,
     shard: int = 1,
+    zero2: bool = False,
 ) -> float:
     """Bytes per device of parameters, gradients and optimizer state at best (no activations);
     `shard`: the FSDP shard group every weight is also split over (1 without FSDP, dp with full
     FSDP, the devices of a host with HSDP; expert weights split by expert parallelism are not
-    split again)."""
-    per_param = state_bytes_per_param(optimizer).total
+    split again); with `zero2`, only the optimizer state of the weights it replicates is split
+    over `shard` (the weights and the gradients are held whole until the step,
+    `manual_plan(fsdp="zero2")`)."""
+    s = state_bytes_per_param(optimizer)
     dense = facts.params - facts.expert_params
+    if zero2:  # expert weights split by expert parallelism keep their state whole
+        replicated = dense + (0 if expert_parallel else facts.expert_params)
+        split = facts.expert_params / dp if expert_parallel else 0.0
+        per_device = (
+            (s.param + s.grad) * replicated
+            + s.optimizer * replicated / shard
+            + s.total * split
+        )
+        return per_device / (tp * pp)
     experts = facts.expert_params / (dp if expert_parallel else shard)
-    return per_param * (dense / shard + experts) / (tp * pp)
+    return s.total * (dense / shard + experts) / (tp * pp)
 
 
 def grid(
@@ -278,8 +293,13 @@ def grid(
                     ]
                 if not group:
                     continue
-                shard = {"none": 1, "full": dp * cp, "hybrid": M}[fsdp]
-                if state_lower_bound(facts, dp, tp, pp, optimizer, ep, shard) > budget:
+                shard = {"none": 1, "zero2": dp * cp, "full": dp * cp, "hybrid": M}[
+                    fsdp
+                ]
+                bound = state_lower_bound(
+                    facts, dp, tp, pp, optimizer, ep, shard, zero2=fsdp == "zero2"
+                )
+                if bound > budget:
                     pruned += len(group)
                     continue
                 groups.append(group)
@@ -315,7 +335,7 @@ def _layouts(
     context parallelism FSDP shards over the cp devices, and HSDP is not offered."""
     shards = ["none"]
     if dp * cp > 1:
-        shards.append("full")
+        shards += ["zero2", "full"]
     if tp == 1 and not ep and dp > per_host:
         shards.append("hybrid")
     vs = [1] + [v for v in VIRTUAL_STAGES if pp > 1 and pp * v <= blocks]

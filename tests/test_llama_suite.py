@@ -12,7 +12,13 @@ import pytest
 from benchmarks import suites
 from benchmarks.llama_configs import PUBLISHED, price_published, unpriced_reason
 from benchmarks.llama_report import llama_checks, long_context_table
-from benchmarks.manual_grid import ManualConfig, grid, price
+from benchmarks.manual_grid import (
+    ManualConfig,
+    grid,
+    model_facts,
+    price,
+    state_lower_bound,
+)
 from benchmarks.records import RESULTS, TIE, context_degree
 from benchmarks.suites import LLAMA_LONG, run_case, suite_cases
 from cost_models.cluster import Cluster
@@ -38,17 +44,21 @@ def test_today_grid_enumerates_the_space() -> None:
     got = [c for g in groups for c in g]
     # (dp, tp, pp, fsdp, virtual stages) -> micro-batch counts, written out by hand: 8 rows,
     # 1..16 rows per replica, B >= pp, B a multiple of pp when interleaved (pp * v <= 4 blocks),
-    # FSDP only with dp > 1 (HSDP needs dp beyond one host of 4: never here); every
-    # recomputation with and without FSDP.
+    # the distributed optimizer (zero2) and FSDP only with dp > 1 (HSDP needs dp beyond one
+    # host of 4: never here); every recomputation with each.
     layouts = {
         (4, 1, 1, "none", 1): [2, 1],
+        (4, 1, 1, "zero2", 1): [2, 1],
         (4, 1, 1, "full", 1): [2, 1],
         (2, 1, 2, "none", 1): [4, 2],
         (2, 1, 2, "none", 2): [4, 2],
+        (2, 1, 2, "zero2", 1): [4, 2],
+        (2, 1, 2, "zero2", 2): [4, 2],
         (2, 1, 2, "full", 1): [4, 2],
         (2, 1, 2, "full", 2): [4, 2],
         (1, 1, 4, "none", 1): [8, 4],
         (2, 2, 1, "none", 1): [4, 2, 1],
+        (2, 2, 1, "zero2", 1): [4, 2, 1],
         (2, 2, 1, "full", 1): [4, 2, 1],
         (1, 2, 2, "none", 1): [8, 4, 2],
         (1, 2, 2, "none", 2): [8, 4, 2],
@@ -61,14 +71,14 @@ def test_today_grid_enumerates_the_space() -> None:
         for rc in ("none", "selective", "full")
     ]
     assert sorted(got, key=repr) == sorted(expected, key=repr)
-    assert len(got) == 90
+    assert len(got) == 117
 
 
 @pytest.mark.slow
 def test_today_grid_enumerates_context_parallel_and_prices_it() -> None:
     """The grid's CP configurations, written out by hand: the devices a (dp > 1, tp, pp) gives
-    to data parallelism given to CP instead (dp = 1), one-row micro-batches (B = 8), FSDP over
-    the cp devices or none, no HSDP; each priced by manual_plan as that CP degree."""
+    to data parallelism given to CP instead (dp = 1), one-row micro-batches (B = 8), ZeRO-2 or
+    FSDP over the cp devices or none, no HSDP; each priced by manual_plan as that CP degree."""
     cluster = Cluster.from_spec("1x4xH100-80GB")
     groups, pruned = grid(TINY, cluster, 8, "adam_mixed", "llama")
     assert pruned == 0
@@ -76,12 +86,16 @@ def test_today_grid_enumerates_context_parallel_and_prices_it() -> None:
     # (cp, tp, pp, fsdp, virtual stages)
     layouts = [
         (4, 1, 1, "none", 1),
+        (4, 1, 1, "zero2", 1),
         (4, 1, 1, "full", 1),
         (2, 1, 2, "none", 1),
         (2, 1, 2, "none", 2),
+        (2, 1, 2, "zero2", 1),
+        (2, 1, 2, "zero2", 2),
         (2, 1, 2, "full", 1),
         (2, 1, 2, "full", 2),
         (2, 2, 1, "none", 1),
+        (2, 2, 1, "zero2", 1),
         (2, 2, 1, "full", 1),
     ]
     expected = [
@@ -189,6 +203,19 @@ def test_today_grid_prunes_by_the_sharded_state() -> None:
     kept = {(g[0].dp, g[0].tp, g[0].pp, g[0].fsdp) for g in groups}
     assert (8, 1, 1, "full") in kept and (8, 1, 1, "none") not in kept
     assert (4, 2, 1, "none") in kept and pruned > 0
+    # the distributed optimizer: weights and gradients whole (2 + 2 bytes), the optimizer state
+    # (12) over dp 8: 44 GB
+    assert (8, 1, 1, "zero2") in kept
+    facts = model_facts("llama3-8b")
+    bound = state_lower_bound(facts, 8, 1, 1, "adam_mixed", False, 8, zero2=True)
+    assert bound == pytest.approx(facts.params * (2 + 2 + 12 / 8), rel=1e-12)
+    # on 64 devices llama3-70b does not fit with it (4 bytes a parameter stay whole), but
+    # does with FSDP
+    facts = model_facts("llama3-70b")
+    assert (
+        state_lower_bound(facts, 64, 1, 1, "adam_mixed", False, 64, zero2=True) > 80e9
+    )
+    assert state_lower_bound(facts, 64, 1, 1, "adam_mixed", False, 64) < 80e9
 
 
 def test_2021_records_keep_their_form() -> None:
