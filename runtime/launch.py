@@ -191,7 +191,9 @@ def _worker(
     )
     try:
         fn, args, kwargs = pickle.loads(job.recv_bytes())
-        threading.Thread(target=_exit_with_launcher, args=(job,), daemon=True).start()
+        threading.Thread(
+            target=_exit_with_launcher, args=(job, stack_file), daemon=True
+        ).start()
         import torch
         import torch.distributed as dist
 
@@ -286,7 +288,10 @@ def launch(
     ctx.set_forkserver_preload([*PRELOAD, *extra])
     store = _serve_store(world_size, timeout_s)
     port = store.port
-    stack_dir = tempfile.TemporaryDirectory(prefix="meshplan-stacks-")
+    # ranks remove their own files when the launch ends (`_exit_with_launcher`)
+    stack_dir = tempfile.TemporaryDirectory(
+        prefix="meshplan-stacks-", ignore_cleanup_errors=True
+    )
     stack_files = [
         os.path.join(stack_dir.name, f"rank{r}.txt") for r in range(world_size)
     ]
@@ -443,14 +448,20 @@ def _send_job(conn: mpc.Connection, payload: bytes) -> None:
         conn.send_bytes(payload)
 
 
-def _exit_with_launcher(job: mpc.Connection) -> None:
+def _exit_with_launcher(job: mpc.Connection, stack_file: str) -> None:
     """In a rank: wait for the end of the job pipe, which the launching process closes when the
     launch ends or it dies, and exit. The parent-death signal alone does not cover that: a rank's
     parent is the fork server, which outlives a launching process killed mid-run while ranks
-    hold its liveness pipe (multiprocessing hands it to every child)."""
+    hold its liveness pipe (multiprocessing hands it to every child). A launching process killed
+    so cannot remove its directory of stack files either: each rank removes its own file on the
+    way out, and the last one the directory."""
     with contextlib.suppress(EOFError, OSError):
         while True:
             job.recv_bytes()
+    with contextlib.suppress(OSError):
+        os.remove(stack_file)
+    with contextlib.suppress(OSError):  # another rank's file is still there
+        os.rmdir(os.path.dirname(stack_file))
     os._exit(1)
 
 

@@ -383,8 +383,9 @@ if __name__ == "__main__":
 @pytest.mark.slow
 def test_ranks_stop_when_the_launching_process_is_killed(tmp_path):
     """SIGKILL to the launching process mid-run leaves no rank running (their parent, the fork
-    server, would otherwise keep them: `runtime.launch._exit_with_launcher`). The ranks find
-    the modules of ``MESHPLAN_PRELOAD`` imported (by the fork server)."""
+    server, would otherwise keep them: `runtime.launch._exit_with_launcher`) and no directory
+    of stack files behind (the ranks remove it). The ranks find the modules of
+    ``MESHPLAN_PRELOAD`` imported (by the fork server)."""
     import os
     import signal
     import subprocess
@@ -392,7 +393,12 @@ def test_ranks_stop_when_the_launching_process_is_killed(tmp_path):
 
     script = tmp_path / "launcher.py"
     script.write_text(KILLED_LAUNCHER)
-    env = os.environ | {"MESHPLAN_PRELOAD": "json.tool, no_such_module_anywhere"}
+    temp = tmp_path / "tmp"  # the launching process's temporary files
+    temp.mkdir()
+    env = os.environ | {
+        "MESHPLAN_PRELOAD": "json.tool, no_such_module_anywhere",
+        "TMPDIR": str(temp),
+    }
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
     pids_at = [tmp_path / f"rank{r}.pid" for r in (0, 1)]
     deadline = time.monotonic() + 60
@@ -409,6 +415,7 @@ def test_ranks_stop_when_the_launching_process_is_killed(tmp_path):
     while any(running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(running(pid) for pid in pids), pids
+    assert not list(temp.glob("meshplan-stacks-*"))
 
 
 @pytest.mark.slow
