@@ -32,6 +32,8 @@ MODEL = "gpt:hidden=512,layers=4,heads=8,seq=256,vocab=16384"
         (2, 1, 2, {}),
         (1, 2, 2, {}),
         (1, 2, 2, {"sequence_parallel": True, "recompute": "selective"}),
+        (2, 1, 2, {"fsdp": "zero2"}),
+        (2, 2, 1, {"fsdp": "zero2", "sequence_parallel": True}),
     ],
 )
 def test_auto_plan_beats_manual_at_its_memory(
@@ -41,7 +43,8 @@ def test_auto_plan_beats_manual_at_its_memory(
     at least as fast. Before the seeds and extra clusterings the auto plan was 8% (dp2 pp2: its
     4 layers put the LM head's stage out of balance) and 21% (tp2 pp2: the memory ladder skipped
     Megatron's memory level) slower here. Megatron-SP with selective recomputation is a seed
-    (sequence-split activations) and a recomputation choice of the stage DP too."""
+    (sequence-split activations) and a recomputation choice of the stage DP too. Also against
+    Megatron-Core's distributed optimizer (ZeRO-2 over dp), at its smaller memory."""
     spec, G = "1x4xV100-16GB", 16
     m = manual_plan(
         MODEL, spec, dp=dp, tp=tp, pp=pp, num_microbatches=4, global_batch=G, **extra

@@ -13,7 +13,10 @@ from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from cost_models.memory import state_bytes_per_param
-from planner.intra.megatron import axes_filter, batch_axes, megatron_placement
+from planner.inter import boundaries as bd
+from planner.inter import stage_solves
+from planner.inter.layers import layers_in
+from planner.intra.megatron import Seed, axes_filter, batch_axes, megatron_placement
 from planner.intra.solve import price_stage, solve_stage, with_zero2
 from planner.models import build_model
 from planner.plans.manual import manual_plan
@@ -76,3 +79,33 @@ def test_zero2_variant_equals_its_solve(tp_axis: int | None) -> None:
         assert getattr(made, field) == pytest.approx(getattr(solved, field), rel=1e-12)
     assert made.memory_bytes < plain.memory_bytes
     assert with_zero2(pricing, made) is None  # nothing left to shard
+
+
+def test_search_adds_the_variant_where_it_fits() -> None:
+    """`profiles_for` with a pure data-parallel seed marked ``zero2``: the seed's solution and
+    its distributed-optimizer variant; with a budget that the seed's lightest layer exceeds
+    and the variant's does not, the variant alone (before it, no profile at all)."""
+    module, batch = build_model(SPEC, batch=8, device="meta")
+    graph = trace(module, batch)
+    mesh = LogicalMesh(Cluster.from_spec(CLUSTER), (1, 4), (2, 2))
+    layers = layers_in(graph, 2)
+    layer_of = bd.layer_of_nodes(graph, layers)
+    bounds = bd.boundary_values(graph, layer_of, len(layers))
+    seed = Seed(axes_filter(None, None), (0, 1), zero2=True)
+
+    def profiles(budget: float) -> list:
+        return stage_solves.profiles_for(
+            graph, mesh, layer_of, bounds, len(layers), num_microbatches=2,
+            budget=budget, optimizer="adam_mixed", seeds=[seed], seeds_only=True,
+        )  # fmt: skip
+
+    plain, zero = profiles(float("inf"))
+    assert plain.solution.zero_params == []
+    assert sorted(zero.solution.zero_params) == sorted(plain.solution.param_placements)
+    lightest = [p.params.min() for p in (plain, zero)]  # a layer's parameter state
+    assert lightest[1] < lightest[0]
+    between = (
+        sum(lightest) / 2
+    )  # the variant's lightest layer fits, the seed's does not
+    assert [p.solution.zero_params != [] for p in profiles(between)] == [True]
+    assert profiles(lightest[1] / 2) == []

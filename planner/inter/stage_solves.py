@@ -8,6 +8,7 @@ ladder of memory budgets, and with the parameters restricted to Megatron's place
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -60,9 +61,11 @@ def profiles_for(
     of `layer_of`, or of `lean_layers` (layer_of, bounds, count) when given), then
     the time-optimal solution with the parameters restricted to each of `seeds` (e.g. Megatron's
     placements, `planner.intra.megatron.seed_filters`: their memory often lies between the ladder's
-    rungs). A seed is not solved when the time-optimal solution already obeys it (its optimum
-    then repeats that solution) or when its placements put more parameter state in every layer
-    than `budget` (no stage could use it). `param_filter`, `batch_axes` and `activation_filter`
+    rungs), and for a seed with ``zero2`` its ZeRO-2 variant (`planner.intra.solve.with_zero2`,
+    made from the seed's solution). A seed is not solved when the time-optimal solution already
+    obeys it (its optimum then repeats that solution; the variant is made from that one) or when
+    its placements put more parameter state in every layer than `budget` (no stage could use
+    it; with its variant, when both do). `param_filter`, `batch_axes` and `activation_filter`
     restrict every solve
     (`planner.intra.solve.solve_stage`). `seeds_only`: the seeds' solutions alone (no
     time-optimal solution, no ladder)."""
@@ -128,20 +131,20 @@ def profiles_for(
             mesh.shape,
             memo=pricing.ctx.shared.setdefault(("batch_split",), {}),
         )
+        # the time-optimal solution obeys the seed: its optimum too
         obeys = first is not None and (
             all(seed.params(paths[n], first.choice[n]) for n in params)
             and all(first.choice[n] in allowed for n, allowed in split.items())
             and (acts is None or all(acts(n, o) for n, o in first.choice.items()))
-        )  # the time-optimal solution obeys the seed: its optimum too
-        # no stage holds even the lightest layer's parameters (with the seed's ZeRO-2 variant)
-        fits = [
-            _seed_params_per_layer(
-                pricing, graph, seed.params, params, layer_of, num_layers, z
-            )
-            <= budget
-            for z in ((False, True) if seed.zero2 else (False,))
-        ]
-        if not any(fits):
+        )
+        # whether the lightest layer's parameters fit a stage, under the seed and under its
+        # ZeRO-2 variant
+        least = functools.partial(
+            _seed_params_per_layer, pricing, graph, seed.params, params, layer_of
+        )
+        fits = least(num_layers) <= budget
+        fits_zero2 = seed.zero2 and least(num_layers, zero2=True) <= budget
+        if not (fits or fits_zero2):
             continue
         if obeys:
             sol = first
@@ -151,24 +154,21 @@ def profiles_for(
                 if param_filter is None
                 else _both(param_filter, seed.params)
             )
+            extra = {
+                "param_filter": both,
+                "batch_axes": axes,
+                "activation_filter": acts,
+            }
             try:
-                sol = solve_stage(
-                    graph,
-                    mesh,
-                    **kw
-                    | {
-                        "param_filter": both,
-                        "batch_axes": axes,
-                        "activation_filter": acts,
-                    },
-                )
+                sol = solve_stage(graph, mesh, **kw | extra)
             except (
                 MeshplanError
             ):  # the seed leaves a parameter no placement on this mesh
                 continue
-        found = [sol if fits[0] and not obeys else None]
-        if seed.zero2:
-            found.append(with_zero2(pricing, sol))
+        found = [
+            sol if fits and not obeys else None,
+            with_zero2(pricing, sol) if fits_zero2 else None,
+        ]
         known = [] if first is None else [summary(first, acts)]
         for new in found:
             if new is not None and summary(new, acts) not in known:
