@@ -58,8 +58,10 @@ VIRTUAL_STAGES = (2, 3, 4, 5, 6, 8)
 #: Interleaved options kept per layer clustering for the plan's own pricing. They are ranked by
 #: the cut's own time, which leaves out the tied copies and the sends between the chunks' real
 #: devices: gpt-39b on 8x8 H100 at 32 rows per micro-batch plans 6.117 s per iteration keeping 3,
-#: 5.941 keeping 6, 5.934 keeping 12 or 24.
-KEEP = 12
+#: 5.941 keeping 6, 5.934 keeping 12 or 24. The seeds' ZeRO-2 variants (`planner.intra.megatron.
+#: Seed.zero2`) about doubled the options ranked: keeping 12, gpt-39b on 8x8 A100 at 32 rows
+#: then planned 19.200 s (its 19.168 s option of before fell out of the 12), keeping 24 19.164 s.
+KEEP = 24
 #: Most layers of the interleaving clustering (its DPs are O(C L^2)).
 MAX_LAYERS = 128
 
