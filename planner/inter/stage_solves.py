@@ -19,7 +19,7 @@ from planner.inter.stage_table import LayerProfile, profile
 from planner.intra.batch_split import batch_split_options
 from planner.intra.context import context_filter
 from planner.intra.megatron import ParamFilter, Seed, sequence_filter
-from planner.intra.prices import Option, replicated_on
+from planner.intra.prices import zero2_option
 from planner.intra.solve import (
     StagePricing,
     StageSolution,
@@ -149,21 +149,17 @@ def profiles_for(
         if obeys:
             sol = first
         else:
-            both = (
-                seed.params
-                if param_filter is None
-                else _both(param_filter, seed.params)
-            )
-            extra = {
+            both = seed.params
+            if param_filter is not None:
+                both = _both(param_filter, seed.params)
+            restrict = {
                 "param_filter": both,
                 "batch_axes": axes,
                 "activation_filter": acts,
             }
             try:
-                sol = solve_stage(graph, mesh, **kw | extra)
-            except (
-                MeshplanError
-            ):  # the seed leaves a parameter no placement on this mesh
+                sol = solve_stage(graph, mesh, **kw | restrict)
+            except MeshplanError:  # a parameter has no placement the seed allows
                 continue
         found = [
             sol if fits and not obeys else None,
@@ -196,11 +192,10 @@ def _seed_params_per_layer(
         r = rep.get(n, n)
         memory = pricing.node_arrays(r)[1]
         path = graph.placeholder_paths[n]
+        options = ctx.options[r]
         allowed = [
-            memory[ctx.options[r].index(Option(o.strategy, zero=2))]
-            if zero2 and o.zero == 0 and replicated_on(o.strategy, shape)
-            else memory[i]
-            for i, o in enumerate(ctx.options[r])
+            memory[options.index(zero2_option(o, shape)) if zero2 else i]
+            for i, o in enumerate(options)
             if seed(path, o)
         ]
         if not allowed:

@@ -88,6 +88,14 @@ def replicated_on(strategy: Strategy, mesh_shape: tuple[int, ...]) -> bool:
     return any(p == "R" and n > 1 for p, n in zip(strategy.output[0], mesh_shape))
 
 
+def zero2_option(option: Option, mesh_shape: tuple[int, ...]) -> Option:
+    """A parameter's `option` with ZeRO-2 where its placement leaves an axis to shard over
+    (`replicated_on`), else `option` itself."""
+    if option.zero == 0 and replicated_on(option.strategy, mesh_shape):
+        return Option(option.strategy, zero=2)
+    return option
+
+
 def split_factor(strategy: Strategy, mesh_shape: tuple[int, int]) -> int:
     """Product of the mesh axes on which the op's computation is divided."""
     f = 1

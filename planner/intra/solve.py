@@ -451,25 +451,21 @@ def solve_stage(
 
 def with_zero2(pricing: StagePricing, sol: StageSolution) -> StageSolution | None:
     """`sol` (a solve of `pricing`) with every parameter replicated on a mesh axis of more than
-    one device also ZeRO-2 (`planner.intra.prices.replicated_on`: its optimizer state, and its
+    one device also ZeRO-2 (`planner.intra.prices.zero2_option`: its optimizer state, and its
     gradient between steps, sharded there; Megatron-Core's distributed optimizer), placed as
     before; None when no parameter changes. With the parameters' placements given, as a seed
     gives them (`planner.intra.megatron.axes_filter`), this is what solving under that
     restriction returns up to ties: ZeRO-2 changes a parameter's own cost and memory
     (`planner.intra.fsdp_prices.zero_cost`), not the prices of its edges, so the activations'
     optimum stays. Made without a solve (the program and HiGHS are most of a seed's cost)."""
-    ctx, shape = pricing.ctx, sol.mesh_shape
-    choice, index, changed = dict(sol.choice), {}, False
-    for n, o in sol.choice.items():
-        if (
-            ctx.graph.node(n).op == "param"
-            and o.zero == 0
-            and sc.replicated_on(o.strategy, shape)
-        ):
-            choice[n], changed = Option(o.strategy, zero=2), True
-        index[n] = ctx.options[n].index(choice[n])
-    if not changed:
+    ctx = pricing.ctx
+    choice = {
+        n: sc.zero2_option(o, sol.mesh_shape) if ctx.graph.node(n).op == "param" else o
+        for n, o in sol.choice.items()
+    }
+    if choice == sol.choice:
         return None
+    index = {n: ctx.options[n].index(o) for n, o in choice.items()}
     return _summarise(ctx, choice, index, pricing.ops, sol.ilp_nodes, sol.optimal, 0.0)
 
 
