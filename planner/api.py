@@ -36,7 +36,7 @@ from cost_models.errors import DoesNotFitError, MeshplanError, gib
 from cost_models.memory import canonical_schedule, param_state_bytes
 from planner.inter.mesh_search import submesh_shapes
 from planner.plans.assemble import assemble
-from planner.size_search import SizeJob, SizeResult, evaluate, evaluate_all
+from planner.size_search import SizeJob, SizeResult, evaluate_all, processes
 from planner.tracing.inputs import resolve_model
 from planner.vocab.plan_file import ParallelPlan
 
@@ -189,7 +189,7 @@ def plan(
         context_parallel,
     )
     larger = [] if microbatch_size else larger_microbatch_sizes(G, cluster)
-    tried, before = max(sizes_b), None
+    tried = max(sizes_b)
     rows = rows_to_reach(larger, cluster.num_devices)
     # The first larger size of at least `rows` is tried whatever the others find
     # (`next_size_step`): it is searched beside them, not after them on one core.
@@ -197,13 +197,7 @@ def plan(
     first = ([certain] if certain else []) + sorted(sizes_b, reverse=True)
     results = evaluate_all(job, make, first, say)
     held = results.pop(0) if certain else None
-    for b in larger:
-        step = next_size_step(b, tried, _best(results).size, rows, before)
-        if step == "stop":
-            break
-        if step == "try":
-            results.append(held if b == certain else evaluate(job, make, b, say))
-            before, tried = (tried if tried in larger else None), b
+    _walk_larger(job, make, results, larger, tried, rows, held, say)
     best = _best(results)
     if not best.found:
         untraceable = [r.untraceable for r in results if r.untraceable is not None]
@@ -229,6 +223,41 @@ def plan(
             stacklevel=2,
         )
     return result
+
+
+def _walk_larger(
+    job: SizeJob,
+    make: Any,
+    results: list[SizeResult],
+    larger: list[int],
+    tried: int,
+    rows: int,
+    held: SizeResult | None,
+    say: Progress,
+) -> None:
+    """Append to `results` the sizes of `larger` that `next_size_step` tries, walking them in
+    increasing order after the largest size tried so far (`tried`; `held`: the first size of
+    at least `rows`, already searched). Each size the walk needs is searched together with the
+    next sizes it may try after it, one per planner process (`planner.size_search.processes`),
+    so that no core idles while one size runs alone: gpt-15b on 4x8 A100s walks 64, 128, 256
+    and 512 rows, each winning, about 12 s each on this machine's 2 cores. A size searched
+    ahead is used only when the walk reaches it and tries it, so the sizes compared, and the
+    plan, are the serial walk's; one the walk stops before costs CPU, not wall time."""
+    width = processes(job, len(larger))
+    ahead = {} if held is None else {held.size: held}
+    before = None
+    for k, b in enumerate(larger):
+        step = next_size_step(b, tried, _best(results).size, rows, before)
+        if step == "stop":
+            break
+        if step == "skip":
+            continue
+        if b not in ahead:
+            batch = [b] + [c for c in larger[k + 1 :] if c not in ahead][: width - 1]
+            found = evaluate_all(job, make, batch, lambda m: say(f"larger sizes {m}"))
+            ahead.update(zip(batch, found))
+        results.append(ahead.pop(b))
+        before, tried = (tried if tried in larger else None), b
 
 
 def _schedule(schedule: str, mode: str) -> str:

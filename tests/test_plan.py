@@ -453,7 +453,9 @@ def test_the_size_tried_in_any_case_is_searched_with_the_first_sizes(
     """The first larger size of a row per device (64 rows on 64 devices) is evaluated with the
     sizes 1 to 32, not after them; the sizes evaluated and the plan returned are those of the
     serial walk (`next_size_step` after every size up to 32), for a best size below, at and
-    beyond 32 rows, with ties going to the earlier size of the walk."""
+    beyond 32 rows, with ties going to the earlier size of the walk. With n planner processes
+    each later size the walk needs is searched with up to n - 1 sizes after it (`planner.api.
+    _walk_larger`): more sizes may be searched, never another plan returned."""
     import copy
 
     from planner import api
@@ -501,24 +503,27 @@ def test_the_size_tried_in_any_case_is_searched_with_the_first_sizes(
         {1: 9, 2: 8, 4: 7, 8: 6, 16: 5, 32: 4, 64: 4, 128: 5, 256: 3},  # a tie at 64
     ]
     for seconds in profiles:
-        first: list[list[int]] = []
-        later: list[int] = []
-
-        def evaluate_all(job, make, sizes, say, seconds=seconds, first=first):
-            first.append(list(sizes))
-            return [result(b, seconds) for b in sizes]
-
-        def evaluate(job, make, b, say, seconds=seconds, later=later):
-            later.append(b)
-            return result(b, seconds)
-
-        monkeypatch.setattr(api, "evaluate_all", evaluate_all)
-        monkeypatch.setattr(api, "evaluate", evaluate)
-        got = plan("gpt-tiny", cluster, global_batch=G)
         sizes, best = serial(seconds)
-        assert first == [[64, 32, 16, 8, 4, 2, 1]]
-        assert set(first[0]) | set(later) == sizes and 64 not in later
-        assert got.num_microbatches == G // best
+        for width in (1, 2, 3):
+            batches: list[list[int]] = []
+
+            def evaluate_all(job, make, sizes, say, seconds=seconds, batches=batches):
+                batches.append(list(sizes))
+                return [result(b, seconds) for b in sizes]
+
+            monkeypatch.setattr(api, "evaluate_all", evaluate_all)
+            monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", str(width))
+            got = plan("gpt-tiny", cluster, global_batch=G)
+            assert batches[0] == [64, 32, 16, 8, 4, 2, 1]
+            later = [b for batch in batches[1:] for b in batch]
+            # the serial walk's sizes, each once, and at most width - 1 searched ahead
+            # of each size the walk needs
+            assert sizes <= set(batches[0]) | set(later) and 64 not in later
+            assert len(later) == len(set(later))
+            assert all(len(batch) <= width for batch in batches[1:])
+            if width == 1:
+                assert set(batches[0]) | set(later) == sizes
+            assert got.num_microbatches == G // best
 
 
 @pytest.mark.slow
