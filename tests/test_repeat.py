@@ -31,6 +31,9 @@ REPEATING = [
     (DEEPSEEK, 2),
     # mixture and dense blocks alternate (period 2); an odd count starts the stack at block 1
     ("moe:hidden=8,layers=9,heads=2,seq=4,vocab=16,experts=2", 1),
+    # an even count: the first unit starts with the first mixture (as in every model of the
+    # MoE suite)
+    ("moe:hidden=8,layers=8,heads=2,seq=4,vocab=16,experts=2", 2),
 ]
 _HF = "hidden_size=16,intermediate_size=24,num_attention_heads=2,vocab_size=32,seq=4"
 _QWEN2_MOE = "num_experts=2,num_experts_per_tok=1,moe_intermediate_size=8"

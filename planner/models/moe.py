@@ -349,12 +349,16 @@ class MoE(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """``lm_loss + aux_loss_coef * sum of the MoE layers' auxiliary losses`` (a scalar)."""
         x = embed(self.wte, self.wpe, tokens, self.config.seq)
-        aux_total = None
+        # summed after the stack, not as it runs: every unit of blocks then traces alike, and
+        # the tracer traces three and repeats them (`planner.tracing.repeat`); a running sum's
+        # first unit would differ (it starts the sum) whenever block 0 holds experts
+        auxes = []
         for block in self.blocks:
             x, aux = block(x)
             if aux is not None:
-                aux_total = aux if aux_total is None else aux_total + aux
+                auxes.append(aux)
         loss = lm_loss(self.lm_head(self.ln_f(x)), targets)
-        if aux_total is not None and self.config.aux_loss_coef > 0:
+        if auxes and self.config.aux_loss_coef > 0:
+            aux_total = torch.stack(auxes).sum()
             loss = loss + self.config.aux_loss_coef * aux_total.to(loss.dtype)
         return loss
