@@ -75,8 +75,13 @@ def test_zero2_variant_equals_its_solve(tp_axis: int | None) -> None:
     made = with_zero2(pricing, plain)
     assert made is not None and made.choice == solved.choice
     assert sorted(made.zero_params) == sorted(solved.zero_params) != []
-    for field in ("time_s", "memory_bytes", "grad_sync_s", "param_state_bytes"):
+    fields = ("time_s", "memory_bytes", "grad_sync_s", "param_state_bytes", "comm_s")
+    for field in fields + ("compute_s", "activation_bytes", "optimizer_s"):
         assert getattr(made, field) == pytest.approx(getattr(solved, field), rel=1e-12)
+    # per node too (`with_zero2` reuses the plain solution's values off the parameters)
+    names, table = made.node_cost_table()
+    assert names == solved.node_cost_table()[0]
+    assert table == pytest.approx(solved.node_cost_table()[1], rel=1e-12)
     assert made.memory_bytes < plain.memory_bytes
     assert with_zero2(pricing, made) is None  # nothing left to shard
 

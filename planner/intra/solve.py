@@ -465,8 +465,20 @@ def with_zero2(pricing: StagePricing, sol: StageSolution) -> StageSolution | Non
     }
     if choice == sol.choice:
         return None
-    index = {n: ctx.options[n].index(o) for n, o in choice.items()}
+    index = {n: _position(ctx, n, o) for n, o in choice.items()}
     return _summarise(ctx, choice, index, pricing.ops, sol.ilp_nodes, sol.optimal, 0.0)
+
+
+def _position(ctx: PricedStage, name: str, option: Option) -> int:
+    """The position of `option` in ``ctx.options[name]``: found by identity (a solution's
+    options are the pricing's objects; a list's positions kept once per list), by equality for
+    an option made since (`zero2_option`'s)."""
+    lists = ctx.shared.setdefault(("option_positions",), {})
+    options = ctx.options[name]
+    if id(options) not in lists:  # the list kept with its map: its id stays its own
+        lists[id(options)] = (options, {id(o): i for i, o in enumerate(options)})
+    i = lists[id(options)][1].get(id(option))
+    return options.index(option) if i is None else i
 
 
 def _again(sol: StageSolution, optimal: bool, seconds: float) -> StageSolution:
