@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cost_models.errors import MeshplanError
-from planner.inter.stage_dp import _dp_for, stage_dp
+from planner.inter.stage_dp import _dp_for, _search, stage_dp
 
 
 def _brute(cost: np.ndarray, sizes: list[int], D: int, B: int) -> float:
@@ -145,3 +145,51 @@ def test_vectorised_dp_keeps_the_first_of_equal_choices(seed: int) -> None:
         for t_max in np.unique(cost[np.isfinite(cost)]):
             want = _dp_for_sequential(cost, sizes, D, s_max, float(t_max))
             assert _dp_for(cost, sizes, D, s_max, float(t_max)) == want
+
+
+def _scan_every_candidate(
+    cost: np.ndarray, sizes: list[int], D: int, B: int, s_max: int, only: int | None
+) -> tuple[float, float, list] | None:
+    """The enumeration over t_max without `_search`'s cuts: every candidate from the least,
+    stopping only where (B - 1) * t_max alone reaches the best latency."""
+    best = None
+    for t_max in np.unique(cost[np.isfinite(cost)]):
+        if best is not None and (B - 1) * t_max >= best[0]:
+            break
+        result = _dp_for(cost, sizes, D, s_max, float(t_max), only)
+        if result is None:
+            continue
+        total, stages = result
+        longest = max(
+            cost[k, j, m, s] for s, (k, j, m) in zip(range(len(stages), 0, -1), stages)
+        )
+        latency = total + (B - 1) * longest
+        if best is None or latency < best[0] - 1e-15:
+            best = (float(latency), float(t_max), stages)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_search_cuts_return_what_scanning_every_candidate_returns(seed: int) -> None:
+    """`_search` starts at the first feasible t_max (bisection) and stops once floor + (B - 1)
+    * t_max reaches the best latency: the same latency, t_max and stages as scanning every
+    candidate, ties included (costs from a few values), for any number of stages and exactly S."""
+    rng = np.random.default_rng(300 + seed)
+    for _ in range(15):
+        L = int(rng.integers(1, 7))
+        sizes = [1, 2, 4, 8][: int(rng.integers(1, 5))]
+        D = int(rng.choice([2, 4, 8]))
+        B = int(rng.integers(1, 40))
+        S = int(rng.integers(1, L + 1)) + 1
+        cost = rng.choice([0.5, 1.0, 1.5, 2.0, 3.0], size=(L, L, len(sizes), S))
+        cost *= rng.uniform(0.9, 1.1, size=cost.shape) if seed % 2 else 1.0
+        cost[rng.random(cost.shape) < 0.4] = np.inf
+        s_max = min(L, D, S - 1)
+        for only in (None, *range(1, s_max + 1)):
+            want = _scan_every_candidate(cost, sizes, D, B, s_max, only)
+            if want is None:
+                with pytest.raises(MeshplanError):
+                    _search(cost, sizes, D, B, s_max, only)
+                continue
+            got = _search(cost, sizes, D, B, s_max, only)
+            assert (got.latency, got.t_max, got.stages) == want

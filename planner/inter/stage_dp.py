@@ -84,11 +84,34 @@ def _search(
     s_max: int,
     only: int | None,
 ) -> DPResult:
-    """The search over t_max (module docstring); `only`: exactly that many stages."""
+    """The search over t_max (module docstring); `only`: exactly that many stages.
+
+    Two cuts of the enumeration, both exact. Whether some assignment fits under t_max only
+    grows with t_max, so the scan starts at the first candidate where one does, found by
+    bisection. And every assignment whose longest stage is t_max has a latency of at least
+    floor + (B - 1) * t_max, floor being the least sum of stage latencies of any assignment
+    (the DP under the largest candidate): the scan ends at the first candidate where that
+    reaches the best latency found (an assignment is found at the candidate equal to its
+    longest stage, so none is lost; the factor keeps rounding on the side of scanning on)."""
     finite = np.unique(cost[np.isfinite(cost)])
+    least = (
+        _dp_for(cost, sizes, num_devices, s_max, float(finite[-1]), only)
+        if finite.size
+        else None
+    )
+    if least is None:
+        raise MeshplanError("no assignment of layers to submeshes fits in memory")
+    floor = least[0]
+    lo, hi = 0, finite.size - 1  # the first feasible candidate lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _dp_for(cost, sizes, num_devices, s_max, float(finite[mid]), only) is None:
+            lo = mid + 1
+        else:
+            hi = mid
     best: DPResult | None = None
-    for t_max in finite:
-        if best is not None and (B - 1) * t_max >= best.latency:
+    for t_max in finite[lo:]:
+        if best is not None and floor + (B - 1) * t_max >= best.latency * (1 + 1e-12):
             break
         result = _dp_for(cost, sizes, num_devices, s_max, float(t_max), only)
         if result is None:
