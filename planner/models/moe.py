@@ -349,17 +349,12 @@ class MoE(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """``lm_loss + aux_loss_coef * sum of the MoE layers' auxiliary losses`` (a scalar)."""
         x = embed(self.wte, self.wpe, tokens, self.config.seq)
-        # A running sum from zero: every block with experts adds to it alike, so the units of
-        # blocks trace alike and the tracer traces three and repeats them (`planner.tracing.
-        # repeat`; a sum started by the first loss would make the first unit differ where block
-        # 0 holds experts), and a pipeline boundary carries one sum, not every block's loss.
-        aux_total = x.new_zeros((), dtype=torch.float32)
-        routed = False
+        aux_total = None
         for block in self.blocks:
             x, aux = block(x)
             if aux is not None:
-                aux_total, routed = aux_total + aux, True
+                aux_total = aux if aux_total is None else aux_total + aux
         loss = lm_loss(self.lm_head(self.ln_f(x)), targets)
-        if routed and self.config.aux_loss_coef > 0:
+        if aux_total is not None and self.config.aux_loss_coef > 0:
             loss = loss + self.config.aux_loss_coef * aux_total.to(loss.dtype)
         return loss

@@ -182,10 +182,29 @@ def repeated_trace(
     """The graph of `model`'s loss on `batch` and its placeholders' paths, traced by `make_fx`
     (`planner.tracing.tracer`'s) on the model's first ``start + UNITS * period`` blocks and
     expanded (`expand`); None for a model that does not repeat (`block_pattern`) or whose short
-    trace does not."""
+    trace does not. A stack whose first unit is read differently by the next than the next by
+    its own (a running sum the first unit starts: the GShard MoE's auxiliary losses where block 0
+    holds experts) is tried again starting a unit later, its first unit traced before it."""
     stack = block_pattern(model)
     if stack is None:
         return None
+    later = stack._replace(start=stack.start + stack.period, units=stack.units - 1)
+    for s in [stack, later] if later.units > UNITS else [stack]:
+        out = _short_and_expanded(model, batch, make_fx, s)
+        if out is not None:
+            return out
+    return None
+
+
+def _short_and_expanded(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, ...],
+    make_fx: Callable[
+        [nn.Module, tuple[torch.Tensor, ...]], tuple[fx.GraphModule, list[str]]
+    ],
+    stack: Stack,
+) -> tuple[fx.GraphModule, list[str]] | None:
+    """`repeated_trace` of one reading of the stack."""
     blocks = stack.start + UNITS * stack.period
     gm, paths = make_fx(short_model(model, stack.prefix, blocks), batch)
     buffers = [n for n, _ in model.named_buffers()]
