@@ -326,6 +326,28 @@ s wall (265 s CPU), llama3-70b 73.2 s, llama3-405b 173.6 s (195.6 s on commit 60
 column threshold left every llama3-405b program presolved, run just after), all three plans as
 before to the last digit. Then the median of 3 in the results: llama3-405b 166.5 s (164.2-172.6 s
 wall, 293-313 s CPU, python_speed 0.093-0.101 s): within its 180 s target (0.93) on this day.
+
+2026-12-02, where cores sat idle or work was done twice; every change exact (the same sizes
+compared and the same plans). (1) The larger micro-batch sizes were walked one at a time in the
+planning process while the other core idled: gpt-15b on 4x8 A100s (slowest-gpt) searched 1 to
+32 rows on two processes in 34 s, then 64, 128, 256 and 512 rows (each winning) one after
+another in 50 s. Each size the walk needs is now searched beside the next sizes it may try,
+one per process (`planner.api._walk_larger`): fresh CLI runs, load 0.9-1.1, 82.2 -> 57.9 s of
+planner time, the plan 14.599 s per iteration both times. (2) The GShard MoE's stack did not
+repeat from its first unit (the auxiliary losses' running sum starts in block 0 when it holds
+experts, so the second unit reads the first's loss where the third reads the second's sum),
+and every MoE of the suite was traced twice, short then whole: the stack is now tried again a
+unit later (`planner.tracing.repeat.repeated_trace`): moe-70b 3.7-6 s -> 1.4-2 s per size's
+trace. (3) The stage DP scanned every candidate t_max from the least, most of them infeasible,
+and stopped only where (B - 1) t_max alone reached the best latency: it now bisects to the
+first feasible one and stops where the least sum of stage latencies plus (B - 1) t_max does
+(`planner.inter.stage_dp._search`): moe-70b at 8 rows, its six DPs 5.5-6.4 -> 1.0 s of CPU.
+(4) `with_zero2` found each option by `list.index`, comparing dataclasses: 22 -> 8 ms per
+variant on moe-2.4b. moe-70b on 8x8 A100s (slowest-moe), fresh CLI runs: 171.4 s before (2),
+158.7 s with (2) in a first form (the model's losses stacked after the stack, reverted since:
+it moved a plan), still 2.6x over 60 s; a size there costs 35-45 s
+of CPU, of which one branch-and-bound (a memory-ladder rung, 30K columns, 1.5% root gap) took
+7.5 s at 8 rows.
 """
 
 from __future__ import annotations

@@ -60,6 +60,10 @@ _INDEX = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number"})
 _PLAIN = (bool, int, float, str, type(None))
 
 Key = tuple  # ("ph", path) | ("pre", k) | ("u", unit, k) | ("suf", k) | ("out",)
+#: the tracer's (`planner.tracing.tracer`): a model and a batch -> aten graph, placeholder paths
+MakeFx = Callable[
+    [nn.Module, tuple[torch.Tensor, ...]], tuple[fx.GraphModule, list[str]]
+]
 
 
 class Stack(NamedTuple):
@@ -175,9 +179,7 @@ def short_model(model: nn.Module, prefix: str, blocks: int) -> nn.Module:
 def repeated_trace(
     model: nn.Module,
     batch: tuple[torch.Tensor, ...],
-    make_fx: Callable[
-        [nn.Module, tuple[torch.Tensor, ...]], tuple[fx.GraphModule, list[str]]
-    ],
+    make_fx: MakeFx,
 ) -> tuple[fx.GraphModule, list[str]] | None:
     """The graph of `model`'s loss on `batch` and its placeholders' paths, traced by `make_fx`
     (`planner.tracing.tracer`'s) on the model's first ``start + UNITS * period`` blocks and
@@ -199,9 +201,7 @@ def repeated_trace(
 def _short_and_expanded(
     model: nn.Module,
     batch: tuple[torch.Tensor, ...],
-    make_fx: Callable[
-        [nn.Module, tuple[torch.Tensor, ...]], tuple[fx.GraphModule, list[str]]
-    ],
+    make_fx: MakeFx,
     stack: Stack,
 ) -> tuple[fx.GraphModule, list[str]] | None:
     """`repeated_trace` of one reading of the stack."""
