@@ -62,7 +62,8 @@ def microbatch_sizes(global_batch: int, cluster: Cluster | None = None) -> list[
 
 def larger_microbatch_sizes(global_batch: int, cluster: Cluster) -> list[int]:
     """Sizes above `microbatch_sizes`' up to 16 rows per device, in increasing order. `plan` tries
-    them one by one only while the best plan so far uses the largest size tried, and in any case
+    them in order (`_walk_larger`, which searches the next ones ahead on idle processes) only
+    while the best plan so far uses the largest size tried, and in any case
     the first of at least one row per device (that one is searched beside `microbatch_sizes`'
     sizes, in the worker processes, since no result changes whether it is): evaluating all of
     them would add passes to the largest searches that cannot win (gpt-39b on 64 V100s does not
