@@ -386,7 +386,7 @@ def test_larger_microbatches_are_tried_only_while_they_win() -> None:
         p = plan(
             tiny, spec, global_batch=64, memory_budget=budget, progress=msgs.append
         )
-        sizes = [int(m.split()[-1]) for m in msgs if m.startswith("tracing")]
+        sizes = [int(m.split()[-1]) for m in msgs if " tracing " in f" {m}"]
         best = min((alone(b, budget), b) for b in base)
         assert (64 in sizes) is (best[1] == 32) is traced
         if traced:
