@@ -114,3 +114,42 @@ def test_search_adds_the_variant_where_it_fits() -> None:
     )  # the variant's lightest layer fits, the seed's does not
     assert [p.solution.zero_params != [] for p in profiles(between)] == [True]
     assert profiles(lightest[1] / 2) == []
+
+
+@pytest.mark.parametrize(
+    "spec", [SPEC.replace("layers=2", "layers=4"), "moe:hidden=64,layers=4,experts=4"]
+)
+def test_seed_bound_reads_each_block_once(spec: str) -> None:
+    """`profiles_for`'s bound on a seed's lightest layer (`_seed_params_per_layer`) reads the seed
+    once per repeated block's representative: the same bytes as reading it with every copy's own
+    path, for every seed of a 2 x 2 mesh, with and without ZeRO-2."""
+    from planner.inter.mesh_search import _seeds
+    from planner.intra.prices import zero2_option
+
+    module, batch = build_model(spec, batch=8, device="meta")
+    graph = trace(module, batch)
+    mesh = LogicalMesh(Cluster.from_spec(CLUSTER), (1, 4), (2, 2))
+    layers = layers_in(graph, 4)
+    layer_of = bd.layer_of_nodes(graph, layers)
+    pricing = price_stage(graph, mesh, num_microbatches=2)
+    ctx, rep = pricing.ctx, pricing.ctx.rep
+    params = [n for n in pricing.names if graph.node(n).op == "param"]
+    assert any(rep.get(n, n) != n for n in params)  # copies read their representative
+    seeds = _seeds(graph, mesh, "auto")
+    assert len(seeds) > 3
+    for seed in seeds:
+        for zero2 in (False, True):
+            per_layer = [0.0] * len(layers)
+            for n in params:  # every parameter with its own path
+                r = rep.get(n, n)
+                memory, options = pricing.node_arrays(r)[1], ctx.options[r]
+                allowed = [
+                    memory[options.index(zero2_option(o, mesh.shape)) if zero2 else i]
+                    for i, o in enumerate(options)
+                    if seed.params(graph.placeholder_paths[n], o)
+                ]
+                per_layer[layer_of.get(n, 0)] += min(allowed, default=float("inf"))
+            got = stage_solves._seed_params_per_layer(
+                pricing, graph, seed.params, params, layer_of, len(layers), zero2
+            )
+            assert got == min(per_layer)

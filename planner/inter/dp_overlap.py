@@ -215,19 +215,27 @@ def _backward_seconds(sol, layer_of: dict[str, int]):
     return entry[2:]
 
 
-def grad_items(sol, layer_of: dict[str, int], k: int, j: int) -> list[GradItem]:
-    """The bucketed parameter gradients of a stage holding layers k..j of solution `sol`
-    (consumers in the range, as `planner.inter.stage_table.profile` charges their latency), in
-    readiness order (latest-complete first)."""
+# the last few (solution, layer map)s' gradient edges (`_grad_edges`)
+_PER_EDGES: list[tuple[object, object, list]] = []
+
+
+def _grad_edges(sol, layer_of: dict[str, int]) -> list[tuple]:
+    """What `grad_items` reads of each parameter-gradient edge of `sol`, in edge order: (layer of
+    the consumer, parameter, None where the edge refuses the parameter's bucketing, else its
+    record); edges that neither refuse nor add are left out. It does not depend on the stage's
+    layer range: kept per (solution, layer map) object, as its stages are priced for many
+    ranges."""
+    for s, lo, edges in _PER_EDGES:
+        if s is sol and lo is layer_of:
+            return edges
     ctx = sol._ctx
     graph, s, choice = ctx.graph, ctx.settings, sol.choice
     mesh = s.mesh
-    roots, index, position = _graph_tables(graph)
+    roots, index, _ = _graph_tables(graph)
     derived = set(roots)
-    found: dict[str, dict] = {}
-    refused: set[str] = set()  # a parameter some edge of which is not all-reduce alone
+    edges = []
     for u, v, o, kk, meta in ctx.param_grad_edges:
-        if u not in choice or v not in choice or not k <= layer_of.get(v, 0) <= j:
+        if u not in choice or v not in choice:
             continue
         p = roots.get(u)
         if p is None or p not in choice or choice[p].zero != 0:
@@ -236,11 +244,12 @@ def grad_items(sol, layer_of: dict[str, int], k: int, j: int) -> list[GradItem]:
         src, dst = choice[u].strategy.output[o], vs.inputs[kk]
         if not src or dst is None:
             continue
+        layer = layer_of.get(v, 0)
         src, dst = tuple(map(norm, src)), tuple(map(norm, dst))
         if src != dst:
             # redistributed on its way to v: the parameter's gradient is not P -> R alone
             # (the runtime's end sync, `runtime.grad_sync`, redistributes it)
-            refused.add(p)
+            edges.append((layer, p, None))
             continue
         if v in derived:
             continue  # a view of the parameter: its gradient passes through unchanged
@@ -249,26 +258,57 @@ def grad_items(sol, layer_of: dict[str, int], k: int, j: int) -> list[GradItem]:
         axes = bucketed_axes(grad, want)
         own = expected_grad(tuple(map(norm, choice[p].strategy.output[0])))
         if not axes or any(own[a] != "R" for a in axes):
-            refused.add(p)
+            edges.append((layer, p, None))
             continue
         width = sc._element_bytes(meta)
-        bw = sc._bucket_bandwidth(s, meta.shape, width, grad, want)
-        pmeta = graph.node(p).outputs[0]
+        edges.append(
+            (
+                layer,
+                p,
+                (
+                    index[v],
+                    index.get(u, index[v]),
+                    graph.node(p).outputs[0].nbytes / shards(own, mesh.shape),
+                    (axes, own, width),  # the runtime's bucket key
+                    (axes, want, width),  # `prices.grad_buckets`' key
+                    sc._bucket_bandwidth(s, meta.shape, width, grad, want),
+                ),
+            )
+        )
+    _PER_EDGES.insert(0, (sol, layer_of, edges))
+    del _PER_EDGES[16:]
+    return edges
+
+
+def grad_items(sol, layer_of: dict[str, int], k: int, j: int) -> list[GradItem]:
+    """The bucketed parameter gradients of a stage holding layers k..j of solution `sol`
+    (consumers in the range, as `planner.inter.stage_table.profile` charges their latency), in
+    readiness order (latest-complete first)."""
+    graph = sol._ctx.graph
+    _, _, position = _graph_tables(graph)
+    found: dict[str, dict] = {}
+    refused: set[str] = set()  # a parameter some edge of which is not all-reduce alone
+    for layer, p, record in _grad_edges(sol, layer_of):
+        if not k <= layer <= j:
+            continue
+        if record is None:
+            refused.add(p)
+            continue
+        ready_v, ready_u, nbytes, key, table_key, bw = record
         rec = found.setdefault(
             p,
             {
-                "ready": index[v],
-                "nbytes": pmeta.nbytes / shards(own, mesh.shape),
-                # the runtime's bucket key: the parameter's own placements
-                "key": (axes, own, width),
+                "ready": ready_v,
+                "nbytes": nbytes,
+                "key": key,
                 "table_keys": set(),
                 "bw": 0.0,
             },
         )
-        if rec["key"][0] != axes:
+        if rec["key"][0] != key[0]:
             refused.add(p)  # consumers partial on different axes
-        rec["table_keys"].add((axes, want, width))  # `prices.grad_buckets`' key
-        rec["ready"] = min(rec["ready"], index[v], index.get(u, index[v]))
+        rec["table_keys"].add(table_key)
+        rec["ready"] = min(rec["ready"], ready_v, ready_u)
         rec["bw"] += bw
     for p in refused:
         found.pop(p, None)

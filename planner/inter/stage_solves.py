@@ -184,14 +184,18 @@ def _seed_params_per_layer(
 ) -> float:
     """The least parameter-state bytes of any layer under a seed's placements (inf when a
     parameter has no allowed placement), with `zero2` of its ZeRO-2 variant
-    (`planner.intra.solve.with_zero2`): a lower bound on every stage's memory."""
+    (`planner.intra.solve.with_zero2`): a lower bound on every stage's memory. A copy of a
+    repeated block takes its representative's least bytes, the seed read with the
+    representative's path, as `planner.intra.solve.solve_stage` restricts the copies' options."""
     ctx, rep = pricing.ctx, pricing.ctx.rep
     shape = ctx.settings.mesh.shape
-    per_layer = np.zeros(num_layers)
+    least: dict[str, float] = {}
     for n in params:
         r = rep.get(n, n)
+        if r in least:
+            continue
         memory = pricing.node_arrays(r)[1]
-        path = graph.placeholder_paths[n]
+        path = graph.placeholder_paths[r]
         options = ctx.options[r]
         allowed = [
             memory[options.index(zero2_option(o, shape)) if zero2 else i]
@@ -200,7 +204,10 @@ def _seed_params_per_layer(
         ]
         if not allowed:
             return np.inf
-        per_layer[layer_of.get(n, 0)] += min(allowed)
+        least[r] = min(allowed)
+    per_layer = np.zeros(num_layers)
+    for n in params:
+        per_layer[layer_of.get(n, 0)] += least[rep.get(n, n)]
     return float(per_layer.min())
 
 

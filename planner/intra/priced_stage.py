@@ -39,7 +39,11 @@ class PricedStage:
 
     @functools.cached_property
     def param_grad_edges(self) -> list[tuple[str, str, int, int, sc.TensorMeta]]:
-        return sc.param_grad_edges(self.graph, self.param_derived)
+        return self.per_pricing(
+            self.graph,
+            ("param_grad_edges",),
+            lambda: sc.param_grad_edges(self.graph, self.param_derived),
+        )
 
     def node_cost(self, name: str, opt: Option) -> float:
         """Seconds per micro-batch of node `name` under `opt`: an op's compute
@@ -110,10 +114,9 @@ class PricedStage:
     # what other passes derive per node and option, alike in every solution of this pricing
     # (`planner.inter.held_memory`); shared like _edges
     shared: dict = field(default_factory=dict)
-    # positions in `edges` of each edge key (`edge_terms`)
-    _edge_groups: list[np.ndarray] | None = None
-    # (the nodes at either end of an edge, each edge's producer and consumer among them)
-    _edge_ends: tuple[list[str], np.ndarray, np.ndarray] | None = None
+    # `per_pricing`'s: shared by every pricing of the graph and node set
+    # (`planner.intra.solve.price_stage`)
+    scope: dict = field(default_factory=dict)
 
     def price_key(self, name: str) -> int:
         """The number of what `node_cost`, `node_memory` and `sc.forward_time` read of node
@@ -168,14 +171,15 @@ class PricedStage:
         return hit[0], hit[1], hit[2]
 
     def per_pricing(self, graph: OpGraph, key: tuple, make: Callable[[], Any]) -> Any:
-        """``make()``, kept in `shared` for every solution of this pricing when `graph` is its
-        own: what a pass over a solution reads of the graph alone (which nodes, edges or inputs
-        to look at), the same for all of them (one list of nodes, one of edges)."""
+        """``make()``, kept in `scope` for every solution of this pricing, and of the other
+        pricings of the graph and node set (on other meshes), when `graph` is its own: what a
+        pass over a solution reads of the graph alone (which nodes, edges or inputs to look at),
+        the same for all of them (one list of nodes, one of edges)."""
         if self.graph is not graph:
             return make()
-        if key not in self.shared:
-            self.shared[key] = make()
-        return self.shared[key]
+        if key not in self.scope:
+            self.scope[key] = make()
+        return self.scope[key]
 
     def all_values(
         self, index: dict[str, int]
@@ -230,6 +234,7 @@ class PricedStage:
             _price_ids=self._price_ids,
             _keys=self._keys,
             shared=self.shared,
+            scope=self.scope,
         )
         for same in ("param_grad_edges", "_param_edges"):  # the same graph's
             out.__dict__[same] = getattr(self, same)
@@ -273,23 +278,29 @@ class PricedStage:
         An edge leaving an FSDP parameter or a view of one is priced as it runs instead
         (`fsdp_prices`): its gradient's way to `fsdp_gradient` per micro-batch in act, no
         gradient all-reduce."""
-        if self._edge_groups is None:
+
+        def make() -> tuple[list[np.ndarray], list[str], np.ndarray, np.ndarray]:
+            """(positions in `edges` of each edge key, the nodes at either end of an edge,
+            each edge's producer and consumer among them)"""
             groups: dict[tuple, list[int]] = {}
             for e, (u, v) in enumerate(self.edges):
                 groups.setdefault(self.edge_key(u, v), []).append(e)
-            self._edge_groups = [np.array(g) for g in groups.values()]
             nodes = list(dict.fromkeys(n for edge in self.edges for n in edge))
             where = {n: k for k, n in enumerate(nodes)}
-            self._edge_ends = (
+            return (
+                [np.array(g) for g in groups.values()],
                 nodes,
                 np.array([where[u] for u, _ in self.edges], dtype=np.int64),
                 np.array([where[v] for _, v in self.edges], dtype=np.int64),
             )
-        nodes, producers, consumers = self._edge_ends
+
+        edge_groups, nodes, producers, consumers = self.per_pricing(
+            self.graph, ("edge_groups",), make
+        )
         chosen = np.fromiter(map(index.__getitem__, nodes), np.int64, len(nodes))
         i_all, j_all = chosen[producers], chosen[consumers]
         acts, grads = np.empty(len(self.edges)), np.empty(len(self.edges))
-        for group in self._edge_groups:
+        for group in edge_groups:
             act, grad = self.edge(*self.edges[group[0]])
             i, j = i_all[group], j_all[group]
             acts[group], grads[group] = act[i, j], grad[i, j]

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from cost_models.communication import LogicalMesh
 from cost_models.compute import microbatch_overhead
@@ -275,6 +276,45 @@ class StagePricing:
         return self._node_arrays[n]
 
 
+@dataclass(frozen=True)
+class _StageScope:
+    """What a pricing of a node set reads of the graph alone, the same on every logical mesh:
+    made once per graph and node set (`OpGraph.derived`), with the memo of
+    `PricedStage.per_pricing` that its pricings share. Read only."""
+
+    fx: dict[str, torch.fx.Node]
+    ops: list[str]
+    names: list[str]  # the ops and the values they read from outside, in graph order
+    in_scope: frozenset[str]
+    rep: dict[str, str]
+    edges: list[tuple[str, str]]
+    param_derived: set[str]
+    saved: set[str]
+    memo: dict = field(default_factory=dict)
+
+
+def _stage_scope(graph: OpGraph, nodes: list[str] | None) -> _StageScope:
+    fx = {n.name: n for n in graph.gm.graph.nodes}
+    ops = [n.name for n in graph.ops] if nodes is None else list(nodes)
+    in_scope = frozenset(ops)
+    boundary = {u for n in ops for u in graph.node(n).inputs if u not in in_scope}
+    names = [n.name for n in graph.nodes if n.name in in_scope or n.name in boundary]
+    known = set(names)
+    edges = [
+        (u, v) for v in names for u in dict.fromkeys(graph.node(v).inputs) if u in known
+    ]
+    return _StageScope(
+        fx,
+        ops,
+        names,
+        in_scope,
+        representatives(graph, names),
+        edges,
+        graph.param_derived(names),
+        sc.saved_values(graph, ops),
+    )
+
+
 def price_stage(
     graph: OpGraph,
     mesh: LogicalMesh,
@@ -286,12 +326,17 @@ def price_stage(
 ) -> StagePricing:
     """Options of every node of `nodes` (default: the whole graph) on `mesh`; prices on demand."""
     settings = StageSettings(mesh, num_microbatches, in_flight, optimizer)
-    fx = {n.name: n for n in graph.gm.graph.nodes}
-    ops = [n.name for n in graph.ops] if nodes is None else list(nodes)
-    in_scope = set(ops)
-    boundary = {u for n in ops for u in graph.node(n).inputs if u not in in_scope}
-    names = [n.name for n in graph.nodes if n.name in in_scope or n.name in boundary]
-    rep = representatives(graph, names)
+    scope = graph.derived(
+        ("stage_scope", None if nodes is None else tuple(nodes)),
+        lambda: _stage_scope(graph, nodes),
+    )
+    fx, ops, names, rep, in_scope = (
+        scope.fx,
+        scope.ops,
+        scope.names,
+        scope.rep,
+        scope.in_scope,
+    )
     options: dict[str, list[Option]] = {}
     hybrid = fp.hybrid_axes(mesh)  # HSDP's axes (none unless the mesh spans hosts)
     for n in names:
@@ -306,22 +351,16 @@ def price_stage(
             options[n] = [
                 Option(s) for s in leaf_strategies(node.outputs[0].shape, mesh.shape)
             ]
-    edges = [
-        (u, v)
-        for v in names
-        for u in dict.fromkeys(graph.node(v).inputs)
-        if u in options
-    ]
-    param_derived = graph.param_derived(names)
     ctx = PricedStage(
         graph,
         settings,
         fx,
         options,
-        edges,
-        param_derived,
-        sc.saved_values(graph, ops),
+        scope.edges,
+        scope.param_derived,
+        scope.saved,
         rep,
+        scope=scope.memo,
     )
     return StagePricing(ctx, ops, names, None if nodes is None else list(nodes))
 
