@@ -348,6 +348,25 @@ variant on moe-2.4b. moe-70b on 8x8 A100s (slowest-moe), fresh CLI runs: 171.4 s
 it moved a plan), still 2.6x over 60 s; a size there costs 35-45 s
 of CPU, of which one branch-and-bound (a memory-ladder rung, 30K columns, 1.5% root gap) took
 7.5 s at 8 rows.
+
+2026-12-02, later: gpt-1t and slowest-moe recorded for the first time (median of 3, nothing else
+running, load 0.7-2.7): at 2443261 gpt-1t 216.7 s (380 s CPU; target 60 s) and slowest-moe 146.2
+s (270 s CPU). Then work repeated per logical mesh or per layer range that reads the graph alone,
+made once (exact: the whole plan JSON, planner time aside, equal before and after for gpt-39b at 1
+row, llama3-8b at batch 8, moe-10b on 2x8 V100s at 4 rows and gpt-1t at 16): what a pricing
+reads of the graph (node set, edges, representatives, saved values, gradient edges, and what
+`PricedStage.per_pricing` keeps: edge classes, recomputation structures) once per graph and node
+set instead of once per logical mesh (gpt-1t has 71 per size); a solution's parameter-gradient
+edges once, not once per stage range priced (`planner.inter.dp_overlap._grad_edges`); a seed's
+least parameter bytes per layer read once per block representative (`_seed_params_per_layer`);
+the boundary bytes once per clustering, not per candidate. One size in one process (a second
+process running beside it): gpt-1t at 16 rows 57.7 -> 43.2 s of CPU, moe-10b at 4 rows 20.1 ->
+16.9 s, gpt-39b at 1 row 11.2 -> 10.3 s, llama3-8b 26.3 -> 24.9 s. Median of 3 after: gpt-1t
+164.3 s (287 s CPU, 2.74x over), slowest-moe 145.8 s (276 s CPU, 2.43x over: within the noise
+of the runs before, 131.7-146.9 s; its sizes wait on HiGHS and per-solution work, not on
+these), gpt-39b 43.3 s (74 s CPU, 2.17x over its 20 s; 79.8 s on 2026-11-30, a slower day,
+`python_speed` 0.15-0.22 s against 0.09-0.11 s), every plan as before (70.679, 2.601 and 55.403
+s per iteration).
 """
 
 from __future__ import annotations
