@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.intra.solve import StageSolution
+from planner.intra.solution import StageSolution
 from planner.tracing.blocks import block_of
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.placements import shards

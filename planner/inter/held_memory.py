@@ -71,7 +71,7 @@ from typing import Any
 
 from cost_models.memory import state_bytes_per_param
 from planner.intra.prices import saved_values
-from planner.intra.solve import StageSolution
+from planner.intra.solution import StageSolution
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.context import context_axis
 from planner.vocab.placements import shards

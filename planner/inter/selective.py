@@ -24,7 +24,7 @@ import numpy as np
 
 from planner.inter.full_recompute import node_terms
 from planner.intra import prices as sc
-from planner.intra.solve import StageSolution
+from planner.intra.solution import StageSolution
 from planner.tracing.attention import storage_owner
 from planner.tracing.opgraph import OpGraph
 

@@ -20,13 +20,8 @@ from planner.intra.batch_split import batch_split_options
 from planner.intra.context import context_filter
 from planner.intra.megatron import ParamFilter, Seed, sequence_filter
 from planner.intra.prices import zero2_option
-from planner.intra.solve import (
-    StagePricing,
-    StageSolution,
-    price_stage,
-    solve_stage,
-    with_zero2,
-)
+from planner.intra.solution import StageSolution
+from planner.intra.solve import StagePricing, price_stage, solve_stage, with_zero2
 from planner.tracing.opgraph import OpGraph
 
 #: Relative optimality gap of the memory ladder's solves. A rung is a sample of the trade-off

@@ -77,7 +77,7 @@ from planner.inter.selective import selective_table
 from planner.inter.wgrad import wgrad_table
 from planner.intra.fsdp_prices import fsdp_exposed
 from planner.intra.prices import Option
-from planner.intra.solve import StageSolution
+from planner.intra.solution import StageSolution
 from planner.tracing.attention import attention_cores
 from planner.tracing.blocks import block_units, layer_ranges
 from planner.tracing.opgraph import OpGraph

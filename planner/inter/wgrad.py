@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.intra import prices as sc
-from planner.intra.solve import StageSolution
+from planner.intra.solution import StageSolution
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.placements import shards
 

@@ -44,7 +44,7 @@ from planner.inter import stage_table as st
 from planner.inter.dp_overlap import NO_SYNC, DpSync, stage_dp_sync
 from planner.inter.held_memory import param_grad_terms
 from planner.inter.range_costs import range_footprint
-from planner.intra.solve import StageSolution
+from planner.intra.solution import StageSolution
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.placements import shards
 from planner.vocab.plan_check import recompute_mode, validate
