@@ -84,26 +84,17 @@ def stage_boundary_bytes(
     return [float(sent[k]) for k in last_layers[:-1]]
 
 
-# the last few (graph, layers)' boundary bytes: a plan search prices many candidates of one
-# clustering
-_PER_LAYERS: list[
-    tuple[OpGraph, list[tuple[int, int]], tuple[np.ndarray, np.ndarray]]
-] = []
-
-
 def _layer_boundary_bytes(
     graph: OpGraph, layers: list[tuple[int, int]]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`boundary_bytes` of `layers` without and with `gradients`, kept per (graph object,
-    layers)."""
-    for g, lay, sent in _PER_LAYERS:
-        if g is graph and lay == layers:
-            return sent
-    bounds = boundary_values(graph, layer_of_nodes(graph, layers), len(layers))
-    sent = (boundary_bytes(graph, bounds), boundary_bytes(graph, bounds, True))
-    _PER_LAYERS.insert(0, (graph, list(layers), sent))
-    del _PER_LAYERS[8:]
-    return sent
+    """`boundary_bytes` of `layers` without and with `gradients`, made once per graph and
+    clustering (a plan search prices many candidates of one clustering)."""
+
+    def make() -> tuple[np.ndarray, np.ndarray]:
+        bounds = boundary_values(graph, layer_of_nodes(graph, layers), len(layers))
+        return boundary_bytes(graph, bounds), boundary_bytes(graph, bounds, True)
+
+    return graph.derived(("boundary_bytes", tuple(layers)), make)
 
 
 def send_times(

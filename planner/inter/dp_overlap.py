@@ -72,6 +72,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.inter.held_memory import cached_on
 from planner.intra import prices as sc
 from planner.vocab.grads import bucketed_axes, expected_grad, grad_from_consumer
 from planner.vocab.placements import norm, shards
@@ -215,19 +216,17 @@ def _backward_seconds(sol, layer_of: dict[str, int]):
     return entry[2:]
 
 
-# the last few (solution, layer map)s' gradient edges (`_grad_edges`)
-_PER_EDGES: list[tuple[object, object, list]] = []
+def _grad_edges(sol) -> list[tuple]:
+    """What `grad_items` reads of each parameter-gradient edge of `sol`, in edge order:
+    (consumer, parameter, None where the edge refuses the parameter's bucketing, else its
+    record); edges that neither refuse nor add are left out. It depends on the solution alone:
+    kept with it (`held_memory.cached_on`), as its stages are priced for many layer ranges."""
+    return cached_on(
+        sol, sol._ctx.graph, ("grad_edges",), lambda: _make_grad_edges(sol)
+    )
 
 
-def _grad_edges(sol, layer_of: dict[str, int]) -> list[tuple]:
-    """What `grad_items` reads of each parameter-gradient edge of `sol`, in edge order: (layer of
-    the consumer, parameter, None where the edge refuses the parameter's bucketing, else its
-    record); edges that neither refuse nor add are left out. It does not depend on the stage's
-    layer range: kept per (solution, layer map) object, as its stages are priced for many
-    ranges."""
-    for s, lo, edges in _PER_EDGES:
-        if s is sol and lo is layer_of:
-            return edges
+def _make_grad_edges(sol) -> list[tuple]:
     ctx = sol._ctx
     graph, s, choice = ctx.graph, ctx.settings, sol.choice
     mesh = s.mesh
@@ -244,12 +243,11 @@ def _grad_edges(sol, layer_of: dict[str, int]) -> list[tuple]:
         src, dst = choice[u].strategy.output[o], vs.inputs[kk]
         if not src or dst is None:
             continue
-        layer = layer_of.get(v, 0)
         src, dst = tuple(map(norm, src)), tuple(map(norm, dst))
         if src != dst:
             # redistributed on its way to v: the parameter's gradient is not P -> R alone
             # (the runtime's end sync, `runtime.grad_sync`, redistributes it)
-            edges.append((layer, p, None))
+            edges.append((v, p, None))
             continue
         if v in derived:
             continue  # a view of the parameter: its gradient passes through unchanged
@@ -258,12 +256,12 @@ def _grad_edges(sol, layer_of: dict[str, int]) -> list[tuple]:
         axes = bucketed_axes(grad, want)
         own = expected_grad(tuple(map(norm, choice[p].strategy.output[0])))
         if not axes or any(own[a] != "R" for a in axes):
-            edges.append((layer, p, None))
+            edges.append((v, p, None))
             continue
         width = sc._element_bytes(meta)
         edges.append(
             (
-                layer,
+                v,
                 p,
                 (
                     index[v],
@@ -275,8 +273,6 @@ def _grad_edges(sol, layer_of: dict[str, int]) -> list[tuple]:
                 ),
             )
         )
-    _PER_EDGES.insert(0, (sol, layer_of, edges))
-    del _PER_EDGES[16:]
     return edges
 
 
@@ -288,8 +284,8 @@ def grad_items(sol, layer_of: dict[str, int], k: int, j: int) -> list[GradItem]:
     _, _, position = _graph_tables(graph)
     found: dict[str, dict] = {}
     refused: set[str] = set()  # a parameter some edge of which is not all-reduce alone
-    for layer, p, record in _grad_edges(sol, layer_of):
-        if not k <= layer <= j:
+    for v, p, record in _grad_edges(sol):
+        if not k <= layer_of.get(v, 0) <= j:
             continue
         if record is None:
             refused.add(p)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,7 +128,7 @@ class OpGraph:
         self._ops: list[OpNode] | None = None  # `ops`, made once
         self._derived: dict[str, Any] = {}  # `derived`
 
-    def derived(self, key: str, make: Callable[[], Any]) -> Any:
+    def derived(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """``make()``, made once per graph under `key`: what the planner reads of the graph
         alone for every logical mesh and solve (the graph is not modified after tracing).
         Do not modify what it returns."""
