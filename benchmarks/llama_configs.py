@@ -34,8 +34,9 @@ priced in bfloat16: the cost models have no FP8 GEMM rate; said per row). Megatr
 configurations without FSDP run its distributed optimizer (NEMO-OPT): they are priced with
 ZeRO-2 (`manual_plan(fsdp="zero2")`, the same collectives and memory: the optimizer state
 sharded over the data-parallel replicas, each gradient whole until the step). A configuration is left unpriced, with the reason recorded, when it uses context
-parallelism together with data parallelism (`manual_plan` runs CP on micro-batches of one row,
-dp = 1; `benchmarks.manual_grid`'s docstring says why), expert parallelism over a part of the
+parallelism together with data and tensor parallelism (a third mesh axis; `manual_plan` runs
+CP with data parallelism on a (dp, cp) mesh, tp = 1, one row per replica per micro-batch:
+`benchmarks.manual_grid`'s docstring says why), expert parallelism over a part of the
 data-parallel ranks together with tensor parallelism (without it, a (dp / ep, ep) mesh,
 `manual_plan(expert_parallel=ep)`), recomputation of only some blocks, or another GPU count
 than the suite's case. FSDP together with activation recomputation (torchtitan's recipes) is priced as
@@ -343,10 +344,15 @@ def unpriced_reason(c: PublishedConfig, gpus: int) -> str | None:
     """Why `c` cannot be priced as published on a case of `gpus` GPUs, or None when it can."""
     if c.gpus != gpus:
         return f"published for {c.gpus} GPUs, the case has {gpus}"
-    if c.cp > 1 and c.dp > 1:
+    if c.cp > 1 and c.dp > 1 and c.tp > 1:
         return (
-            f"context parallelism (CP {c.cp}) with data parallelism (DP {c.dp}): manual_plan "
-            "runs CP on micro-batches of one row, without data parallelism"
+            f"context parallelism (CP {c.cp}) with data (DP {c.dp}) and tensor parallelism "
+            f"(TP {c.tp}): a third mesh axis, which manual_plan does not express"
+        )
+    if c.cp > 1 and c.dp > 1 and c.microbatch_size > 1:
+        return (
+            f"context parallelism with data parallelism at micro-batch size "
+            f"{c.microbatch_size}: manual_plan runs them with one row per replica"
         )
     if c.virtual_stages is None and c.pp > 1:
         return "interleaved, with the virtual stages per rank not published"

@@ -57,20 +57,21 @@ configure them by hand) is larger; every configuration is still one `manual_plan
     context parallelism        cp x tp x pp = devices with cp > 1 dividing the model's sequence
                                (`manual_plan(context_parallel=cp)`: every attention on its own
                                queries against all-gathered keys and values, the sequence split
-                               over cp devices), with fsdp "none", "zero2" or "full" (sharded
-                               over the cp devices; FSDP as torchtitan combines them), 1F1B or interleaved as above,
-                               the same recomputation ladder, micro-batches of one row (B = G).
+                               over cp devices), and with tp = 1 also dp x cp x pp with dp > 1
+                               (a (dp, cp) mesh, Megatron's --context-parallel-size with data
+                               parallelism), with fsdp "none", "zero2" or "full" (sharded over
+                               the dp x cp devices; FSDP as torchtitan combines them), 1F1B or
+                               interleaved as above, the same recomputation ladder, micro-batches
+                               of one row per replica (B = G / dp).
 
 Context-parallel configurations the grid skips, and why (what `manual_plan` can price today):
-CP with data parallelism (dp > 1): CP runs micro-batches of one row (a sequence split cannot pass
-the `[rows, s, h] -> [rows * s, h]` views of a micro-batch of several rows, `planner.intra.
-context`), so dp x cp would need a global batch split into one-row micro-batches per replica,
-which `manual_plan` does not express (it refuses dp > 1 with cp > 1): on a mesh the grid gives dp
-devices, it gives them to CP instead (dp = 1). CP with HSDP or expert parallelism (`manual_plan`
-refuses both), and CP for models with experts at all (the automatic search seeds none either,
-`planner.intra.megatron.context_seeds`); cp that does not divide the sequence; micro-batches of
-more than one row. `best_manual(context_parallel=False)` searches the grid without CP. The same
-pruning applies, with the recomputation ladder none -> selective -> full (each step slower and smaller),
+CP with data and tensor parallelism both (dp x cp x tp would be a third mesh axis); CP with
+micro-batches of more than one row per replica (the sequence split then cannot pass the
+`[rows, s, h] -> [rows * s, h]` views around the matrix products without gathering:
+`planner.vocab.nested_views`); CP with HSDP or expert parallelism (`manual_plan` refuses both),
+and CP for models with experts at all (the automatic search seeds none either,
+`planner.intra.megatron.context_seeds`); cp that does not divide the sequence.
+`best_manual(context_parallel=False)` searches the grid without CP. The same pruning applies, with the recomputation ladder none -> selective -> full (each step slower and smaller),
 the memory lower bound dividing the state by the FSDP shard group too (with "zero2" the optimizer
 state only), and one more heuristic: the
 interleaved groups of a (dp, tp, pp, expert parallel, fsdp) are walked only when its 1F1B group had
@@ -310,20 +311,18 @@ def _with_context(
     degrees: list[tuple[int, int, int]], facts: ModelFacts | None
 ) -> list[tuple[int, int, int, int]]:
     """(dp, cp, tp, pp): each (dp, tp, pp) without context parallelism (cp = 1), followed, when
-    `facts` is given (today's space with CP), by the same devices given to CP instead of data
-    parallelism, (1, dp, tp, pp), where dp > 1 divides the model's sequence and the model has
-    no experts (module docstring: what the grid skips and why)."""
+    `facts` is given (today's space with CP) and the model has no experts, by the same devices
+    given to CP instead of data parallelism, (1, dp, tp, pp), and with tp = 1 split between
+    them, (d, c, 1, pp) for d x c = dp, where cp divides the model's sequence (module
+    docstring: what the grid skips and why)."""
     out = []
     for dp, tp, pp in degrees:
         out.append((dp, 1, tp, pp))
-        if (
-            facts is not None
-            and dp > 1
-            and not facts.experts
-            and facts.seq is not None
-            and facts.seq % dp == 0
-        ):
-            out.append((1, dp, tp, pp))
+        if facts is None or facts.experts or facts.seq is None:
+            continue
+        for cp in range(2, dp + 1):
+            if dp % cp == 0 and facts.seq % cp == 0 and (cp == dp or tp == 1):
+                out.append((dp // cp, cp, tp, pp))
     return out
 
 

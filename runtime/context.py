@@ -31,11 +31,17 @@ __all__ = ["context_attention"]
 
 
 def context_attention(
-    kernel: Callable[..., Any], mesh: DeviceMesh, dim: int
+    kernel: Callable[..., Any],
+    mesh: DeviceMesh,
+    dim: int,
+    strides: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> Callable[..., tuple[DTensor, DTensor]]:
     """The attention node's callable (the CPU kernel's signature) with the sequence split over
     `mesh` dimension `dim`; `kernel` computes attention on local tensors (the CPU kernel, or the
-    device's, `runtime.device_ops`)."""
+    device's, `runtime.device_ops`). `strides`: the traced node's output and logsumexp strides,
+    given to the outputs as their global strides (DTensor would infer them from the local
+    tensors, where the kernel may give a dimension of one entry, such as a micro-batch row per
+    data-parallel device, any stride, and a later view of the output then fails)."""
     size, rank = mesh.size(dim), mesh.get_local_rank(dim)
 
     def run(
@@ -70,9 +76,17 @@ def context_attention(
             kl, vl = kl[:, :, : start + n], vl[:, :, : start + n]
             mask = causal_offset_mask(n, start, ql.dtype, ql.device)
         out, lse = kernel(ql, kl, vl, 0.0, False, attn_mask=mask, scale=scale)[:2]
+        shapes = ((*q.shape[:3], v.shape[3]), tuple(q.shape[:3]))
         return tuple(
-            DTensor.from_local(t, mesh, q.placements, run_check=False)
-            for t in (out, lse)
+            DTensor.from_local(
+                t,
+                mesh,
+                q.placements,
+                run_check=False,
+                shape=None if strides is None else torch.Size(shape),
+                stride=None if strides is None else stride,
+            )
+            for t, shape, stride in zip((out, lse), shapes, strides or (None, None))
         )
 
     return run

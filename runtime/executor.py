@@ -80,7 +80,7 @@ from torch.distributed.tensor import (
     Replicate,
     distribute_tensor,
 )
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.fx.node import map_arg
 
 from cost_models.errors import MeshplanError
@@ -93,6 +93,7 @@ from planner.vocab.dtensor_ext import (
     str_to_placement,
 )
 from planner.vocab.grads import expected_grad, grad_from_consumer
+from planner.vocab.nested_views import VIEWS, nested_unflatten
 from planner.vocab.placements import device_mesh_shape, fsdp_gradient, mesh_axes
 from planner.vocab.strategy import StageProgram, consumed_output
 from runtime import comm_count
@@ -211,10 +212,12 @@ class PlanExecutor(torch.fx.Interpreter):
                 register_fallback(n.target)
             if n.target is SDPA and context_axis(strategy) is not None:
                 # context parallelism: no DTensor rule, run by `runtime.context`
+                val = n.meta.get("val")
                 self._targets[n] = context_attention(
                     self._targets.get(n, n.target),
                     mesh,
                     self.axes.index(context_axis(strategy)),
+                    None if val is None else (val[0].stride(), val[1].stride()),
                 )
             if n.target is EMBEDDING and (
                 axes := vocab_axes(strategy.inputs[0], strategy.output[0])
@@ -271,6 +274,18 @@ class PlanExecutor(torch.fx.Interpreter):
             # starts, every micro-batch (`planner.intra.fsdp_prices`: priced so)
             grad_dst = self._parse(fsdp_gradient(src, tuple(self.program.mesh_shape)))
             return dst_pl, grad_dst, f"{u.name}->{v.name}", False
+        strided = v.target in VIEWS and nested_unflatten(
+            dst, self.program.strategies[v.name].output[0]
+        )
+        if (
+            strided
+        ):  # DTensor unflattens it only so written (`planner.vocab.nested_views`)
+            dst_pl = tuple(
+                _StridedShard(p.dim, split_factor=1)
+                if a == self.axes.index(strided)
+                else p
+                for a, p in enumerate(dst_pl)
+            )
         sync = self.sync_param_grads or u.name not in self.param_derived
         grad_strs = expected_grad(src)
         grad_dst = self._parse(grad_strs) if sync else None

@@ -16,10 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
-from torch.distributed.tensor.placement_types import Placement, _MaskPartial
+from torch.distributed.tensor.placement_types import (
+    Placement,
+    _MaskPartial,
+    _StridedShard,
+)
 
 from cost_models.errors import MeshplanError
 from runtime import comm_count
@@ -90,6 +94,13 @@ def redistribute(
     dst = tuple(dst)
     if tuple(x.placements) == dst:
         return x
+    if same_layout(x.placements, dst):
+        return relabel(x, dst)
+    canonical = tuple(map(_layout, x.placements))
+    if canonical != tuple(
+        x.placements
+    ):  # DTensor's own redistribution from plain shards
+        x = relabel(x, canonical)
     x = _repartial(x, dst)
     via = tuple(
         Replicate() if d.is_partial() and not c.is_replicate() and c != d else d
@@ -105,6 +116,23 @@ def redistribute(
     if async_op and isinstance(local, AsyncCollectiveTensor) and waits_at_once():
         local.trigger_wait()  # still an AsyncCollectiveTensor, completed
     return DTensor(local, spec, requires_grad=False)
+
+
+def _layout(p: Placement) -> Placement:
+    return Shard(p.dim) if isinstance(p, _StridedShard) and p.split_factor == 1 else p
+
+
+def same_layout(a: Sequence[Placement], b: Sequence[Placement]) -> bool:
+    """Whether placements `a` and `b` lay a tensor out alike: equal, or differing only where one
+    writes ``Shard(d)`` as ``_StridedShard(d, split_factor=1)`` (`planner.vocab.nested_views`)."""
+    return tuple(map(_layout, a)) == tuple(map(_layout, b))
+
+
+def relabel(x: DTensor, dst: Sequence[Placement]) -> DTensor:
+    """`x` written with the placements `dst` of the same layout (`same_layout`): the same local
+    tensor, no communication, no autograd."""
+    spec = DTensorSpec(x._spec.mesh, tuple(dst), tensor_meta=x._spec.tensor_meta)
+    return DTensor(x._local_tensor, spec, requires_grad=False)
 
 
 def waits_at_once() -> bool:
@@ -145,7 +173,9 @@ def allreduce_axes(
 
 class Edge(torch.autograd.Function):
     """Forward: redistribute to the consumer's placement. Backward: redistribute the gradient to
-    the placement the planner prices for the producer."""
+    the placement the planner prices for the producer, written as the producer wrote its output
+    where the two lay out alike (DTensor's backward of a view of a doubly sharded dimension
+    needs the strided writing its forward produced: `planner.vocab.nested_views`)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -159,6 +189,7 @@ class Edge(torch.autograd.Function):
             grad_dst,
             label,
         )  # grad_dst None: leave the gradient as it is
+        ctx.src = tuple(x.placements)
         with comm_count.site(f"fwd:{label}"):
             y = redistribute(x, dst)
         return y.view_as(y) if y is x else y
@@ -168,6 +199,12 @@ class Edge(torch.autograd.Function):
         with comm_count.site(f"bwd:{ctx.label}"):
             if isinstance(grad, DTensor) and ctx.grad_dst is not None:
                 grad = redistribute(grad, ctx.grad_dst)
+        if (
+            isinstance(grad, DTensor)
+            and tuple(grad.placements) != ctx.src
+            and same_layout(grad.placements, ctx.src)
+        ):
+            grad = relabel(grad, ctx.src)
         return grad, None, None, None
 
 

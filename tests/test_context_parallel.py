@@ -3,17 +3,22 @@
 Planner: the attention kernel gets context-parallel strategies (q split along the sequence, k and
 v gathered); the price of the K/V exchange of one attention equals the ring formulas by hand;
 `manual_plan(context_parallel=N)` (``meshplan manual --cp N``) makes every attention
-context-parallel and refuses what it cannot run; the intra-op search picks CP for a long sequence that neither the batch nor the heads
-can split, and not for a short one with a batch to split.
+context-parallel, with data parallelism too on a (dp, cp) mesh, and refuses what it cannot run;
+the intra-op search picks CP for a long sequence that neither the batch nor the heads can split,
+and not for a short one with a batch to split; the automatic search picks data x context
+parallelism where the batch splits over fewer devices than the stage has.
 
 Runtime: one gloo launch of 4 ranks trains a small Llama (hidden 64, 2 layers, sequence 16),
-2 micro-batches of one row, Adam (lr 1e-3), 3 steps, under three manual plans: ``cp_tp`` (CP 2 x
-TP 2 on a (2, 2) mesh, compiled), ``cp_fsdp`` (CP 4, every parameter FSDP-sharded over the 4
+Adam (lr 1e-3), 3 steps, under three manual plans of 2 micro-batches of one row: ``cp_tp`` (CP 2
+x TP 2 on a (2, 2) mesh, compiled), ``cp_fsdp`` (CP 4, every parameter FSDP-sharded over the 4
 devices, eager) and ``cp_pp`` (two pipeline stages of CP 2, the attention cores recomputed:
-selective recomputation, eager); against one device (losses and
-parameters within 1e-5); for ``cp_tp`` and ``cp_fsdp`` also the collectives of one counted step
-against the priced ones site by site, and the bytes of parameters, gradients and Adam state each
-rank holds against the price.
+selective recomputation, eager); and three of data x context parallelism, 2 micro-batches of 2
+rows (one per data-parallel device): ``cp_dp`` (DP 2 x CP 2, compiled), ``cp_dp_fsdp`` (the
+same with every parameter FSDP-sharded over the 4 devices, eager) and ``cp_dp_rc`` (each block
+recomputed, eager); against one device (losses and parameters within 1e-5). For all but
+``cp_pp`` and ``cp_dp_rc`` also the collectives of one counted step against the priced ones site
+by site, and for the sharded ones the bytes of parameters, gradients and Adam state each rank
+holds against the price.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from runtime.train import _random_batches
 SPEC = "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"
 CLUSTER = "1x4xA100-80GB"
 STEPS, LR, BATCH, B = 3, 1e-3, 2, 2
+DP_BATCH = 4  # the plans with data parallelism: 2 rows per micro-batch
 # the loss all-reduce, nll_loss's total_weight and the embedding's scalar (tests/test_fsdp.py)
 UNPRICED_SITES = ("fwd:output", "bwd:nll_loss_forward", "bwd:embedding")
 
@@ -66,8 +72,17 @@ def _plans() -> dict[str, ParallelPlan]:
         "optimizer": "adam_fp32",
         "allow_oom": True,
     }
+    # data x context parallelism: a micro-batch of one row per data-parallel device
+    dp_kw = kw | {"dp": 2, "global_batch": DP_BATCH}
     return {
         "cp_tp": manual_plan(SPEC, CLUSTER, tp=2, context_parallel=2, **kw),
+        "cp_dp": manual_plan(SPEC, CLUSTER, tp=1, context_parallel=2, **dp_kw),
+        "cp_dp_fsdp": manual_plan(
+            SPEC, CLUSTER, tp=1, context_parallel=2, fsdp="full", **dp_kw
+        ),
+        "cp_dp_rc": manual_plan(
+            SPEC, CLUSTER, tp=1, context_parallel=2, recompute="full", **dp_kw
+        ),
         "cp_fsdp": manual_plan(
             SPEC, CLUSTER, tp=1, context_parallel=4, fsdp="full", **kw
         ),
@@ -104,8 +119,11 @@ def test_manual_plan_makes_every_attention_context_parallel() -> None:
         mm = [n for n in s.node_strategies if n.startswith("mm")]
         assert all(s.node_strategies[n]["outputs"][0][0] == "S(0)" for n in mm)
     base = {"pp": 1, "num_microbatches": B, "global_batch": BATCH}
-    with pytest.raises(MeshplanError, match="dp=1"):
-        manual_plan(SPEC, CLUSTER, dp=2, tp=1, context_parallel=2, **base)
+    with pytest.raises(MeshplanError, match="one row per data-parallel replica"):
+        manual_plan(SPEC, CLUSTER, dp=2, tp=1, context_parallel=2,
+                    **base | {"global_batch": 8})  # fmt: skip
+    with pytest.raises(MeshplanError, match="third mesh axis"):
+        manual_plan(SPEC, "1x8xA100-80GB", dp=2, tp=2, context_parallel=2, **base)
     with pytest.raises(MeshplanError, match="one row"):
         manual_plan(SPEC, CLUSTER, dp=1, tp=1, context_parallel=4, pp=1,
                     num_microbatches=1, global_batch=2)  # fmt: skip
@@ -113,6 +131,37 @@ def test_manual_plan_makes_every_attention_context_parallel() -> None:
         manual_plan(SPEC, CLUSTER, dp=1, tp=1, context_parallel=2, **base)
     with pytest.raises(MeshplanError, match="context_parallel must be a positive"):
         manual_plan(SPEC, CLUSTER, dp=4, tp=1, context_parallel=0, **base)
+
+
+def test_data_and_context_parallel_plan() -> None:
+    """dp x cp (tp = 1): a (dp, cp) mesh, the rows on axis 0, every attention context-parallel
+    on axis 1, and the views around the matrix products keep both splits
+    (`planner.vocab.nested_views`): no value of the stage's activations is gathered whole on
+    either axis but the attention's k and v on the CP axis."""
+    p = _plans()["cp_dp"]
+    s = p.stages[0]
+    assert tuple(s.logical_mesh) == (2, 2)
+    assert (p.manual["dp"], p.manual["context_parallel"]) == (2, 2)
+    g = _graph(SPEC, _rows("cp_dp"))
+    for n in attention_nodes(g):
+        st = s.node_strategies[n]
+        strategy = Strategy(
+            tuple(map(tuple, st["outputs"])), tuple(map(tuple, st["inputs"])), "p"
+        )
+        assert context_axis(strategy) == 1, (n, st)
+    views = {
+        n: st
+        for n, st in s.node_strategies.items()
+        if n.startswith("view")
+        and st["inputs"][0] in (["S(0)", "S(1)"], ["S(0)", "S(0)"])
+    }
+    flat = [n for n, st in views.items() if st["outputs"][0] == ["S(0)", "S(0)"]]
+    split = [n for n, st in views.items() if st["outputs"][0] == ["S(0)", "S(1)"]]
+    assert flat and split, views
+    mm = [n for n in s.node_strategies if n.startswith("mm")]
+    assert mm and all(
+        s.node_strategies[n]["outputs"][0] == ["S(0)", "S(0)"] for n in mm
+    )
 
 
 def test_manual_command_cp_flag(tmp_path: Any) -> None:
@@ -183,12 +232,42 @@ def test_search_picks_context_parallelism_for_long_sequences() -> None:
     assert CP_SOURCE not in _attention_choice(short, 8)
 
 
+def test_search_picks_data_and_context_parallelism() -> None:
+    """Two rows of a long sequence with one head on 4 devices: no head split, and the batch
+    splits over 2 only. The search finds DP 2 x CP 2 (its (dp, cp) seed, one micro-batch of
+    one row per replica), exactly as `manual_plan` prices that layout, and faster than CP
+    over all 4 devices on one-row micro-batches (the keys and values gathered from 4 devices
+    twice, against from 2 once)."""
+    from benchmarks.records import context_degree
+    from planner.api import plan
+
+    long = "llama:hidden=64,layers=2,heads=1,kv_heads=1,ffn=128,vocab=128,seq=16384"
+    cluster = "1x4xH100-80GB"
+    auto = plan(long, cluster, global_batch=2, dtype="bfloat16")
+    assert [tuple(s.logical_mesh) for s in auto.stages] == [(2, 2)]
+    assert context_degree(auto) == 2
+    kw = {"tp": 1, "pp": 1, "global_batch": 2, "dtype": "bfloat16", "allow_oom": True}
+    dp_cp = manual_plan(
+        long, cluster, dp=2, context_parallel=2, num_microbatches=1, **kw
+    )
+    cp = manual_plan(long, cluster, dp=1, context_parallel=4, num_microbatches=2, **kw)
+    assert auto.estimate.iteration_time_s == dp_cp.estimate.iteration_time_s
+    assert dp_cp.estimate.iteration_time_s < cp.estimate.iteration_time_s
+
+
 # ------------------------------------------------------------------ runtime
 
 
-def _model_and_batches() -> tuple[torch.nn.Module, list[tuple[torch.Tensor, ...]]]:
+def _rows(name: str) -> int:
+    """Rows per micro-batch of plan `name`."""
+    return _plans()[name].global_batch // B
+
+
+def _model_and_batches(
+    batch: int = BATCH,
+) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, ...]]]:
     torch.manual_seed(0)
-    model, b = build_model(SPEC, batch=BATCH, device="cpu")
+    model, b = build_model(SPEC, batch=batch, device="cpu")
     return model, _random_batches(tuple(b), STEPS, seed=1)
 
 
@@ -203,7 +282,7 @@ def _train(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     out = {}
     for name, plan in plans.items():
-        model, batches = _model_and_batches()
+        model, batches = _model_and_batches(plan.global_batch)
         tr = single_device.trainer(
             plan, model, batches[0], SPEC, optimizer="adam", lr=LR
         )
@@ -234,11 +313,13 @@ def runs() -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["cp_tp", "cp_fsdp", "cp_pp"])
+@pytest.mark.parametrize(
+    "name", ["cp_tp", "cp_fsdp", "cp_pp", "cp_dp", "cp_dp_fsdp", "cp_dp_rc"]
+)
 def test_trains_like_one_device(runs: list[dict[str, Any]], name: str) -> None:
     """Losses and parameters of one device (a pipeline rank: its stage's parameters, equal
     on every rank holding them)."""
-    model, batches = _model_and_batches()
+    model, batches = _model_and_batches(_plans()[name].global_batch)
     opt = torch.optim.Adam(model.parameters(), lr=LR, foreach=False)
     ref_losses, ref_params = single_device.train(model, batches, opt)
     held: dict[str, torch.Tensor] = {}
@@ -251,12 +332,12 @@ def test_trains_like_one_device(runs: list[dict[str, Any]], name: str) -> None:
             held[k] = torch.from_numpy(v)
         assert not got["mismatches"], got["mismatches"][:3]
         # FSDP and recomputed stages run eagerly
-        assert got["compiled"] == (name == "cp_tp")
+        assert got["compiled"] == (name in ("cp_tp", "cp_dp"))
     single_device.assert_same_parameters(held, ref_params)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["cp_tp", "cp_fsdp"])
+@pytest.mark.parametrize("name", ["cp_tp", "cp_fsdp", "cp_dp", "cp_dp_fsdp"])
 def test_communicates_what_was_priced(runs: list[dict[str, Any]], name: str) -> None:
     """Per site, the priced collectives once per micro-batch (FSDP's gathers and
     reduce-scatters included); bucketed parameter gradients (``bwd:sync:``, once per step)
@@ -269,7 +350,7 @@ def test_communicates_what_was_priced(runs: list[dict[str, Any]], name: str) -> 
 
     plan = _plans()[name]
     sp = plan.stages[0]
-    stage = split_stages(_graph(), plan)[0]
+    stage = split_stages(_graph(SPEC, _rows(name)), plan)[0]
     lmesh = LogicalMesh(
         Cluster.from_spec(CLUSTER), tuple(sp.submesh), tuple(sp.logical_mesh)
     )
@@ -302,17 +383,17 @@ def test_communicates_what_was_priced(runs: list[dict[str, Any]], name: str) -> 
             not sp.fsdp_params
         )  # FSDP: per micro-batch
         assert set(synced) <= {"all_reduce", "reduce_scatter"}
-        for n in attention_nodes(_graph()):
+        for n in attention_nodes(stage.graph):
             into = {x.site: x.kind for x in measured if x.site.endswith(f"->{n}")}
             assert sorted(into.values()) == ["all_gather"] * 2 + ["reduce_scatter"] * 2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["cp_tp", "cp_fsdp"])
+@pytest.mark.parametrize("name", ["cp_tp", "cp_fsdp", "cp_dp_fsdp"])
 def test_holds_the_priced_bytes(runs: list[dict[str, Any]], name: str) -> None:
     """Per parameter, weights + gradients + Adam state (fp32: 4 + 4 + 8 bytes per element) on
     one device against the local shards each rank holds."""
-    plan, graph = _plans()[name], _graph()
+    plan, graph = _plans()[name], _graph(SPEC, _rows(name))
     sp = plan.stages[0]
     s = StageSettings(
         LogicalMesh(Cluster.from_spec(CLUSTER), (1, 4), tuple(sp.logical_mesh)),

@@ -78,30 +78,37 @@ def test_today_grid_enumerates_the_space() -> None:
 @pytest.mark.slow
 def test_today_grid_enumerates_context_parallel_and_prices_it() -> None:
     """The grid's CP configurations, written out by hand: the devices a (dp > 1, tp, pp) gives
-    to data parallelism given to CP instead (dp = 1), one-row micro-batches (B = 8), ZeRO-2 or
-    FSDP over the cp devices or none, no HSDP; each priced by manual_plan as that CP degree."""
+    to data parallelism given to CP instead (dp = 1), or with tp = 1 split between data and
+    context parallelism (dp x cp), micro-batches of one row per replica (B = 8 / dp), ZeRO-2 or
+    FSDP over the dp x cp devices or none, no HSDP; each priced by manual_plan as that CP
+    degree."""
     cluster = Cluster.from_spec("1x4xH100-80GB")
     groups, pruned = grid(TINY, cluster, 8, "adam_mixed", "llama")
     assert pruned == 0
     got = [c for g in groups for c in g if c.context_parallel > 1]
-    # (cp, tp, pp, fsdp, virtual stages)
+    # (dp, cp, tp, pp, fsdp, virtual stages)
     layouts = [
-        (4, 1, 1, "none", 1),
-        (4, 1, 1, "zero2", 1),
-        (4, 1, 1, "full", 1),
-        (2, 1, 2, "none", 1),
-        (2, 1, 2, "none", 2),
-        (2, 1, 2, "zero2", 1),
-        (2, 1, 2, "zero2", 2),
-        (2, 1, 2, "full", 1),
-        (2, 1, 2, "full", 2),
-        (2, 2, 1, "none", 1),
-        (2, 2, 1, "zero2", 1),
-        (2, 2, 1, "full", 1),
+        (1, 4, 1, 1, "none", 1),
+        (1, 4, 1, 1, "zero2", 1),
+        (1, 4, 1, 1, "full", 1),
+        (2, 2, 1, 1, "none", 1),
+        (2, 2, 1, 1, "zero2", 1),
+        (2, 2, 1, 1, "full", 1),
+        (1, 2, 1, 2, "none", 1),
+        (1, 2, 1, 2, "none", 2),
+        (1, 2, 1, 2, "zero2", 1),
+        (1, 2, 1, 2, "zero2", 2),
+        (1, 2, 1, 2, "full", 1),
+        (1, 2, 1, 2, "full", 2),
+        (1, 2, 2, 1, "none", 1),
+        (1, 2, 2, 1, "zero2", 1),
+        (1, 2, 2, 1, "full", 1),
     ]
     expected = [
-        ManualConfig(1, tp, pp, 8, rc, False, fsdp, True if tp > 1 else None, v, cp)
-        for cp, tp, pp, fsdp, v in layouts
+        ManualConfig(
+            dp, tp, pp, 8 // dp, rc, False, fsdp, True if tp > 1 else None, v, cp
+        )
+        for dp, cp, tp, pp, fsdp, v in layouts
         for rc in ("none", "selective", "full")
     ]
     assert sorted(got, key=repr) == sorted(expected, key=repr)
@@ -113,7 +120,8 @@ def test_today_grid_enumerates_context_parallel_and_prices_it() -> None:
     assert expected[-1].label() == "dp1 tp2 pp1 B8 rc fsdp sp cp2"
     # each layout priced at its last rung (the most recomputation; the rungs differ by it only)
     last = {
-        (c.context_parallel, c.tp, c.pp, c.fsdp, c.virtual_stages): c for c in expected
+        (c.dp, c.context_parallel, c.tp, c.pp, c.fsdp, c.virtual_stages): c
+        for c in expected
     }
     plans = [
         (c, price(TINY, cluster, c, 8, "bfloat16", "adam_mixed")) for c in last.values()
@@ -262,8 +270,13 @@ def test_published_configs_price_or_say_why_not() -> None:
     assert (tt_cp8.fsdp, tt_cp8.recompute) == ("full", "full")
     assert reasons[("llama3-8b", tt_cp8.label())] is None
     nemo_cp2 = next(c for c in PUBLISHED if c.cp == 2 and c.model == "llama3-8b")
-    assert "with data parallelism (DP 4)" in reasons[("llama3-8b", nemo_cp2.label())]
-    # CP without data parallelism is priced, as manual_plan(context_parallel=...) prices it
+    assert reasons[("llama3-8b", nemo_cp2.label())] is None  # DP 4 x CP 2, TP 1
+    nemo_70b = next(c for c in PUBLISHED if c.cp == 2 and c.model == "llama3-70b")
+    assert "(TP 4): a third mesh axis" in reasons[("llama3-70b", nemo_70b.label())]
+    two_rows = dataclasses.replace(nemo_cp2, microbatch_size=2)
+    assert "micro-batch size 2" in unpriced_reason(two_rows, 8)
+    # CP is priced as manual_plan(context_parallel=...) prices it, with and without data
+    # parallelism (Megatron-Core's distributed optimizer: ZeRO-2)
     cluster = Cluster.from_spec("1x8xH100-80GB")
 
     def direct_plan(**kw: Any) -> Any:  # the published layout, as manual_plan prices it
@@ -280,6 +293,12 @@ def test_published_configs_price_or_say_why_not() -> None:
         recompute="full",
         context_parallel=8,
     )
+    assert rec["priced"] and rec["iteration_time_s"] == direct.estimate.iteration_time_s
+    rec = price_published(nemo_cp2, cluster, TINY, 8)
+    direct = direct_plan(
+        dp=4, num_microbatches=32, global_batch=128, fsdp="zero2", context_parallel=2
+    )
+    assert tuple(direct.stages[0].logical_mesh) == (4, 2)
     assert rec["priced"] and rec["iteration_time_s"] == direct.estimate.iteration_time_s
     fsdp8 = next(
         c

@@ -182,8 +182,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="context parallelism: the sequence split over this many devices, attention on "
-        "all-gathered keys and values (dp 1, micro-batches of one row; dp x cp x tp x pp = "
-        "the devices)",
+        "all-gathered keys and values (dp 1, or tp 1 with one row per data-parallel replica "
+        "per micro-batch; dp x cp x tp x pp = the devices)",
     )
     m.add_argument(
         "--virtual-stages",

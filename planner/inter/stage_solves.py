@@ -9,6 +9,7 @@ ladder of memory budgets, and with the parameters restricted to Megatron's place
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -107,10 +108,12 @@ def profiles_for(
     for seed in seeds:
         axes = tuple(sorted(set(batch_axes) | set(seed.batch_axes)))
         acts = activation_filter
+        # one row per data-parallel device under context parallelism
+        rows = math.prod(mesh.shape[a] for a in seed.batch_axes)
         try:
             for make, axis in (
                 (sequence_filter, seed.sequence_axis),
-                (context_filter, seed.context_axis),
+                (functools.partial(context_filter, rows=rows), seed.context_axis),
             ):
                 if axis is not None:
                     extra = make(graph, axis, mesh.shape[axis])

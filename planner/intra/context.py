@@ -8,12 +8,14 @@ splits the position-wise ops around attention (norms, projections, rotary produc
 loss) along the sequence as DTensor's own strategies allow, the rotary tables and the tokens
 sliced locally from their replicated copies.
 
-Micro-batches of one row only: the traced graph flattens ``[rows, s, h]`` to ``[rows * s, h]``
-around every matrix product, and a sequence split of such a view with more than one row is a
-strided shard, which the planner does not plan (`planner.intra.strategies`); with one row the
-split passes through. That is how long-context training runs (torchtitan's CP runs one sequence
-per rank), so data parallelism does not combine with CP here: shard the parameters over the CP
-devices with FSDP instead (torchtitan does the same: FSDP over the data x context devices).
+Micro-batches of one row per data-parallel device: the traced graph flattens ``[rows, s, h]``
+to ``[rows * s, h]`` around every matrix product. With one row the sequence split passes through;
+with data parallelism on an earlier axis and one row per device there, the merged dimension is
+split on both axes (`planner.vocab.nested_views`: ``manual_plan(dp=d, context_parallel=c)`` with
+tp = 1, and the automatic search's (dp, cp) seeds); with more rows per device it would be a
+strided shard, which the planner does not plan (`planner.intra.strategies`). That is how
+long-context training runs (torchtitan's and Megatron's CP run one sequence per rank and
+micro-batch).
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ def attention_nodes(graph: OpGraph) -> list[str]:
     return [n.name for n in graph.ops if n.target == _SDPA]
 
 
-def context_filter(graph: OpGraph, axis: int, size: int) -> Callable[[str, Any], bool]:
+def context_filter(
+    graph: OpGraph, axis: int, size: int, rows: int = 1
+) -> Callable[[str, Any], bool]:
     """Options restricted to context parallelism on mesh axis `axis` of `size` devices: every
-    attention node context-parallel there, every other op free. Raises MeshplanError when the
-    graph has no fused attention, when a micro-batch has more than one row, or when the
-    sequence does not divide by `size` (module docstring)."""
+    attention node context-parallel there, every other op free. `rows`: the data-parallel
+    devices of an earlier axis, one row of the micro-batch each (module docstring). Raises
+    MeshplanError when the graph has no fused attention, when a micro-batch has another number
+    of rows, or when the sequence does not divide by `size`."""
     nodes = attention_nodes(graph)
     if not nodes:
         raise MeshplanError(
@@ -61,10 +66,10 @@ def context_filter(graph: OpGraph, axis: int, size: int) -> Callable[[str, Any],
                 f"mask; attention {name} has {fx[name].args[3:]} {fx[name].kwargs}"
             )
         shape = graph.node(name).outputs[0].shape
-        if shape[0] != 1:
+        if shape[0] != rows:
             raise MeshplanError(
-                f"context parallelism runs micro-batches of one row; attention {name} has "
-                f"{shape[0]} (use a micro-batch size of 1)"
+                f"context parallelism runs micro-batches of one row per data-parallel device "
+                f"({rows}); attention {name} has {shape[0]} (use a micro-batch size of {rows})"
             )
         if shape[SEQ_DIM] % size:
             raise MeshplanError(

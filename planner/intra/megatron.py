@@ -214,10 +214,12 @@ def context_seeds(
     """Context-parallel layouts worth solving on a logical mesh (a, b) (`manual_plan`'s
     ``context_parallel``): CP over all devices (a mesh with one axis of more than one device),
     its parameters replicated or FSDP-sharded over it (torchtitan's FSDP + CP); and, where both
-    axes have more than one device and b is a tensor-parallel size, CP on axis 0 with
+    axes have more than one device, data parallelism on axis 0 with CP on axis 1 (the
+    parameters replicated, with Megatron-Core's distributed optimizer as a variant, or
+    FSDP-sharded over both axes), and where b is a tensor-parallel size, CP on axis 0 with
     Megatron's tensor parallelism on axis 1. None for models with experts. A seed is skipped
-    where the graph cannot take it (`planner.intra.context.context_filter`: micro-batches of
-    more than one row, no fused attention)."""
+    where the graph cannot take it (`planner.intra.context.context_filter`: another number of
+    rows per micro-batch than one per data-parallel device, no fused attention)."""
     a, b = mesh_shape
     if has_experts or a * b == 1:
         return []
@@ -227,9 +229,11 @@ def context_seeds(
             Seed(axes_filter(None, None), (), context_axis=axis),
             Seed(axes_filter(None, None, fsdp=True), (), context_axis=axis),
         ]
-    if b in tp_sizes:
-        return [Seed(axes_filter(1, None), (), context_axis=0)]
-    return []
+    out = [Seed(axes_filter(1, None), (), context_axis=0)] if b in tp_sizes else []
+    return out + [
+        Seed(axes_filter(None, None), (0,), context_axis=1, zero2=True),
+        Seed(axes_filter(None, None, fsdp=True), (0,), context_axis=1),
+    ]
 
 
 def _weight_placements(graph: OpGraph) -> dict[str, str]:

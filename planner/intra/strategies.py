@@ -18,7 +18,10 @@ placements the output DTensor's propagator actually picks, and converts to strin
   are dropped, so plans are exact. Two axes may shard the same dim (DTensor nests them left to
   right, ``("S(0)", "S(0)")``) when the dim divides by both sizes' product.
 * Strategies using ``_StridedShard`` (e.g. a view merging a sharded dim with a dim before it) are
-  dropped: the cost models and the runtime only know R/S/P.
+  dropped: the cost models and the runtime only know R/S/P. The one such view the plan
+  vocabulary does express (a dim sharded on two axes, one entry per device of the outer one:
+  data x context parallelism) is added from its geometry (`planner.vocab.nested_views`, source
+  ``"nested_view"``), where DTensor's strategies do not cover its input placements.
 * When one input node feeds an op twice (``mul(x, x)``), both uses must want the same placement.
 * A vocabulary-parallel embedding wants its indices as ``_MaskPartial``; DTensor makes that from a
   replicated input by masking locally, so the strategy asks for ``"R"`` (its output is
@@ -62,10 +65,12 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from planner.intra import dtensor_rules as dr
 from planner.vocab.context import context_strategies
 from planner.vocab.dtensor_ext import placement_to_str, registrations
+from planner.vocab.nested_views import VIEWS, nested_view_strategies
 from planner.vocab.placements import Placements, mesh_axes
 from planner.vocab.strategy import Strategy, getitem_source
 
@@ -234,7 +239,7 @@ def _out_meta(val: Any) -> Any:
 def _to_strs(placements: Any, axes: list[int], n_axes: int) -> Placements | None:
     full = ["R"] * n_axes
     for j, p in zip(axes, placements):
-        s = placement_to_str(p)
+        s = None if isinstance(p, _StridedShard) else placement_to_str(p)
         if s is None:
             return None
         full[j] = s
@@ -464,7 +469,29 @@ def node_strategies(node: torch.fx.Node, mesh_shape: tuple[int, int]) -> list[St
     if not isinstance(node.target, torch._ops.OpOverload):
         return [_fallback(node, mesh_shape)]
     base = list(_op_strategies(node, mesh_shape)[0])
-    return base + context_strategies(node, base, mesh_shape)
+    return (
+        base
+        + context_strategies(node, base, mesh_shape)
+        + _nested_views(node, base, mesh_shape)
+    )
+
+
+def _nested_views(
+    node: torch.fx.Node, base: list[Strategy], mesh_shape: tuple[int, ...]
+) -> list[Strategy]:
+    """`planner.vocab.nested_views`' strategies of a view node whose input placements DTensor's
+    own strategies do not cover."""
+    if node.target not in VIEWS or base[0].source == "fallback":
+        return []
+    src = node.args[0]
+    if not isinstance(src, torch.fx.Node) or not _is_tensor(_val(src)):
+        return []
+    have = {s.inputs[0] for s in base}
+    return [
+        s
+        for s in nested_view_strategies(_val(src).shape, _val(node).shape, mesh_shape)
+        if s.inputs[0] not in have
+    ]
 
 
 def fallback_reason(node: torch.fx.Node, mesh_shape: tuple[int, int]) -> str | None:

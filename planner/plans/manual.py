@@ -36,9 +36,14 @@ instead of the all-reduce; with `sequence_parallel=False` they are replicated on
 Megatron without sequence parallelism runs them; None (the default) leaves them to the least
 cost (which may split them by the sequence, or keep the residual stream partial).
 
-With `context_parallel=cp` > 1 (dp = 1) a stage is a (cp, tp) mesh: every attention is
+With `context_parallel=cp` > 1 and dp = 1 a stage is a (cp, tp) mesh: every attention is
 context-parallel on axis 0 (the sequence split, keys and values all-gathered;
 `planner.intra.context`), parameters replicated there (or FSDP-sharded with ``fsdp="full"``).
+With dp > 1 (tp = 1) it is a (dp, cp) mesh, the rows on axis 0, one per replica per micro-batch,
+and the attention context-parallel on axis 1 (Megatron's ``--context-parallel-size`` beside
+data parallelism; the parameters' state sharded over both axes with ``fsdp="zero2"`` or
+``"full"``, as Megatron-Core's distributed optimizer and torchtitan's FSDP shard over the data x
+context devices).
 With cp = 1 (the default) no attention is context-parallel on any axis
 (`planner.intra.context.without_context`): a configuration without CP is priced without it,
 where the least cost would otherwise split a long sequence's attention on the tp axis.
@@ -143,9 +148,10 @@ def manual_plan(
     `context_parallel` (cp): the sequence split over cp devices, every attention computed on
     its own queries against all-gathered keys and values (`planner.vocab.context`), the ops
     around it split along the sequence at the least cost (`planner.intra.context`); dp x cp x
-    tp x pp = the devices, each stage a (cp, tp) logical mesh (cp on axis 0). It needs dp = 1
-    and micro-batches of one row (raises otherwise; `fsdp="full"` shards the parameters over
-    the cp devices, as torchtitan combines FSDP with CP)."""
+    tp x pp = the devices, each stage a (cp, tp) logical mesh (cp on axis 0), or with tp = 1 a
+    (dp, cp) one (cp on axis 1). It needs dp = 1 or tp = 1, and micro-batches of one row per
+    replica (raises otherwise; `fsdp="full"` shards the parameters over the dp x cp devices, as
+    torchtitan combines FSDP with CP)."""
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     recompute = recompute_mode(recompute)
     if recompute not in RECOMPUTE_MODES:
@@ -178,11 +184,12 @@ def manual_plan(
             f"{cluster.spec} has {D} devices"
         )
     ep = _expert_degree(expert_parallel, dp)
-    if cp > 1 and (dp > 1 or fsdp == "hybrid" or ep > 1):
+    if cp > 1 and (fsdp == "hybrid" or ep > 1 or (dp > 1 and tp > 1)):
         raise MeshplanError(
-            f"context_parallel={cp} runs micro-batches of one row on a (cp, tp) mesh: it needs "
-            f"dp=1, no hybrid sharding and no expert parallelism, got dp={dp} fsdp={fsdp} "
-            f"expert_parallel={expert_parallel} (fsdp='full' shards over the cp devices)"
+            f"context_parallel={cp} runs on a (cp, tp) mesh, or a (dp, cp) one with tp=1 (dp x "
+            "cp x tp would be a third mesh axis): it needs dp=1 or tp=1, no hybrid sharding and "
+            f"no expert parallelism, got dp={dp} tp={tp} fsdp={fsdp} "
+            f"expert_parallel={expert_parallel} (fsdp='full' shards over the dp x cp devices)"
         )
     if 1 < ep < dp and (tp > 1 or fsdp == "hybrid"):
         raise MeshplanError(
@@ -223,6 +230,12 @@ def manual_plan(
             f"global batch {G} does not split into {B} micro-batches divisible by dp={dp}"
         )
     b = G // B
+    if cp > 1 and dp > 1 and b != dp:
+        raise MeshplanError(
+            f"context_parallel={cp} with dp={dp} runs one row per data-parallel replica per "
+            f"micro-batch (microbatch_size={dp}, Megatron's --micro-batch-size 1); got {b} rows "
+            f"per micro-batch ({G} rows in {B} micro-batches)"
+        )
     graph = make.trace(b)
     chunks = pp * virtual_stages
     if split not in ("balanced", "blocks"):
@@ -246,7 +259,10 @@ def manual_plan(
         mesh = LogicalMesh(cluster, sub, sub)  # axis 0 across hosts, axis 1 inside one
         param_filter = axes_filter(None, None, fsdp=True, hybrid=(1,))
     else:
-        mesh = LogicalMesh(cluster, sub, (dp * cp, tp))
+        # (dp, tp), (cp, tp), or (dp, cp) with the sequence split on axis 1 inside the replicas
+        mesh = LogicalMesh(
+            cluster, sub, (dp * cp, tp) if dp == 1 or cp == 1 else (dp, cp)
+        )
         if fsdp in ("full", "zero2"):
             param_filter = axes_filter(
                 1 if tp > 1 else None,
@@ -254,6 +270,13 @@ def manual_plan(
                 fsdp == "full",
                 zero=mesh.shape if fsdp == "zero2" else None,
             )
+    if cp > 1:  # the sequence on the last axis of more than one device, rows on axis 0
+        context = context_filter(graph, int(dp > 1), cp, rows=dp)
+        data = (0,) if dp > 1 else ()
+    else:  # no attention split along the sequence, not even on the tp axis, where the least
+        # cost would otherwise pick it for a sequence long enough
+        context = without_context(graph)
+        data = batch_axes(mesh.shape, 1 if tp > 1 else None, experts)
     layer_of = bd.layer_of_nodes(graph, layers)
     bounds = bd.boundary_values(graph, layer_of, len(layers))
     budget = float(memory_budget or cluster.device.memory_bytes)
@@ -271,13 +294,9 @@ def manual_plan(
             None
             if sequence_parallel is None
             else sequence_filter(graph, 1, tp, split=sequence_parallel),
-            # cp = 1: no attention split along the sequence, not even on the tp axis, where
-            # the least cost would otherwise pick it for a sequence long enough
-            context_filter(graph, 0, cp) if cp > 1 else without_context(graph),
+            context,
         ),
-        batch_axes=()
-        if cp > 1
-        else batch_axes(mesh.shape, 1 if tp > 1 else None, experts),
+        batch_axes=data,
     )[0]
     schedule = canonical_schedule(
         schedule or ("interleaved" if virtual_stages > 1 else "1f1b")

@@ -54,11 +54,13 @@ def placement_to_str(p: Placement, strided: bool = False) -> str | None:
     """``Replicate() -> "R"``, ``Shard(d) -> "S(d)"``, ``Partial("sum") -> "P"``, ``Partial(op) -> "P(op)"``.
 
     Partial subclasses keep their kind: ``_MaskPartial`` is ``"P(mask)"`` and ``_NormPartial`` is
-    ``"P(norm)"``. `_StridedShard` has no string (None): strategies using it are dropped by the
-    planner (with ``strided=True`` it is ``"S(d)"`` too).
+    ``"P(norm)"``. `_StridedShard` with split factor 1 lays the tensor out as ``Shard`` does:
+    ``"S(d)"`` (`planner.vocab.nested_views`); any other has no string (None), unless
+    ``strided=True`` (then ``"S(d)"`` too). The planner drops strategies using either
+    (`planner.intra.strategies`).
     """
     if isinstance(p, _StridedShard):
-        return f"S({p.dim})" if strided else None
+        return f"S({p.dim})" if strided or p.split_factor == 1 else None
     if isinstance(p, Shard):
         return f"S({p.dim})"
     if isinstance(p, Replicate):
