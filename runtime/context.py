@@ -34,7 +34,7 @@ def context_attention(
     kernel: Callable[..., Any],
     mesh: DeviceMesh,
     dim: int,
-    strides: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    strides: tuple[tuple[int, ...], tuple[int, ...]],
 ) -> Callable[..., tuple[DTensor, DTensor]]:
     """The attention node's callable (the CPU kernel's signature) with the sequence split over
     `mesh` dimension `dim`; `kernel` computes attention on local tensors (the CPU kernel, or the
@@ -76,17 +76,17 @@ def context_attention(
             kl, vl = kl[:, :, : start + n], vl[:, :, : start + n]
             mask = causal_offset_mask(n, start, ql.dtype, ql.device)
         out, lse = kernel(ql, kl, vl, 0.0, False, attn_mask=mask, scale=scale)[:2]
-        shapes = ((*q.shape[:3], v.shape[3]), tuple(q.shape[:3]))
+        shapes = ((*q.shape[:3], v.shape[3]), q.shape[:3])
         return tuple(
             DTensor.from_local(
                 t,
                 mesh,
                 q.placements,
                 run_check=False,
-                shape=None if strides is None else torch.Size(shape),
-                stride=None if strides is None else stride,
+                shape=torch.Size(shape),
+                stride=stride,
             )
-            for t, shape, stride in zip((out, lse), shapes, strides or (None, None))
+            for t, shape, stride in zip((out, lse), shapes, strides)
         )
 
     return run

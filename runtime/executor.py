@@ -80,7 +80,7 @@ from torch.distributed.tensor import (
     Replicate,
     distribute_tensor,
 )
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 from torch.fx.node import map_arg
 
 from cost_models.errors import MeshplanError
@@ -104,7 +104,7 @@ from runtime.device_ops import device_targets
 from runtime.fsdp import FsdpParams
 from runtime.grad_sync import sync_grads
 from runtime.meshes import device_mesh
-from runtime.redistribute import Edge, redistribute, unmask
+from runtime.redistribute import Edge, redistribute, strided_writing, unmask
 from runtime.vocab_embedding import (
     EMBEDDING,
     MASK,
@@ -212,12 +212,12 @@ class PlanExecutor(torch.fx.Interpreter):
                 register_fallback(n.target)
             if n.target is SDPA and context_axis(strategy) is not None:
                 # context parallelism: no DTensor rule, run by `runtime.context`
-                val = n.meta.get("val")
+                out, lse = n.meta["val"][:2]
                 self._targets[n] = context_attention(
                     self._targets.get(n, n.target),
                     mesh,
                     self.axes.index(context_axis(strategy)),
-                    None if val is None else (val[0].stride(), val[1].stride()),
+                    (out.stride(), lse.stride()),
                 )
             if n.target is EMBEDDING and (
                 axes := vocab_axes(strategy.inputs[0], strategy.output[0])
@@ -274,18 +274,10 @@ class PlanExecutor(torch.fx.Interpreter):
             # starts, every micro-batch (`planner.intra.fsdp_prices`: priced so)
             grad_dst = self._parse(fsdp_gradient(src, tuple(self.program.mesh_shape)))
             return dst_pl, grad_dst, f"{u.name}->{v.name}", False
-        strided = v.target in VIEWS and nested_unflatten(
-            dst, self.program.strategies[v.name].output[0]
-        )
-        if (
-            strided
-        ):  # DTensor unflattens it only so written (`planner.vocab.nested_views`)
-            dst_pl = tuple(
-                _StridedShard(p.dim, split_factor=1)
-                if a == self.axes.index(strided)
-                else p
-                for a, p in enumerate(dst_pl)
-            )
+        if v.target in VIEWS:  # DTensor unflattens a nested shard only strided-written
+            axis = nested_unflatten(dst, self.program.strategies[v.name].output[0])
+            if axis is not None:
+                dst_pl = strided_writing(dst_pl, self.axes.index(axis))
         sync = self.sync_param_grads or u.name not in self.param_derived
         grad_strs = expected_grad(src)
         grad_dst = self._parse(grad_strs) if sync else None

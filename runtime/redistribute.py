@@ -94,12 +94,10 @@ def redistribute(
     dst = tuple(dst)
     if tuple(x.placements) == dst:
         return x
-    if same_layout(x.placements, dst):
-        return relabel(x, dst)
     canonical = tuple(map(_layout, x.placements))
-    if canonical != tuple(
-        x.placements
-    ):  # DTensor's own redistribution from plain shards
+    if canonical == tuple(map(_layout, dst)):  # one layout written two ways
+        return relabel(x, dst)
+    if canonical != tuple(x.placements):  # DTensor redistributes from plain shards
         x = relabel(x, canonical)
     x = _repartial(x, dst)
     via = tuple(
@@ -133,6 +131,18 @@ def relabel(x: DTensor, dst: Sequence[Placement]) -> DTensor:
     tensor, no communication, no autograd."""
     spec = DTensorSpec(x._spec.mesh, tuple(dst), tensor_meta=x._spec.tensor_meta)
     return DTensor(x._local_tensor, spec, requires_grad=False)
+
+
+def strided_writing(
+    placements: Sequence[Placement], axis: int
+) -> tuple[Placement, ...]:
+    """`placements` with the ``Shard(d)`` of DeviceMesh dimension `axis` written as
+    ``_StridedShard(d, split_factor=1)``: the same layout, in the writing DTensor's view rule
+    unflattens a dimension sharded on two axes from (`planner.vocab.nested_views`)."""
+    return tuple(
+        _StridedShard(p.dim, split_factor=1) if a == axis else p
+        for a, p in enumerate(placements)
+    )
 
 
 def waits_at_once() -> bool:

@@ -18,7 +18,7 @@ from planner.vocab.nested_views import (
     nested_unflatten,
     nested_view_strategies,
 )
-from runtime.redistribute import relabel, same_layout
+from runtime.redistribute import relabel, same_layout, strided_writing
 
 
 def _pairs(in_shape: tuple, out_shape: tuple, mesh: tuple) -> list[tuple]:
@@ -94,10 +94,6 @@ def test_dtensor_runs_them_as_planned() -> None:
     y = relabel(y, planned)
     assert y.to_local().shape == (4, 16) and y.placements == (Shard(0), Shard(0))
     b = nested_unflatten(unflatten.inputs[0], unflatten.output[0])
-    strided = tuple(
-        _StridedShard(p.dim, split_factor=1) if a == b else p
-        for a, p in enumerate(planned)
-    )
-    z = relabel(y, strided).view(4, 8, 16)
+    z = relabel(y, strided_writing(planned, b)).view(4, 8, 16)
     assert z.placements == parse(unflatten.output[0])
     assert z.to_local().shape == (1, 4, 16)
