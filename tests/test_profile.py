@@ -321,10 +321,10 @@ def test_a_port_taken_by_another_launch_does_not_join_its_group(monkeypatch):
 def test_launch_fails_fast_naming_the_rank(fn, expected):
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        launch(fn, 2, timeout_s=100)
+        launch(fn, 2, timeout_s=300)
     elapsed = time.monotonic() - start
     msg = str(info.value)
-    assert elapsed < 30, f"fail-fast took {elapsed:.1f} s"
+    assert elapsed < 100, f"fail-fast took {elapsed:.1f} s"
     assert info.value.rank == 1 and msg.startswith("rank 1 of 2"), msg
     assert expected in msg and "\n" not in msg
     if fn is _rank1_crashes:  # where it crashed, from its faulthandler
@@ -338,7 +338,7 @@ from runtime.launch import launch
 def f(x):
     return len(x)
 
-launch(f, 2, args=(b"x" * (1 << 20),), timeout_s=20)
+launch(f, 2, args=(b"x" * (1 << 20),), timeout_s=300)
 """
 
 
@@ -346,7 +346,9 @@ launch(f, 2, args=(b"x" * (1 << 20),), timeout_s=20)
 def test_a_rank_that_dies_starting_stops_a_large_launch(tmp_path):
     """A script read from standard input cannot be re-imported by a spawned rank, which dies
     while starting. With a job larger than a pipe's buffer, the launch used to block writing it
-    to the dead rank, past its deadline; now it fails fast naming the rank."""
+    to the dead rank, past its deadline; now it fails fast naming the rank. The deadline is far
+    (300 s) so that failing fast cannot be confused with a slow start on a loaded machine (the
+    CI of 2026-12-02 took 20.03 s with a 20 s deadline)."""
     import subprocess
     import sys
 
@@ -358,11 +360,11 @@ def test_a_rank_that_dies_starting_stops_a_large_launch(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        timeout=60,
+        timeout=240,
     )
     assert done.returncode != 0
     assert "LaunchError: rank " in done.stderr and "exited with code 1" in done.stderr
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 100
 
 
 KILLED_LAUNCHER = """
@@ -423,7 +425,7 @@ def test_launch_times_out():
     start = time.monotonic()
     with pytest.raises(LaunchError, match="timed out after 5 s") as info:
         launch(_hangs, 2, timeout_s=5)
-    assert time.monotonic() - start < 25
+    assert time.monotonic() - start < 60
     # each hung rank's stack, down to where it waits
     assert sorted(info.value.tracebacks) == [0, 1]
     for text in info.value.tracebacks.values():

@@ -148,11 +148,11 @@ def test_killed_rank_fails_fast(
     t0 = time.monotonic()
     code = main(
         ["run", SPEC, "--plan", _plan_file(tmp_path), "--steps", "3"]
-        + ["--fault", "1:2:kill", "--timeout", "120"]
+        + ["--fault", "1:2:kill", "--timeout", "600"]
     )
     elapsed = time.monotonic() - t0
     assert code != 0
-    assert elapsed < 60
+    assert elapsed < 200  # far below the 600 s deadline
     err = capsys.readouterr().err
     assert "rank 1 of 2 was killed by signal SIGKILL" in err
 
