@@ -33,10 +33,11 @@ global batch / (dp * micro-batch size)) priced at its own global batch in bfloat
 priced in bfloat16: the cost models have no FP8 GEMM rate; said per row). Megatron-Core's
 configurations without FSDP run its distributed optimizer (NEMO-OPT): they are priced with
 ZeRO-2 (`manual_plan(fsdp="zero2")`, the same collectives and memory: the optimizer state
-sharded over the data-parallel replicas, each gradient whole until the step). A configuration is left unpriced, with the reason recorded, when it uses context
-parallelism together with data and tensor parallelism (a third mesh axis; `manual_plan` runs
-CP with data parallelism on a (dp, cp) mesh, tp = 1, one row per replica per micro-batch:
-`benchmarks.manual_grid`'s docstring says why), expert parallelism over a part of the
+sharded over the data-parallel replicas, each gradient whole until the step). Context
+parallelism with data and tensor parallelism runs on a (dp, cp, tp) mesh per stage. A
+configuration is left unpriced, with the reason recorded, when it uses context parallelism
+with data parallelism at more than one row per replica per micro-batch
+(`benchmarks.manual_grid`'s docstring says why), expert parallelism over a part of the
 data-parallel ranks together with tensor parallelism (without it, a (dp / ep, ep) mesh,
 `manual_plan(expert_parallel=ep)`), recomputation of only some blocks, or another GPU count
 than the suite's case. FSDP together with activation recomputation (torchtitan's recipes) is priced as
@@ -344,11 +345,6 @@ def unpriced_reason(c: PublishedConfig, gpus: int) -> str | None:
     """Why `c` cannot be priced as published on a case of `gpus` GPUs, or None when it can."""
     if c.gpus != gpus:
         return f"published for {c.gpus} GPUs, the case has {gpus}"
-    if c.cp > 1 and c.dp > 1 and c.tp > 1:
-        return (
-            f"context parallelism (CP {c.cp}) with data (DP {c.dp}) and tensor parallelism "
-            f"(TP {c.tp}): a third mesh axis, which manual_plan does not express"
-        )
     if c.cp > 1 and c.dp > 1 and c.microbatch_size > 1:
         return (
             f"context parallelism with data parallelism at micro-batch size "
@@ -359,7 +355,7 @@ def unpriced_reason(c: PublishedConfig, gpus: int) -> str | None:
     if 1 < c.ep < c.dp and c.tp > 1:
         return (
             f"expert parallelism over {c.ep} of the {c.dp} data-parallel ranks with TP "
-            f"{c.tp}: a third mesh axis, which manual_plan does not express"
+            f"{c.tp}: a (dp / ep, ep, tp) mesh, which manual_plan does not build"
         )
     if c.recompute not in ("none", "selective", "full"):
         return f"recompute {c.recompute!r} is not one of none, selective, full"

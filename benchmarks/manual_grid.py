@@ -57,15 +57,16 @@ configure them by hand) is larger; every configuration is still one `manual_plan
     context parallelism        cp x tp x pp = devices with cp > 1 dividing the model's sequence
                                (`manual_plan(context_parallel=cp)`: every attention on its own
                                queries against all-gathered keys and values, the sequence split
-                               over cp devices), and with tp = 1 also dp x cp x pp with dp > 1
-                               (a (dp, cp) mesh, Megatron's --context-parallel-size with data
-                               parallelism), with fsdp "none", "zero2" or "full" (sharded over
+                               over cp devices), and also dp x cp x tp x pp with dp > 1 (a
+                               (dp, cp) mesh with tp = 1, else (dp, cp, tp): Megatron's
+                               --context-parallel-size with data and tensor parallelism), with
+                               fsdp "none", "zero2" or "full" (sharded over
                                the dp x cp devices; FSDP as torchtitan combines them), 1F1B or
                                interleaved as above, the same recomputation ladder, micro-batches
                                of one row per replica (B = G / dp).
 
 Context-parallel configurations the grid skips, and why (what `manual_plan` can price today):
-CP with data and tensor parallelism both (dp x cp x tp would be a third mesh axis); CP with
+CP with
 micro-batches of more than one row per replica (the sequence split then cannot pass the
 `[rows, s, h] -> [rows * s, h]` views around the matrix products without gathering:
 `planner.vocab.nested_views`); CP with HSDP or expert parallelism (`manual_plan` refuses both),
@@ -312,16 +313,16 @@ def _with_context(
 ) -> list[tuple[int, int, int, int]]:
     """(dp, cp, tp, pp): each (dp, tp, pp) without context parallelism (cp = 1), followed, when
     `facts` is given (today's space with CP) and the model has no experts, by the same devices
-    given to CP instead of data parallelism, (1, dp, tp, pp), and with tp = 1 split between
-    them, (d, c, 1, pp) for d x c = dp, where cp divides the model's sequence (module
-    docstring: what the grid skips and why)."""
+    given to CP instead of data parallelism, (1, dp, tp, pp), and split between them, (d, c, tp,
+    pp) for d x c = dp, where cp divides the model's sequence (module docstring: what the grid
+    skips and why)."""
     out = []
     for dp, tp, pp in degrees:
         out.append((dp, 1, tp, pp))
         if facts is None or facts.experts or facts.seq is None:
             continue
         for cp in range(2, dp + 1):
-            if dp % cp == 0 and facts.seq % cp == 0 and (cp == dp or tp == 1):
+            if dp % cp == 0 and facts.seq % cp == 0:
                 out.append((dp // cp, cp, tp, pp))
     return out
 

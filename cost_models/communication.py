@@ -33,11 +33,14 @@ per_host it stays inside a host; otherwise (per_host divides b) it spans b / per
 The first axis strides by b: per_host / b devices of it share a host when b < per_host, else one per
 host. ``MeshAxis.stride`` records that distance (b for the first axis with several devices per host,
 1 otherwise): on hosts whose GPUs are not all switch-connected (V100 NVLink cube-mesh) the link of a
-collective inside a host depends on which GPUs form its group (``Cluster.group_link``).
+collective inside a host depends on which GPUs form its group (``Cluster.group_link``). A mesh of
+three axes ``(a, b, c)`` (device ``i * b * c + j * c + k``) is laid out the same way, axis by axis
+from the last: each strides by the product of the sizes after it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -238,21 +241,34 @@ def boundary_send_times(
 
 
 def _axis_layout(
-    hosts: int, per_host: int, a: int, b: int
-) -> tuple[MeshAxis, MeshAxis]:
-    if b <= per_host:
-        if per_host % b:
-            raise ValueError
-        first = MeshAxis(a, per_host // b, hosts, b if per_host // b > 1 else 1)
-        return first, MeshAxis(b, b, 1)
-    if b % per_host:
-        raise ValueError
-    return MeshAxis(a, 1, a), MeshAxis(b, per_host, b // per_host)
+    hosts: int, per_host: int, shape: Sequence[int]
+) -> tuple[MeshAxis, ...]:
+    """Each axis of the logical mesh `shape` (row-major over the submesh's devices, numbered
+    host-major): axis i strides by the product of the later axes' sizes. An axis whose stride is
+    a multiple of `per_host` has one device per host; otherwise the stride divides `per_host` and
+    ``per_host / stride`` of its devices share a host (all of them when it has no more).
+    ValueError when the shape cannot be laid out so."""
+    axes, stride = [], 1
+    for n in reversed(shape):
+        if stride >= per_host:
+            if stride % per_host:
+                raise ValueError
+            axes.append(MeshAxis(n, 1, n))
+        else:
+            if per_host % stride:
+                raise ValueError
+            m = min(n, per_host // stride)
+            if n % m:
+                raise ValueError
+            axes.append(MeshAxis(n, m, n // m, stride if m > 1 else 1))
+        stride *= n
+    return tuple(reversed(axes))
 
 
 @dataclass(frozen=True)
 class LogicalMesh:
-    """A ``submesh = (hosts, per_host)`` of ``cluster`` viewed as a 2D logical mesh ``shape = (a, b)``.
+    """A ``submesh = (hosts, per_host)`` of ``cluster`` viewed as a logical mesh of two axes
+    ``shape = (a, b)``, or three ``(a, b, c)`` (data x context x tensor parallelism in one stage).
 
     ``axes[i]`` says how many devices axis i has per host and how many hosts it spans (mapping in the
     module docstring). ``LogicalMesh(cluster, (2, 8), (4, 4))``: axis 1 inside a host, axis 0 two
@@ -261,16 +277,21 @@ class LogicalMesh:
 
     cluster: Cluster
     submesh: tuple[int, int]
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     # `collective`'s answers, (op, bytes, axis) -> seconds: the planner prices the same few
     # collectives for thousands of redistributions of one mesh
     _seconds: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        (hosts, per_host), (a, b) = self.submesh, self.shape
+        hosts, per_host = self.submesh
         object.__setattr__(self, "submesh", (int(hosts), int(per_host)))
-        object.__setattr__(self, "shape", (int(a), int(b)))
-        if min(hosts, per_host, a, b) < 1:
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        shape = "x".join(map(str, self.shape))
+        if len(self.shape) not in (2, 3):
+            raise MeshplanError(
+                f"a logical mesh has two or three axes, got {len(self.shape)} ({shape})"
+            )
+        if min(hosts, per_host, *self.shape) < 1:
             raise MeshplanError(
                 f"submesh {self.submesh} and logical mesh {self.shape} need positive sizes"
             )
@@ -279,34 +300,35 @@ class LogicalMesh:
                 f"submesh {hosts}x{per_host} does not fit in cluster {self.cluster.spec} "
                 f"({self.cluster.hosts} hosts x {self.cluster.devices_per_host} devices)"
             )
-        if a * b != hosts * per_host:
+        if self.num_devices != hosts * per_host:
             raise MeshplanError(
-                f"logical mesh {a}x{b} does not have the {hosts * per_host} devices of submesh {hosts}x{per_host}"
+                f"logical mesh {shape} does not have the {hosts * per_host} devices of submesh {hosts}x{per_host}"
             )
         try:
-            _axis_layout(hosts, per_host, a, b)
+            _axis_layout(hosts, per_host, self.shape)
         except ValueError:
             raise MeshplanError(
-                f"logical mesh {a}x{b} cannot be laid on submesh {hosts}x{per_host}: its second axis ({b}) must divide "
-                f"or be a multiple of the {per_host} devices per host"
+                f"logical mesh {shape} cannot be laid on submesh {hosts}x{per_host}: each axis "
+                f"must divide, or be a multiple of, the {per_host} devices per host left by the "
+                "axes after it"
             ) from None
 
     @classmethod
-    def of(cls, cluster: Cluster, shape: tuple[int, int] | None = None) -> LogicalMesh:
+    def of(cls, cluster: Cluster, shape: tuple[int, ...] | None = None) -> LogicalMesh:
         """The whole cluster as a logical mesh (default shape: hosts x devices per host)."""
         return cls(cluster, cluster.shape, cluster.shape if shape is None else shape)
 
     @property
-    def axes(self) -> tuple[MeshAxis, MeshAxis]:
-        """The two axes' layouts."""
-        return _axis_layout(*self.submesh, *self.shape)
+    def axes(self) -> tuple[MeshAxis, ...]:
+        """The axes' layouts."""
+        return _axis_layout(*self.submesh, self.shape)
 
     @property
     def num_devices(self) -> int:
-        return self.shape[0] * self.shape[1]
+        return math.prod(self.shape)
 
     def axis(self, i: int) -> MeshAxis:
-        """Layout of axis ``i`` (0 or 1)."""
+        """Layout of axis ``i``."""
         return self.axes[i]
 
     def flat_axis(self) -> MeshAxis:

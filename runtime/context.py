@@ -79,7 +79,7 @@ def context_attention(
         shapes = ((*q.shape[:3], v.shape[3]), q.shape[:3])
         return tuple(
             DTensor.from_local(
-                t,
+                _laid_out(t, stride),
                 mesh,
                 q.placements,
                 run_check=False,
@@ -90,3 +90,15 @@ def context_attention(
         )
 
     return run
+
+
+def _laid_out(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """`t` with its dimensions in memory in the order of `stride` (outermost first), copied
+    when they are not: the CPU kernel lays its output out as its queries are, and queries that
+    a redistribution made contiguous in ``[B, heads, s, d]`` give an output whose transpose a
+    later view (as traced, on the kernel's ``[B, s, heads, d]`` layout) cannot merge."""
+    order = sorted(range(t.dim()), key=lambda i: -stride[i])
+    if t.permute(order).is_contiguous():
+        return t
+    back = sorted(range(t.dim()), key=order.__getitem__)
+    return t.permute(order).contiguous().permute(back)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 
 import cost_models.profile as profile_mod
@@ -206,39 +207,47 @@ def test_profile_fit_is_used_inside_a_host():
 
 
 def brute_force_axes(
-    hosts: int, per_host: int, a: int, b: int
-) -> list[tuple[int, int, int]]:
-    host_of = {d: d // per_host for d in range(hosts * per_host)}
+    hosts: int, per_host: int, *shape: int
+) -> list[tuple[int, int, int]] | None:
+    """Each axis's (size, devices per host, hosts) read off the devices of every group along
+    it (row-major device numbering, host-major hosts); None when some group has different
+    counts in different hosts, or groups differ."""
+    ids = np.arange(hosts * per_host).reshape(shape)
     out = []
-    for axis in (0, 1):
-        group = (
-            [i * b + 0 for i in range(a)]
-            if axis == 0
-            else [0 * b + j for j in range(b)]
-        )
-        per = {}
-        for d in group:
-            per[host_of[d]] = per.get(host_of[d], 0) + 1
-        assert len(set(per.values())) == 1
-        out.append((len(group), next(iter(per.values())), len(per)))
+    for axis in range(len(shape)):
+        seen = set()
+        for group in np.moveaxis(ids, axis, -1).reshape(-1, shape[axis]):
+            per = {}
+            for d in group:
+                per[d // per_host] = per.get(d // per_host, 0) + 1
+            if len(set(per.values())) != 1:
+                return None
+            seen.add((len(group), next(iter(per.values())), len(per)))
+        if len(seen) != 1:
+            return None
+        out.append(seen.pop())
     return out
 
 
-@pytest.mark.parametrize("submesh", [(1, 1), (1, 2), (1, 8), (2, 8), (4, 8)])
-def test_logical_mesh_axes_match_device_numbering(submesh):
-    n = submesh[0] * submesh[1]
-    for a in range(1, n + 1):
-        if n % a:
-            continue
-        shape = (a, n // a)
+def _shapes(n: int, axes: int) -> list[tuple[int, ...]]:
+    if axes == 1:
+        return [(n,)]
+    return [(a, *rest) for a in range(1, n + 1) if n % a == 0 for rest in _shapes(n // a, axes - 1)]
+
+
+@pytest.mark.parametrize("axes", [2, 3])
+@pytest.mark.parametrize("submesh", [(1, 1), (1, 2), (1, 8), (2, 8), (4, 8), (2, 6)])
+def test_logical_mesh_axes_match_device_numbering(submesh, axes):
+    """Every two- and three-axis shape of the submesh: laid out as its devices' numbering
+    says, and refused exactly where some group along an axis is spread unevenly over hosts."""
+    for shape in _shapes(submesh[0] * submesh[1], axes):
+        want = brute_force_axes(*submesh, *shape)
         try:
             mesh = LogicalMesh(V100x4, submesh, shape)
         except MeshplanError:
-            # only shapes whose second axis neither divides nor is a multiple of a host are refused
-            assert submesh[1] % shape[1] and shape[1] % submesh[1]
+            assert want is None, shape
             continue
-        got = [(ax.size, ax.per_host, ax.hosts) for ax in mesh.axes]
-        assert got == brute_force_axes(*submesh, *shape)
+        assert [(ax.size, ax.per_host, ax.hosts) for ax in mesh.axes] == want, shape
 
 
 def test_logical_mesh_examples_and_errors():
@@ -250,6 +259,12 @@ def test_logical_mesh_examples_and_errors():
         MeshAxis(4, 4, 1),
     )
     assert m.flat_axis() == MeshAxis(16, 8, 2)
+    # data x context x tensor parallelism on two hosts: dp across them, cp and tp inside
+    m3 = LogicalMesh(V100x4, (2, 8), (2, 2, 4))
+    assert m3.axes == (MeshAxis(2, 1, 2), MeshAxis(2, 2, 1, 4), MeshAxis(4, 4, 1))
+    assert m3.num_devices == 16 and m3.flat_axis() == MeshAxis(16, 8, 2)
+    with pytest.raises(MeshplanError, match="two or three axes"):
+        LogicalMesh(V100x4, (2, 8), (2, 2, 2, 2))
     assert m.all_reduce(1e6, None) > m.all_reduce(1e6, 1)
     for submesh, shape in [
         ((5, 8), (5, 8)),

@@ -272,7 +272,7 @@ def test_published_configs_price_or_say_why_not() -> None:
     nemo_cp2 = next(c for c in PUBLISHED if c.cp == 2 and c.model == "llama3-8b")
     assert reasons[("llama3-8b", nemo_cp2.label())] is None  # DP 4 x CP 2, TP 1
     nemo_70b = next(c for c in PUBLISHED if c.cp == 2 and c.model == "llama3-70b")
-    assert "(TP 4): a third mesh axis" in reasons[("llama3-70b", nemo_70b.label())]
+    assert reasons[("llama3-70b", nemo_70b.label())] is None  # a (dp, cp, tp) mesh
     two_rows = dataclasses.replace(nemo_cp2, microbatch_size=2)
     assert "micro-batch size 2" in unpriced_reason(two_rows, 8)
     # CP is priced as manual_plan(context_parallel=...) prices it, with and without data
@@ -312,7 +312,7 @@ def test_published_configs_price_or_say_why_not() -> None:
     )  # EP 8 of DP 16 with TP 1: a (2, 8) mesh
     assert "published for 64 GPUs" in unpriced_reason(mixtral, 8)
     with_tp = dataclasses.replace(mixtral, tp=2, gpus=128)
-    assert "with TP 2: a third mesh axis" in unpriced_reason(with_tp, 128)
+    assert "with TP 2: a (dp / ep, ep, tp) mesh" in unpriced_reason(with_tp, 128)
     # priced as published (on a small Mixtral, one stage of 16): experts over 8 of the 16
     # replicas with Megatron-Core's distributed optimizer, the same plan as
     # manual_plan(expert_parallel=8, fsdp="zero2")'s

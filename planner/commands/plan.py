@@ -182,8 +182,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="context parallelism: the sequence split over this many devices, attention on "
-        "all-gathered keys and values (dp 1, or tp 1 with one row per data-parallel replica "
-        "per micro-batch; dp x cp x tp x pp = the devices)",
+        "all-gathered keys and values (with dp > 1, one row per data-parallel replica per "
+        "micro-batch; dp x cp x tp x pp = the devices)",
     )
     m.add_argument(
         "--virtual-stages",
@@ -331,7 +331,7 @@ def summary(p: ParallelPlan) -> str:
             str(i),
             f"{s.layers[0]}-{s.layers[1]}",
             f"{s.submesh[0]}x{s.submesh[1]}",
-            f"{s.logical_mesh[0]}x{s.logical_mesh[1]}",
+            "x".join(map(str, s.logical_mesh)),
             s.dp_tp,
             s.recompute,
             _sharded_state(s),

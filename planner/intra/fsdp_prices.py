@@ -279,19 +279,36 @@ def ilp_credit(meta: TensorMeta, option: Option, s: StageSettings) -> float:
     return charged / s.num_microbatches
 
 
+def fsdp_edge_grad(
+    dst: tuple[str, ...],
+    consumer: Strategy,
+    mesh_shape: tuple[int, ...],
+    consumer_is_view: bool,
+) -> tuple[str, ...]:
+    """The gradient a consumer hands back on an edge leaving an FSDP parameter or a view of one,
+    read as `dst`: `grad_from_consumer`, or where the consumer is itself a view of the
+    parameter (`consumer_is_view`) `fsdp_gradient(dst)`, the placement its own edges bring its
+    gradient to (a transposed weight gathered on a tensor-parallel axis hands back a gradient
+    partial there, which its producer's edge reduce-scatters onto the planned shard)."""
+    if consumer_is_view:
+        return fsdp_gradient(dst, mesh_shape)
+    return grad_from_consumer(dst, consumer, mesh_shape)
+
+
 def fsdp_edge_time(
     meta: TensorMeta,
     src: tuple[str, ...],
     dst: tuple[str, ...],
     consumer: Strategy,
     s: StageSettings,
+    consumer_is_view: bool = False,
 ) -> float:
     """Seconds per micro-batch of the gradient's way back on an edge leaving an FSDP parameter
     (or a view of one) placed `src`, read as `dst` by a consumer running `consumer`: from the
-    consumer's gradient (`grad_from_consumer`) to `fsdp_gradient(src)`, where the runtime
-    brings it before the reduce-scatter (module docstring). Nothing when the consumer reads the
-    planned placement of a data-parallel parameter: its gradient already is that."""
-    grad = grad_from_consumer(dst, consumer, s.mesh.shape)
+    consumer's gradient (`fsdp_edge_grad`) to `fsdp_gradient(src)`, where the runtime brings it
+    before the reduce-scatter (module docstring). Nothing when the consumer reads the planned
+    placement of a data-parallel parameter: its gradient already is that."""
+    grad = fsdp_edge_grad(dst, consumer, s.mesh.shape, consumer_is_view)
     return _reshard(
         s, meta.shape, _element_bytes(meta), grad, fsdp_gradient(src, s.mesh.shape)
     )

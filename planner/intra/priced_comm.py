@@ -14,6 +14,7 @@ import torch
 
 from cost_models.communication import LogicalMesh
 from cost_models.resharding import reshard_steps
+from planner.intra.fsdp_prices import fsdp_edge_grad
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.grads import expected_grad, grad_from_consumer
 from planner.vocab.placements import fsdp_gradient, norm, reduce_midpoint, zero_shard
@@ -66,10 +67,12 @@ def predicted_collectives(
                 graph.node(u).requires_grad
                 and getattr(torch, meta.dtype).is_floating_point
             ):
-                grad = grad_from_consumer(dst, vs, mesh.shape)
-                want = (
-                    fsdp_gradient(src, mesh.shape) if u in roots else expected_grad(src)
-                )
+                if u in roots:
+                    grad = fsdp_edge_grad(dst, vs, mesh.shape, v.name in roots)
+                    want = fsdp_gradient(src, mesh.shape)
+                else:
+                    grad = grad_from_consumer(dst, vs, mesh.shape)
+                    want = expected_grad(src)
                 steps.append((f"bwd:{u}->{v.name}", grad, want))
             for label, a, b in steps:
                 if a == b:

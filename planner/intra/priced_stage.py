@@ -325,13 +325,17 @@ class PricedStage:
         return index[name] if keep is None else int(keep[index[name]])
 
     @functools.cached_property
+    def _roots(self) -> dict[str, str]:
+        """Parameters and their views -> the parameter (`OpGraph.param_roots`)."""
+        return self.graph.param_roots(self.param_derived)
+
+    @functools.cached_property
     def _param_edges(self) -> dict[str, list[int]]:
         """Parameter -> positions in `edges` of the edges leaving it or a view of it."""
-        roots = self.graph.param_roots(self.param_derived)
         out: dict[str, list[int]] = {}
         for e, (u, _) in enumerate(self.edges):
-            if u in roots:
-                out.setdefault(roots[u], []).append(e)
+            if u in self._roots:
+                out.setdefault(self._roots[u], []).append(e)
         return out
 
     def _fsdp_edges(self, index: dict[str, int]) -> list[int]:
@@ -368,7 +372,9 @@ class PricedStage:
         ):
             return 0.0
         src, dst = tuple(map(norm, src)), tuple(map(norm, dst))
-        return fp.fsdp_edge_time(meta, src, dst, vs, self.settings)
+        return fp.fsdp_edge_time(
+            meta, src, dst, vs, self.settings, consumer_is_view=v in self._roots
+        )
 
     def explain(self, name: str, choice: dict[str, Option]) -> str:
         lines = [

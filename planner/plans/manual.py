@@ -22,7 +22,7 @@ split over groups of ep of the dp replicas instead: with tp = 1 a stage is a (dp
 logical mesh, the batch split over both axes, the expert weights S(0) on axis 1 (an all-to-all
 inside each group of ep) and replicated on axis 0 (their gradients all-reduced over the dp / ep
 groups), every other parameter replicated on both. With tp > 1 or context parallelism that
-would be a third mesh axis, which a logical mesh does not have: refused.
+would be a (dp / ep, ep, tp) mesh, which `manual_plan` does not build: refused.
 
 For models without experts every activation is split by the batch, S(0), on the dp axis, as
 Megatron and DDP run (`planner.intra.megatron.batch_axes`), unless some op cannot run on a batch split
@@ -43,7 +43,10 @@ With dp > 1 (tp = 1) it is a (dp, cp) mesh, the rows on axis 0, one per replica 
 and the attention context-parallel on axis 1 (Megatron's ``--context-parallel-size`` beside
 data parallelism; the parameters' state sharded over both axes with ``fsdp="zero2"`` or
 ``"full"``, as Megatron-Core's distributed optimizer and torchtitan's FSDP shard over the data x
-context devices).
+context devices). With dp > 1 and tp > 1 it is a (dp, cp, tp) mesh of three axes, Megatron's
+order (tp inside a host, then cp, then dp; `cost_models.communication.LogicalMesh`): rows on
+axis 0, attention context-parallel on axis 1, Megatron's placements on axis 2 (Megatron-Core's
+published Llama 3 70B and 405B layouts, DP2 TP4 CP2 and DP4 TP8 CP2).
 With cp = 1 (the default) no attention is context-parallel on any axis
 (`planner.intra.context.without_context`): a configuration without CP is priced without it,
 where the least cost would otherwise split a long sequence's attention on the tp axis.
@@ -148,10 +151,10 @@ def manual_plan(
     `context_parallel` (cp): the sequence split over cp devices, every attention computed on
     its own queries against all-gathered keys and values (`planner.vocab.context`), the ops
     around it split along the sequence at the least cost (`planner.intra.context`); dp x cp x
-    tp x pp = the devices, each stage a (cp, tp) logical mesh (cp on axis 0), or with tp = 1 a
-    (dp, cp) one (cp on axis 1). It needs dp = 1 or tp = 1, and micro-batches of one row per
-    replica (raises otherwise; `fsdp="full"` shards the parameters over the dp x cp devices, as
-    torchtitan combines FSDP with CP)."""
+    tp x pp = the devices, each stage a (cp, tp) logical mesh (cp on axis 0), with tp = 1 a
+    (dp, cp) one, or a (dp, cp, tp) one (cp on axis 1 in both). With dp > 1 it needs
+    micro-batches of one row per replica (raises otherwise; `fsdp="full"` shards the
+    parameters over the dp x cp devices, as torchtitan combines FSDP with CP)."""
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     recompute = recompute_mode(recompute)
     if recompute not in RECOMPUTE_MODES:
@@ -184,17 +187,17 @@ def manual_plan(
             f"{cluster.spec} has {D} devices"
         )
     ep = _expert_degree(expert_parallel, dp)
-    if cp > 1 and (fsdp == "hybrid" or ep > 1 or (dp > 1 and tp > 1)):
+    if cp > 1 and (fsdp == "hybrid" or ep > 1):
         raise MeshplanError(
-            f"context_parallel={cp} runs on a (cp, tp) mesh, or a (dp, cp) one with tp=1 (dp x "
-            "cp x tp would be a third mesh axis): it needs dp=1 or tp=1, no hybrid sharding and "
-            f"no expert parallelism, got dp={dp} tp={tp} fsdp={fsdp} "
+            f"context_parallel={cp} runs on a (cp, tp), (dp, cp) or (dp, cp, tp) mesh: it needs "
+            f"no hybrid sharding and no expert parallelism, got fsdp={fsdp} "
             f"expert_parallel={expert_parallel} (fsdp='full' shards over the dp x cp devices)"
         )
     if 1 < ep < dp and (tp > 1 or fsdp == "hybrid"):
         raise MeshplanError(
             f"expert parallelism over {ep} of the dp={dp} replicas runs on a (dp / ep, ep) mesh: "
-            f"it needs tp=1 and no hybrid sharding (a third mesh axis otherwise), got tp={tp} "
+            f"it needs tp=1 and no hybrid sharding (a (dp / ep, ep, tp) mesh otherwise, which "
+            f"manual_plan does not build), got tp={tp} "
             f"fsdp={fsdp}"
         )
     if M % tp:
@@ -259,18 +262,22 @@ def manual_plan(
         mesh = LogicalMesh(cluster, sub, sub)  # axis 0 across hosts, axis 1 inside one
         param_filter = axes_filter(None, None, fsdp=True, hybrid=(1,))
     else:
-        # (dp, tp), (cp, tp), or (dp, cp) with the sequence split on axis 1 inside the replicas
-        mesh = LogicalMesh(
-            cluster, sub, (dp * cp, tp) if dp == 1 or cp == 1 else (dp, cp)
-        )
-        if fsdp in ("full", "zero2"):
+        # (dp, tp), (cp, tp), (dp, cp) with the sequence split on axis 1 inside the replicas,
+        # or all three (dp, cp, tp), Megatron's order (tp inside, then cp, then dp)
+        if dp == 1 or cp == 1:
+            shape = (dp * cp, tp)
+        else:
+            shape = (dp, cp, tp) if tp > 1 else (dp, cp)
+        mesh = LogicalMesh(cluster, sub, shape)
+        tp_axis = len(shape) - 1 if tp > 1 else None
+        if len(shape) == 3 or fsdp in ("full", "zero2"):
             param_filter = axes_filter(
-                1 if tp > 1 else None,
+                tp_axis,
                 0 if ep > 1 and dp > 1 else None,
                 fsdp == "full",
                 zero=mesh.shape if fsdp == "zero2" else None,
             )
-    if cp > 1:  # the sequence on the last axis of more than one device, rows on axis 0
+    if cp > 1:  # the sequence on axis 1 (0 without data parallelism), rows on axis 0
         context = context_filter(graph, int(dp > 1), cp, rows=dp)
         data = (0,) if dp > 1 else ()
     else:  # no attention split along the sequence, not even on the tp axis, where the least
@@ -293,7 +300,9 @@ def manual_plan(
         activation_filter=_both(
             None
             if sequence_parallel is None
-            else sequence_filter(graph, 1, tp, split=sequence_parallel),
+            else sequence_filter(
+                graph, len(mesh.shape) - 1, tp, split=sequence_parallel
+            ),
             context,
         ),
         batch_axes=data,

@@ -74,9 +74,11 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
 
 
-def _is_pair(v: Any, low: int) -> bool:
+def _is_pair(v: Any, low: int, sizes: tuple[int, ...] = (2,)) -> bool:
     return (
-        isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_int(x, low) for x in v)
+        isinstance(v, (list, tuple))
+        and len(v) in sizes
+        and all(_is_int(x, low) for x in v)
     )
 
 
@@ -313,7 +315,8 @@ def _devices(p: Plan) -> None:
 
 
 def _meshes(p: Plan) -> None:
-    """submesh [hosts, devices per host] within the cluster and the 2D logical_mesh, each with
+    """submesh [hosts, devices per host] within the cluster and the logical_mesh (two or three
+    axes), each with
     as many devices as the stage; data_parallel_axes are distinct axes of the mesh."""
     hosts, per_host = p.cluster["hosts"], p.cluster["devices_per_host"]
     for i, s in enumerate(p.stages):
@@ -327,10 +330,10 @@ def _meshes(p: Plan) -> None:
             f"[hosts, devices per host] of positive ints within the cluster's [{hosts}, {per_host}]",
         )
         _expect(
-            _is_pair(s.logical_mesh, 1),
+            _is_pair(s.logical_mesh, 1, (2, 3)),
             f"{at}.logical_mesh",
             s.logical_mesh,
-            "two positive ints",
+            "two or three positive ints",
         )
         n = len(s.devices)
         for key in ("submesh", "logical_mesh"):
@@ -348,7 +351,7 @@ def _meshes(p: Plan) -> None:
             and len(set(axes)) == len(axes),
             f"{at}.data_parallel_axes",
             axes,
-            "a list of distinct logical mesh axes (0 or 1)",
+            f"a list of distinct logical mesh axes (0 to {len(s.logical_mesh) - 1})",
         )
 
 
