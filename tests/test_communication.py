@@ -232,7 +232,12 @@ def brute_force_axes(
 def _shapes(n: int, axes: int) -> list[tuple[int, ...]]:
     if axes == 1:
         return [(n,)]
-    return [(a, *rest) for a in range(1, n + 1) if n % a == 0 for rest in _shapes(n // a, axes - 1)]
+    return [
+        (a, *rest)
+        for a in range(1, n + 1)
+        if n % a == 0
+        for rest in _shapes(n // a, axes - 1)
+    ]
 
 
 @pytest.mark.parametrize("axes", [2, 3])

@@ -122,7 +122,9 @@ def test_manual_plan_makes_every_attention_context_parallel() -> None:
     with pytest.raises(MeshplanError, match="one row per data-parallel replica"):
         manual_plan(SPEC, CLUSTER, dp=2, tp=1, context_parallel=2,
                     **base | {"global_batch": 8})  # fmt: skip
-    with pytest.raises(MeshplanError, match="no hybrid sharding"):  # dp x cp x tp: three axes
+    with pytest.raises(
+        MeshplanError, match="no hybrid sharding"
+    ):  # dp x cp x tp: three axes
         manual_plan(SPEC, "2x4xA100-80GB", dp=4, tp=1, context_parallel=2,
                     fsdp="hybrid", **base | {"global_batch": 8})  # fmt: skip
     with pytest.raises(MeshplanError, match="one row"):
