@@ -96,3 +96,63 @@ def held_state_bytes(
         )
         for k, p in params.items()
     }
+
+
+def counted_adam_steps(
+    plan, model: torch.nn.Module, batches: list, key: str, lr: float
+) -> dict[str, Any]:
+    """In a rank of a launched group: three Adam steps under `plan` (the second under a
+    `runtime.comm_count.CommCounter`), then a fourth forward and backward and the bytes this
+    rank holds after it (`held_state_bytes`). Losses, full parameters, the counted
+    collectives, the held bytes, whether every stage ran compiled, and the executors'
+    mismatches (values whose placement differed from the plan)."""
+    from runtime.comm_count import CommCounter
+    from runtime.train import split_batch
+
+    tr = trainer(plan, model, batches[0], key, optimizer="adam", lr=lr)
+    losses = [tr.step(batches[0])]
+    with CommCounter() as counter:
+        losses.append(tr.step(batches[1]))
+    losses.append(tr.step(batches[2]))
+    tr.runner.step(
+        tr.params, split_batch(batches[0], plan.num_microbatches), tr.buffers
+    )
+    held = held_state_bytes(tr.params, tr.optimizer.state)
+    tr.optimizer.zero_grad(set_to_none=True)
+    executors = list(tr.runner.executors.values())
+    return {
+        "losses": losses,
+        "params": {k: v.numpy().copy() for k, v in tr.full_params().items()},
+        "records": counter.records,
+        "held": held,
+        "compiled": all(ex.last_run_compiled for ex in executors),
+        "mismatches": [m for ex in executors for m in ex.mismatches],
+    }
+
+
+def assert_holds_priced_bytes(
+    held: dict[str, tuple[int, int, int]], plan, graph, cluster: str
+) -> None:
+    """Per parameter of `plan`'s first stage, weights + gradients + optimizer state (`plan`'s
+    optimizer) that one rank `held` against `planner.intra.fsdp_prices.param_state_bytes` of
+    its planned placement (FSDP-sharded where the stage says so)."""
+    from cost_models.cluster import Cluster
+    from cost_models.communication import LogicalMesh
+    from planner.intra import fsdp_prices as fp
+    from planner.intra.prices import Option, StageSettings
+    from planner.vocab.strategy import Strategy
+
+    sp = plan.stages[0]
+    s = StageSettings(
+        LogicalMesh(
+            Cluster.from_spec(cluster), tuple(sp.submesh), tuple(sp.logical_mesh)
+        ),
+        plan.num_microbatches,
+        optimizer=plan.optimizer,
+    )
+    names = {p: n for n, p in graph.placeholder_paths.items()}
+    for path, (param, grad, state) in held.items():
+        meta = graph.node(names[path]).outputs[0]
+        strategy = Strategy((tuple(sp.param_placements[path]),), (), "param")
+        option = Option(strategy, zero=3 if path in sp.fsdp_params else 0)
+        assert param + grad + state == fp.param_state_bytes(meta, option, s), path

@@ -32,14 +32,11 @@ from cost_models.errors import MeshplanError
 from planner.inter import boundaries as bd
 from planner.inter import range_costs as rc
 from planner.inter import stage_table as st
-from planner.intra import fsdp_prices as fp
-from planner.intra.prices import Option, StageSettings
 from planner.models import build_model
 from planner.plans.manual import manual_plan
 from planner.tracing.attention import attention_cores, storage_owner
 from planner.tracing.tracer import trace
 from planner.vocab.plan_file import ParallelPlan, StagePlan
-from planner.vocab.strategy import Strategy
 from runtime.launch import launch
 from runtime.train import _random_batches
 
@@ -444,22 +441,11 @@ def test_selective_recomputes_only_the_attention_cores(
 def test_holds_the_priced_bytes(runs: list[dict[str, Any]], name: str) -> None:
     """Per parameter, weights + gradients + Adam state (fp32: 4 + 4 + 8 bytes per element) on
     one device against the local shards each rank holds."""
-    from cost_models.cluster import Cluster
-
-    plan, graph = _plans()[name], _graph()
-    sp = plan.stages[0]
-    s = StageSettings(
-        LogicalMesh(Cluster.from_spec(CLUSTER), (1, 2), tuple(sp.logical_mesh)),
-        B,
-        optimizer="adam_fp32",
-    )
-    names = {p: n for n, p in graph.placeholder_paths.items()}
+    plan = _plans()[name]
     for r in runs:
-        for path, (param, grad, adam) in r[name]["held"].items():
-            meta = graph.node(names[path]).outputs[0]
-            strategy = Strategy((tuple(sp.param_placements[path]),), (), "param")
-            priced = fp.param_state_bytes(meta, Option(strategy), s)
-            assert param + grad + adam == priced, path
+        single_device.assert_holds_priced_bytes(
+            r[name]["held"], plan, _graph(), CLUSTER
+        )
     assert np.isfinite(plan.estimate.peak_memory_bytes)
 
 

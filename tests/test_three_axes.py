@@ -30,10 +30,8 @@ import torch
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh, MeshAxis
 from cost_models.errors import MeshplanError
-from planner.intra import fsdp_prices as fp
 from planner.intra.context import attention_nodes
 from planner.intra.megatron import megatron_placement
-from planner.intra.prices import Option, StageSettings
 from planner.models import build_model
 from planner.plans.manual import manual_plan
 from planner.tracing.tracer import trace
@@ -175,37 +173,14 @@ def _model_and_batches() -> tuple[torch.nn.Module, list[tuple[torch.Tensor, ...]
 
 
 def _train(plans: dict[str, ParallelPlan]) -> dict[str, Any]:
-    """Body of every rank, per plan: 3 Adam steps (the second counted), then the bytes held
-    after a fourth forward and backward."""
+    """Body of every rank: `single_device.counted_adam_steps` per plan."""
     import logging
 
-    from runtime.comm_count import CommCounter
-    from runtime.train import split_batch
-
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
-    out = {}
-    for name, plan in plans.items():
-        model, batches = _model_and_batches()
-        tr = single_device.trainer(
-            plan, model, batches[0], SPEC, optimizer="adam", lr=LR
-        )
-        losses = [tr.step(batches[0])]
-        with CommCounter() as counter:
-            losses.append(tr.step(batches[1]))
-        losses.append(tr.step(batches[2]))
-        tr.runner.step(tr.params, split_batch(batches[0], B), tr.buffers)
-        held = single_device.held_state_bytes(tr.params, tr.optimizer.state)
-        tr.optimizer.zero_grad(set_to_none=True)
-        executors = list(tr.runner.executors.values())
-        out[name] = {
-            "losses": losses,
-            "params": {k: v.numpy().copy() for k, v in tr.full_params().items()},
-            "records": counter.records,
-            "held": held,
-            "compiled": all(ex.last_run_compiled for ex in executors),
-            "mismatches": [m for ex in executors for m in ex.mismatches],
-        }
-    return out
+    return {
+        name: single_device.counted_adam_steps(plan, *_model_and_batches(), SPEC, LR)
+        for name, plan in plans.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -284,18 +259,7 @@ def test_communicates_what_was_priced(runs: list[dict[str, Any]], name: str) -> 
 def test_holds_the_priced_bytes(runs: list[dict[str, Any]], name: str) -> None:
     """Per parameter, weights + gradients + Adam state (fp32: 4 + 4 + 8 bytes per element) on
     one device against the local shards each rank holds."""
-    plan, graph = _plans()[name], _graph()
-    sp = plan.stages[0]
-    s = StageSettings(
-        LogicalMesh(Cluster.from_spec(CLUSTER), (1, 8), tuple(sp.logical_mesh)),
-        B,
-        optimizer="adam_fp32",
-    )
-    names = {p: n for n, p in graph.placeholder_paths.items()}
     for r in runs:
-        for path, (param, grad, adam) in r[name]["held"].items():
-            meta = graph.node(names[path]).outputs[0]
-            strategy = Strategy((tuple(sp.param_placements[path]),), (), "param")
-            zero = 3 if path in sp.fsdp_params else 0
-            priced = fp.param_state_bytes(meta, Option(strategy, zero=zero), s)
-            assert param + grad + adam == priced, path
+        single_device.assert_holds_priced_bytes(
+            r[name]["held"], _plans()[name], _graph(), CLUSTER
+        )
