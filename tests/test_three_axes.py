@@ -7,15 +7,16 @@ inside, then cp, then dp): rows on axis 0 (one per replica per micro-batch), eve
 context-parallel on axis 1, Megatron's tensor parallelism on axis 2.
 
 Planner: the mesh's layout on the hosts, the plan's placements (parameters by Megatron's rules on
-axis 2 and replicated on the others; attention CP on axis 1, heads on axis 2), refusals.
+axis 2 and replicated on the others; attention context-parallel on axis 1, rows on axis 0),
+the grid's dp x cp x tp configurations priced as `manual_plan` prices them, refusals.
 
 Runtime: one gloo launch of 8 ranks trains a small Llama (hidden 64, 2 layers, sequence 16),
-Adam (lr 1e-3), 3 steps, 2 micro-batches of 2 rows, under ``dp_cp_tp`` (DP 2 x CP 2 x TP 2,
-compiled), ``dp_cp_tp_sp`` (the same with sequence parallelism and ZeRO-2, Megatron-Core's
-distributed optimizer, eager) and ``dp_cp_tp_fsdp`` (every parameter FSDP-sharded over the data x
-context devices, eager), against one device (losses and parameters within 1e-5); the collectives of
-one counted step against the priced ones site by site, and the bytes of parameters, gradients
-and Adam state each rank holds against the price.
+Adam (lr 1e-3), 3 steps, 2 micro-batches of 2 rows, under ``dp_cp_tp`` (DP 2 x CP 2 x TP 2),
+``dp_cp_tp_sp`` (the same with sequence parallelism and ZeRO-2, Megatron-Core's distributed
+optimizer), both compiled, and ``dp_cp_tp_fsdp`` (every parameter FSDP-sharded over the data x
+context devices, eager), against one device (losses and parameters within 1e-5); the
+collectives of one counted step against the priced ones site by site; for the plain and FSDP
+plans the bytes of parameters, gradients and Adam state each rank holds against the price.
 """
 
 from __future__ import annotations
