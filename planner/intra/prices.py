@@ -96,7 +96,7 @@ def zero2_option(option: Option, mesh_shape: tuple[int, ...]) -> Option:
     return option
 
 
-def split_factor(strategy: Strategy, mesh_shape: tuple[int, int]) -> int:
+def split_factor(strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:
     """Product of the mesh axes on which the op's computation is divided."""
     f = 1
     for a, size in enumerate(mesh_shape):
@@ -111,7 +111,7 @@ def split_factor(strategy: Strategy, mesh_shape: tuple[int, int]) -> int:
 def node_options(
     fx_node: torch.fx.Node,
     node: OpNode,
-    mesh_shape: tuple[int, int],
+    mesh_shape: tuple[int, ...],
     hybrid: tuple[int, ...] = (),
 ) -> list[Option]:
     """The DTensor strategies of a node; for a parameter also ZeRO-2, FSDP, and HSDP over the
@@ -136,7 +136,7 @@ def node_options(
 
 
 def _matmul_hint(
-    node: OpNode, strategy: Strategy, mesh_shape: tuple[int, int]
+    node: OpNode, strategy: Strategy, mesh_shape: tuple[int, ...]
 ) -> tuple[int, int, int] | None:
     if node.kind != "matmul" or node.fwd_flops <= 0 or not node.outputs:
         return None

@@ -22,7 +22,7 @@ from planner.vocab.strategy import StageProgram, consumed_output
 class StageSolution:
     """The chosen sharding of one stage; times are per micro-batch unless named per iteration."""
 
-    mesh_shape: tuple[int, int]
+    mesh_shape: tuple[int, ...]
     choice: dict[str, Option]
     param_placements: dict[str, tuple[str, ...]]
     zero_params: list[str]

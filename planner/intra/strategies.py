@@ -139,7 +139,7 @@ def _replicated(n_axes: int) -> Placements:
 
 
 def leaf_strategies(
-    shape: Iterable[int], mesh_shape: tuple[int, int]
+    shape: Iterable[int], mesh_shape: tuple[int, ...]
 ) -> list[Strategy]:
     """Every per-axis combination of R / S(d) that shards evenly (axes of size 1 are R)."""
     shape = tuple(shape)
@@ -172,7 +172,7 @@ def _fallback(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> Strategy:
 
 
 def _getitem(
-    node: torch.fx.Node, producer: torch.fx.Node, idx: int, mesh_shape: tuple[int, int]
+    node: torch.fx.Node, producer: torch.fx.Node, idx: int, mesh_shape: tuple[int, ...]
 ) -> list[Strategy]:
     seen: dict[Placements, None] = {}
     for s in node_strategies(producer, mesh_shape):
@@ -448,7 +448,7 @@ def _op_strategies(
     return hit
 
 
-def node_strategies(node: torch.fx.Node, mesh_shape: tuple[int, int]) -> list[Strategy]:
+def node_strategies(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> list[Strategy]:
     """Every way DTensor can execute `node` on a mesh of `mesh_shape` (see module docstring)."""
     mesh_shape = tuple(int(s) for s in mesh_shape)
     if node.op == "output":
@@ -494,7 +494,7 @@ def _nested_views(
     ]
 
 
-def fallback_reason(node: torch.fx.Node, mesh_shape: tuple[int, int]) -> str | None:
+def fallback_reason(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> str | None:
     """Why `node` fell back to replication on this mesh (None if it did not)."""
     strategies = node_strategies(node, mesh_shape)
     if not strategies or strategies[0].source != "fallback":
@@ -505,7 +505,7 @@ def fallback_reason(node: torch.fx.Node, mesh_shape: tuple[int, int]) -> str | N
 
 
 def graph_strategies(
-    graph: torch.fx.Graph | torch.fx.GraphModule, mesh_shape: tuple[int, int]
+    graph: torch.fx.Graph | torch.fx.GraphModule, mesh_shape: tuple[int, ...]
 ) -> dict[torch.fx.Node, list[Strategy]]:
     """`node_strategies` of every node of a graph except the output node."""
     g = graph.graph if isinstance(graph, torch.fx.GraphModule) else graph
@@ -513,7 +513,7 @@ def graph_strategies(
 
 
 def fallback_ops(
-    graph: torch.fx.Graph | torch.fx.GraphModule, mesh_shape: tuple[int, int]
+    graph: torch.fx.Graph | torch.fx.GraphModule, mesh_shape: tuple[int, ...]
 ) -> list[str]:
     """``"node: op (reason)"`` for every node that falls back to replication on this mesh."""
     g = graph.graph if isinstance(graph, torch.fx.GraphModule) else graph

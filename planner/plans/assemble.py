@@ -406,7 +406,7 @@ def _compiled(stage: StageChoice) -> bool:
 
 
 def _data_parallel_axes(
-    graph: OpGraph, sol: StageSolution, names: set[str], mesh_shape: tuple[int, int]
+    graph: OpGraph, sol: StageSolution, names: set[str], mesh_shape: tuple[int, ...]
 ) -> list[int]:
     """Axes (of size > 1) on which most of the stage's parameter bytes are not sharded."""
     params = [

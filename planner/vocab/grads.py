@@ -16,7 +16,7 @@ from planner.vocab.strategy import Strategy
 
 
 def grad_from_consumer(
-    inp: Placements, consumer: Strategy, mesh_shape: tuple[int, int]
+    inp: Placements, consumer: Strategy, mesh_shape: tuple[int, ...]
 ) -> Placements:
     """Per axis placement of the gradient a consumer's backward hands back for an input placed `inp`."""
     out = []

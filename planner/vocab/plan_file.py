@@ -36,7 +36,7 @@ class StagePlan:
     layers: tuple[int, int]  # first and last layer, inclusive
     devices: list[int]  # global device ranks, host-major
     submesh: tuple[int, int]  # hosts, devices per host
-    logical_mesh: tuple[int, int]
+    logical_mesh: tuple[int, ...]  # two or three axes
     recompute: (
         str  # none | selective | full (`planner.vocab.plan_check.RECOMPUTE_MODES`)
     )
