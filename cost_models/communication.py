@@ -281,6 +281,9 @@ class LogicalMesh:
     # `collective`'s answers, (op, bytes, axis) -> seconds: the planner prices the same few
     # collectives for thousands of redistributions of one mesh
     _seconds: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _axes: tuple[MeshAxis, ...] = field(
+        default=(), init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         hosts, per_host = self.submesh
@@ -305,7 +308,7 @@ class LogicalMesh:
                 f"logical mesh {shape} does not have the {hosts * per_host} devices of submesh {hosts}x{per_host}"
             )
         try:
-            _axis_layout(hosts, per_host, self.shape)
+            object.__setattr__(self, "_axes", _axis_layout(hosts, per_host, self.shape))
         except ValueError:
             raise MeshplanError(
                 f"logical mesh {shape} cannot be laid on submesh {hosts}x{per_host}: each axis "
@@ -321,7 +324,7 @@ class LogicalMesh:
     @property
     def axes(self) -> tuple[MeshAxis, ...]:
         """The axes' layouts."""
-        return _axis_layout(*self.submesh, self.shape)
+        return self._axes
 
     @property
     def num_devices(self) -> int:

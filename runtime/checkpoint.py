@@ -98,7 +98,7 @@ def own_stage_mesh(
     plan: ParallelPlan, device_type: str = "cpu"
 ) -> tuple[int, DeviceMesh]:
     """This rank's stage index and the DeviceMesh of that stage (the meshes are those of
-    `runtime.pipeline.stage_mesh`; pass a runner's mesh to `load_checkpoint` to reuse it).
+    `runtime.meshes.stage_mesh`; pass a runner's mesh to `load_checkpoint` to reuse it).
 
     Collective: every rank of the default group must call it (DeviceMesh creates its process groups
     with ``new_group``), so the meshes of all stages are built here, in plan order, on every rank.

@@ -25,7 +25,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["device_mesh"]
+from cost_models.errors import MeshplanError
+from planner.vocab.placements import device_mesh_shape
+from planner.vocab.plan_file import StagePlan
+
+__all__ = ["device_mesh", "stage_mesh"]
 
 _cache: dict[tuple, DeviceMesh] = {}
 _world: list[object] = [None]
@@ -57,3 +61,16 @@ def device_mesh(
     if child is None:
         child = _cache[(*key, dims)] = mesh[dims]
     return child
+
+
+def stage_mesh(stage: StagePlan, device_type: str = "cpu") -> DeviceMesh:
+    """The DeviceMesh of a stage: its devices shaped as its logical mesh, size-1 axes dropped.
+    Collective over the world group: every rank must create every stage's mesh, in the same order."""
+    shape = device_mesh_shape(tuple(stage.logical_mesh))
+    ranks = torch.tensor(stage.devices, dtype=torch.int64)
+    if ranks.numel() != int(torch.tensor(shape).prod()):
+        raise MeshplanError(
+            f"stage with layers {stage.layers}: {len(stage.devices)} devices cannot form a "
+            f"logical mesh {tuple(stage.logical_mesh)}"
+        )
+    return device_mesh(device_type, ranks.view(shape))

@@ -110,7 +110,7 @@ from runtime.executor import PlanExecutor
 from runtime.grad_overlap import GradOverlap
 from runtime.grad_sync import TiedCopy, sync_tied
 from runtime.mailbox import Mailbox
-from runtime.meshes import device_mesh
+from runtime.meshes import device_mesh, stage_mesh
 from runtime.redistribute import redistribute
 from runtime.schedules import (
     SCHEDULES,
@@ -129,20 +129,7 @@ from runtime.stages import (
     stage_program,
 )
 
-__all__ = ["PipelineRunner", "schedule_order", "stage_mesh"]
-
-
-def stage_mesh(stage: StagePlan, device_type: str = "cpu") -> DeviceMesh:
-    """The DeviceMesh of a stage: its devices shaped as its logical mesh, size-1 axes dropped.
-    Collective over the world group: every rank must create every stage's mesh, in the same order."""
-    shape = device_mesh_shape(tuple(stage.logical_mesh))
-    ranks = torch.tensor(stage.devices, dtype=torch.int64)
-    if ranks.numel() != int(torch.tensor(shape).prod()):
-        raise MeshplanError(
-            f"stage with layers {stage.layers}: {len(stage.devices)} devices cannot form a "
-            f"logical mesh {tuple(stage.logical_mesh)}"
-        )
-    return device_mesh(device_type, ranks.view(shape))
+__all__ = ["PipelineRunner", "schedule_order"]
 
 
 def shard_placements(

@@ -121,11 +121,11 @@ def test_today_grid_has_data_context_and_tensor_parallelism() -> None:
         c for g in groups for c in g if c.dp > 1 and c.context_parallel > 1 and c.tp > 1
     }
     assert got == {
-        ManualConfig(2, 2, 1, 4, rc, False, fsdp, True, 1, 2)
+        ManualConfig(2, 2, 1, 8 // 2, rc, False, fsdp, True, 1, 2)
         for rc in ("none", "selective", "full")
         for fsdp in ("none", "zero2", "full")
     }
-    config = ManualConfig(2, 2, 1, 4, "none", False, "zero2", True, 1, 2)
+    config = ManualConfig(2, 2, 1, 8 // 2, "none", False, "zero2", True, 1, 2)
     p = price(SPEC, cluster, config, 8, "bfloat16", "adam_mixed")
     assert tuple(p.stages[0].logical_mesh) == (2, 2, 2)
     direct = manual_plan(

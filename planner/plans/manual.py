@@ -252,7 +252,6 @@ def manual_plan(
     n = dp * cp * tp
     sub = (1, n) if n <= M else (n // M, M)
     experts = _check_experts(graph, ep, name)
-    param_filter = megatron_filter(tp, dp, ep > 1)
     if 1 < ep < dp:
         mesh = LogicalMesh(cluster, sub, (dp // ep, ep))
         param_filter = axes_filter(
@@ -269,14 +268,13 @@ def manual_plan(
         else:
             shape = (dp, cp, tp) if tp > 1 else (dp, cp)
         mesh = LogicalMesh(cluster, sub, shape)
-        tp_axis = len(shape) - 1 if tp > 1 else None
-        if len(shape) == 3 or fsdp in ("full", "zero2"):
-            param_filter = axes_filter(
-                tp_axis,
-                0 if ep > 1 and dp > 1 else None,
-                fsdp == "full",
-                zero=mesh.shape if fsdp == "zero2" else None,
-            )
+        # Megatron's placements (`megatron_filter` on a (dp, tp) mesh) on the last axis
+        param_filter = axes_filter(
+            len(shape) - 1 if tp > 1 else None,
+            0 if ep > 1 and dp > 1 else None,
+            fsdp == "full",
+            zero=mesh.shape if fsdp == "zero2" else None,
+        )
     if cp > 1:  # the sequence on axis 1 (0 without data parallelism), rows on axis 0
         context = context_filter(graph, int(dp > 1), cp, rows=dp)
         data = (0,) if dp > 1 else ()

@@ -316,8 +316,8 @@ def _devices(p: Plan) -> None:
 
 def _meshes(p: Plan) -> None:
     """submesh [hosts, devices per host] within the cluster and the logical_mesh (two or three
-    axes), each with
-    as many devices as the stage; data_parallel_axes are distinct axes of the mesh."""
+    axes), each with as many devices as the stage; data_parallel_axes are distinct axes of the
+    mesh."""
     hosts, per_host = p.cluster["hosts"], p.cluster["devices_per_host"]
     for i, s in enumerate(p.stages):
         at = f"stages[{i}]"
