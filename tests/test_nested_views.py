@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -43,12 +44,23 @@ def test_geometry() -> None:
     assert _pairs((4, 6, 16), (24, 16), (4, 4)) == []  # 6 does not split over 4
     assert _pairs((4, 8, 16), (32, 16), (4, 1)) == []  # one axis only
     assert _pairs((4, 8, 16), (4, 128), (4, 2)) == []  # another view
-    # three axes: every ordered pair whose outer one has 2 devices, the third replicated
+    # three axes: every ordered pair whose outer one has 2 devices, the third replicated,
+    # partial or sharding the dim the view leaves alone
     assert _pairs((2, 8, 16), (16, 16), (2, 2, 2)) == [
         (("S(0)", "S(1)", "R"), ("S(0)", "S(0)", "R")),
+        (("S(0)", "S(1)", "P"), ("S(0)", "S(0)", "P")),
+        (("S(0)", "S(1)", "S(2)"), ("S(0)", "S(0)", "S(1)")),
         (("S(0)", "R", "S(1)"), ("S(0)", "R", "S(0)")),
+        (("S(0)", "P", "S(1)"), ("S(0)", "P", "S(0)")),
+        (("S(0)", "S(2)", "S(1)"), ("S(0)", "S(1)", "S(0)")),
         (("R", "S(0)", "S(1)"), ("R", "S(0)", "S(0)")),
+        (("P", "S(0)", "S(1)"), ("P", "S(0)", "S(0)")),
+        (("S(2)", "S(0)", "S(1)"), ("S(1)", "S(0)", "S(0)")),
     ]
+    # the third axis shards only a dim that divides by it
+    assert (("S(0)", "S(1)", "S(2)"), ("S(0)", "S(0)", "S(1)")) not in _pairs(
+        (2, 8, 6), (16, 6), (2, 2, 4)
+    )
     assert nested_unflatten(merged, split) == 1
     assert nested_unflatten(split, merged) is None
     assert nested_unflatten(merged, merged) is None
@@ -73,6 +85,10 @@ def test_planner_adds_them_once(rows: int, expected: int) -> None:
         assert len({s.inputs for s in got}) == len(got)  # no input placement twice
 
 
+def _parse(strs: tuple[str, ...]) -> tuple:
+    return tuple(str_to_placement(p) for p in strs)
+
+
 def test_dtensor_runs_them_as_planned() -> None:
     """The flatten's output comes written as ``_StridedShard(0, 1)`` on axis 1, the plan's
     "S(0)" (same layout, relabelled without data); the unflatten of the strided writing gives
@@ -82,18 +98,43 @@ def test_dtensor_runs_them_as_planned() -> None:
         nested_view_strategies(*shapes, (4, 2))[0]
         for shapes in (((4, 8, 16), (32, 16)), ((32, 16), (4, 8, 16)))
     )
-    parse = lambda strs: tuple(str_to_placement(p) for p in strs)
     x = DTensor.from_local(
-        torch.randn(1, 4, 16), mesh, parse(flatten.inputs[0]), run_check=False
+        torch.randn(1, 4, 16), mesh, _parse(flatten.inputs[0]), run_check=False
     )
     y = x.view(32, 16)
     assert tuple(placement_to_str(p) for p in y.placements) == flatten.output[0]
     assert isinstance(y.placements[1], _StridedShard)
-    planned = parse(unflatten.inputs[0])
+    planned = _parse(unflatten.inputs[0])
     assert same_layout(y.placements, planned) and y.placements != planned
     y = relabel(y, planned)
     assert y.to_local().shape == (4, 16) and y.placements == (Shard(0), Shard(0))
     b = nested_unflatten(unflatten.inputs[0], unflatten.output[0])
     z = relabel(y, strided_writing(planned, b)).view(4, 8, 16)
-    assert z.placements == parse(unflatten.output[0])
+    assert z.placements == _parse(unflatten.output[0])
     assert z.to_local().shape == (1, 4, 16)
+
+
+def test_dtensor_runs_them_on_three_axes() -> None:
+    """On a (dp, cp, tp) mesh every strategy, the third axis replicated, partial or sharding
+    the hidden dim, is what DTensor's own view gives, flatten then unflatten, with the planned
+    local shapes."""
+    shape, flat, mesh_shape = (2, 8, 16), (16, 16), (2, 2, 2)
+    mesh = dr.get_mesh(mesh_shape)
+    flattens = nested_view_strategies(shape, flat, mesh_shape)
+    unflattens = nested_view_strategies(flat, shape, mesh_shape)
+    assert len(flattens) == len(unflattens) == 9
+    for f, u in zip(flattens, unflattens, strict=True):
+        assert (f.output[0], f.inputs[0]) == (u.inputs[0], u.output[0])
+        local, _ = compute_local_shape_and_global_offset(
+            shape, mesh, _parse(f.inputs[0])
+        )
+        x = DTensor.from_local(
+            torch.randn(local), mesh, _parse(f.inputs[0]), run_check=False
+        )
+        y = x.view(*flat)
+        planned = _parse(u.inputs[0])
+        assert same_layout(y.placements, planned)
+        b = nested_unflatten(u.inputs[0], u.output[0])
+        z = relabel(relabel(y, planned), strided_writing(planned, b)).view(*shape)
+        assert tuple(placement_to_str(p) for p in z.placements) == u.output[0]
+        assert tuple(z.to_local().shape) == tuple(local)

@@ -7,8 +7,8 @@ inside, then cp, then dp): rows on axis 0 (one per replica per micro-batch), eve
 context-parallel on axis 1, Megatron's tensor parallelism on axis 2.
 
 Planner: the mesh's layout on the hosts, the plan's placements (parameters by Megatron's rules on
-axis 2 and replicated on the others; attention context-parallel on axis 1, rows on axis 0),
-the grid's dp x cp x tp configurations priced as `manual_plan` prices them, refusals.
+axis 2 and replicated on the others; attention context-parallel on axis 1, rows on axis 0; the
+linears' views keeping the tp axis sharded or partial), the grid's dp x cp x tp configurations priced as `manual_plan` prices them, refusals.
 
 Runtime: one gloo launch of 8 ranks trains a small Llama (hidden 64, 2 layers, sequence 16),
 Adam (lr 1e-3), 3 steps, 2 micro-batches of 2 rows, under ``dp_cp_tp`` (DP 2 x CP 2 x TP 2),
@@ -107,6 +107,20 @@ def test_plan_places_each_parallelism_on_its_axis() -> None:
             )
             assert context_axis(strategy) == 1, (name, n, st)
             assert st["inputs"][0][0] == "S(0)", (name, n, st)  # one row per replica
+
+
+def test_views_keep_tensor_parallelism() -> None:
+    """The linears' flattens and unflattens of [rows, s, h] keep the tp axis's placement
+    (`planner.vocab.nested_views`): the column-parallel outputs stay sharded on it and the
+    row-parallel ones partial, so no value is gathered whole on tp around a view (the runtime
+    half: the launch below)."""
+    for name, plan in _plans().items():
+        seen = set()
+        for st in plan.stages[0].node_strategies.values():
+            (i,), (o,) = st["inputs"][:1], st["outputs"][:1]
+            if i[:2] == ["S(0)", "S(0)"] and o[:2] == ["S(0)", "S(1)"]:
+                seen.add(i[2][0])  # an unflatten: R, P or S on tp
+        assert {"S", "P"} <= seen, (name, seen)
 
 
 def test_today_grid_has_data_context_and_tensor_parallelism() -> None:

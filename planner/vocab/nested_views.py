@@ -13,7 +13,10 @@ dimension back gives ``(S(0), S(1))`` again. Neither view moves data::
 
 exactly when ``n`` equals the size of axis a (one row per device along it; with more rows the
 merged dimension is a strided shard, which the plan vocabulary has no string for) and ``m``
-divides by the size of axis b; every other axis replicated.
+divides by the size of axis b. Every other axis (tensor parallelism on a (dp, cp, tp) mesh)
+keeps its placement through the view: replicated, partial (a row-parallel product's output,
+reduce-scattered later for sequence parallelism), or sharding a dim the view leaves alone (the
+hidden or feed-forward dim of a column-parallel product), divisibly.
 
 What PyTorch lacks: DTensor's view rule runs the flatten, its output written as
 ``_StridedShard(d, split_factor=1)`` on axis b (the layout of ``Shard(d)``), and runs the
@@ -27,6 +30,7 @@ layout without communication).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -60,9 +64,10 @@ def nested_view_strategies(
     in_shape: Sequence[int], out_shape: Sequence[int], mesh_shape: tuple[int, ...]
 ) -> list[Strategy]:
     """The flatten or unflatten strategies of a view from `in_shape` to `out_shape` on a mesh of
-    `mesh_shape` (module docstring): one per pair of axes a < b of more than one device where
-    the split side has exactly mesh_shape[a] entries in the outer dim and the inner dim divides
-    by mesh_shape[b]. [] for any other view."""
+    `mesh_shape` (module docstring): per pair of axes a < b of more than one device where the
+    split side has exactly mesh_shape[a] entries in the outer dim and the inner dim divides by
+    mesh_shape[b], one per placement of the other axes (each replicated, partial, or sharding
+    a dim outside the view's, evenly). [] for any other view."""
     flatten = _merged(in_shape, out_shape)
     split_shape, d = (in_shape, flatten)
     if flatten is None:
@@ -76,12 +81,41 @@ def nested_view_strategies(
             A, B = mesh_shape[a], mesh_shape[b]
             if A < 2 or B < 2 or split_shape[d] != A or split_shape[d + 1] % B:
                 continue
-            split, merged = ["R"] * n, ["R"] * n
-            split[a], split[b] = f"S({d})", f"S({d + 1})"
-            merged[a] = merged[b] = f"S({d})"
-            src, dst = (split, merged) if flatten is not None else (merged, split)
-            out.append(Strategy((tuple(dst),), (tuple(src),), NESTED_SOURCE))
+            others = [c for c in range(n) if c not in (a, b) and mesh_shape[c] > 1]
+            for rest in itertools.product(
+                *(_kept(split_shape, d, mesh_shape[c]) for c in others)
+            ):
+                if not _divides(split_shape, rest, [mesh_shape[c] for c in others]):
+                    continue
+                split, merged = ["R"] * n, ["R"] * n
+                split[a], split[b] = f"S({d})", f"S({d + 1})"
+                merged[a] = merged[b] = f"S({d})"
+                for c, k in zip(others, rest):
+                    kept = isinstance(k, str)  # "R" or "P"
+                    split[c] = k if kept else f"S({k})"
+                    merged[c] = k if kept else f"S({k - (k > d)})"
+                src, dst = (split, merged) if flatten is not None else (merged, split)
+                out.append(Strategy((tuple(dst),), (tuple(src),), NESTED_SOURCE))
     return out
+
+
+def _kept(split_shape: Sequence[int], d: int, size: int) -> list:
+    """What another axis of `size` devices may hold through the view: "R", "P", or a dim of the
+    split side outside d and d + 1 (as an int)."""
+    return ["R", "P"] + [
+        k
+        for k in range(len(split_shape))
+        if k not in (d, d + 1) and split_shape[k] % size == 0
+    ]
+
+
+def _divides(split_shape: Sequence[int], rest: tuple, sizes: list[int]) -> bool:
+    """Whether the dims the other axes shard divide by the product of their axes' sizes."""
+    shards: dict[int, int] = {}
+    for k, size in zip(rest, sizes):
+        if not isinstance(k, str):
+            shards[k] = shards.get(k, 1) * size
+    return all(split_shape[k] % m == 0 for k, m in shards.items())
 
 
 def nested_unflatten(inp: Placements, output: Placements) -> int | None:
