@@ -84,9 +84,11 @@ heuristic, not a bound).
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cost_models.cluster import Cluster
@@ -96,6 +98,7 @@ from planner.intra.megatron import is_expert_weight
 from planner.models import build_model
 from planner.models.registry import get_config
 from planner.plans.manual import manual_plan
+from planner.size_search import start_method, wanted_processes
 from planner.vocab.plan_file import ParallelPlan
 
 MICROBATCH_SIZES = (1, 2, 4, 8, 16)
@@ -401,97 +404,193 @@ def best_manual(
     asks for the best manual plan other than the automatic one). `context_parallel=False`
     leaves context parallelism out of today's grid; where the grid has CP configurations,
     `context_parallel` records how many were priced and fitted, the fastest that fits and the
-    one predicted to need the least memory (fitting or not)."""
+    one predicted to need the least memory (fitting or not).
+
+    Each layout's groups (`_layouts`) are walked on their own, in worker processes where
+    `planner.size_search` would use them (`MESHPLAN_PLANNER_PROCESSES`, forked); the result is
+    the serial walk's: ties go to the configuration the serial walk priced first."""
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     t0 = time.perf_counter()
     groups, pruned = grid(
         model, cluster, global_batch, optimizer, suite, context_parallel
     )
-    best: tuple[float, ManualConfig, ParallelPlan] | None = None
-    priced = 0
-    # the layouts (dp, tp, pp, expert parallel, fsdp, cp) whose 1F1B group had a configuration
-    # that fits
-    fitted_1f1b: set[tuple[int, int, int, bool, str, int]] = set()
-    cp_priced: list[tuple[ManualConfig, ParallelPlan]] = []  # with context parallelism
-    for group in groups:
-        g = group[0]
-        layout = (g.dp, g.tp, g.pp, g.expert_parallel, g.fsdp, g.context_parallel)
-        if g.virtual_stages > 1 and layout not in fitted_1f1b:
-            continue  # interleaving needs at least 1F1B's memory (module docstring)
-        previous = float("inf")  # best time at the previous micro-batch size
-        first = 0  # ladder rungs below this one did not fit at a smaller size
-        for rungs in _by_size(group):
-            fitted, here = False, float("inf")
-            for k, config in enumerate(rungs):
-                if k < first:
-                    continue
-                try:
-                    p = price(model, cluster, config, global_batch, dtype, optimizer)
-                except MeshplanError as exc:  # e.g. too few ops for pp stages
-                    if say:
-                        say(f"  {config.label()}: skipped ({exc})")
-                    continue
-                priced += 1
-                if config.context_parallel > 1:
-                    cp_priced.append((config, p))
-                if not p.manual["fits"]:
-                    first = max(first, k + 1)
-                    continue
-                fitted = True
-                if g.virtual_stages == 1:
-                    fitted_1f1b.add(layout)
-                here = t = p.estimate.iteration_time_s
-                if say:
-                    say(f"  {config.label()}: {t:.2f} s")
-                if (best is None or t < best[0]) and not (skip and skip(p)):
-                    best = (t, config, p)
-                break  # more recomputation would only be slower
-            if not fitted or here > previous:
-                break
-            previous = here
+    walk = _Walk(model, cluster, global_batch, dtype, optimizer, say, skip)
+    priced = sorted(p for run in _map(walk, _layout_runs(groups)) for p in run)
+    fitting = [p for p in priced if p.fits]
+    best = min(
+        (p for p in fitting if not p.skipped),
+        key=lambda p: (p.time_s, p.index),
+        default=None,
+    )
     out: dict[str, Any] = {
         "config": None,
         "iteration_time_s": None,
         "grid_size": pruned + sum(len(g) for g in groups),
-        "grid_priced": priced,
+        "grid_priced": len(priced),
         "search_time_s": time.perf_counter() - t0,
     }
     if best is not None:
-        t, config, p = best
         out |= {
-            "config": config.record(),
-            "label": config.label(),
-            "iteration_time_s": t,
-            "tflops_per_device": p.estimate.tflops_per_device,
-            "peak_memory_bytes": p.estimate.peak_memory_bytes,
+            "config": best.config.record(),
+            "label": best.config.label(),
+            "iteration_time_s": best.time_s,
+            "tflops_per_device": best.tflops,
+            "peak_memory_bytes": best.peak,
         }
     if any(g[0].context_parallel > 1 for g in groups):
-        fitting = [(c, p) for c, p in cp_priced if p.manual["fits"]]
+        cp = [p for p in priced if p.config.context_parallel > 1]
+        cp_fitting = [p for p in cp if p.fits]
         out["context_parallel"] = {
-            "priced": len(cp_priced),
-            "fitted": len(fitting),
+            "priced": len(cp),
+            "fitted": len(cp_fitting),
             "best": _summary(
-                min(fitting, key=lambda x: x[1].estimate.iteration_time_s, default=None)
+                min(cp_fitting, key=lambda p: (p.time_s, p.index), default=None)
             ),
-            "leanest": _summary(
-                min(
-                    cp_priced,
-                    key=lambda x: x[1].estimate.peak_memory_bytes,
-                    default=None,
-                )
-            ),
+            "leanest": _summary(min(cp, key=lambda p: (p.peak, p.index), default=None)),
         }
     return out
 
 
-def _summary(priced: tuple[ManualConfig, ParallelPlan] | None) -> dict[str, Any] | None:
+@dataclass(frozen=True, order=True)
+class _Priced:
+    """One priced configuration: its place in the serial walk (`index`) and what the search
+    keeps of its plan."""
+
+    index: int
+    config: ManualConfig = field(compare=False)
+    time_s: float = field(compare=False)
+    tflops: float = field(compare=False)
+    peak: float = field(compare=False)
+    fits: bool = field(compare=False)
+    skipped: bool = field(compare=False)  # `skip` accepted the plan
+
+
+def _layout_runs(
+    groups: list[list[ManualConfig]],
+) -> list[list[tuple[int, list[ManualConfig]]]]:
+    """The groups split into runs of one layout (dp, tp, pp, expert parallel, fsdp, cp), its
+    1F1B group first (`grid` lists them so), each group with the serial walk's index of its
+    first configuration."""
+    runs: list[list[tuple[int, list[ManualConfig]]]] = []
+    index, key = 0, None
+    for group in groups:
+        g = group[0]
+        layout = (g.dp, g.tp, g.pp, g.expert_parallel, g.fsdp, g.context_parallel)
+        if layout != key or g.virtual_stages == 1:
+            runs.append([])
+        runs[-1].append((index, group))
+        index += len(group)
+        key = layout
+    return runs
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """Walks one layout's groups (`__call__`), as `best_manual` describes."""
+
+    model: str
+    cluster: Cluster
+    global_batch: int
+    dtype: str
+    optimizer: str
+    say: Callable[[str], None] | None
+    skip: Callable[[ParallelPlan], bool] | None
+
+    def __call__(self, run: list[tuple[int, list[ManualConfig]]]) -> list[_Priced]:
+        """Price the run's groups: interleaved ones only when the 1F1B group had a
+        configuration that fits (module docstring); in a group, micro-batch sizes in order until
+        one does not fit or is slower than the one before, at each size the recomputation ladder
+        up to the first rung that fits."""
+        out: list[_Priced] = []
+        fitted_1f1b = False
+        for start, group in run:
+            if group[0].virtual_stages > 1 and not fitted_1f1b:
+                continue
+            previous = float("inf")  # best time at the previous micro-batch size
+            first = 0  # ladder rungs below this one did not fit at a smaller size
+            index = start
+            for rungs in _by_size(group):
+                fitted, here = False, float("inf")
+                for k, config in enumerate(rungs):
+                    if k < first:
+                        continue
+                    try:
+                        p = price(
+                            self.model,
+                            self.cluster,
+                            config,
+                            self.global_batch,
+                            self.dtype,
+                            self.optimizer,
+                        )
+                    except MeshplanError as exc:  # e.g. too few ops for pp stages
+                        if self.say:
+                            self.say(f"  {config.label()}: skipped ({exc})")
+                        continue
+                    e, fits = p.estimate, bool(p.manual["fits"])
+                    skipped = bool(fits and self.skip and self.skip(p))
+                    out.append(
+                        _Priced(
+                            index + k,
+                            config,
+                            e.iteration_time_s,
+                            e.tflops_per_device,
+                            e.peak_memory_bytes,
+                            fits,
+                            skipped,
+                        )
+                    )
+                    if not fits:
+                        first = max(first, k + 1)
+                        continue
+                    fitted = True
+                    fitted_1f1b |= config.virtual_stages == 1
+                    here = e.iteration_time_s
+                    if self.say:
+                        self.say(f"  {config.label()}: {here:.2f} s")
+                    break  # more recomputation would only be slower
+                index += len(rungs)
+                if not fitted or here > previous:
+                    break
+                previous = here
+        return out
+
+
+_WALK: _Walk | None = None  # a worker's walk, set by `_start_worker`
+
+
+def _start_worker(walk: _Walk) -> None:
+    global _WALK
+    _WALK = walk
+
+
+def _walk_in_worker(run: list[tuple[int, list[ManualConfig]]]) -> list[_Priced]:
+    assert _WALK is not None
+    return _WALK(run)
+
+
+def _map(
+    walk: _Walk, runs: list[list[tuple[int, list[ManualConfig]]]]
+) -> list[list[_Priced]]:
+    """`walk` over every run, in forked worker processes when more than one is wanted (the
+    walk's `say` and `skip` need not be picklable: a forked worker inherits them)."""
+    n = min(wanted_processes(), len(runs))
+    if n < 2 or start_method() != "fork":
+        return [walk(run) for run in runs]
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(
+        n, mp_context=context, initializer=_start_worker, initargs=(walk,)
+    ) as pool:
+        return list(pool.map(_walk_in_worker, runs))
+
+
+def _summary(priced: _Priced | None) -> dict[str, Any] | None:
     """A priced configuration as recorded beside the grid's best: label, time, memory, fit."""
     if priced is None:
         return None
-    config, p = priced
     return {
-        "label": config.label(),
-        "iteration_time_s": p.estimate.iteration_time_s,
-        "peak_memory_bytes": p.estimate.peak_memory_bytes,
-        "fits": bool(p.manual["fits"]),
+        "label": priced.config.label(),
+        "iteration_time_s": priced.time_s,
+        "peak_memory_bytes": priced.peak,
+        "fits": priced.fits,
     }

@@ -163,6 +163,15 @@ def evaluate(job: SizeJob, make: ModelSource, b: int, say: Progress) -> SizeResu
 
 def processes(job: SizeJob, sizes: int) -> int:
     """Worker processes for `sizes` micro-batch sizes (module docstring)."""
+    wanted = wanted_processes()
+    if not isinstance(job.model, str) and start_method() != "fork":
+        return 1  # a spawned worker could not rebuild the module
+    return min(wanted, sizes)
+
+
+def wanted_processes() -> int:
+    """`MESHPLAN_PLANNER_PROCESSES`, else one per core this process may use; 1 in a daemonic
+    process (a rank of `runtime.launch`), which may not have children."""
     env = os.environ.get("MESHPLAN_PLANNER_PROCESSES")
     if env is not None:
         if not env.isdigit() or int(env) < 1:
@@ -176,13 +185,7 @@ def processes(job: SizeJob, sizes: int) -> int:
             if hasattr(os, "sched_getaffinity")
             else os.cpu_count() or 1
         )
-    if multiprocessing.current_process().daemon:
-        return (
-            1  # a daemonic process (a rank of `runtime.launch`) may not have children
-        )
-    if not isinstance(job.model, str) and start_method() != "fork":
-        return 1  # a spawned worker could not rebuild the module
-    return min(wanted, sizes)
+    return 1 if multiprocessing.current_process().daemon else wanted
 
 
 def start_method() -> str:
