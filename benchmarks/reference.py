@@ -22,14 +22,20 @@ REFERENCE = reference_dir() / "alpa-osdi22-suite.md"
 
 
 @cache
-def _tables() -> dict[str, list[list[str]]]:
-    """Markdown tables keyed by the nearest heading or paragraph line above them."""
+def _text() -> str:
     try:
-        lines = REFERENCE.read_text().splitlines()
+        return REFERENCE.read_text()
     except OSError as exc:
         raise MeshplanError(
-            f"cannot read the reference suite {REFERENCE}: {exc.strerror}"
+            f"cannot read the reference suite {REFERENCE}: {exc.strerror} (the benchmarks "
+            "read ../shared/reference beside the checkout)"
         ) from None
+
+
+@cache
+def _tables() -> dict[str, list[list[str]]]:
+    """Markdown tables keyed by the nearest heading or paragraph line above them."""
+    lines = _text().splitlines()
     out: dict[str, list[list[str]]] = {}
     title, rows = "", []
     for line in lines + [""]:
@@ -56,7 +62,7 @@ def table(prefix: str) -> list[dict[str, str]]:
 
 def scaling(prefix: str) -> dict[int, str]:
     """The 'GPUs -> model' line following a heading, e.g. {1: '350M', 2: '760M', ...}."""
-    text = REFERENCE.read_text()
+    text = _text()
     section = text[text.index(prefix) :]
     line = next(x for x in section.splitlines() if "->" in x)
     return {int(g): m for g, m in re.findall(r"(\d+)->([\w.]*\w)", line)}
@@ -81,7 +87,7 @@ def gpt_megatron_configs() -> list[dict[str, int | str]]:
 
 def measured_tflops(title_prefix: str, system: str) -> dict[int, float | None]:
     """Measured TFLOP/s per GPU of `system` from the 'Measured TFLOP/s per GPU' table after a heading."""
-    text = REFERENCE.read_text()
+    text = _text()
     start = text.index("Measured TFLOP/s per GPU", text.index(title_prefix))
     rows = [line for line in text[start:].splitlines()[1:] if line.startswith("|")]
     header = [c.strip() for c in rows[0].strip("|").split("|")]

@@ -4,6 +4,7 @@ records' JSON fields, the manual grid (expert parallelism for MoE, memory prunin
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -388,3 +389,27 @@ def test_bench_refuses_unknown_gpu_count_before_printing(
     out, err = capsys.readouterr()
     assert out == ""  # no table header before the refusal
     assert "gpt: no case for [3] GPUs" in err
+
+
+def test_bench_without_the_reference_says_where_it_looked(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A checkout without ../shared beside it: the suites' sizes cannot be read, and the bench
+    says which file it missed instead of a traceback."""
+    from benchmarks import reference
+    from runtime.cli import main
+
+    missing = tmp_path / "alpa-osdi22-suite.md"
+    monkeypatch.setattr(reference, "REFERENCE", missing)
+    reference._text.cache_clear()
+    reference._tables.cache_clear()
+    try:
+        assert main(["bench", "--suite", "gpt", "--gpus", "1"]) == 2
+    finally:
+        reference._text.cache_clear()
+        reference._tables.cache_clear()
+    err = capsys.readouterr().err
+    assert f"cannot read the reference suite {missing}" in err
+    assert "../shared/reference" in err and "Traceback" not in err
