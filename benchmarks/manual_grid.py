@@ -85,6 +85,7 @@ heuristic, not a bound).
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -97,6 +98,7 @@ from cost_models.memory import state_bytes_per_param
 from planner.intra.megatron import is_expert_weight
 from planner.models import build_model
 from planner.models.registry import get_config
+from planner.orphans import end_with_parent
 from planner.plans.manual import manual_plan
 from planner.size_search import start_method, wanted_processes
 from planner.vocab.plan_file import ParallelPlan
@@ -559,9 +561,12 @@ class _Walk:
 _WALK: _Walk | None = None  # a worker's walk, set by `_start_worker`
 
 
-def _start_worker(walk: _Walk) -> None:
+def _start_worker(walk: _Walk, parent: int) -> None:
     global _WALK
     _WALK = walk
+    # forked: it holds the pool's queues itself, so it would keep pricing after a bench killed
+    # with SIGKILL (`planner.size_search` starts its workers so too)
+    end_with_parent(parent)
 
 
 def _walk_in_worker(run: list[tuple[int, list[ManualConfig]]]) -> list[_Priced]:
@@ -579,7 +584,7 @@ def _map(
         return [walk(run) for run in runs]
     context = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(
-        n, mp_context=context, initializer=_start_worker, initargs=(walk,)
+        n, mp_context=context, initializer=_start_worker, initargs=(walk, os.getpid())
     ) as pool:
         return list(pool.map(_walk_in_worker, runs))
 

@@ -142,20 +142,30 @@ def make(batch=1, **kw):
 if __name__ == "__main__":
     os.environ["MESHPLAN_PLANNER_PROCESSES"] = "2"
     sys.path.insert(0, os.path.dirname(__file__))
-    from planner.api import plan
-    plan("hangs_in_worker:make", "1x4xA100-80GB", global_batch=8, microbatch_size=[8, 4])
+    {run}
 """
+#: The searches that fork workers: the planner's sizes, the manual grid's layouts.
+SEARCHES = {
+    "plan": "from planner.api import plan; plan('hangs_in_worker:make', '1x4xA100-80GB', "
+    "global_batch=8, microbatch_size=[8, 4])",
+    # the grid reads a built-in model's config: its pricing hangs in a worker instead
+    "grid": "from benchmarks import manual_grid as g; g.price = lambda *a: make(); "
+    "g.best_manual('gpt-tiny', '1x4xA100-80GB', 8, suite='gpt')",
+}
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(
     size_search.start_method() != "fork", reason="workers are spawned here"
 )
-def test_forked_workers_end_when_the_planning_process_is_killed(tmp_path) -> None:
-    """SIGKILL to the planning process mid-search leaves no worker running
+@pytest.mark.parametrize("search", sorted(SEARCHES))
+def test_forked_workers_end_when_the_planning_process_is_killed(
+    tmp_path, search: str
+) -> None:
+    """SIGKILL to the planning (or grid-searching) process mid-search leaves no worker running
     (`planner.orphans.end_with_parent`)."""
     script = tmp_path / "hangs_in_worker.py"
-    script.write_text(HANGS_IN_A_WORKER)
+    script.write_text(HANGS_IN_A_WORKER.replace("{run}", SEARCHES[search]))
     proc = subprocess.Popen([sys.executable, str(script)])
     pid_at = tmp_path / "worker.pid"
     deadline = time.monotonic() + 60

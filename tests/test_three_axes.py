@@ -8,7 +8,8 @@ context-parallel on axis 1, Megatron's tensor parallelism on axis 2.
 
 Planner: the mesh's layout on the hosts, the plan's placements (parameters by Megatron's rules on
 axis 2 and replicated on the others; attention context-parallel on axis 1, rows on axis 0; the
-linears' views keeping the tp axis sharded or partial), the grid's dp x cp x tp configurations priced as `manual_plan` prices them, refusals.
+linears' views keeping the tp axis sharded or partial), the grid's dp x cp x tp configurations
+priced as `manual_plan` prices them, refusals.
 
 Runtime: one gloo launch of 8 ranks trains a small Llama (hidden 64, 2 layers, sequence 16),
 Adam (lr 1e-3), 3 steps, 2 micro-batches of 2 rows, under ``dp_cp_tp`` (DP 2 x CP 2 x TP 2),
