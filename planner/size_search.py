@@ -35,6 +35,7 @@ import torch
 
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
+from planner.collector import sparse_collections
 from planner.inter.layers import graph_layerings
 from planner.inter.mesh_search import search
 from planner.orphans import end_with_parent
@@ -98,7 +99,13 @@ class SizeResult:
 
 
 def evaluate(job: SizeJob, make: ModelSource, b: int, say: Progress) -> SizeResult:
-    """Trace the model at micro-batch size `b` and search it (`planner.inter.mesh_search`)."""
+    """Trace the model at micro-batch size `b` and search it (`planner.inter.mesh_search`),
+    with the garbage collector held back (`planner.collector`)."""
+    with sparse_collections():
+        return _evaluate(job, make, b, say)
+
+
+def _evaluate(job: SizeJob, make: ModelSource, b: int, say: Progress) -> SizeResult:
     name = job.model_name
     say(f"tracing {name} with micro-batch {b}")
     try:

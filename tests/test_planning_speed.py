@@ -254,6 +254,56 @@ def test_held_memory_kept_per_solution_matches_fresh() -> None:
     assert hm._weight_copies(sol, graph, 2.0) is copies
 
 
+def test_value_table_per_class_equals_per_node() -> None:
+    """`PricedStage.value_table` looks up one node per class of block copies when each class
+    chooses one option (as `solve_stage`'s solutions do) and every node otherwise: both equal
+    `values` node by node, and the per-node path is taken where a copy chooses otherwise."""
+    model, batch = build_model("llama-tiny", batch=2, dtype=torch.float16)
+    graph = trace(model, batch)
+    cluster = Cluster.from_spec("1x4xA100-80GB")
+    mesh = LogicalMesh(cluster, cluster.shape, (2, 2))
+    sol = solve_stage(graph, mesh, num_microbatches=2, param_filter=_sharded_or_fsdp)
+    ctx, index = sol._ctx, sol._chosen()
+    # a copy choosing an option priced otherwise than its representative's
+    copy, other = next(
+        (n, j)
+        for n, r in ctx.rep.items()
+        if n != r
+        for j in range(len(ctx.options[n]))
+        if ctx.values(n, j) != ctx.values(n, index[n])
+    )
+    for chosen in (index, index | {copy: other}):
+        names, table = ctx.value_table(chosen)
+        assert names == list(chosen)
+        alone = [ctx.values(n, i, forward=True) for n, i in chosen.items()]
+        assert table.tolist() == [list(v) for v in alone]
+        assert ctx.all_values(chosen) == dict(zip(names, alone))
+
+
+def test_zero2_copies_choose_their_representatives_objects() -> None:
+    """`with_zero2` takes each ZeRO-2 option from the node's own option list, so the copies of
+    a block choose their representative's object (`held_memory` classes them by identity)."""
+    from planner.inter import held_memory as hm
+    from planner.intra.solve import with_zero2
+
+    model, batch = build_model("llama-tiny", batch=4, dtype=torch.float16)
+    graph = trace(model, batch)
+    cluster = Cluster.from_spec("1x4xA100-80GB")
+    mesh = LogicalMesh(cluster, cluster.shape, (2, 2))
+    pricing = price_stage(graph, mesh, num_microbatches=2)
+    plain = solve_stage(
+        graph, mesh, pricing=pricing, num_microbatches=2, batch_axes=(0, 1)
+    )
+    made = with_zero2(pricing, plain)
+    assert made is not None and made.zero_params
+    rep = pricing.ctx.rep
+    copies = [n for n in made.choice if rep.get(n, n) != n]
+    assert any(graph.node(n).op == "param" for n in copies)
+    assert all(made.choice[n] is made.choice[rep[n]] for n in copies)
+    assert all(o in pricing.ctx.options[n] for n, o in made.choice.items())
+    assert hm._classes(made, graph)  # not the per-node fallback
+
+
 @pytest.mark.parametrize(
     "spec",
     [

@@ -11,6 +11,7 @@ the prices already computed.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +115,8 @@ class PricedStage:
     # what other passes derive per node and option, alike in every solution of this pricing
     # (`planner.inter.held_memory`); shared like _edges
     shared: dict = field(default_factory=dict)
+    # `_keeps_alike`, per list of names: this instance's own (its `keep`)
+    _classes: dict[tuple, bool] = field(default_factory=dict)
     # `per_pricing`'s: shared by every pricing of the graph and node set
     # (`planner.intra.solve.price_stage`)
     scope: dict = field(default_factory=dict)
@@ -184,24 +187,69 @@ class PricedStage:
     def all_values(
         self, index: dict[str, int]
     ) -> dict[str, tuple[float, float, float]]:
-        """``values(n, index[n], forward=True)`` of every node n of `index`, in its order (the
-        loop of `values` without a call per node: the copies of a block hit one entry)."""
+        """``values(n, index[n], forward=True)`` of every node n of `index`, in its order."""
+        names, table = self.value_table(index)
+        return dict(zip(names, map(tuple, table.tolist())))
+
+    def value_table(self, index: dict[str, int]) -> tuple[list[str], np.ndarray]:
+        """(the nodes of `index` in its order, their ``values(n, index[n], forward=True)`` as the
+        rows of an array (nodes, 3)). Where each class of nodes priced alike (`price_key` and
+        representative, and kept options alike) chooses one option, as the copies of a block do
+        in `solve_stage`'s solutions: one lookup per class, gathered for the rest; else one
+        lookup per node."""
+        names = list(index)
+        key = tuple(names)
+        cls, samples = self._value_classes(key)
+        chosen = np.fromiter(map(index.__getitem__, names), np.int64, len(names))
+        picked = chosen[samples]
+        if self._keeps_alike(key, cls, samples) and (picked[cls] == chosen).all():
+            rows = [
+                self.values(names[p], i, forward=True)
+                for p, i in zip(samples.tolist(), picked.tolist())
+            ]
+            return names, np.array(rows, dtype=float).reshape(-1, 3)[cls]
         keep, keys, known = self.keep, self._price_keys, self._values
-        out = {}
-        for n, i in index.items():
-            k = keep.get(n)
-            key = keys.get(n)
+        rows = []
+        for n, i in index.items():  # the loop of `values` without a call per node
+            k, pk = keep.get(n), keys.get(n)
             hit = known.get(
-                (
-                    self.price_key(n) if key is None else key,
-                    i if k is None else int(k[i]),
-                )
+                (self.price_key(n) if pk is None else pk, i if k is None else int(k[i]))
             )
             if hit is None or len(hit) == 2:
-                out[n] = self.values(n, i, forward=True)
-            else:
-                out[n] = (hit[0], hit[1], hit[2])
-        return out
+                hit = self.values(n, i, forward=True)
+            rows.append(hit[:3])
+        return names, np.array(rows, dtype=float).reshape(-1, 3)
+
+    def _value_classes(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """(each of `names`' class among them, the position of each class's first node): nodes of
+        one `price_key` and representative (`value_table`). Made once per pricing and names."""
+
+        def make() -> tuple[np.ndarray, np.ndarray]:
+            found: dict[tuple, int] = {}
+            cls = np.empty(len(names), dtype=np.int64)
+            samples = []
+            for p, n in enumerate(names):
+                c = (self.price_key(n), self.rep.get(n, n))
+                if c not in found:
+                    found[c] = len(samples)
+                    samples.append(p)
+                cls[p] = found[c]
+            return cls, np.array(samples, dtype=np.int64)
+
+        return _kept(self.shared, ("value_classes", names), make)
+
+    def _keeps_alike(
+        self, names: tuple[str, ...], cls: np.ndarray, samples: np.ndarray
+    ) -> bool:
+        """Whether every node of `names` keeps the options its class's first node keeps (the
+        copies of a block do: `restricted` gives them one array); checked once per instance."""
+
+        def make() -> bool:
+            first = [names[p] for p in samples[cls].tolist()]
+            get = self.keep.get
+            return all(map(operator.is_, map(get, names), map(get, first)))
+
+        return _kept(self._classes, names, make)
 
     def restricted(self, options: dict[str, list[Option]]) -> PricedStage:
         """The same stage with fewer options for some nodes; prices already computed are shared."""
@@ -393,3 +441,10 @@ class PricedStage:
                 f"memory {self.node_memory(name, opt) / 2**20:.2f} MiB"
             )
         return "\n".join(lines)
+
+
+def _kept(cache: dict, key: Any, make: Callable[[], Any]) -> Any:
+    """``cache[key]``, made by `make` the first time."""
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]

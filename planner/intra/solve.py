@@ -305,14 +305,25 @@ def with_zero2(pricing: StagePricing, sol: StageSolution) -> StageSolution | Non
     restriction returns up to ties: ZeRO-2 changes a parameter's own cost and memory
     (`planner.intra.fsdp_prices.zero_cost`), not the prices of its edges, so the activations'
     optimum stays. Made without a solve (the program and HiGHS are most of a seed's cost)."""
-    ctx = pricing.ctx
-    choice = {
-        n: sc.zero2_option(o, sol.mesh_shape) if ctx.graph.node(n).op == "param" else o
-        for n, o in sol.choice.items()
-    }
-    if choice == sol.choice:
+    ctx, rep = pricing.ctx, pricing.ctx.rep
+    index: dict[str, int] = {}
+    changed = False
+    for n, o in sol.choice.items():
+        r = rep.get(n, n)
+        if r in index and r != n:  # a copy of a block chooses as its representative
+            index[n] = index[r]
+            continue
+        if ctx.graph.node(n).op == "param":
+            z = sc.zero2_option(o, sol.mesh_shape)
+            changed |= z is not o
+            o = z
+        index[n] = _position(ctx, n, o)
+    if not changed:
         return None
-    index = {n: _position(ctx, n, o) for n, o in choice.items()}
+    # the options' own objects (the ZeRO-2 variant the list holds, not a new equal one), so
+    # that the copies of a block keep choosing their representative's object
+    # (`planner.inter.held_memory` classes them by identity)
+    choice = {n: ctx.options[n][i] for n, i in index.items()}
     return _summarise(ctx, choice, index, pricing.ops, sol.ilp_nodes, sol.optimal, 0.0)
 
 
@@ -406,21 +417,25 @@ def _summarise(
     ctx: PricedStage,
     choice: dict[str, Option],
     index: dict[str, int],
-    ops: list[str],
+    op_names: list[str],
     ilp_nodes: int,
     optimal: bool,
     seconds: float,
 ) -> StageSolution:
     """The StageSolution of `choice` (option `index[n]` of every node n in ctx.options)."""
     g, s = ctx.graph, ctx.settings
-    is_param = {n: g.node(n).op == "param" for n in choice}
-    # (cost, memory, forward time), kept for `StageSolution.node_cost_table`
-    values = ctx.all_values({n: index[n] for n in choice})
-    compute = sum(values[n][0] for n in choice if not is_param[n])
+    # (cost, memory, forward time) of each node, kept for `StageSolution.node_cost_table`
+    names, table = ctx.value_table({n: index[n] for n in choice})
+    is_param = _params(ctx, names)
+    ops, params = table[~is_param], table[is_param]
+    param_names = [n for n, p in zip(names, is_param.tolist()) if p]
+    # sums in the nodes' order, one after the other (Python's `sum` over lists): the figures
+    # do not depend on how the values were gathered
+    compute = sum(ops[:, 0].tolist())
     # a parameter's price less its optimizer step: its collectives and runtime overhead
-    steps = {n: ctx.optimizer_cost(n, choice[n]) for n in choice if is_param[n]}
-    step = sum(steps.values())
-    zero = sum(max(0.0, values[n][0] - t) for n, t in steps.items())
+    steps = [ctx.optimizer_cost(n, choice[n]) for n in param_names]
+    step = sum(steps)
+    zero = sum(max(0.0, c - t) for c, t in zip(params[:, 0].tolist(), steps))
     comm, grad_sync = 0.0, zero * s.num_microbatches
     edge_terms = ctx.edge_terms(index)
     for act, grad in zip(*edge_terms):
@@ -435,20 +450,20 @@ def _summarise(
         memo=ctx.shared.setdefault(("grad_bucket_keys",), {}),
     )
     grad_sync += sum(b.latency_s for b in buckets.values())
-    params = {g.placeholder_paths[n]: choice[n] for n in choice if is_param[n]}
-    param_mem = sum(values[n][1] for n in choice if is_param[n])
-    act_mem = sum(values[n][1] for n in choice if not is_param[n])
+    placed = {g.placeholder_paths[n]: choice[n] for n in param_names}
+    param_mem = sum(params[:, 1].tolist())
+    act_mem = sum(ops[:, 1].tolist())
     fallbacks = [
         f"{n}: {g.node(n).target}"
-        for n in ops
+        for n in op_names
         if choice[n].strategy.source == "fallback"
     ]
     return StageSolution(
         mesh_shape=s.mesh.shape,
         choice=choice,
-        param_placements={p: o.strategy.output[0] for p, o in params.items()},
-        zero_params=[p for p, o in params.items() if o.zero == 2],
-        fsdp_params=[p for p, o in params.items() if o.zero == 3],
+        param_placements={p: o.strategy.output[0] for p, o in placed.items()},
+        zero_params=[p for p, o in placed.items() if o.zero == 2],
+        fsdp_params=[p for p, o in placed.items() if o.zero == 3],
         compute_s=compute,
         comm_s=comm,
         grad_sync_s=grad_sync,
@@ -464,6 +479,14 @@ def _summarise(
         overhead_s=microbatch_overhead(s.mesh.cluster),
         _ctx=ctx,
         _index=index,
-        _values=values,
         _edge_terms=edge_terms,
+    )
+
+
+def _params(ctx: PricedStage, names: list[str]) -> np.ndarray:
+    """Whether each of `names` is a parameter; made once per pricing and list of names."""
+    return ctx.per_pricing(
+        ctx.graph,
+        ("is_param", tuple(names)),
+        lambda: np.array([ctx.graph.node(n).op == "param" for n in names], dtype=bool),
     )
