@@ -225,7 +225,8 @@ def test_search_picks_fsdp_when_memory_forces_it() -> None:
     # per layer, node by node: ops' forward (F) and backward (K) compute, FSDP parameters'
     # all-gathers of one pass (G) and reduce-scatters (R)
     F, K, G, R = (np.zeros(L) for _ in range(4))
-    values = tight.node_values()
+    names, rows = tight.value_table()
+    values = dict(zip(names, rows.tolist()))
     for n, opt in tight.choice.items():
         k, node = layer_of.get(n, 0), g.node(n)
         if node.op == "call":

@@ -18,7 +18,7 @@ keys them alike) and per mesh axis of the key, so its communication takes
           (`planner.intra.prices._bucket_bandwidth`: the part the ILP's edges price)
 
 **Timeline of the last micro-batch's backward** on the stage. K_o = op o's backward compute
-(its forward + backward compute less its forward: `StageSolution.node_values`), T = sum_o K_o.
+(its forward + backward compute less its forward: `StageSolution.value_table`), T = sum_o K_o.
 Bucket b (b = 1..n in launch order) is launched when its last gradient is complete, after the
 backward compute of the ops from the stage's last down to that gradient's first reader:
 t_b = sum of K_o over those ops (t_n = T: the last bucket holds the first op's parameters). The
@@ -197,23 +197,30 @@ def _backward_seconds(sol, layer_of: dict[str, int]):
     for s, lo, idx, lay, back in _PER_SOLUTION:
         if s is sol and lo is layer_of:
             return idx, lay, back
-    values = sol.node_values()
-    rows = [
-        (i, layer_of.get(n.name, 0), max(0.0, values[n.name][0] - values[n.name][2]))
-        for i, n in enumerate(sol._ctx.graph.ops)
-        if n.name in values
-    ]
-    idx, lay, back = (np.array(c) for c in zip(*rows)) if rows else ([],) * 3
-    entry = (
-        sol,
-        layer_of,
-        np.asarray(idx, int),
-        np.asarray(lay, int),
-        np.asarray(back, float),
-    )
+    names, values = sol.value_table()
+    idx, at = _op_rows(sol, names)
+    lay = [layer_of.get(names[p], 0) for p in at.tolist()]
+    back = np.maximum(0.0, values[at, 0] - values[at, 2])
+    entry = (sol, layer_of, idx, np.asarray(lay, dtype=int).reshape(-1), back)
     _PER_SOLUTION.insert(0, entry)
     del _PER_SOLUTION[16:]
     return entry[2:]
+
+
+def _op_rows(sol, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(the index in ``graph.ops`` of each op among `names`, in graph order; its position in
+    `names`): alike for every solution of a pricing, made once per pricing."""
+    ctx = sol._ctx
+
+    def make() -> tuple[np.ndarray, np.ndarray]:
+        where = {n: p for p, n in enumerate(names)}
+        rows = [
+            (i, where[o.name]) for i, o in enumerate(ctx.graph.ops) if o.name in where
+        ]
+        idx, at = zip(*rows) if rows else ((), ())
+        return np.array(idx, dtype=int), np.array(at, dtype=int)
+
+    return ctx.per_pricing(ctx.graph, ("op_rows", len(names)), make)
 
 
 def _grad_edges(sol) -> list[tuple]:

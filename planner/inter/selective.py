@@ -45,13 +45,17 @@ def selective_table(
     dropped = np.zeros(len(names))
     core = np.full(len(names), -1)
     own = ctx.graph is graph  # then its node values hold these prices
-    values = sol.node_values() if own else {}
+    values = sol.value_table()[1] if own else None
     # a core op's forward and half the resharding into it, as full recomputation re-runs it
     redo = node_terms(sol, graph).redo
     for i, n, inner, keeps in _changed(sol, graph, cores, names):
         node, opt = graph.node(n), sol.choice[n]
         # `PricedStage.values`: (cost, memory = `sc.activation_bytes` saved as priced, forward)
-        was = values[n][1] if own else sc.activation_bytes(node, opt, n in ctx.saved, s)
+        was = (
+            float(values[i, 1])
+            if own
+            else sc.activation_bytes(node, opt, n in ctx.saved, s)
+        )
         now = sc.activation_bytes(node, opt, keeps, s)
         if inner:
             now -= sc.activation_bytes(node, opt, False, s)  # its extra saved tensors

@@ -42,11 +42,11 @@ def wgrad_table(sol: StageSolution, graph: OpGraph) -> tuple[np.ndarray, np.ndar
         return seconds, nbytes
     # the forward times of the solution's own graph are among its node values
     own = sol._ctx.graph is graph
-    values = sol.node_values() if own else {}
+    values = sol.value_table()[1] if own else None
     for i, n in _weight_products(sol, graph, names):
         node, opt = graph.node(n), sol.choice[n]
         seconds[i] = (
-            values[n][2] if own else sc.forward_time(node, opt, sol._ctx.settings)
+            values[i, 2] if own else sc.forward_time(node, opt, sol._ctx.settings)
         )
         nbytes[i] = node.outputs[0].nbytes / shards(
             opt.strategy.output[0], sol.mesh_shape

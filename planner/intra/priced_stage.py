@@ -184,13 +184,6 @@ class PricedStage:
             self.scope[key] = make()
         return self.scope[key]
 
-    def all_values(
-        self, index: dict[str, int]
-    ) -> dict[str, tuple[float, float, float]]:
-        """``values(n, index[n], forward=True)`` of every node n of `index`, in its order."""
-        names, table = self.value_table(index)
-        return dict(zip(names, map(tuple, table.tolist())))
-
     def value_table(self, index: dict[str, int]) -> tuple[list[str], np.ndarray]:
         """(the nodes of `index` in its order, their ``values(n, index[n], forward=True)`` as the
         rows of an array (nodes, 3)). Where each class of nodes priced alike (`price_key` and

@@ -60,9 +60,9 @@ class StageSolution:
     _index: dict[str, int] | None = field(
         default=None, repr=False, compare=False
     )  # node -> index of its choice in _ctx.options (equal options price alike)
-    _values: dict[str, tuple[float, float, float]] | None = field(
+    _value_table: tuple[list[str], np.ndarray] | None = field(
         default=None, repr=False, compare=False
-    )  # node -> `PricedStage.values` of its choice, forward time included
+    )  # `value_table`
     _edge_terms: tuple[list[float], list[float]] | None = field(
         default=None, repr=False, compare=False
     )  # `PricedStage.edge_terms` of its choice
@@ -75,6 +75,8 @@ class StageSolution:
     @property
     def fsdp_axes(self) -> dict[str, list[int]]:
         """HSDP parameters (path -> the axes they are sharded over; `StagePlan.fsdp_axes`)."""
+        if not self.fsdp_params:
+            return {}
         paths = self._ctx.graph.placeholder_paths if self._ctx else {}
         return {
             paths[n]: list(o.shard_axes)
@@ -109,14 +111,17 @@ class StageSolution:
             self.mesh_shape, {n: o.strategy for n, o in self.choice.items()}
         )
 
-    def node_values(self) -> dict[str, tuple[float, float, float]]:
-        """Per node: (its own time per micro-batch: compute forward and backward for an op, ZeRO's
-        collectives for a parameter; its memory; its forward compute time), resharding of its
-        inputs left out. Computed once."""
-        if self._values is None:
-            ctx, index = self._ctx, self._chosen()
-            self._values = ctx.all_values({n: index[n] for n in self.choice})
-        return self._values
+    def value_table(self) -> tuple[list[str], np.ndarray]:
+        """Per node, in `choice`'s order: (its own time per micro-batch: compute forward and
+        backward for an op, ZeRO's collectives for a parameter; its memory; its forward compute
+        time), resharding of its inputs left out, as (node names, array (nodes, 3))
+        (`PricedStage.value_table`). Computed once."""
+        if self._value_table is None:
+            index = self._chosen()
+            self._value_table = self._ctx.value_table(
+                {n: index[n] for n in self.choice}
+            )
+        return self._value_table
 
     def fsdp_table(self) -> np.ndarray:
         """Per node, in `node_cost_table`'s order (nodes, 5): an op's own compute forward and
@@ -124,14 +129,18 @@ class StageSolution:
         (`fsdp_prices.fsdp_gather` / 2), its reduce-scatter (`fsdp_prices.fsdp_reduce_scatter`) and its
         gathered bytes (`fsdp_prices.fsdp_gathered_bytes`). Computed once."""
         if self._fsdp_table is None:
-            names, _ = self.node_cost_table()
-            ctx, values = self._ctx, self.node_values()
+            names, values = self.value_table()
+            ctx = self._ctx
+            is_param, _, is_call = _table_structure(ctx, names)
             table = np.zeros((len(names), 5))
-            for i, n in enumerate(names):
+            table[is_call, 0], table[is_call, 1] = (
+                values[is_call, 0],
+                values[is_call, 2],
+            )
+            for i in np.flatnonzero(is_param).tolist():
+                n = names[i]
                 opt, node = self.choice[n], ctx.graph.node(n)
-                if node.op == "call":
-                    table[i, 0], table[i, 1] = values[n][0], values[n][2]
-                elif opt.zero == 3:
+                if opt.zero == 3:
                     meta, s = node.outputs[0], ctx.settings
                     # alike for every parameter of this shape choosing this option
                     key = ("fsdp_row", meta, id(opt))
@@ -151,10 +160,8 @@ class StageSolution:
         names, array of shape (nodes, 4)); sums to the stage totals. Computed once."""
         if self._cost_table is None:
             ctx = self._ctx
-            names = list(self.choice)
-            is_param, readers = _table_structure(ctx, names)
-            values = self.node_values()
-            own = np.array([values[n] for n in names], dtype=float).reshape(-1, 3)
+            names, own = self.value_table()
+            is_param, readers, _ = _table_structure(ctx, names)
             table = np.empty((len(names), 4))
             table[:, 0] = own[:, 0]
             table[:, 1] = own[:, 2]
@@ -211,15 +218,18 @@ class StageSolution:
 
 def _table_structure(
     ctx: PricedStage, names: list[str]
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(whether each of `names` is a parameter, the position in `names` of each edge's
-    consumer), alike for every solution of a pricing: made once per pricing."""
+    consumer, whether each is an op), alike for every solution of a pricing: made once per
+    pricing."""
 
-    def make() -> tuple[np.ndarray, np.ndarray]:
+    def make() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         where = {n: i for i, n in enumerate(names)}
+        kinds = [ctx.graph.node(n).op for n in names]
         return (
-            np.array([ctx.graph.node(n).op == "param" for n in names], dtype=bool),
+            np.array([k == "param" for k in kinds], dtype=bool),
             np.array([where[v] for _, v in ctx.edges], dtype=np.int64),
+            np.array([k == "call" for k in kinds], dtype=bool),
         )
 
     return ctx.per_pricing(ctx.graph, ("cost_table_structure", len(names)), make)

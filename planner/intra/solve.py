@@ -455,7 +455,7 @@ def _summarise(
     act_mem = sum(ops[:, 1].tolist())
     fallbacks = [
         f"{n}: {g.node(n).target}"
-        for n in op_names
+        for n in (op_names if _may_fall_back(ctx, op_names) else ())
         if choice[n].strategy.source == "fallback"
     ]
     return StageSolution(
@@ -480,6 +480,7 @@ def _summarise(
         _ctx=ctx,
         _index=index,
         _edge_terms=edge_terms,
+        _value_table=(names, table),
     )
 
 
@@ -490,3 +491,19 @@ def _params(ctx: PricedStage, names: list[str]) -> np.ndarray:
         ("is_param", tuple(names)),
         lambda: np.array([ctx.graph.node(n).op == "param" for n in names], dtype=bool),
     )
+
+
+def _may_fall_back(ctx: PricedStage, op_names: list[str]) -> bool:
+    """Whether some op of `op_names` has a fallback option (replicated where no sharding rule
+    exists) to choose; made once per pricing (per list of options: the copies share one)."""
+
+    key = ("may_fall_back", len(op_names))
+    if (
+        key not in ctx.shared
+    ):  # over the options before any restriction: all it may choose
+        full = ctx.full_options or ctx.options
+        lists = {id(full[n]): full[n] for n in op_names}
+        ctx.shared[key] = any(
+            o.strategy.source == "fallback" for opts in lists.values() for o in opts
+        )
+    return ctx.shared[key]
