@@ -116,7 +116,7 @@ class PricedStage:
     # (`planner.inter.held_memory`); shared like _edges
     shared: dict = field(default_factory=dict)
     # `_keeps_alike`, per list of names: this instance's own (its `keep`)
-    _classes: dict[tuple, bool] = field(default_factory=dict)
+    _alike: dict[tuple, bool] = field(default_factory=dict)
     # `per_pricing`'s: shared by every pricing of the graph and node set
     # (`planner.intra.solve.price_stage`)
     scope: dict = field(default_factory=dict)
@@ -242,7 +242,7 @@ class PricedStage:
             get = self.keep.get
             return all(map(operator.is_, map(get, names), map(get, first)))
 
-        return _kept(self._classes, names, make)
+        return _kept(self._alike, names, make)
 
     def restricted(self, options: dict[str, list[Option]]) -> PricedStage:
         """The same stage with fewer options for some nodes; prices already computed are shared."""
