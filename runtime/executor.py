@@ -101,6 +101,7 @@ from runtime.checkpointed import run_checkpointed
 from runtime.compiled import CompiledStage
 from runtime.context import context_attention
 from runtime.device_ops import device_targets
+from runtime.differentiable import differentiable_targets
 from runtime.fsdp import FsdpParams
 from runtime.grad_sync import sync_grads
 from runtime.meshes import device_mesh
@@ -198,7 +199,11 @@ class PlanExecutor(torch.fx.Interpreter):
         self.recompute_layers = recompute_layers
         self.param_derived = graph.param_derived()
         register_missing_rules()
-        self._targets = device_targets(graph.gm, mesh.device_type)
+        # scatters and copies whose backward DTensor cannot run (`runtime.differentiable`)
+        self._targets = {
+            **differentiable_targets(graph.gm),
+            **device_targets(graph.gm, mesh.device_type),
+        }
         self._parsed: dict[Strs, tuple[Placement, ...]] = {}
         for n in graph.gm.graph.nodes:
             strategy = program.strategies.get(n.name)

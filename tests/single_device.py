@@ -64,8 +64,9 @@ def train_plan(
     key: str,
     compile: bool = True,
 ) -> dict:
-    """In a rank of a launched group: the losses of SGD steps on `batches` under `plan` and this
-    rank's full parameters afterwards (numpy arrays, for the launcher to send back).
+    """In a rank of a launched group: the losses of SGD steps on `batches` under `plan`, this
+    rank's full parameters afterwards (numpy arrays, for the launcher to send back) and whether
+    every stage's last run was compiled.
     ``compile=False``: the stages run eagerly (the same arithmetic, `runtime.train.Trainer`);
     the model-zoo launches compile one plan per model (`tests/test_hf.py`: per model family)
     and run the others eagerly, since AOTAutograd's tracing is about three quarters of a small
@@ -75,6 +76,7 @@ def train_plan(
     return {
         "losses": losses,
         "params": {k: v.numpy().copy() for k, v in tr.full_params().items()},
+        "compiled": all(ex.last_run_compiled for ex in tr.runner.executors.values()),
     }
 
 

@@ -33,6 +33,13 @@ SPECS = {
     "qwen2_moe": f"hf:qwen2_moe:{_DENSE},num_key_value_heads=2,vocab_size=128,seq=16,"
     "moe_intermediate_size=32,shared_expert_intermediate_size=64,num_experts=4,"
     "num_experts_per_tok=2",
+    # multi-head latent attention, whose rotary half is written into part of the query and key
+    # (slice_scatter and copy: `runtime.differentiable`); a dense first block, then shared plus
+    # routed experts
+    "deepseek_v3": f"hf:deepseek_v3:{_DENSE},num_key_value_heads=2,vocab_size=128,seq=16,"
+    "moe_intermediate_size=32,n_routed_experts=4,num_experts_per_tok=2,n_shared_experts=1,"
+    "first_k_dense_replace=1,kv_lora_rank=16,q_lora_rank=16,qk_rope_head_dim=8,"
+    "qk_nope_head_dim=8,v_head_dim=16,n_group=1,topk_group=1",
 }
 #: the manual plans trained per model, besides the automatic one. qwen2 is llama's graph with
 #: biases and qwen2_moe mixtral's with a shared expert: tensor parallelism is what their extra
@@ -44,11 +51,13 @@ MANUAL = {
     "bert": ("tp4", "pp2_dp2"),
     "mixtral": ("tp4", "dp4", "pp2_dp2"),
     "qwen2_moe": ("tp4",),
+    "deepseek_v3": ("tp4",),
 }
 #: the models whose automatic plan runs compiled (the others' eagerly): GPT-2 (tied
-#: embeddings), a Llama and a Mixtral (grouped matrix products); compiling costs a small
-#: model's launch several seconds per rank (llama 8.4 s compiled, 2.3 s eager)
-COMPILED = ("gpt2", "llama", "mixtral")
+#: embeddings), a Llama, a Mixtral (grouped matrix products) and DeepSeek-V3 (the scatters'
+#: autograd functions); compiling costs a small model's launch several seconds per rank (llama
+#: 8.4 s compiled, 2.3 s eager)
+COMPILED = ("gpt2", "llama", "mixtral", "deepseek_v3")
 #: the models whose automatic plan for 4 A100s is planned too and checked against the model's
 #: fingerprint at batch 1 (GPT-2's causal-LM loss lost an op at batch 1; Mixtral's router)
 A100_CHECKED = ("gpt2", "mixtral")
@@ -94,6 +103,19 @@ def test_bad_specs_are_named() -> None:
         build_model("hf:llama:hidden_size=64,num_attention_heads=5", batch=1)
     with pytest.raises(MeshplanError, match="seq must be a positive integer, got 0"):
         build_model("hf:llama:hidden_size=64,seq=0", batch=1)
+    with pytest.raises(MeshplanError, match="no causal-lm head for this config"):
+        build_model(
+            "hf:vit:hidden_size=64,num_attention_heads=4", batch=1, device="meta"
+        )
+    with pytest.raises(MeshplanError, match=r"attn=eager builds it"):
+        build_model(f"hf:gemma2:{_DENSE},head_dim=16,seq=16", batch=1, device="meta")
+    # Phi-3's default padding token (32000) outside a small vocabulary
+    phi3 = f"hf:phi3:{_DENSE},num_key_value_heads=2,vocab_size=128,seq=16"
+    with pytest.raises(MeshplanError, match="pad_token_id 32000 is not a token"):
+        build_model(phi3, batch=1, device="meta")
+    model, _ = build_model(f"{phi3},pad_token_id=0", batch=1, device="meta")
+    assert model.model.embed_tokens.padding_idx == 0
+    assert build_model(f"{phi3},pad_token_id=null", batch=1, device="meta")
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
@@ -196,6 +218,8 @@ def test_trains_like_one_device() -> None:
             for r in ranks:
                 got = r[spec, name]["losses"]
                 assert got == pytest.approx(ref_losses, rel=1e-5), (model_name, name)
+                compiled = name == "auto_cpu" and model_name in COMPILED
+                assert r[spec, name]["compiled"] == compiled, (model_name, name)
                 params |= {
                     k: torch.from_numpy(v) for k, v in r[spec, name]["params"].items()
                 }

@@ -123,6 +123,7 @@ def parse(name: str) -> tuple[Any, dict[str, Any]]:
         raise MeshplanError(
             f"model spec {name!r}: {type(config).__name__} has no {', '.join(unknown)}"
         )
+    _check_padding(config, name)
     task = options.get("task", "causal-lm")
     attn = options.get("attn", "sdpa")
     if task not in TASKS or attn not in ATTENTION:
@@ -140,6 +141,31 @@ def parse(name: str) -> tuple[Any, dict[str, Any]]:
     return config, {"task": task, "seq": seq, "attn": attn}
 
 
+def _check_padding(config: Any, name: str) -> None:
+    """The padding token is a row of the embedding (``padding_idx``): a default of the model
+    type (Phi-3's 32000) outside a small vocabulary stops the build deep inside torch."""
+    text = config.get_text_config()
+    pad, vocab = getattr(text, "pad_token_id", None), getattr(text, "vocab_size", None)
+    if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
+        raise MeshplanError(
+            f"model spec {name!r}: pad_token_id {pad} is not a token of the vocabulary "
+            f"(vocab_size {vocab}); give pad_token_id=N with 0 <= N < {vocab}, or "
+            "pad_token_id=null"
+        )
+
+
+def _build_error(exc: Exception, options: dict[str, Any]) -> str:
+    """What stopped transformers building the model (no such head, an attention implementation
+    the model type lacks, a module's own check), and what to change where we know."""
+    msg = " ".join(str(exc).split())[:300]
+    if "Unrecognized configuration class" in msg:
+        return f"no {options['task']} head for this config: {msg}"
+    hint = ""
+    if "attention implementation" in msg and options["attn"] != "eager":
+        hint = " (attn=eager builds it with the model's own attention)"
+    return f"transformers could not build the model from this config{hint}: {msg}"
+
+
 def build(
     name: str, batch: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
@@ -155,10 +181,9 @@ def build(
     try:
         with torch.device(device):
             model = auto.from_config(config, dtype=dtype)
-    except ValueError as exc:
+    except (ValueError, AssertionError, RuntimeError, TypeError) as exc:
         raise MeshplanError(
-            f"model spec {name!r}: no {options['task']} head for this config: "
-            f"{' '.join(str(exc).split())[:300]}"
+            f"model spec {name!r}: {_build_error(exc, options)}"
         ) from None
     model.train()
     shape = (batch, options["seq"])

@@ -135,6 +135,16 @@ def _signature(
 
 _cache: dict[tuple, OpCost] = {}
 
+#: Ops measured through a differentiable equivalent. `aten.copy`, what a traced in-place
+#: `copy_` into a tensor becomes (Hugging Face's DeepSeek-V3 writes its rotary part so), has no
+#: derivative formula in torch; its gradients are `copy_`'s (none for `self`, the incoming
+#: gradient for `src`, summed over broadcast dimensions).
+_MEASURED_AS = {
+    torch.ops.aten.copy.default: lambda self, src, non_blocking=False: (
+        self.clone().copy_(src, non_blocking)
+    ),
+}
+
 
 def measure_op(
     target: Any, args: tuple, kwargs: dict, grad_mask: tuple[bool, ...]
@@ -177,7 +187,7 @@ def _measure(
 
         fwd = fc.FlopCounterMode(display=False, custom_mapping=_custom_flops())
         with fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = target(*f_args, **f_kwargs)
+            out = _MEASURED_AS.get(target, target)(*f_args, **f_kwargs)
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         diff_outs = [o for o in outs if o.requires_grad]
         grad_inputs = [t for t in inputs if t.requires_grad]
