@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+#: reshapes traced as one op or the other depending on the input's layout (`OpGraph.fingerprint`)
+_RESHAPES = {"aten._unsafe_view.default": "aten.view.default"}
+
 
 @dataclass(frozen=True)
 class TensorMeta:
@@ -232,9 +235,11 @@ class OpGraph:
             h.update(f"{path}:{m.shape}:{m.dtype};".encode())
         for n in self.ops:
             # A copy for layout only (``.contiguous()``) is traced or not depending on the shape:
-            # a slice of a batch of one row is already contiguous.
+            # a slice of a batch of one row is already contiguous; a reshape is then a view
+            # where it read the copy as ``_unsafe_view`` (Falcon's attention).
             if n.target != "aten.clone.default":
-                h.update(f"{n.target}|{n.module_path};".encode())
+                target = _RESHAPES.get(n.target, n.target)
+                h.update(f"{target}|{n.module_path};".encode())
         return h.hexdigest()[:16]
 
     def to_json(self) -> dict[str, Any]:

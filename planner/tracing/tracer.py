@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from cost_models.errors import MeshplanError
 from planner.tracing.calls import batch_tuple, call_for_loss, tracing_patches
+from planner.tracing.constants import inline_constants
 from planner.tracing.op_flops import VIEW_OPS, measure_op
 from planner.tracing.opgraph import OpGraph, OpNode, TensorMeta
 from planner.tracing.repeat import repeated_trace
@@ -202,6 +203,7 @@ def _make_fx(
         gm = _functionalized(gm)
     paths = list(params) + list(buffers) + [f"batch[{i}]" for i in range(len(batch))]
     _drop_input_writes(gm, paths, len(params))
+    inline_constants(gm)
     return gm, paths
 
 
