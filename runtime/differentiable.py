@@ -9,7 +9,8 @@ DTensor gradient ("got mixed torch.Tensor and DTensor"). ``aten.copy``, what a t
 into a whole tensor becomes, has no derivative formula at all. Hugging Face's DeepSeek-V3 writes
 its rotary half of the query and key so. The equivalents compute the same values and the same
 gradients as the formulas: the region's gradient for the source, the gradient with the region
-zeroed (zeros made like the region of the gradient, a DTensor) for the tensor written into.
+zeroed (zeros made like the region of the gradient, a DTensor) for the tensor written into;
+``aten.copy`` runs as the tracer measured it (`planner.tracing.op_flops.copy_with_grad`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from planner.tracing.op_flops import copy_with_grad
 
 aten = torch.ops.aten
 
@@ -72,12 +75,6 @@ def scatter(op: Any) -> Callable[..., Any]:
     return run
 
 
-def copy(base: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> Any:
-    """``aten.copy``: `base`'s shape, dtype and placement, `src`'s values; the gradient flows to
-    `src` (summed over broadcast dimensions), none to `base`."""
-    return base.detach().clone().copy_(src, non_blocking)
-
-
 def differentiable_targets(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, Any]:
     """The nodes of `gm` to run through the equivalents above, with their callables."""
     out: dict[torch.fx.Node, Any] = {}
@@ -87,5 +84,5 @@ def differentiable_targets(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, Any]
         if n.target in REGION:
             out[n] = scatter(n.target)
         elif n.target is aten.copy.default:
-            out[n] = copy
+            out[n] = copy_with_grad
     return out

@@ -1,13 +1,15 @@
-"""runtime.differentiable: the scatters' and copy's equivalents give aten's values and the
-gradients of aten's own derivative formulas (ground truth on plain tensors, where those
-formulas run; on DTensors they do not, tests/test_hf.py trains DeepSeek-V3 through them)."""
+"""runtime.differentiable and planner.tracing.op_flops.copy_with_grad: the scatters' and copy's
+equivalents give aten's values and the gradients of aten's own derivative formulas (ground truth
+on plain tensors, where those formulas run; on DTensors they do not, tests/test_hf.py trains
+DeepSeek-V3 through them)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runtime.differentiable import REGION, copy, scatter
+from planner.tracing.op_flops import copy_with_grad
+from runtime.differentiable import REGION, scatter
 
 aten = torch.ops.aten
 
@@ -53,7 +55,7 @@ def test_copy_takes_the_sources_values_and_gradient() -> None:
     gradient, as copy_'s, goes to the source (summed over broadcast rows), none to the base."""
     base = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     src = torch.randn(4, dtype=torch.float32, requires_grad=True)
-    out = copy(base, src)
+    out = copy_with_grad(base, src)
     assert out.dtype == torch.float64 and torch.equal(out, aten.copy.default(base, src))
     weight = torch.randn(3, 4, dtype=torch.float64)
     (out * weight).sum().backward()

@@ -135,15 +135,21 @@ def _signature(
 
 _cache: dict[tuple, OpCost] = {}
 
-#: Ops measured through a differentiable equivalent. `aten.copy`, what a traced in-place
-#: `copy_` into a tensor becomes (Hugging Face's DeepSeek-V3 writes its rotary part so), has no
-#: derivative formula in torch; its gradients are `copy_`'s (none for `self`, the incoming
-#: gradient for `src`, summed over broadcast dimensions).
-_MEASURED_AS = {
-    torch.ops.aten.copy.default: lambda self, src, non_blocking=False: (
-        self.clone().copy_(src, non_blocking)
-    ),
-}
+
+def copy_with_grad(
+    base: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
+) -> torch.Tensor:
+    """``aten.copy(base, src)`` with a gradient: `base`'s shape, dtype and placement, `src`'s
+    values. ``aten.copy``, what a traced in-place ``copy_`` into a tensor becomes (Hugging Face's
+    DeepSeek-V3 writes its rotary part so), has no derivative formula in torch; this one's are
+    ``copy_``'s: the incoming gradient for `src` (summed over broadcast dimensions), none for
+    `base`, whose values are all overwritten. Measured so here, run so by the runtime
+    (`runtime.differentiable`)."""
+    return base.detach().clone().copy_(src, non_blocking)
+
+
+#: Ops measured through a differentiable equivalent (`copy_with_grad`).
+_MEASURED_AS = {torch.ops.aten.copy.default: copy_with_grad}
 
 
 def measure_op(
