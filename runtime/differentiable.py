@@ -52,10 +52,11 @@ class _Scatter(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         scatter, region = ctx.ops
         part = region(grad, *ctx.where)
-        base = scatter(grad, torch.zeros_like(part), *ctx.where)
+        base = None
+        if ctx.needs_input_grad[2]:
+            base = scatter(grad, torch.zeros_like(part), *ctx.where)
         src = part if ctx.needs_input_grad[3] else None
-        none = (None,) * len(ctx.where)
-        return (None, None, base if ctx.needs_input_grad[2] else None, src, *none)
+        return (None, None, base, src, *(None,) * len(ctx.where))
 
 
 def _positional(op: Any, args: tuple, kwargs: dict) -> list:

@@ -199,11 +199,9 @@ class PlanExecutor(torch.fx.Interpreter):
         self.recompute_layers = recompute_layers
         self.param_derived = graph.param_derived()
         register_missing_rules()
-        # scatters and copies whose backward DTensor cannot run (`runtime.differentiable`)
-        self._targets = {
-            **differentiable_targets(graph.gm),
-            **device_targets(graph.gm, mesh.device_type),
-        }
+        # scatters DTensor cannot differentiate: `runtime.differentiable`
+        self._targets = differentiable_targets(graph.gm)
+        self._targets |= device_targets(graph.gm, mesh.device_type)
         self._parsed: dict[Strs, tuple[Placement, ...]] = {}
         for n in graph.gm.graph.nodes:
             strategy = program.strategies.get(n.name)

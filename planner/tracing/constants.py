@@ -3,8 +3,8 @@ forwards do), written into the traced graph as the factory ops that make them.
 
 make_fx keeps such a tensor as an attribute of the graph module (a ``get_attr`` node, copied by
 ``aten.lift_fresh_copy``). The planner prices ops and the runtime places their outputs; an
-attribute is neither. A tensor whose elements are all one value (or none) is the
-factory op ``aten.full(shape, value)`` (the runtime creates factory ops' outputs as plain tensors and places
+attribute is neither. A tensor whose elements are all one value (or none) is the factory op
+``aten.full(shape, value)`` (the runtime creates factory ops' outputs as plain tensors and places
 them, `runtime.executor`); any other is an error naming where it was made.
 """
 
