@@ -81,6 +81,10 @@ _SHAPE_ONLY = {
     aten.randint_like.default,
     aten.randint_like.low_dtype,
     aten.uniform.default,
+    aten.exponential.default,
+    aten.cauchy.default,
+    aten.log_normal.default,
+    aten.geometric.default,
 }
 _warned: set[str] = set()
 

@@ -258,3 +258,26 @@ def test_prune_drops_dead_ops_and_keeps_collectives() -> None:
         "aten.sin.default",
         "output",
     ]
+
+
+def test_views_survive_strides_the_fake_trace_did_not_see() -> None:
+    """``softplus_backward`` makes its output in the gradient's layout on the CPU and in
+    ``self``'s on fake tensors (torch 2.13): the backward graph's view of it, valid when traced,
+    cannot be made at run time (Qwen3.5's gated delta rule under a compiled stage). The
+    compiled stage then reshapes, and its gradients equal eager autograd's."""
+    from runtime.compiled import CompiledStage
+
+    def run(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.softplus(a.view(2, 16, 32))
+        return (y.transpose(1, 2) * w).sum()
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 32, generator=gen, requires_grad=True)
+    w = torch.randn(2, 32, 16, generator=gen)
+    stage = CompiledStage(run)
+    loss = stage([a, w])
+    loss.backward()
+    assert stage.error is None and stage.compiles == 1
+    got, a.grad = a.grad, None
+    run(a, w).backward()
+    assert torch.equal(got, a.grad)

@@ -273,6 +273,42 @@ def test_global_samples_are_the_masks_one_device_draws() -> None:
     assert not torch.equal(flat, model.seen[1])
 
 
+class _Samplers(nn.Module):
+    """The in-place samplers of PhiMoE's sparse mixer (``exponential_`` on an ``empty_like``,
+    ``rand_like``) and the other elementwise ones torch has; hooks keep what eager drew."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = [
+            torch.empty_like(x).exponential_(),
+            torch.rand_like(x),
+            torch.empty_like(x).cauchy_(),
+            torch.empty_like(x).log_normal_(),
+            torch.empty_like(x).geometric_(0.5),
+        ]
+        return sum((x * s).sum() for s in self.seen)
+
+
+def test_every_elementwise_sampler_is_a_site() -> None:
+    """Each sampler of `_Samplers` is a random site (so a plan replays one device's draws
+    instead of each rank drawing its own, or failing for want of a DTensor rule: PhiMoE) and
+    its global sample is eager's after ``torch.manual_seed(SEED)``."""
+    model, x = _Samplers(), torch.randn(8, 5)
+    masks = DropoutMasks(trace(model, (x[:2],)), trace(model, (x,)), 4, seed=SEED)
+    assert [s.target._opname for s in masks.sites] == [
+        "exponential",
+        "rand_like",
+        "cauchy",
+        "log_normal",
+        "geometric",
+    ]
+    assert all(s.drawable and s.batch_dim == 0 for s in masks.sites)
+    torch.manual_seed(SEED)
+    model(x)
+    got = [sample for _, sample in masks.global_samples()]
+    for mine, eager in zip(got, model.seen, strict=True):
+        assert torch.equal(mine, eager)
+
+
 def test_sites_need_one_batch_dimension() -> None:
     """A sample not shaped by the batch is every micro-batch's (no batch dimension); traces
     whose random ops differ are refused."""

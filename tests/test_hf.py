@@ -114,8 +114,18 @@ def test_bad_specs_are_named() -> None:
         build_model(
             "hf:vit:hidden_size=64,num_attention_heads=4", batch=1, device="meta"
         )
+    # attn: transformers' own choice unless given (Gemma-2 has no sdpa path here)
+    gemma2 = f"hf:gemma2:{_DENSE},head_dim=16,seq=16"
     with pytest.raises(MeshplanError, match=r"attn=eager builds it"):
-        build_model(f"hf:gemma2:{_DENSE},head_dim=16,seq=16", batch=1, device="meta")
+        build_model(f"{gemma2},attn=sdpa", batch=1, device="meta")
+    model, _ = build_model(gemma2, batch=1, device="meta")
+    assert model.config._attn_implementation == "eager"
+    model, _ = build_model(f"hf:llama:{_DENSE},seq=16", batch=1, device="meta")
+    assert model.config._attn_implementation == "sdpa"
+    # a module reading a key its sub-config lacks (Dbrx's attn_config)
+    dbrx = "hf:dbrx:d_model=64,n_heads=4,n_layers=2,max_seq_len=16,vocab_size=128"
+    with pytest.raises(MeshplanError, match="could not build the model.*rope_theta"):
+        build_model(dbrx, batch=1, device="meta")
     # Phi-3's default padding token (32000) outside a small vocabulary
     phi3 = f"hf:phi3:{_DENSE},num_key_value_heads=2,vocab_size=128,seq=16"
     with pytest.raises(MeshplanError, match="pad_token_id 32000 is not a token"):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.func import functional_call
+from torch.func import functional_call, functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import planner.intra.dtensor_rules as dr
@@ -273,6 +273,34 @@ def test_fallback_and_decomposition() -> None:
     finally:
         sp.op_strategy_funcs.pop(aten._cdist_forward.default, None)
         st.clear_cache()
+
+
+def test_copy_and_functional_samplers_are_sharded() -> None:
+    """``aten.copy`` (a traced ``copy_`` into a tensor: Qwen3.5) and the functional samplers
+    (PhiMoE's ``exponential``) have no DTensor strategy in torch 2.13; the registered ones
+    shard them like their input instead of planning them replicated. A broadcast source is
+    replicated along the dimensions it broadcasts."""
+
+    def f(x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        y.copy_(x * 2)
+        z = x.clone()
+        z.copy_(row)
+        return (y + z + torch.empty_like(x).exponential_()).sum()
+
+    with FakeTensorMode():
+        g = make_fx(functionalize(f, remove="mutations"))(
+            torch.empty(4, 8), torch.empty(8)
+        )
+    assert fallback_ops(g, (1, 4)) == []
+    same, broadcast = _nodes(g, aten.copy.default)
+    assert _has(node_strategies(same, (1, 4)), (1, 4), 1, ["S(0)", "S(0)"], ["S(0)"])
+    assert _has(node_strategies(same, (1, 4)), (1, 4), 1, ["S(1)", "S(1)"], ["S(1)"])
+    got = node_strategies(broadcast, (1, 4))
+    assert _has(got, (1, 4), 1, ["S(0)", "R"], ["S(0)"])
+    assert _has(got, (1, 4), 1, ["S(1)", "S(0)"], ["S(1)"])
+    (sample,) = _nodes(g, aten.exponential.default)
+    assert _has(node_strategies(sample, (1, 4)), (1, 4), 1, ["S(0)"], ["S(0)"])
 
 
 def test_uneven_sharding_dropped_and_cache(gm: torch.fx.GraphModule) -> None:

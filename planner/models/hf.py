@@ -13,7 +13,9 @@ keys given after it override it. Three keys are meshplan's, not the config's:
   ``masked-lm``;
 * ``seq``: the example batch's sequence length (default the config's ``max_position_embeddings``,
   at most 2048);
-* ``attn``: the attention implementation, ``sdpa`` (the default) or ``eager``.
+* ``attn``: the attention implementation, ``sdpa`` or ``eager``; by default transformers' own
+  choice, ``sdpa`` where the model type has it and ``eager`` where it does not (Bloom, MPT,
+  gpt-oss, Mamba's blocks have no attention to choose).
 
 The model is built on the requested device with ``transformers``' own initialisation (seed the
 global generator for reproducible weights); its example batch is ``(input_ids, labels)`` of
@@ -125,8 +127,8 @@ def parse(name: str) -> tuple[Any, dict[str, Any]]:
         )
     _check_padding(config, name)
     task = options.get("task", "causal-lm")
-    attn = options.get("attn", "sdpa")
-    if task not in TASKS or attn not in ATTENTION:
+    attn = options.get("attn")  # None: transformers' own choice
+    if task not in TASKS or attn not in (None, *ATTENTION):
         raise MeshplanError(
             f"model spec {name!r}: task must be one of {TASKS} and attn one of {ATTENTION}, "
             f"got task={task!r}, attn={attn!r}"
@@ -161,7 +163,7 @@ def _build_error(exc: Exception, options: dict[str, Any]) -> str:
     if "Unrecognized configuration class" in msg:
         return f"no {options['task']} head for this config: {msg}"
     hint = ""
-    if "attention implementation" in msg and options["attn"] != "eager":
+    if "attention implementation" in msg and options["attn"] == "sdpa":
         hint = " (attn=eager builds it with the model's own attention)"
     return f"transformers could not build the model from this config{hint}: {msg}"
 
@@ -172,7 +174,8 @@ def build(
     """The ``hf:`` spec's model (no weights loaded) and example batch, both on `device`."""
     tf = _transformers()
     config, options = parse(name)
-    config._attn_implementation = options["attn"]
+    if options["attn"] is not None:
+        config._attn_implementation = options["attn"]
     auto = (
         tf.AutoModelForCausalLM
         if options["task"] == "causal-lm"
@@ -181,7 +184,15 @@ def build(
     try:
         with torch.device(device):
             model = auto.from_config(config, dtype=dtype)
-    except (ValueError, AssertionError, RuntimeError, TypeError) as exc:
+    except (
+        ValueError,
+        AssertionError,
+        RuntimeError,
+        TypeError,
+        AttributeError,  # a sub-config without a key the module reads (Dbrx's attn_config)
+        KeyError,
+        IndexError,
+    ) as exc:
         raise MeshplanError(
             f"model spec {name!r}: {_build_error(exc, options)}"
         ) from None

@@ -296,6 +296,10 @@ _SAMPLERS = (
     "randint_like",
     "normal",
     "uniform",
+    "exponential",  # PhiMoE's sparse mixer samples its routing in training
+    "cauchy",
+    "log_normal",
+    "geometric",
     "multinomial",
 )
 

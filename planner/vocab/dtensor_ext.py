@@ -157,19 +157,51 @@ def register_missing_rules() -> None:
             # [grad_q, grad_k, grad_v, grad_out, q, k, v, out, logsumexp, (attn_mask)]
             return _sdpa_cpu_rules(args_schema, kwargs_schema, 1, 3, 6)
 
-    # A random sample shaped like its input (dropout's functional ``bernoulli.p``): any sharding
-    # of the input, the output alike (DTensor registers this for ``bernoulli_`` but not for the
-    # functional overload). Its values come from `runtime.dropout`, which slices one device's
-    # mask by the planned placement, so every sharding gives one device's numbers.
-    for op in (aten.bernoulli.p,):
+    # A random sample shaped like its input (dropout's functional ``bernoulli.p``, PhiMoE's
+    # ``exponential``): any sharding of the input, the output alike (DTensor registers this for
+    # the in-place overloads, ``bernoulli_``, ``exponential_``, but not for the functional ones).
+    # Its values come from `runtime.dropout`, which slices one device's sample by the planned
+    # placement, so every sharding gives one device's numbers.
+    for op in _FUNCTIONAL_SAMPLERS:
         if not _has_strategy(op):
             _registered[0] += 1
             register_single_dim_strategy(op, **_UNEVEN)(_like_input)
+    # ``aten.copy(self, src)``, what a traced in-place ``copy_`` into a tensor becomes (Qwen3.5's
+    # gated delta rule): DTensor has ``copy_`` only.
+    if not _has_strategy(aten.copy.default):
+        _registered[0] += 1
+        register_single_dim_strategy(aten.copy.default, **_UNEVEN)(_copy_rules)
+
+
+_FUNCTIONAL_SAMPLERS = (
+    aten.bernoulli.p,
+    aten.uniform.default,
+    aten.exponential.default,
+    aten.cauchy.default,
+    aten.log_normal.default,
+    aten.geometric.default,
+)
 
 
 def _like_input(op: Any, args_schema: tuple, kwargs_schema: dict) -> list:
     """Output sharded as the input, along any of its dimensions; no Partial input."""
     return [[_ShardingPlaceholder(d)] * 2 for d in range(len(args_schema[0].shape))]
+
+
+def _copy_rules(op: Any, args_schema: tuple, kwargs_schema: dict) -> list:
+    """[output, self, src] of ``aten.copy``: the output has self's shape and placement; `src`
+    broadcasts from the right, sharded along the same dimension where it has self's size and
+    replicated where it broadcasts (size 1 or absent)."""
+    shape, src = args_schema[0].shape, args_schema[1].shape
+    off = len(shape) - len(src)
+    rules = []
+    for d in range(len(shape)):
+        k = d - off
+        if k >= 0 and src[k] == shape[d]:
+            rules.append([_ShardingPlaceholder(d)] * 2 + [_ShardingPlaceholder(k)])
+        elif k < 0 or src[k] == 1:
+            rules.append([_ShardingPlaceholder(d)] * 2 + [Replicate()])
+    return rules
 
 
 def register_fallback(op: torch._ops.OpOverload) -> bool:
