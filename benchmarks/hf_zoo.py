@@ -11,7 +11,8 @@ under the plan the planner picks for it.
     python -m benchmarks.hf_zoo [--only TYPE ...] [--json FILE]
 
 Results go to ``benchmarks/results/hf-zoo.json`` with the date and the versions of torch and
-transformers.
+transformers; with ``--only`` the other types' rows already there are kept (each row has its
+date) when they were run with the same versions.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ from benchmarks.records import RESULTS
 _D = "hidden_size=64,intermediate_size=96,num_hidden_layers=2,num_attention_heads=4"
 _KV = "num_key_value_heads=2"
 _V = "vocab_size=128,seq=16"
+#: DeepSeek's multi-head latent attention and routed + shared experts, small
+_MLA = (
+    "moe_intermediate_size=32,n_routed_experts=4,num_experts_per_tok=2,n_shared_experts=1,"
+    "first_k_dense_replace=1,kv_lora_rank=16,q_lora_rank=16,qk_rope_head_dim=8,"
+    "qk_nope_head_dim=8,v_head_dim=16,n_group=1,topk_group=1"
+)
 #: model type -> its small config (the keys beyond `_D` are what the type needs to build small)
 MODELS = {
     "llama": f"{_D},{_KV},{_V}",
@@ -60,9 +67,39 @@ MODELS = {
     "qwen3_moe": f"{_D},{_KV},{_V},moe_intermediate_size=32,num_experts=4,"
     "num_experts_per_tok=2",
     "granitemoe": f"{_D},{_KV},{_V},num_local_experts=4,num_experts_per_tok=2",
-    "deepseek_v3": f"{_D},{_KV},{_V},moe_intermediate_size=32,n_routed_experts=4,"
-    "num_experts_per_tok=2,n_shared_experts=1,first_k_dense_replace=1,kv_lora_rank=16,"
-    "q_lora_rank=16,qk_rope_head_dim=8,qk_nope_head_dim=8,v_head_dim=16,n_group=1,topk_group=1",
+    "deepseek_v3": f"{_D},{_KV},{_V},{_MLA}",
+    "deepseek_v2": f"{_D},{_KV},{_V},{_MLA}",
+    "llama4_text": f"{_D},{_KV},{_V},num_local_experts=4",
+    "granite": f"{_D},{_KV},{_V}",
+    "gemma2": f"{_D},{_KV},head_dim=16,{_V}",
+    "gemma4_text": f"{_D},{_KV},{_V}",
+    "qwen3_5_text": f"{_D},{_KV},{_V}",
+    "starcoder2": f"{_D},{_KV},{_V}",
+    "nemotron": f"{_D},{_KV},{_V}",
+    "cohere2": f"{_D},{_KV},{_V}",
+    "exaone4": f"{_D},{_KV},{_V}",
+    "olmo3": f"{_D},{_KV},{_V}",
+    "seed_oss": f"{_D},{_KV},{_V}",
+    "glm4": f"{_D},{_KV},{_V},pad_token_id=0",
+    "smollm3": f"{_D},{_KV},{_V},pad_token_id=0",
+    "gptj": f"n_embd=64,n_layer=2,n_head=4,rotary_dim=8,n_positions=16,{_V}",
+    "codegen": f"n_embd=64,n_layer=2,n_head=4,rotary_dim=8,n_positions=16,{_V}",
+    "bloom": f"hidden_size=64,n_layer=2,n_head=4,{_V}",
+    "mpt": f"d_model=64,n_heads=4,n_layers=2,max_seq_len=16,{_V}",
+    "olmoe": f"{_D},{_KV},{_V},num_experts=4,num_experts_per_tok=2",
+    "phimoe": f"{_D},{_KV},{_V},num_local_experts=4,num_experts_per_tok=2",
+    "ernie4_5_moe": f"{_D},{_KV},{_V},moe_num_experts=4,moe_k=2,moe_intermediate_size=32",
+    "gpt_oss": f"{_D},{_KV},head_dim=16,{_V},num_local_experts=4,num_experts_per_tok=2",
+    "qwen3_5_moe_text": f"hidden_size=64,num_hidden_layers=2,num_attention_heads=4,{_KV},"
+    f"head_dim=16,{_V},num_experts=4,num_experts_per_tok=2,moe_intermediate_size=32,"
+    "shared_expert_intermediate_size=64",
+    # hybrids: linear attention, state-space or convolution blocks beside attention
+    "qwen3_next": f"{_D},{_KV},head_dim=16,{_V},num_experts=4,num_experts_per_tok=2,"
+    "moe_intermediate_size=32,shared_expert_intermediate_size=64",
+    "jamba": f"{_D},{_KV},{_V},num_experts=4,num_experts_per_tok=2",
+    "falcon_h1": f"{_D},{_KV},{_V}",
+    "lfm2": f"{_D},{_KV},{_V}",
+    "mamba": f"hidden_size=64,num_hidden_layers=2,state_size=8,{_V}",
 }
 CLUSTER, BATCH, STEPS, LR, REL = "1x4xA100-80GB", 8, 3, 0.1, 1e-5
 
@@ -92,10 +129,15 @@ def _cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
 
 
 def _last_error(proc: subprocess.CompletedProcess) -> str:
-    lines = [
-        ln for ln in proc.stderr.splitlines() if not ln.startswith("[transformers]")
+    """meshplan's error line, else the last line that is not a notice or a warning."""
+    lines = proc.stderr.splitlines()
+    ours = [ln for ln in lines if ln.startswith("meshplan: error:")]
+    rest = [
+        ln
+        for ln in lines
+        if not ln.startswith(("[transformers]", " ")) and "Warning" not in ln
     ]
-    return (lines or ["(no output)"])[-1][:300]
+    return (ours or rest or ["(no output)"])[-1][:300]
 
 
 def run_model(kind: str) -> dict[str, Any]:
@@ -142,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()  # the small vocabularies' token-id notices
     rows = []
     for kind in args.only or list(MODELS):
-        r = run_model(kind)
+        r = run_model(kind) | {"date": datetime.date.today().isoformat()}
         rows.append(r)
         err = f"{r['max_rel_err']:.1e}" if "max_rel_err" in r else "-"
         print(
@@ -162,10 +204,30 @@ def main(argv: list[str] | None = None) -> int:
         "global_batch": BATCH,
         "steps": STEPS,
         "rel_tolerance": REL,
-        "models": rows,
+        "models": _merged(Path(args.json), rows) if args.only else rows,
     }
     Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     return 0 if passed == len(rows) else 1
+
+
+def _merged(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the results in `path`, those of the types just run replaced by `rows`
+    (each row keeps the date it was run), in `MODELS`' order; `rows` alone where the file
+    was written by other versions of torch or transformers (its figures would mix them)."""
+    import transformers
+
+    if not path.exists():
+        return rows
+    old = json.loads(path.read_text())
+    if (old.get("torch"), old.get("transformers")) != (
+        torch.__version__,
+        transformers.__version__,
+    ):
+        return rows
+    by_type = {r["model"]: {"date": old["date"]} | r for r in old["models"]} | {
+        r["model"]: r for r in rows
+    }
+    return [by_type[k] for k in MODELS if k in by_type]
 
 
 if __name__ == "__main__":
