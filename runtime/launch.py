@@ -157,6 +157,17 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _thread_lock_for_tqdm() -> None:
+    """Give tqdm a thread lock in this rank. ``torch.fx.Interpreter.run`` (the executor) opens a
+    disabled tqdm bar, and tqdm's default class lock holds a multiprocessing RLock: a semaphore
+    registered with the launching process's resource tracker, which then warns of "leaked
+    semaphore objects" after every launch. A rank's bars are its own: a thread lock serves."""
+    from torch.hub import tqdm  # tqdm's own, or torch's stand-in without locks
+
+    if hasattr(tqdm, "set_lock"):
+        tqdm.set_lock(threading.RLock())
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -197,6 +208,7 @@ def _worker(
         import torch
         import torch.distributed as dist
 
+        _thread_lock_for_tqdm()
         if cpus:
             os.sched_setaffinity(0, cpus)
         if threads:
