@@ -15,7 +15,7 @@ keys given after it override it. Three keys are meshplan's, not the config's:
   at most 2048);
 * ``attn``: the attention implementation, ``sdpa`` or ``eager``; by default transformers' own
   choice, ``sdpa`` where the model type has it and ``eager`` where it does not (Bloom, MPT,
-  gpt-oss, Mamba's blocks have no attention to choose).
+  gpt-oss; Mamba has no attention, and builds only so).
 
 The model is built on the requested device with ``transformers``' own initialisation (seed the
 global generator for reproducible weights); its example batch is ``(input_ids, labels)`` of
