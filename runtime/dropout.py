@@ -59,6 +59,7 @@ from torch.fx.node import map_aggregate, map_arg
 from cost_models.errors import MeshplanError
 from planner.tracing.opgraph import OpGraph
 from planner.tracing.tracer import is_random
+from planner.vocab.dtensor_ext import SHAPE_ONLY_SAMPLERS
 
 # A `runtime.executor.PlanExecutor`; not imported, since the executor imports this module.
 PlanExecutor = Any
@@ -73,19 +74,6 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
-# samplers whose tensor inputs give only a shape, dtype and layout (their values are not read)
-_SHAPE_ONLY = {
-    aten.bernoulli.p,
-    aten.rand_like.default,
-    aten.randn_like.default,
-    aten.randint_like.default,
-    aten.randint_like.low_dtype,
-    aten.uniform.default,
-    aten.exponential.default,
-    aten.cauchy.default,
-    aten.log_normal.default,
-    aten.geometric.default,
-}
 _warned: set[str] = set()
 
 
@@ -155,7 +143,7 @@ def random_sites(
                 f"random op {m.name}: dimension {batch_dim} is {ms[batch_dim]} per micro-batch "
                 f"and {gs[batch_dim]} for {num_microbatches} micro-batches"
             )
-        drawable = g.target in _SHAPE_ONLY or not g.all_input_nodes
+        drawable = g.target in SHAPE_ONLY_SAMPLERS or not g.all_input_nodes
         args, kwargs = map_arg(
             (g.args, g.kwargs),
             lambda a: Like(

@@ -162,7 +162,7 @@ def register_missing_rules() -> None:
     # the in-place overloads, ``bernoulli_``, ``exponential_``, but not for the functional ones).
     # Its values come from `runtime.dropout`, which slices one device's sample by the planned
     # placement, so every sharding gives one device's numbers.
-    for op in _FUNCTIONAL_SAMPLERS:
+    for op in SHAPE_ONLY_SAMPLERS:
         if not _has_strategy(op):
             _registered[0] += 1
             register_single_dim_strategy(op, **_UNEVEN)(_like_input)
@@ -173,13 +173,22 @@ def register_missing_rules() -> None:
         register_single_dim_strategy(aten.copy.default, **_UNEVEN)(_copy_rules)
 
 
-_FUNCTIONAL_SAMPLERS = (
-    aten.bernoulli.p,
-    aten.uniform.default,
-    aten.exponential.default,
-    aten.cauchy.default,
-    aten.log_normal.default,
-    aten.geometric.default,
+#: Samplers whose tensor input gives only a shape, dtype and layout (its values are not read):
+#: `runtime.dropout` draws them ahead at the global batch, and those without a DTensor strategy
+#: get `_like_input`'s.
+SHAPE_ONLY_SAMPLERS = frozenset(
+    {
+        aten.bernoulli.p,
+        aten.rand_like.default,
+        aten.randn_like.default,
+        aten.randint_like.default,
+        aten.randint_like.low_dtype,
+        aten.uniform.default,
+        aten.exponential.default,
+        aten.cauchy.default,
+        aten.log_normal.default,
+        aten.geometric.default,
+    }
 )
 
 
