@@ -67,6 +67,11 @@ COMPILED = ("gpt2", "llama", "mixtral", "deepseek_v3")
 #: fingerprint at batch 1 (GPT-2's causal-LM loss lost an op at batch 1; Mixtral's router;
 #: Falcon's attention reshapes a view where larger batches reshape a copy)
 A100_CHECKED = ("gpt2", "mixtral", "falcon")
+#: a Mixtral whose experts outweigh the rest: its plan for 4 A100s shards the experts'
+#: grouped products (transformers' float32 operator), trained in the same launch
+WIDE_MIXTRAL = SPECS["mixtral"].replace(
+    "intermediate_size=96", "intermediate_size=1024"
+)
 LR = 0.1
 STEPS = 3
 BATCH = 8
@@ -218,11 +223,26 @@ def _train(plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def test_trains_like_one_device() -> None:
     """Every model of `SPECS` under its manual plans (`MANUAL`: tensor-parallel tp4,
     data-parallel dp4, two pipeline stages of dp2) and the automatic plan for 4 CPU processes
-    (compiled for `COMPILED`), on 4 gloo processes: 3 SGD steps give one device's losses and
-    parameters within 1e-5."""
+    (compiled for `COMPILED`), and `WIDE_MIXTRAL`'s plan for 4 A100s, which shards its experts,
+    on 4 gloo processes: 3 SGD steps give one device's losses and parameters within 1e-5."""
     plans = {SPECS[m]: _plans(m) for m in SPECS}
+    wide = plan(
+        WIDE_MIXTRAL,
+        "1x4xA100-80GB",
+        global_batch=BATCH,
+        dtype="float32",
+        microbatch_size=BATCH,
+    )
+    weights = [
+        s["inputs"][1]
+        for stage in wide.stages
+        for n, s in stage.node_strategies.items()
+        if n.startswith("grouped_mm_fallback")
+    ]
+    assert any(p != "R" for w in weights for p in w), weights
+    plans[WIDE_MIXTRAL] = {"auto_a100": wide}
     ranks = launch(_train, 4, args=(plans,), timeout_s=900)
-    for model_name, spec in SPECS.items():
+    for model_name, spec in [*SPECS.items(), ("wide_mixtral", WIDE_MIXTRAL)]:
         model, batches = _model_and_batches(spec)
         ref_losses, ref_params = single_device.train(
             model,

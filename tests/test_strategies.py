@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.func import functional_call, functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -301,6 +303,76 @@ def test_copy_and_functional_samplers_are_sharded() -> None:
     assert _has(got, (1, 4), 1, ["S(1)", "S(0)"], ["S(1)"])
     (sample,) = _nodes(g, aten.exponential.default)
     assert _has(node_strategies(sample, (1, 4)), (1, 4), 1, ["S(0)"], ["S(0)"])
+
+
+def _shards(t: torch.Tensor, p: object, n: int) -> list[torch.Tensor]:
+    """`t` as `n` devices hold it under one mesh dimension's placement `p`."""
+    if isinstance(p, Partial):
+        return [t * c for c in torch.arange(1.0, n + 1) / (n * (n + 1) / 2)]
+    if isinstance(p, Replicate):
+        return [t] * n
+    return list(torch.chunk(t, n, dim=p.dim))
+
+
+def _whole(parts: list[torch.Tensor], p: object) -> torch.Tensor:
+    """The global tensor from `n` devices' results under placement `p`."""
+    if isinstance(p, Partial):
+        return sum(parts)
+    if isinstance(p, Replicate):
+        for t in parts[1:]:
+            assert torch.allclose(t, parts[0], atol=1e-5)
+        return parts[0]
+    return torch.cat(parts, dim=p.dim)
+
+
+def test_grouped_fallback_is_sharded_as_grouped_mm() -> None:
+    """transformers' grouped product for weights not in bfloat16
+    (``transformers::grouped_mm_fallback``) and its backward have single-dim rules in DTensor:
+    each rule, run on the 4 shards it gives every input (chunks; Partial: parts that sum to
+    the input), gives the global results (chunks joined, Partial parts summed), an expert
+    without rows included. The planner shards the product by the weight's columns instead
+    of planning it replicated."""
+    pytest.importorskip("transformers.integrations.moe")
+    register_missing_rules()
+    ops = torch.ops.transformers
+    fwd, bwd = ops.grouped_mm_fallback.default, ops.grouped_mm_fallback_backward.default
+    rules = dr.propagator().op_single_dim_strategy_funcs
+    torch.manual_seed(0)
+    x, w, grad = torch.randn(10, 8), torch.randn(3, 8, 12), torch.randn(10, 12)
+    offs = torch.tensor([3, 3, 10])  # the second expert gets no row
+    for op, args in ((fwd, (x, w, offs)), (bwd, (x, w, offs, grad))):
+        want = op(*args)
+        want = list(want) if isinstance(want, tuple) else [want]
+        found = rules[op](op, (), {})
+        assert len(found) >= 4
+        for rule in found:
+            place = [
+                Shard(p.dim) if isinstance(p, _ShardingPlaceholder) else p for p in rule
+            ]
+            outs, ins = place[: len(want)], place[len(want) :]
+            assert isinstance(ins[2], Replicate)  # offs
+            local = [
+                op(*(_shards(a, p, 4)[i] for a, p in zip(args, ins))) for i in range(4)
+            ]
+            local = [r if isinstance(r, tuple) else (r,) for r in local]
+            for k, p in enumerate(outs):
+                got = _whole([r[k] for r in local], p)
+                assert torch.allclose(got, want[k], atol=1e-5), (op, rule, k)
+
+    def f(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return ops.grouped_mm_fallback(x, w, offs).sum()
+
+    with FakeTensorMode():
+        g = make_fx(f)(
+            torch.empty(64, 16),
+            torch.empty(4, 16, 32),
+            torch.empty(4, dtype=torch.long),
+        )
+    assert fallback_ops(g, (1, 4)) == []
+    (node,) = _nodes(g, fwd)
+    got = node_strategies(node, (1, 4))
+    assert _has(got, (1, 4), 1, ["R", "S(2)", "R"], ["S(1)"])
+    assert _has(got, (1, 4), 1, ["S(1)", "S(1)", "R"], ["P"])
 
 
 def test_uneven_sharding_dropped_and_cache(gm: torch.fx.GraphModule) -> None:

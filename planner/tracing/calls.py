@@ -139,7 +139,8 @@ def tracing_patches(model: nn.Module) -> Iterator[None]:
       flow); both compute the same;
     * ``torch.nn.functional.grouped_mm`` is used only for bfloat16 weights: its fake kernel
       rejects other dtypes (the CPU kernel accepts them), so other dtypes take transformers' own
-      fallback operator (``transformers::grouped_mm_fallback``, one matrix product per expert).
+      fallback operator (``transformers::grouped_mm_fallback``, one matrix product per expert),
+      which DTensor shards as it shards ``aten._grouped_mm`` (`planner.vocab.dtensor_ext`).
 
     The runtime executes the traced graph, so it runs the same operators the planner priced."""
     if not is_hf_model(model):

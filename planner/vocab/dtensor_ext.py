@@ -6,8 +6,10 @@ What PyTorch lacks: no sharding strategy for ``aten._scaled_dot_product_flash_at
 decomposition cannot be traced by DTensor when ``is_causal`` (the mask is built by factory ops).
 `register_missing_rules` registers, in DTensor's own single-dim registry, the strategies PyTorch
 registers for the CUDA flash kernel: batch-sharded S(0) and head-sharded S(1) q/k/v/outputs
-(dropout_p == 0 only), and for the functional ``bernoulli.p`` of dropout. The planner enumerates strategies after calling it; the runtime calls it
-before running a plan, so that DTensor runs these ops exactly as planned.
+(dropout_p == 0 only), for the functional ``bernoulli.p`` of dropout, and for transformers'
+per-expert grouped product (``transformers::grouped_mm_fallback``) those of ``aten._grouped_mm``.
+The planner enumerates strategies after calling it; the runtime calls it before running a plan,
+so that DTensor runs these ops exactly as planned.
 
 An op the planner could not shard (no DTensor strategy) is planned replicated ("fallback");
 `register_fallback` lets DTensor run it that way, with DTensor's own ``replicate_op_strategy``.
@@ -130,9 +132,17 @@ def _sdpa_cpu_rules(
     return rules
 
 
-@functools.cache
 def register_missing_rules() -> None:
-    """Register in DTensor the strategies PyTorch 2.13 lacks (module docstring). Idempotent."""
+    """Register in DTensor the strategies PyTorch 2.13 lacks (module docstring), and those of
+    transformers' grouped product once it is imported (`_register_grouped_fallback`).
+    Idempotent."""
+    _register_aten_rules()
+    if not _grouped_done[0]:
+        _register_grouped_fallback()
+
+
+@functools.cache
+def _register_aten_rules() -> None:
     fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
     bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     if not _has_strategy(fwd):
@@ -211,6 +221,54 @@ def _copy_rules(op: Any, args_schema: tuple, kwargs_schema: dict) -> list:
         elif k < 0 or src[k] == 1:
             rules.append([_ShardingPlaceholder(d)] * 2 + [Replicate()])
     return rules
+
+
+_grouped_done = [False]
+
+
+def _register_grouped_fallback() -> None:
+    """Strategies for ``transformers::grouped_mm_fallback(input[S, k], weight[E, k, n], offs[E])``,
+    the grouped product transformers runs where ``torch._grouped_mm`` does not apply (weights not
+    in bfloat16: `planner.tracing.calls.tracing_patches`), and for its ``..._backward`` (input,
+    weight, offs, grad_output) -> (grad_input, grad_weight), which its autograd formula calls.
+    Without them a mixture of experts' experts were planned replicated in float32 and float16.
+    The forward gets the single-dim shardings DTensor gives ``aten._grouped_mm`` for a 2-D input
+    and 3-D weight (`torch.distributed.tensor._ops._matrix_ops.grouped_mm_strategy`): the
+    weight's columns (output S(1)) or its rows with the input's columns (output Partial), and
+    one Partial input with the other replicated; `offs` is always replicated. The fallback runs
+    one ``torch.mm`` per expert on the local shards, so uneven shards and any strides do.
+    The backward's rules are the forward's read through ``grad_input = grad_out @ weight^T``
+    and ``grad_weight = input^T @ grad_out`` per expert."""
+    ops = torch.ops.transformers
+    try:
+        fwd, bwd = (
+            ops.grouped_mm_fallback.default,
+            ops.grouped_mm_fallback_backward.default,
+        )
+    except AttributeError:
+        return  # transformers' MoE integration not imported (yet)
+    _grouped_done[0] = True
+    R, P = Replicate(), Partial()
+
+    def s(d: int) -> _ShardingPlaceholder:
+        return _ShardingPlaceholder(d)
+
+    # [out, input, weight, offs]
+    forward = [[s(1), R, s(2), R], [P, s(1), s(1), R], [P, P, R, R], [P, R, P, R]]
+    # [grad_input, grad_weight, input, weight, offs, grad_output]
+    backward = [
+        [P, s(2), R, s(2), R, s(1)],
+        [s(1), s(1), s(1), s(1), R, R],
+        [P, P, R, R, R, P],
+        [R, P, P, R, R, R],
+        [P, R, R, P, R, R],
+    ]
+    for op, rules in ((fwd, forward), (bwd, backward)):
+        if not _has_strategy(op):
+            _registered[0] += 1
+            register_single_dim_strategy(op, **_UNEVEN)(
+                lambda op, args, kwargs, rules=rules: rules
+            )
 
 
 def register_fallback(op: torch._ops.OpOverload) -> bool:
