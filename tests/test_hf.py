@@ -14,7 +14,7 @@ from profiles import cpu_cluster
 from cost_models.errors import MeshplanError
 from planner import plan, trace
 from planner.models import build_model, param_count
-from planner.plans.manual import manual_plan
+from planner.plans.manual import manual_plan, megatron_placement
 from runtime.launch import launch
 from runtime.train import _random_batches
 
@@ -167,6 +167,31 @@ def test_python_literals_in_specs() -> None:
     assert config.use_sliding_window is True and config.tie_word_embeddings is False
     config, _ = hf.parse("hf:qwen2:sliding_window=None")
     assert config.sliding_window is None
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_manual_tensor_parallel_is_megatrons(name: str) -> None:
+    """`meshplan manual --tp 4` of a Hugging Face Llama-family model places every weight as
+    Megatron does on the tensor-parallel axis (q/k/v, gate and up projections by output
+    features, o and down projections by input features, the embedding by vocabulary; norms,
+    Mixtral's router and its fused experts replicated), and Llama's batch is not split there:
+    before, no name matched, every weight was replicated and "tp4" ran data-parallel."""
+    p = manual_plan(
+        SPECS[name], "1x4xA100-80GB", dp=1, tp=4, pp=1, num_microbatches=1,
+        global_batch=BATCH, dtype="float32", allow_oom=True,
+    )  # fmt: skip
+    (stage,) = p.stages
+    got = {path: pl[1] for path, pl in stage.param_placements.items()}
+    want = {path: megatron_placement(path) for path in got}
+    assert got == want
+    assert got["model.layers.0.self_attn.q_proj.weight"] == "S(0)"
+    assert got["model.layers.0.self_attn.o_proj.weight"] == "S(1)"
+    assert got["model.embed_tokens.weight"] == "S(0)"
+    if name == "mixtral":
+        assert got["model.layers.0.mlp.gate.weight"] == "R"  # the router
+    else:  # a mixture's activations stay free (`planner.intra.megatron.batch_axes`)
+        assert got["model.layers.0.mlp.down_proj.weight"] == "S(1)"
+        assert stage.data_parallel_axes == []
 
 
 @functools.cache

@@ -13,6 +13,13 @@ On the tensor-parallel axis (Megatron's rules, for the built-in GPT and MoE mode
     (Mixtral's w_gate and w_up [E, h, f] / w_down [E, f, h] alike)
     everything else (norms, routers):             replicated
 
+Hugging Face's Llama family (Llama, Mistral, Qwen, Gemma, ... and the attention, dense and
+shared-expert MLPs of Mixtral, Qwen-MoE and DeepSeek) by the same rules: ``q/k/v_proj``,
+``gate_proj`` and ``up_proj`` column, ``o_proj`` and ``down_proj`` row, ``embed_tokens`` the
+token embedding. Its routers (``mlp.gate``) and its experts' fused tensors
+(``mlp.experts.gate_up_proj`` / ``down_proj``, gate and up side by side, which a split by f
+would not keep together) are replicated.
+
 DeepSeek-MoE (`planner.models.deepseek`) needs no rule of its own: its dense blocks are Llama's, and
 a mixture block holds its shared experts as ``mlp.gate``/``mlp.up``/``mlp.down`` (column, column,
 row, as Llama's MLP) and its routed experts as Mixtral's ``mlp.w_gate``/``w_up``/``w_down``.
@@ -48,9 +55,20 @@ _COLUMN = (
     *("attn.qkv.weight", "attn.qkv.bias", "mlp.fc.weight", "mlp.fc.bias"),
     *("attn.q.weight", "attn.k.weight", "attn.v.weight"),  # Llama
     *("mlp.gate.weight", "mlp.up.weight"),
+    # Hugging Face's Llama family (Llama, Mistral, Qwen, Gemma, ..., and the attention, dense
+    # and shared-expert MLPs of its mixtures of experts)
+    *(f"{p}_proj.{w}" for p in ("q", "k", "v") for w in ("weight", "bias")),
+    *("gate_proj.weight", "up_proj.weight"),
 )
-_ROW = ("attn.proj.weight", "mlp.proj.weight", "attn.o.weight", "mlp.down.weight")
-_VOCAB = ("wte.weight", "lm_head.weight")
+_ROW = (
+    *("attn.proj.weight", "mlp.proj.weight", "attn.o.weight", "mlp.down.weight"),
+    *("o_proj.weight", "down_proj.weight"),  # Hugging Face's Llama family
+)
+_VOCAB = ("wte.weight", "lm_head.weight", "embed_tokens.weight")
+#: Hugging Face's mixture-of-experts router (Mixtral, Qwen-MoE, DeepSeek: ``mlp.gate``, under
+#: the causal LM's ``model.``), which the built-in Llama's column-parallel ``mlp.gate`` would
+#: otherwise match: Megatron replicates routers
+_HF_ROUTER = ("mlp.gate.weight", "mlp.gate.bias")
 _EXPERT = ("mlp.wi", "mlp.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down")
 
 ParamFilter = Callable[[str, Option], bool]
@@ -75,6 +93,8 @@ class Seed(NamedTuple):
 
 def megatron_placement(path: str) -> str:
     """Megatron's placement of a parameter on the tensor-parallel axis (module docstring)."""
+    if path.startswith("model.") and path.endswith(_HF_ROUTER):
+        return "R"
     if path.endswith(_COLUMN) or path.endswith(_VOCAB):
         return "S(0)"
     if path.endswith(_ROW) or path.endswith(("mlp.wo", "mlp.w_down")):
