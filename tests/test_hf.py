@@ -25,7 +25,9 @@ SPECS = {
     "gpt2": "hf:gpt2:n_embd=64,n_layer=2,n_head=4,vocab_size=128,n_positions=16,seq=16,"
     "resid_pdrop=0,embd_pdrop=0,attn_pdrop=0,bos_token_id=0,eos_token_id=0",
     "llama": f"hf:llama:{_DENSE},num_key_value_heads=2,vocab_size=128,seq=16",
-    "qwen2": f"hf:qwen2:{_DENSE},num_key_value_heads=2,vocab_size=128,seq=16",
+    # 8 query heads and 4 key/value heads: tp4 splits both (grouped-query attention's heads)
+    "qwen2": "hf:qwen2:hidden_size=64,intermediate_size=96,num_hidden_layers=2,"
+    "num_attention_heads=8,num_key_value_heads=4,vocab_size=128,seq=16",
     "bert": f"hf:bert:{_DENSE},vocab_size=128,task=masked-lm,seq=16,"
     "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
     "mixtral": f"hf:mixtral:{_DENSE},num_key_value_heads=2,vocab_size=128,seq=16,"
@@ -169,7 +171,7 @@ def test_python_literals_in_specs() -> None:
     assert config.sliding_window is None
 
 
-@pytest.mark.parametrize("name", ["llama", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mixtral"])
 def test_manual_tensor_parallel_is_megatrons(name: str) -> None:
     """`meshplan manual --tp 4` of a Hugging Face Llama-family model places every weight as
     Megatron does on the tensor-parallel axis (q/k/v, gate and up projections by output
@@ -192,6 +194,15 @@ def test_manual_tensor_parallel_is_megatrons(name: str) -> None:
     else:  # a mixture's activations stay free (`planner.intra.megatron.batch_axes`)
         assert got["model.layers.0.mlp.down_proj.weight"] == "S(1)"
         assert stage.data_parallel_axes == []
+    # Qwen2's 4 key/value heads split over 4 devices: the attention kernel splits the heads
+    # (Llama's 2 cannot be)
+    sdpa = next(
+        s
+        for n, s in stage.node_strategies.items()
+        if n.startswith("_scaled_dot_product")
+    )
+    heads = ["R", "S(1)"] in sdpa["inputs"]
+    assert heads == (name == "qwen2"), sdpa
 
 
 @functools.cache

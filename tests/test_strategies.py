@@ -244,6 +244,46 @@ def test_sdpa_cpu_uses_registered_flash_rule(
     )
 
 
+def test_sdpa_cpu_splits_heads_under_grouped_query_attention() -> None:
+    """k and v with fewer heads than q (Hugging Face's Llama family hands them so to the CPU
+    kernel): the heads are split when the split is even for both, and each device's kernel,
+    run on its run of heads, gives the global outputs and gradients (4 q heads per k/v head,
+    8 q heads over 2 devices); an uneven k/v split (2 k/v heads over 4 devices) is not planned."""
+    fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 8, 6, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
+    out, lse = fwd(q, k, v, 0.0, True)
+    grad = torch.randn_like(out)
+    want = bwd(grad, q, k, v, out, lse, 0.0, True)
+    local = [
+        bwd(*(t.chunk(2, dim=1)[i] for t in (grad, q, k, v, out, lse)), 0.0, True)
+        for i in range(2)
+    ]
+    for i in range(2):
+        got = fwd(*(t.chunk(2, dim=1)[i] for t in (q, k, v)), 0.0, True)
+        for a, b in zip(got, (out, lse)):
+            assert torch.allclose(a, b.chunk(2, dim=1)[i], atol=1e-6), i
+    for j in range(3):
+        got = torch.cat([r[j] for r in local], dim=1)
+        assert torch.allclose(got, want[j], atol=1e-5), j
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        ).sum()
+
+    with FakeTensorMode():
+        g = make_fx(f)(
+            torch.empty(2, 8, 6, 4), torch.empty(2, 2, 6, 4), torch.empty(2, 2, 6, 4)
+        )
+    (node,) = _nodes(g, fwd)
+    assert _has(node_strategies(node, (1, 2)), (1, 2), 1, ["S(1)"] * 3, ["S(1)"] * 2)
+    assert not _has(
+        node_strategies(node, (1, 4)), (1, 4), 1, ["S(1)"] * 3, ["S(1)"] * 2
+    )
+
+
 # ------------------------------------------------------------------- fallback, decomposition, cache
 
 

@@ -111,8 +111,13 @@ def _sdpa_cpu_rules(
 
     Tensor inputs: forward (q, k, v), backward (grad_out, q, k, v, out, logsumexp), then the
     optional ``attn_mask`` kwarg, which broadcasts from the right: its batch/head dims are
-    sharded like q's when present with size > 1, else replicated. Not offered: dropout (random
-    ops need DTensor's RNG tracker) and head sharding under grouped-query attention.
+    sharded like q's when present with size > 1, else replicated. Under grouped-query attention
+    (k and v with fewer heads than q, a divisor of them: Hugging Face's Llama family hands them
+    to the kernel so) the heads are split too: an even split gives each device a run of whole
+    groups, the q heads ``[i * g, (i + 1) * g)`` for every k/v head ``i`` it holds (g = q heads
+    / k heads), so the kernel's local grouping is the global one; the evenness DTensor checks
+    (these rules are registered without uneven sharding) and the planner too. Not offered:
+    dropout (random ops need DTensor's RNG tracker).
     """
     dropout_p = args_schema[n_in] if len(args_schema) > n_in else 0.0
     if dropout_p:
@@ -121,7 +126,7 @@ def _sdpa_cpu_rules(
     mask = kwargs_schema.get("attn_mask")
     rules = []
     for dim in (0, 1):
-        if dim == 1 and not (q.shape[1] == k.shape[1] == v.shape[1]):
+        if dim == 1 and not (k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0):
             continue
         rule: list = [_ShardingPlaceholder(dim)] * (n_out + n_in)
         if mask is not None:
