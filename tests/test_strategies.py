@@ -256,17 +256,16 @@ def test_sdpa_cpu_splits_heads_under_grouped_query_attention() -> None:
     out, lse = fwd(q, k, v, 0.0, True)
     grad = torch.randn_like(out)
     want = bwd(grad, q, k, v, out, lse, 0.0, True)
-    local = [
-        bwd(*(t.chunk(2, dim=1)[i] for t in (grad, q, k, v, out, lse)), 0.0, True)
-        for i in range(2)
-    ]
-    for i in range(2):
-        got = fwd(*(t.chunk(2, dim=1)[i] for t in (q, k, v)), 0.0, True)
-        for a, b in zip(got, (out, lse)):
-            assert torch.allclose(a, b.chunk(2, dim=1)[i], atol=1e-6), i
-    for j in range(3):
-        got = torch.cat([r[j] for r in local], dim=1)
-        assert torch.allclose(got, want[j], atol=1e-5), j
+    for op, args, whole in (
+        (fwd, (q, k, v), (out, lse)),
+        (bwd, (grad, q, k, v, out, lse), want),
+    ):
+        local = [
+            op(*(_shards(t, Shard(1), 2)[i] for t in args), 0.0, True) for i in range(2)
+        ]
+        for j, w in enumerate(whole):
+            got = _whole([r[j] for r in local], Shard(1))
+            assert torch.allclose(got, w, atol=1e-5), (op, j)
 
     def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(

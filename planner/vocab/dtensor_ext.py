@@ -115,8 +115,8 @@ def _sdpa_cpu_rules(
     (k and v with fewer heads than q, a divisor of them: Hugging Face's Llama family hands them
     to the kernel so) the heads are split too: an even split gives each device a run of whole
     groups, the q heads ``[i * g, (i + 1) * g)`` for every k/v head ``i`` it holds (g = q heads
-    / k heads), so the kernel's local grouping is the global one; the evenness DTensor checks
-    (these rules are registered without uneven sharding) and the planner too. Not offered:
+    / k heads), so the kernel's local grouping is the global one. Both DTensor (these rules are
+    registered without uneven sharding) and the planner refuse an uneven split. Not offered:
     dropout (random ops need DTensor's RNG tracker).
     """
     dropout_p = args_schema[n_in] if len(args_schema) > n_in else 0.0
@@ -253,10 +253,7 @@ def _register_grouped_fallback() -> None:
     except AttributeError:
         return  # transformers' MoE integration not imported (yet)
     _grouped_done[0] = True
-    R, P = Replicate(), Partial()
-
-    def s(d: int) -> _ShardingPlaceholder:
-        return _ShardingPlaceholder(d)
+    R, P, s = Replicate(), Partial(), _ShardingPlaceholder
 
     # [out, input, weight, offs]
     forward = [[s(1), R, s(2), R], [P, s(1), s(1), R], [P, P, R, R], [P, R, P, R]]
