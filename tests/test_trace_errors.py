@@ -3,6 +3,8 @@ without a DTensor rule are planned replicated with a warning; in-place ops and b
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -62,6 +64,24 @@ def test_data_dependent_control_flow_names_the_module_and_what_to_do() -> None:
 def test_item_names_the_op() -> None:
     with pytest.raises(MeshplanError, match=r"(?s)top-level forward.*\.item\(\)"):
         trace(Item(), torch.randn(4, 8))
+
+
+def test_shape_mismatch_is_one_line_without_torchs_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An example batch of the wrong width: one error naming the op's shapes and what to check,
+    and none of the traceback FakeTensorMode logs from inside torch."""
+    with pytest.raises(MeshplanError) as err:
+        trace(nn.Sequential(nn.Linear(4, 4)), torch.zeros(2, 5))
+    logged = [
+        (r.name, r.getMessage())
+        for r in caplog.records
+        if r.name.startswith("torch") and r.levelno >= logging.WARNING
+    ]
+    assert not logged, logged
+    msg = str(err.value)
+    assert "\n" not in msg and "module '0'" in msg and "[2, 5] X [4, 4]" in msg, msg
+    assert "check that its sizes agree" in msg, msg
 
 
 def test_forward_must_return_a_scalar_loss() -> None:

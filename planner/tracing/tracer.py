@@ -12,10 +12,13 @@ tensors autograd saves for backward.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import operator
 import os
 import traceback
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -114,6 +117,16 @@ def _failure_site(exc: BaseException) -> str:
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+#: How torch's shape checks word a mismatch (broadcasting, matrix products, views, cat).
+_SHAPE_ERRORS = (
+    "must match the size",
+    "must have same reduction dim",
+    "shapes cannot be multiplied",
+    "is invalid for input of size",
+    "Sizes of tensors must match",
+    "size mismatch",
+    "Expected size",
+)
 _DATA_DEPENDENT = (
     "DataDependentOutputException",
     "DynamicOutputShapeException",
@@ -143,6 +156,13 @@ def _trace_failure(label: str, exc: BaseException) -> str:
             "the op has no implementation for these inputs on fake tensors; check the dtypes "
             "(e.g. grouped matrix products want bfloat16: plan with --dtype bf16) or replace the "
             "op with standard torch operations"
+        )
+    elif kind == "RuntimeError" and any(s in first for s in _SHAPE_ERRORS):
+        advice = (
+            "the model fails on these shapes as it would when run: check that its sizes agree "
+            "(the heads divide the hidden size, the query heads are a multiple of the key/value "
+            "heads, each layer's input features match the one before) and that the example "
+            "batch has the shape forward expects"
         )
     else:
         advice = "the model must run under torch.func.functional_call on fake tensors"
@@ -276,7 +296,8 @@ def trace(model: nn.Module, example_batch: Any, *, model_name: str = "") -> OpGr
     batch = _as_batch(example_batch)
     label = model_name or type(model).__name__
     try:
-        gm, paths = _trace_fx(model, batch)
+        with _fake_tensor_log_held():
+            gm, paths = _trace_fx(model, batch)
     except MeshplanError:
         raise
     except Exception as exc:
@@ -284,6 +305,20 @@ def trace(model: nn.Module, example_batch: Any, *, model_name: str = "") -> OpGr
     num_params = sum(1 for _ in model.named_parameters())
     num_buffers = sum(1 for _ in model.named_buffers())
     return _build_graph(gm, paths, num_params, num_buffers, label)
+
+
+@contextlib.contextmanager
+def _fake_tensor_log_held() -> Iterator[None]:
+    """Hold back FakeTensorMode's log while tracing: when an op's shape check fails it logs
+    the whole traceback from inside torch ("failed while attempting to run meta for ...")
+    before raising, and `trace` reports that error itself in one line (`_trace_failure`)."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 _SAMPLERS = (
