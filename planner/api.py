@@ -34,6 +34,7 @@ from torch import nn
 from cost_models.cluster import Cluster
 from cost_models.errors import DoesNotFitError, MeshplanError, gib
 from cost_models.memory import canonical_schedule, param_state_bytes
+from planner.commands.fmt import param_count
 from planner.inter.mesh_search import submesh_shapes
 from planner.plans.assemble import assemble
 from planner.size_search import SizeJob, SizeResult, evaluate_all, processes
@@ -292,7 +293,7 @@ def _check_state_fits(
     if need > budget:
         needs, available = gib(need, budget)
         raise DoesNotFitError(
-            f"{name} does not fit on {cluster.spec}: its {params / 1e9:.2f} B parameters' "
+            f"{name} does not fit on {cluster.spec}: its {param_count(params)} parameters' "
             f"weights, gradients and {optimizer} state alone need {needs} per "
             f"device even sharded over all {D} devices, {available} available "
             "(use more devices, a larger memory budget or an optimizer with less state)"

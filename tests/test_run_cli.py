@@ -279,10 +279,11 @@ def test_numbers_in_cli_tables_never_print_an_exponent() -> None:
 def test_plan_summary_counts_parameters_and_micro_batches_as_people_write_them() -> (
     None
 ):
-    from planner.commands.plan import _params, summary
+    from planner.commands.fmt import param_count
+    from planner.commands.plan import summary
     from planner.plans.manual import manual_plan
 
-    assert [_params(n) for n in (70.55e9, 124.4e6, 14336, 512)] == [
+    assert [param_count(n) for n in (70.55e9, 124.4e6, 14336, 512)] == [
         "70.55 B",
         "124.4 M",
         "14.3 K",
@@ -299,5 +300,5 @@ def test_plan_summary_counts_parameters_and_micro_batches_as_people_write_them()
         dtype="float32",
     )
     head = summary(p).splitlines()[0]
-    assert f"({_params(p.model['params'])} params)" in head, head
+    assert f"({param_count(p.model['params'])} params)" in head, head
     assert "1 micro-batch," in head, head

@@ -20,6 +20,14 @@ def si(x: float, unit: str = "", base: float = 1000.0) -> str:
     return f"{x:.3g} {prefixes[i]}{unit}".rstrip()
 
 
+def param_count(n: float) -> str:
+    """A parameter count as people write it: 70.55 B, 124.4 M, 14.3 K."""
+    for scale, suffix, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f} {suffix}"
+    return f"{n:.0f}"
+
+
 def nbytes(x: float) -> str:
     return si(x, "B", 1024.0)
 

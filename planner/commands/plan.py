@@ -9,7 +9,7 @@ from collections import Counter
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from cost_models.memory import OPTIMIZERS
-from planner.commands.fmt import nbytes, table
+from planner.commands.fmt import nbytes, param_count, table
 from planner.vocab.plan_check import FSDP_MODES, RECOMPUTE_MODES
 from planner.vocab.plan_file import ParallelPlan, StagePlan
 
@@ -310,18 +310,10 @@ def _sharded_state(s: StagePlan) -> str:
     return ", ".join(parts) or "-"
 
 
-def _params(n: float) -> str:
-    """A parameter count as people write it: 70.55 B, 124.4 M, 14.3 K."""
-    for scale, suffix, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
-        if n >= scale:
-            return f"{n / scale:.{digits}f} {suffix}"
-    return f"{n:.0f}"
-
-
 def summary(p: ParallelPlan) -> str:
     """The plan as a readable table."""
     head = (
-        f"{p.kind} plan for {p.model['name']} ({_params(p.model['params'])} params) on {p.cluster['spec']}: "
+        f"{p.kind} plan for {p.model['name']} ({param_count(p.model['params'])} params) on {p.cluster['spec']}: "
         f"global batch {p.global_batch}, {p.num_microbatches} micro-batch"
         f"{'es' if p.num_microbatches != 1 else ''}, {p.schedule}"
         + (f" x{p.virtual_stages}" if p.virtual_stages > 1 else "")
