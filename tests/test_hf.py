@@ -171,12 +171,13 @@ def test_python_literals_in_specs() -> None:
     assert config.sliding_window is None
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mixtral", "bert"])
 def test_manual_tensor_parallel_is_megatrons(name: str) -> None:
-    """`meshplan manual --tp 4` of a Hugging Face Llama-family model places every weight as
-    Megatron does on the tensor-parallel axis (q/k/v, gate and up projections by output
-    features, o and down projections by input features, the embedding by vocabulary; norms,
-    Mixtral's router and its fused experts replicated), and Llama's batch is not split there:
+    """`meshplan manual --tp 4` of a Hugging Face Llama- or BERT-family model places every
+    weight as Megatron does on the tensor-parallel axis (q/k/v, gate and up projections and
+    BERT's intermediate by output features, o and down projections and BERT's output denses by
+    input features, the embedding and BERT's decoder bias by vocabulary; norms, Mixtral's router
+    and its fused experts replicated), and the batch of a dense model is not split there:
     before, no name matched, every weight was replicated and "tp4" ran data-parallel."""
     p = manual_plan(
         SPECS[name], "1x4xA100-80GB", dp=1, tp=4, pp=1, num_microbatches=1,
@@ -186,14 +187,27 @@ def test_manual_tensor_parallel_is_megatrons(name: str) -> None:
     got = {path: pl[1] for path, pl in stage.param_placements.items()}
     want = {path: megatron_placement(path) for path in got}
     assert got == want
-    assert got["model.layers.0.self_attn.q_proj.weight"] == "S(0)"
-    assert got["model.layers.0.self_attn.o_proj.weight"] == "S(1)"
-    assert got["model.embed_tokens.weight"] == "S(0)"
+    if name == "bert":
+        layer = "bert.encoder.layer.0."
+        assert got[layer + "attention.self.key.weight"] == "S(0)"
+        assert got[layer + "attention.output.dense.weight"] == "S(1)"
+        assert got[layer + "intermediate.dense.weight"] == "S(0)"
+        assert got[layer + "output.dense.weight"] == "S(1)"
+        assert got["bert.embeddings.word_embeddings.weight"] == "S(0)"
+        assert got["cls.predictions.bias"] == "S(0)"
+        assert got["cls.predictions.transform.dense.weight"] == "R"
+    else:
+        assert got["model.layers.0.self_attn.q_proj.weight"] == "S(0)"
+        assert got["model.layers.0.self_attn.o_proj.weight"] == "S(1)"
+        assert got["model.embed_tokens.weight"] == "S(0)"
     if name == "mixtral":
         assert got["model.layers.0.mlp.gate.weight"] == "R"  # the router
     else:  # a mixture's activations stay free (`planner.intra.megatron.batch_axes`)
-        assert got["model.layers.0.mlp.down_proj.weight"] == "S(1)"
         assert stage.data_parallel_axes == []
+    if name in ("llama", "qwen2"):
+        assert got["model.layers.0.mlp.down_proj.weight"] == "S(1)"
+    if name == "bert":
+        return
     # Qwen2's 4 key/value heads split over 4 devices: the attention kernel splits the heads
     # (Llama's 2 cannot be)
     sdpa = next(
@@ -203,6 +217,35 @@ def test_manual_tensor_parallel_is_megatrons(name: str) -> None:
     )
     heads = ["R", "S(1)"] in sdpa["inputs"]
     assert heads == (name == "qwen2"), sdpa
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_manual_tensor_parallel_replicates_a_vocabulary_that_does_not_split(
+    name: str,
+) -> None:
+    """A vocabulary that is not a multiple of the tensor-parallel size (BERT's 30522 over 4;
+    Megatron pads it, the planner splits only evenly): the embedding is replicated on the
+    tensor-parallel axis and every other weight keeps Megatron's placement. Before, `meshplan
+    manual --tp 4` failed with "no allowed placement for parameter ...", and the automatic
+    search dropped every tensor-parallel seed of the model."""
+    spec = SPECS[name].replace("vocab_size=128", "vocab_size=130")
+    p = manual_plan(
+        spec, "1x4xA100-80GB", dp=1, tp=4, pp=1, num_microbatches=1,
+        global_batch=BATCH, dtype="float32", allow_oom=True,
+    )  # fmt: skip
+    got = {path: pl[1] for path, pl in p.stages[0].param_placements.items()}
+    vocab = {
+        path
+        for path in got
+        if path.endswith(
+            ("embed_tokens.weight", "word_embeddings.weight", "lm_head.weight")
+        )
+        or path == "cls.predictions.bias"
+    }
+    assert vocab and all(got[path] == "R" for path in vocab), got
+    want = {path: megatron_placement(path) for path in got if path not in vocab}
+    assert {path: got[path] for path in want} == want
+    assert sum(pl != "R" for pl in want.values()) >= 8
 
 
 @functools.cache

@@ -12,13 +12,21 @@ On the tensor-parallel axis (Megatron's rules, for the built-in GPT and MoE mode
     MoE expert weights wi [E, h, f] / wo [E, f, h]: split by f                  S(2) / S(1)
     (Mixtral's w_gate and w_up [E, h, f] / w_down [E, f, h] alike)
     everything else (norms, routers):             replicated
+    a split the shape does not allow evenly (a vocabulary that is not a multiple of tp, which
+    Megatron pads to one):                        replicated
 
 Hugging Face's Llama family (Llama, Mistral, Qwen, Gemma, ... and the attention, dense and
 shared-expert MLPs of Mixtral, Qwen-MoE and DeepSeek) by the same rules: ``q/k/v_proj``,
 ``gate_proj`` and ``up_proj`` column, ``o_proj`` and ``down_proj`` row, ``embed_tokens`` the
 token embedding. Its routers (``mlp.gate``) and its experts' fused tensors
 (``mlp.experts.gate_up_proj`` / ``down_proj``, gate and up side by side, which a split by f
-would not keep together) are replicated.
+would not keep together) are replicated. Hugging Face's BERT family (BERT, RoBERTa, ELECTRA,
+...) as Megatron's own BERT: ``attention.self.query/key/value`` and ``intermediate.dense``
+column, ``attention.output.dense`` and ``output.dense`` row, ``word_embeddings`` (tied to the
+masked-LM decoder) and the decoder's bias ``cls.predictions.bias`` by vocabulary. Models that
+fuse q, k and v into one projection (GPT-2's ``c_attn``, Falcon's ``query_key_value``) have no
+rule: a split of the fused output by features would not give each device whole heads of all
+three, so they stay replicated.
 
 DeepSeek-MoE (`planner.models.deepseek`) needs no rule of its own: its dense blocks are Llama's, and
 a mixture block holds its shared experts as ``mlp.gate``/``mlp.up``/``mlp.down`` (column, column,
@@ -51,6 +59,7 @@ from planner.intra.batch_split import data_nodes
 from planner.intra.prices import Option, replicated_on
 from planner.tracing.opgraph import OpGraph
 
+_QKV = ("query", "key", "value")
 _COLUMN = (
     *("attn.qkv.weight", "attn.qkv.bias", "mlp.fc.weight", "mlp.fc.bias"),
     *("attn.q.weight", "attn.k.weight", "attn.v.weight"),  # Llama
@@ -59,12 +68,20 @@ _COLUMN = (
     # and shared-expert MLPs of its mixtures of experts)
     *(f"{p}_proj.{w}" for p in ("q", "k", "v") for w in ("weight", "bias")),
     *("gate_proj.weight", "up_proj.weight"),
+    # Hugging Face's BERT family (BERT, RoBERTa, ELECTRA, ...), as Megatron's own BERT
+    *(f"attention.self.{p}.{w}" for p in _QKV for w in ("weight", "bias")),
+    *("intermediate.dense.weight", "intermediate.dense.bias"),
 )
 _ROW = (
     *("attn.proj.weight", "mlp.proj.weight", "attn.o.weight", "mlp.down.weight"),
     *("o_proj.weight", "down_proj.weight"),  # Hugging Face's Llama family
+    "output.dense.weight",  # BERT's attention.output.dense and its MLP's output.dense
 )
-_VOCAB = ("wte.weight", "lm_head.weight", "embed_tokens.weight")
+# BERT's masked-LM head: the decoder is tied to word_embeddings, its bias is per token
+_VOCAB = (
+    *("wte.weight", "lm_head.weight", "embed_tokens.weight"),
+    *("word_embeddings.weight", "cls.predictions.bias"),
+)
 #: Hugging Face's mixture-of-experts router (Mixtral, Qwen-MoE, DeepSeek: ``mlp.gate``, under
 #: the causal LM's ``model.``), which the built-in Llama's column-parallel ``mlp.gate`` would
 #: otherwise match: Megatron replicates routers
@@ -125,7 +142,7 @@ def axes_filter(
     if tp_axis is not None and tp_axis == ep_axis:
         raise ValueError(f"tensor and expert parallelism on the same axis {tp_axis}")
 
-    def allowed(path: str, option: Option) -> bool:
+    def placed(path: str, option: Option, rule: bool) -> bool:
         want = 3 if fsdp else 0
         if zero is not None and replicated_on(option.strategy, zero):
             want = 2
@@ -133,7 +150,7 @@ def axes_filter(
             return False
         for axis, placement in enumerate(option.strategy.output[0]):
             if axis == tp_axis:
-                want = megatron_placement(path)
+                want = megatron_placement(path) if rule else "R"
             elif axis == ep_axis and is_expert_weight(path):
                 want = "S(0)"
             else:
@@ -142,6 +159,13 @@ def axes_filter(
                 return False
         return True
 
+    def allowed(path: str, option: Option) -> bool:
+        return placed(path, option, True)
+
+    # What `planner.intra.solve.solve_stage` allows a parameter the rule would split unevenly
+    # (a vocabulary that is not a multiple of the tensor-parallel size, which Megatron pads;
+    # the planner splits only evenly): replicated on the tensor-parallel axis instead
+    allowed.uneven = lambda path, option: placed(path, option, False)  # type: ignore[attr-defined]
     return allowed
 
 

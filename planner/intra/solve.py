@@ -231,7 +231,11 @@ def solve_stage(
         for n in names:
             if rep.get(n, n) == n and graph.node(n).op == "param":
                 path = graph.placeholder_paths[n]
-                options[n] = [o for o in options[n] if param_filter(path, o)]
+                kept = [o for o in options[n] if param_filter(path, o)]
+                uneven = getattr(param_filter, "uneven", None)  # `megatron.axes_filter`
+                if not kept and uneven is not None:
+                    kept = [o for o in options[n] if uneven(path, o)]
+                options[n] = kept
                 if not options[n]:
                     raise MeshplanError(
                         f"no allowed placement for parameter {path} {graph.node(n).outputs[0].shape} on mesh {mesh.shape}"
