@@ -104,6 +104,10 @@ def test_bad_specs_are_named() -> None:
         build_model("hf:llama:hidden_size=64,task=vision", batch=1)
     with pytest.raises(MeshplanError, match="no config file"):
         build_model("hf:/nonexistent/config.json", batch=1)
+    # a short line with the nearest types, not transformers' list of hundreds
+    with pytest.raises(MeshplanError, match="no model type 'mixtrall'") as err:
+        build_model("hf:mixtrall:hidden_size=64", batch=1)
+    assert "did you mean mixtral" in str(err.value) and len(str(err.value)) < 300
     with pytest.raises(MeshplanError, match="notatype"):
         build_model("hf:notatype:hidden_size=64", batch=1)
     with pytest.raises(MeshplanError, match="no model type"):

@@ -25,6 +25,7 @@ optional dependency: ``pip install meshplan[hf]``.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from typing import Any
@@ -84,6 +85,21 @@ def _items(body: str, name: str) -> dict[str, Any]:
     return out
 
 
+def _check_type(tf: Any, model_type: str, name: str) -> None:
+    """An unknown model type is named with the nearest ones transformers knows (its own
+    message lists all of them, hundreds)."""
+    known = list(tf.CONFIG_MAPPING.keys())
+    if model_type not in known:
+        near = difflib.get_close_matches(model_type, known, 3)
+        raise MeshplanError(
+            f"model spec {name!r}: transformers {tf.__version__} has no model type "
+            f"{model_type!r}"
+            + (f"; did you mean {' or '.join(near)}?" if near else "")
+            + " (the types are transformers.CONFIG_MAPPING's keys, a config.json's "
+            "'model_type')"
+        )
+
+
 def parse(name: str) -> tuple[Any, dict[str, Any]]:
     """``(transformers config, meshplan options)`` of an ``hf:`` spec (module docstring)."""
     tf = _transformers()
@@ -109,6 +125,7 @@ def parse(name: str) -> tuple[Any, dict[str, Any]]:
         if not model_type.strip():
             raise MeshplanError(f"model spec {name!r}: no model type; expected {FORM}")
         items, fields = _items(rest, name), {}
+    _check_type(tf, model_type, name)
     options = {k: items.pop(k) for k in _OURS if k in items}
     fields.update(items)
     try:
