@@ -28,7 +28,16 @@ For models without experts every activation is split by the batch, S(0), on the 
 Megatron and DDP run (`planner.intra.megatron.batch_axes`), unless some op cannot run on a batch split
 (batch norm; `planner.intra.batch_split.batch_split_options`); the other activation placements follow
 from DTensor's strategies at the least cost, which reproduces Megatron's dataflow (one
-all-reduce per sub-block forward). MoE activations are left to the least cost on every axis.
+all-reduce per sub-block forward) at the sizes Megatron runs: gpt:hidden=2048 and 6144 at
+sequence 2048 under tp8 split the attention by heads. For small layers the least cost may
+instead all-gather a split weight and split the batch on the tensor-parallel axis, FSDP's
+dataflow, cheaper there under the cost model (gpt:hidden=1024, 8 x 512 tokens, tp4 on A100s:
+4.19 ms with it, 4.29 ms with every weight read split). Holding every op to read its weights
+split (tried 2026-12-04, not kept) left the pp2 x tp2 plan of tests/test_runtime_comm.py with
+a partial value at its stage boundary (the residual stream not yet reduced, which the sending
+stage reduces on its way out) and its measured all-gather bytes 12% off the priced ones
+(294,912 against 262,144).
+MoE activations are left to the least cost on every axis.
 With `sequence_parallel=True` (Megatron-SP) the norms, dropouts and residual adds between a
 row-parallel output and the next column-parallel input are split along the sequence on the tp
 axis (`planner.intra.megatron.sequence_filter`): reduce-scatter and all-gather around them
