@@ -11,8 +11,13 @@ import single_device
 import torch
 from profiles import cpu_cluster
 
+from cost_models.cluster import Cluster
+from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from planner import plan, trace
+from planner.inter import boundaries as bd
+from planner.inter import stage_solves
+from planner.intra.megatron import Seed, axes_filter
 from planner.models import build_model, param_count
 from planner.plans.manual import manual_plan, megatron_placement
 from runtime.launch import launch
@@ -250,6 +255,34 @@ def test_manual_tensor_parallel_replicates_a_vocabulary_that_does_not_split(
     want = {path: megatron_placement(path) for path in got if path not in vocab}
     assert {path: got[path] for path in want} == want
     assert sum(pl != "R" for pl in want.values()) >= 8
+
+
+def test_a_tensor_parallel_seed_with_an_uneven_vocabulary_is_solved() -> None:
+    """The automatic search's Megatron seed (`planner.intra.megatron.seed_filters`) on a
+    model whose vocabulary tp does not divide: solved, with the embedding and LM head
+    replicated on the tensor-parallel axis. Before, its parameter-state bound was infinite
+    (no placement allowed) and the seed was skipped."""
+    spec = SPECS["llama"].replace("vocab_size=128", "vocab_size=130")
+    graph = trace(*build_model(spec, batch=BATCH, device="meta"))
+    cluster = Cluster.from_spec("1x4xA100-80GB")
+    layers = [(0, len(graph.ops) - 1)]
+    layer_of = bd.layer_of_nodes(graph, layers)
+    profiles = stage_solves.profiles_for(
+        graph,
+        LogicalMesh(cluster, (1, 4), (1, 4)),
+        layer_of,
+        bd.boundary_values(graph, layer_of, 1),
+        1,
+        num_microbatches=1,
+        budget=cluster.device.memory_bytes,
+        optimizer="adam_mixed",
+        seeds=[Seed(axes_filter(1, None), ())],
+        seeds_only=True,
+    )
+    assert len(profiles) == 1
+    got = {p: pl[1] for p, pl in profiles[0].solution.param_placements.items()}
+    assert got["model.embed_tokens.weight"] == got["lm_head.weight"] == "R"
+    assert got["model.layers.0.self_attn.o_proj.weight"] == "S(1)"
 
 
 @functools.cache

@@ -19,7 +19,13 @@ from cost_models.errors import MeshplanError
 from planner.inter.stage_table import LayerProfile, profile
 from planner.intra.batch_split import batch_split_options
 from planner.intra.context import context_filter
-from planner.intra.megatron import ParamFilter, Seed, sequence_filter
+from planner.intra.megatron import (
+    ParamFilter,
+    Seed,
+    allowed_options,
+    both_filters,
+    sequence_filter,
+)
 from planner.intra.prices import zero2_option
 from planner.intra.solution import StageSolution
 from planner.intra.solve import StagePricing, price_stage, solve_stage, with_zero2
@@ -149,7 +155,7 @@ def profiles_for(
         else:
             both = seed.params
             if param_filter is not None:
-                both = _both(param_filter, seed.params)
+                both = both_filters(param_filter, seed.params)
             restrict = {
                 "param_filter": both,
                 "batch_axes": axes,
@@ -196,9 +202,8 @@ def _seed_params_per_layer(
         path = graph.placeholder_paths[r]
         options = ctx.options[r]
         allowed = [
-            memory[options.index(zero2_option(o, shape)) if zero2 else i]
-            for i, o in enumerate(options)
-            if seed(path, o)
+            memory[options.index(zero2_option(options[i], shape)) if zero2 else i]
+            for i in allowed_options(seed, path, options)
         ]
         if not allowed:
             return np.inf

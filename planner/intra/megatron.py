@@ -162,11 +162,37 @@ def axes_filter(
     def allowed(path: str, option: Option) -> bool:
         return placed(path, option, True)
 
-    # What `planner.intra.solve.solve_stage` allows a parameter the rule would split unevenly
-    # (a vocabulary that is not a multiple of the tensor-parallel size, which Megatron pads;
-    # the planner splits only evenly): replicated on the tensor-parallel axis instead
+    # what `allowed_options` allows a parameter the rule would split unevenly
     allowed.uneven = lambda path, option: placed(path, option, False)  # type: ignore[attr-defined]
     return allowed
+
+
+def allowed_options(
+    param_filter: ParamFilter, path: str, options: list[Option]
+) -> list[int]:
+    """The positions in `options` (a parameter's) that `param_filter` allows. Where an
+    `axes_filter` allows none, because its rule would split the parameter unevenly (a
+    vocabulary that is not a multiple of the tensor-parallel size, which Megatron pads; the
+    planner splits only evenly), those with the parameter replicated on the tensor-parallel
+    axis instead."""
+    kept = [i for i, o in enumerate(options) if param_filter(path, o)]
+    uneven = getattr(param_filter, "uneven", None)
+    if not kept and uneven is not None:
+        kept = [i for i, o in enumerate(options) if uneven(path, o)]
+    return kept
+
+
+def both_filters(f: ParamFilter, g: ParamFilter) -> ParamFilter:
+    """The options both filters allow, keeping `g`'s fallback for uneven splits
+    (`allowed_options`)."""
+
+    def both(path: str, option: Option) -> bool:
+        return f(path, option) and g(path, option)
+
+    uneven = getattr(g, "uneven", None)
+    if uneven is not None:
+        both.uneven = lambda path, option: f(path, option) and uneven(path, option)  # type: ignore[attr-defined]
+    return both
 
 
 def batch_axes(

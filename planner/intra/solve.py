@@ -40,6 +40,7 @@ from planner.intra.batch_split import batch_split_options
 from planner.intra.cost_graph import CostGraph, Reduction, identity, merge_followers
 from planner.intra.highs import GAP_REL
 from planner.intra.ilp import ILPModel
+from planner.intra.megatron import allowed_options
 from planner.intra.priced_stage import PricedStage
 from planner.intra.prices import Option, StageSettings
 from planner.intra.solution import StageSolution
@@ -231,11 +232,8 @@ def solve_stage(
         for n in names:
             if rep.get(n, n) == n and graph.node(n).op == "param":
                 path = graph.placeholder_paths[n]
-                kept = [o for o in options[n] if param_filter(path, o)]
-                uneven = getattr(param_filter, "uneven", None)  # `megatron.axes_filter`
-                if not kept and uneven is not None:
-                    kept = [o for o in options[n] if uneven(path, o)]
-                options[n] = kept
+                kept = allowed_options(param_filter, path, options[n])
+                options[n] = [options[n][i] for i in kept]
                 if not options[n]:
                     raise MeshplanError(
                         f"no allowed placement for parameter {path} {graph.node(n).outputs[0].shape} on mesh {mesh.shape}"
