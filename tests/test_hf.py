@@ -228,6 +228,22 @@ def test_manual_tensor_parallel_is_megatrons(name: str) -> None:
     assert heads == (name == "qwen2"), sdpa
 
 
+def test_fused_projections_are_not_taken_for_megatrons() -> None:
+    """Names match at a module boundary: Phi-3's and CodeGen's fused ``qkv_proj`` is not a
+    ``v_proj``, nor Phi-3's ``gate_up_proj`` an ``up_proj`` (a split of a fused output by
+    features gives no device whole heads or matching gate and up columns); before, both were
+    split by output features."""
+    fused = (
+        "model.layers.0.self_attn.qkv_proj.weight",
+        "model.layers.0.mlp.gate_up_proj.weight",
+        "transformer.h.0.attn.qkv_proj.weight",
+    )
+    assert [megatron_placement(p) for p in fused] == ["R"] * 3
+    assert megatron_placement("model.layers.0.self_attn.v_proj.weight") == "S(0)"
+    assert megatron_placement("model.layers.0.mlp.up_proj.weight") == "S(0)"
+    assert megatron_placement("lm_head.weight") == "S(0)"  # at the top level too
+
+
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_manual_tensor_parallel_replicates_a_vocabulary_that_does_not_split(
     name: str,

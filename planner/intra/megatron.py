@@ -51,6 +51,7 @@ all-gathered (S(1) -> R); the cost model prices those edges as it prices every o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -108,21 +109,33 @@ class Seed(NamedTuple):
     zero2: bool = False
 
 
+def _named(path: str, names: tuple[str, ...]) -> bool:
+    """Whether `path` ends with one of `names` at a module boundary: ``q_proj.weight`` names
+    ``model.layers.0.self_attn.q_proj.weight``, not Phi-3's fused ``...qkv_proj.weight``
+    (nor ``up_proj.weight`` its ``gate_up_proj.weight``)."""
+    return ("." + path).endswith(_dotted(names))
+
+
+@functools.cache
+def _dotted(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple("." + n for n in names)
+
+
 def megatron_placement(path: str) -> str:
     """Megatron's placement of a parameter on the tensor-parallel axis (module docstring)."""
-    if path.startswith("model.") and path.endswith(_HF_ROUTER):
+    if path.startswith("model.") and _named(path, _HF_ROUTER):
         return "R"
-    if path.endswith(_COLUMN) or path.endswith(_VOCAB):
+    if _named(path, _COLUMN) or _named(path, _VOCAB):
         return "S(0)"
-    if path.endswith(_ROW) or path.endswith(("mlp.wo", "mlp.w_down")):
+    if _named(path, _ROW) or _named(path, ("mlp.wo", "mlp.w_down")):
         return "S(1)"
-    if path.endswith(("mlp.wi", "mlp.w_gate", "mlp.w_up")):
+    if _named(path, ("mlp.wi", "mlp.w_gate", "mlp.w_up")):
         return "S(2)"
     return "R"
 
 
 def is_expert_weight(path: str) -> bool:
-    return path.endswith(_EXPERT)
+    return _named(path, _EXPERT)
 
 
 def axes_filter(
