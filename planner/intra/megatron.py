@@ -23,10 +23,11 @@ token embedding. Its routers (``mlp.gate``) and its experts' fused tensors
 would not keep together) are replicated. Hugging Face's BERT family (BERT, RoBERTa, ELECTRA,
 ...) as Megatron's own BERT: ``attention.self.query/key/value`` and ``intermediate.dense``
 column, ``attention.output.dense`` and ``output.dense`` row, ``word_embeddings`` (tied to the
-masked-LM decoder) and the decoder's bias ``cls.predictions.bias`` by vocabulary. Models that
-fuse q, k and v into one projection (GPT-2's ``c_attn``, Falcon's ``query_key_value``) have no
-rule: a split of the fused output by features would not give each device whole heads of all
-three, so they stay replicated.
+masked-LM decoder) and the decoder's bias ``cls.predictions.bias`` by vocabulary. Fused
+projections (GPT-2's ``c_attn``, Falcon's ``query_key_value``, Phi-3's and CodeGen's
+``qkv_proj``, Phi-3's and GLM-4's ``gate_up_proj``) have no rule: a split of the fused output
+by features would not give each device whole heads of all three, or its gate and up columns
+together, so they stay replicated (names match at a module boundary, `_named`).
 
 DeepSeek-MoE (`planner.models.deepseek`) needs no rule of its own: its dense blocks are Llama's, and
 a mixture block holds its shared experts as ``mlp.gate``/``mlp.up``/``mlp.down`` (column, column,
