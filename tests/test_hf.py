@@ -4,6 +4,7 @@ planned and trained on 4 gloo processes to the losses and parameters of one devi
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import pytest
@@ -226,6 +227,31 @@ def test_manual_tensor_parallel_is_megatrons(name: str) -> None:
     )
     heads = ["R", "S(1)"] in sdpa["inputs"]
     assert heads == (name == "qwen2"), sdpa
+
+
+def test_a_config_json_is_planned_in_the_dtype_it_declares(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`meshplan plan hf:config.json` without --dtype plans in the dtype the config declares
+    (a hub checkpoint's ``torch_dtype``: bfloat16), --dtype overrides it, an inline spec stays
+    float16; the table's first line says which."""
+    from planner.models import hf
+    from runtime.cli import main
+
+    config, _ = hf.parse(SPECS["llama"])
+    saved = config.to_dict() | {"torch_dtype": "bfloat16"}
+    saved.pop("dtype", None)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(saved))
+    spec = f"hf:{path},seq=16"
+    assert hf.declared_dtype(spec) == "bfloat16"
+    assert hf.declared_dtype(SPECS["llama"]) is None
+    for extra, want in (([], "bfloat16"), (["--dtype", "float32"], "float32")):
+        out = tmp_path / f"{want}.json"
+        argv = ["plan", spec, "--cluster", "1x2xA100-80GB", "--batch", "4", "--quiet"]
+        assert main([*argv, "--microbatch-size", "4", "--json", str(out), *extra]) == 0
+        assert json.loads(out.read_text())["dtype"] == want
+        assert f"on 1x2xA100-80GB in {want}:" in capsys.readouterr().out
 
 
 def test_fused_projections_are_not_taken_for_megatrons() -> None:

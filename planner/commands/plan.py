@@ -43,9 +43,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dtype",
-        default="float16",
         choices=["float16", "bfloat16", "float32"],
-        help="training dtype (default float16)",
+        help="training dtype (default: the one a Hugging Face config.json declares, else "
+        "float16)",
     )
     p.add_argument(
         "--optimizer",
@@ -220,6 +220,13 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     return Cluster.from_spec(args.cluster, profile=profile)
 
 
+def _dtype(args: argparse.Namespace) -> str:
+    """``--dtype``, else the dtype a Hugging Face config.json declares, else float16."""
+    from planner.models.hf import declared_dtype
+
+    return args.dtype or declared_dtype(args.model) or "float16"
+
+
 def _budget(args: argparse.Namespace) -> float | None:
     if args.memory is not None and args.memory <= 0:
         raise MeshplanError(f"--memory must be positive GiB, got {args.memory}")
@@ -236,7 +243,7 @@ def run_plan(args: argparse.Namespace) -> int:
         args.model,
         _cluster(args),
         global_batch=args.batch,
-        dtype=args.dtype,
+        dtype=_dtype(args),
         memory_budget=_budget(args),
         schedule=args.schedule,
         microbatch_size=args.microbatch_size,
@@ -276,7 +283,7 @@ def run_manual(args: argparse.Namespace) -> int:
         sequence_parallel=args.sp,
         virtual_stages=args.virtual_stages,
         schedule=args.schedule,
-        dtype=args.dtype,
+        dtype=_dtype(args),
         optimizer=args.optimizer,
         memory_budget=_budget(args),
         allow_oom=args.allow_oom,
@@ -313,7 +320,8 @@ def _sharded_state(s: StagePlan) -> str:
 def summary(p: ParallelPlan) -> str:
     """The plan as a readable table."""
     head = (
-        f"{p.kind} plan for {p.model['name']} ({param_count(p.model['params'])} params) on {p.cluster['spec']}: "
+        f"{p.kind} plan for {p.model['name']} ({param_count(p.model['params'])} params) on {p.cluster['spec']} "
+        f"in {p.dtype}: "
         f"global batch {p.global_batch}, {p.num_microbatches} micro-batch"
         f"{'es' if p.num_microbatches != 1 else ''}, {p.schedule}"
         + (f" x{p.virtual_stages}" if p.virtual_stages > 1 else "")

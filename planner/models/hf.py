@@ -6,7 +6,8 @@
 ``MODEL_TYPE`` is a ``transformers`` model type (``gpt2``, ``llama``, ``mistral``, ``qwen2``,
 ``bert``, ``mixtral``, ``qwen2_moe``, ...): the keys are its config's (``AutoConfig.for_model``);
 a ``config.json`` is one saved by ``transformers`` (a hub checkpoint's, no weights needed), and
-keys given after it override it. Three keys are meshplan's, not the config's:
+keys given after it override it; the dtype it declares (``torch_dtype``) is the one `meshplan
+plan` and `meshplan manual` plan for unless ``--dtype`` says otherwise (`declared_dtype`). Three keys are meshplan's, not the config's:
 
 * ``task``: the head, ``causal-lm`` (``AutoModelForCausalLM``, the default) or ``masked-lm``
   (``AutoModelForMaskedLM``); a config.json naming an ``...ForMaskedLM`` architecture defaults to
@@ -83,6 +84,25 @@ def _items(body: str, name: str) -> dict[str, Any]:
             )
         out[key.strip()] = _value(raw.strip())
     return out
+
+
+#: The training dtypes meshplan plans (`meshplan plan --dtype`).
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def declared_dtype(name: str) -> str | None:
+    """The dtype an ``hf:PATH/config.json`` spec's config declares (``dtype``, or
+    ``torch_dtype`` as transformers 4 saved it) when it is one of `DTYPES`; None for any other
+    spec, where the CLI's default is float16."""
+    if not name.strip().startswith("hf:"):
+        return None
+    head = name.strip()[3:].partition(",")[0]
+    if not head.endswith(".json") or not os.path.isfile(head):
+        return None
+    with open(head) as f:
+        saved = json.load(f)
+    declared = saved.get("dtype") or saved.get("torch_dtype")
+    return declared if declared in DTYPES else None
 
 
 def _check_type(tf: Any, model_type: str, name: str) -> None:
