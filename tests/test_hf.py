@@ -270,6 +270,31 @@ def test_fused_projections_are_not_taken_for_megatrons() -> None:
     assert megatron_placement("lm_head.weight") == "S(0)"  # at the top level too
 
 
+@pytest.mark.parametrize(
+    ("column", "row"),
+    [
+        ("model.decoder.layers.0.fc1", "model.decoder.layers.0.fc2"),  # OPT
+        ("model.layers.0.mlp.fc1", "model.layers.0.mlp.fc2"),  # Phi
+        ("transformer.h.0.mlp.fc_in", "transformer.h.0.mlp.fc_out"),  # GPT-J, CodeGen
+        ("gpt_neox.layers.0.mlp.dense_h_to_4h", "gpt_neox.layers.0.mlp.dense_4h_to_h"),
+    ],
+)
+def test_other_families_mlps_are_megatrons(column: str, row: str) -> None:
+    """The MLPs of OPT, Phi, GPT-J and GPT-NeoX/Bloom/Falcon: the first projection column-,
+    the second row-parallel (its bias replicated, added once after the reduction)."""
+    assert megatron_placement(column + ".weight") == "S(0)"
+    assert megatron_placement(column + ".bias") == "S(0)"
+    assert megatron_placement(row + ".weight") == "S(1)"
+    assert megatron_placement(row + ".bias") == "R"
+    # the attention output of OPT and Phi, whose q, k and v are split; not GPT-J's and MPT's
+    # attn.out_proj (MPT's q, k and v are fused)
+    assert (
+        megatron_placement("model.decoder.layers.0.self_attn.out_proj.weight") == "S(1)"
+    )
+    assert megatron_placement("model.layers.0.self_attn.dense.weight") == "S(1)"
+    assert megatron_placement("transformer.blocks.0.attn.out_proj.weight") == "R"
+
+
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_manual_tensor_parallel_replicates_a_vocabulary_that_does_not_split(
     name: str,

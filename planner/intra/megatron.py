@@ -23,7 +23,12 @@ token embedding. Its routers (``mlp.gate``) and its experts' fused tensors
 would not keep together) are replicated. Hugging Face's BERT family (BERT, RoBERTa, ELECTRA,
 ...) as Megatron's own BERT: ``attention.self.query/key/value`` and ``intermediate.dense``
 column, ``attention.output.dense`` and ``output.dense`` row, ``word_embeddings`` (tied to the
-masked-LM decoder) and the decoder's bias ``cls.predictions.bias`` by vocabulary. Fused
+masked-LM decoder) and the decoder's bias ``cls.predictions.bias`` by vocabulary. OPT's and
+Phi's MLPs (``fc1`` column, ``fc2`` row), GPT-J's (``fc_in``, ``fc_out``), GPT-NeoX's and Bloom's
+(``dense_h_to_4h``, ``dense_4h_to_h``), and the attention output of OPT (``self_attn.out_proj``)
+and Phi (``self_attn.dense``), whose q, k and v are split, row. Not GPT-J's and MPT's
+``attn.out_proj`` (one name; MPT's q, k and v are fused), nor GPT-2's and GPT-BigCode's ``c_fc``
+and ``c_proj`` (GPT-2's are transposed ``Conv1D`` weights). Fused
 projections (GPT-2's ``c_attn``, Falcon's ``query_key_value``, Phi-3's and CodeGen's
 ``qkv_proj``, Phi-3's and GLM-4's ``gate_up_proj``) have no rule: a split of the fused output
 by features would not give each device whole heads of all three, or its gate and up columns
@@ -73,11 +78,19 @@ _COLUMN = (
     # Hugging Face's BERT family (BERT, RoBERTa, ELECTRA, ...), as Megatron's own BERT
     *(f"attention.self.{p}.{w}" for p in _QKV for w in ("weight", "bias")),
     *("intermediate.dense.weight", "intermediate.dense.bias"),
+    # the first MLP projection of OPT and Phi (fc1), GPT-J (fc_in), GPT-NeoX and Bloom
+    *(
+        f"{p}.{w}"
+        for p in ("fc1", "fc_in", "dense_h_to_4h")
+        for w in ("weight", "bias")
+    ),
 )
 _ROW = (
     *("attn.proj.weight", "mlp.proj.weight", "attn.o.weight", "mlp.down.weight"),
     *("o_proj.weight", "down_proj.weight"),  # Hugging Face's Llama family
     "output.dense.weight",  # BERT's attention.output.dense and its MLP's output.dense
+    *("fc2.weight", "fc_out.weight", "dense_4h_to_h.weight"),  # their second
+    *("self_attn.out_proj.weight", "self_attn.dense.weight"),  # OPT's and Phi's o
 )
 # BERT's masked-LM head: the decoder is tied to word_embeddings, its bias is per token
 _VOCAB = (
