@@ -38,7 +38,7 @@ from planner.commands.fmt import param_count
 from planner.inter.mesh_search import submesh_shapes
 from planner.plans.assemble import assemble
 from planner.size_search import SizeJob, SizeResult, evaluate_all, processes
-from planner.tracing.inputs import resolve_model
+from planner.tracing.inputs import resolve_model, training_dtype
 from planner.vocab.plan_file import ParallelPlan
 
 MODES = ("auto", "intra-only", "inter-only")
@@ -120,7 +120,7 @@ def plan(
     example_batch: Any = None,
     *,
     global_batch: int | None = None,
-    dtype: torch.dtype | str = torch.float16,
+    dtype: torch.dtype | str | None = None,
     memory_budget: float | None = None,
     schedule: str = "auto",
     microbatch_size: int | list[int] | None = None,
@@ -134,7 +134,10 @@ def plan(
     """Plan data, tensor and pipeline parallel training of `model` on `cluster`.
 
     `model` is an nn.Module (with `example_batch`; it may live on the meta device) or a built-in
-    model name or spec. `memory_budget` is bytes per device (default: the device's memory).
+    model name or spec. `dtype` (a torch dtype or its name) is the training dtype of a model
+    given by name or spec (default float16); an nn.Module is planned in its parameters' dtype,
+    and another `dtype` is an error (`planner.tracing.inputs.training_dtype`). `memory_budget`
+    is bytes per device (default: the device's memory).
     `context_parallel=False` searches without context parallelism: no attention is split along
     the sequence, neither in the intra-op programs nor as seeds (`planner.intra.context.
     without_context`); the long-context benchmark compares the plans with and without it.
@@ -154,7 +157,7 @@ def plan(
         )
     schedule = _schedule(schedule, mode)
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = training_dtype(model, dtype)
     name, make, default_batch = resolve_model(model, example_batch, dtype, model_name)
     G = default_batch if global_batch is None else global_batch
     if G < 1:

@@ -84,6 +84,35 @@ def test_shape_mismatch_is_one_line_without_torchs_log(
     assert "check that its sizes agree" in msg, msg
 
 
+def test_a_module_is_planned_in_its_own_dtype() -> None:
+    """An nn.Module is traced as it was built: with no dtype its plan is in its parameters'
+    dtype; another dtype is an error naming both and what to do, as is a dtype torch lacks.
+    Before, `dtype` (default float16) was recorded nowhere and ignored for modules."""
+
+    class Loss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x).float().pow(2).mean()
+
+    model = Loss().to(torch.bfloat16)
+    batch = torch.zeros(4, 8, dtype=torch.bfloat16)
+    p = plan(model, "1x2xA100-80GB", batch, microbatch_size=4)
+    assert p.dtype == "bfloat16"
+    with pytest.raises(
+        MeshplanError, match="parameters are bfloat16, but dtype float16"
+    ):
+        plan(model, "1x2xA100-80GB", batch, dtype=torch.float16)
+    with pytest.raises(MeshplanError, match="unknown dtype 'float8'"):
+        plan(
+            "gpt:hidden=8,layers=1,heads=2,seq=4,vocab=16",
+            "1x2xA100-80GB",
+            dtype="float8",
+        )
+
+
 def test_forward_must_return_a_scalar_loss() -> None:
     with pytest.raises(MeshplanError, match=r"returned a tensor of shape \(4, 8\)"):
         trace(NotALoss(), torch.randn(4, 8))

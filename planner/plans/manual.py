@@ -106,7 +106,7 @@ from planner.intra.megatron import (
 from planner.plans.assemble import PlanSpec, assemble, stage_from_profile
 from planner.plans.recompute import block_chunks
 from planner.tracing.blocks import block_units
-from planner.tracing.inputs import resolve_model
+from planner.tracing.inputs import resolve_model, training_dtype
 from planner.tracing.opgraph import OpGraph
 from planner.vocab.plan_check import FSDP_MODES, RECOMPUTE_MODES, recompute_mode
 from planner.vocab.plan_file import ParallelPlan
@@ -128,7 +128,7 @@ def manual_plan(
     recompute: bool | str = "none",
     sequence_parallel: bool | None = None,
     virtual_stages: int = 1,
-    dtype: torch.dtype | str = torch.float16,
+    dtype: torch.dtype | str | None = None,
     optimizer: str = "adam_mixed",
     memory_budget: float | None = None,
     allow_oom: bool = False,
@@ -175,7 +175,7 @@ def manual_plan(
             "sequence_parallel=True/False places norms on the tensor-parallel axis; "
             f"tp={tp} has none (leave it None)"
         )
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = training_dtype(model, dtype)
     D, M = cluster.num_devices, cluster.devices_per_host
     for key, v in (
         ("dp", dp),

@@ -54,6 +54,32 @@ class ModelSource:
         return graph
 
 
+def training_dtype(model: Any, dtype: torch.dtype | str | None) -> torch.dtype:
+    """The dtype `model` is planned in: `dtype` (a torch dtype or its name), by default float16
+    for a model given by name or spec. An `nn.Module` is traced as it was built, in its
+    parameters' dtype: a `dtype` other than theirs is an error naming both, instead of a plan
+    in a dtype the caller did not ask for."""
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise MeshplanError(
+                f"unknown dtype {dtype!r}; expected float16, bfloat16 or float32"
+            )
+        dtype = getattr(torch, dtype)
+    if not isinstance(model, nn.Module):
+        return dtype or torch.float16
+    own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if own is None:
+        return dtype or torch.float32
+    if dtype is not None and dtype != own:
+        name = str(dtype).removeprefix("torch.")
+        raise MeshplanError(
+            f"the model's parameters are {str(own).removeprefix('torch.')}, but dtype "
+            f"{name} was asked for: a module is planned as it is built; build it in {name} "
+            f"(model.to(torch.{name}) on the meta device costs nothing) or leave dtype unset"
+        )
+    return own
+
+
 def resolve_model(
     model: Any, example_batch: Any, dtype: torch.dtype, name: str | None
 ) -> tuple[str, ModelSource, int]:
