@@ -220,11 +220,12 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     return Cluster.from_spec(args.cluster, profile=profile)
 
 
-def _dtype(args: argparse.Namespace) -> str:
-    """``--dtype``, else the dtype a Hugging Face config.json declares, else float16."""
+def _dtype(args: argparse.Namespace) -> str | None:
+    """``--dtype``, else the dtype a Hugging Face config.json declares, else None (the
+    planner's default for a model given by name or spec, float16)."""
     from planner.models.hf import declared_dtype
 
-    return args.dtype or declared_dtype(args.model) or "float16"
+    return args.dtype or declared_dtype(args.model)
 
 
 def _budget(args: argparse.Namespace) -> float | None:

@@ -7,7 +7,8 @@
 ``bert``, ``mixtral``, ``qwen2_moe``, ...): the keys are its config's (``AutoConfig.for_model``);
 a ``config.json`` is one saved by ``transformers`` (a hub checkpoint's, no weights needed), and
 keys given after it override it; the dtype it declares (``torch_dtype``) is the one `meshplan
-plan` and `meshplan manual` plan for unless ``--dtype`` says otherwise (`declared_dtype`). Three keys are meshplan's, not the config's:
+plan` and `meshplan manual` plan for unless ``--dtype`` says otherwise (`declared_dtype`).
+Three keys are meshplan's, not the config's:
 
 * ``task``: the head, ``causal-lm`` (``AutoModelForCausalLM``, the default) or ``masked-lm``
   (``AutoModelForMaskedLM``); a config.json naming an ``...ForMaskedLM`` architecture defaults to
