@@ -29,7 +29,9 @@ has written the Python stack of every thread (`faulthandler`, on SIGUSR1) into
 `LaunchError.tracebacks`: where a hang sits, without a debugger. So is a rank that dies while
 starting: each rank reads its job (`fn` and its arguments, pickled once) from a pipe once it runs,
 so nothing waits on a rank that never will. That pipe stays open until the launch ends: a rank
-whose launching process is killed sees it close and exits (`_exit_with_launcher`).
+whose launching process is killed sees it close and exits (`runtime.rank`). A rank that
+raises while joining the process group, before `fn`, is the one failure after which the ranks
+start again, once (`JOIN_RESTARTS`), saying so on stderr.
 
 Why not torchrun? Its programmatic form, `torch.distributed.launcher.api.elastic_launch` (checked on
 torch 2.13), does return every rank's value and does fail fast: a rank raising ValueError ended the
@@ -48,22 +50,21 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from cost_models.errors import MeshplanError
-from planner.orphans import end_with_parent
+from runtime.rank import run_rank
 
 MAX_LOCAL_RANKS_CPU = 8  # gloo on one of the development machines; see DESIGN.md
 
@@ -82,10 +83,19 @@ PRELOAD = (
 PRELOAD_ENV = "MESHPLAN_PRELOAD"
 
 
+#: How many times a launch whose blamed rank raised while joining the process group starts its
+#: ranks again (no rank has run `fn` then). Under `pytest -n 2` on a 2-core machine, gloo's
+#: connectFullMesh failed twice in CI (2026-12-01, 2026-12-04) in one rank of 2 alone ("Connection
+#: closed by peer" from a peer that did not fail), the second time with a store of the launch's
+#: own (`_serve_store`). torchrun's agent restarts its whole group after any failure instead.
+JOIN_RESTARTS = 1
+
+
 class LaunchError(MeshplanError):
     """A launch failed: `rank` is the rank blamed (None on a timeout), `tracebacks` maps rank -> text;
     `stacks` lists the ranks whose text is a stack dump the one-line message cannot carry (each
-    hung rank on a timeout, the blamed rank when it crashed), which `meshplan run` prints."""
+    hung rank on a timeout, the blamed rank when it crashed), which `meshplan run` prints;
+    `joining` says the blamed rank raised while joining the process group, before `fn`."""
 
     def __init__(
         self,
@@ -93,11 +103,13 @@ class LaunchError(MeshplanError):
         rank: int | None,
         tracebacks: dict[int, str],
         stacks: Sequence[int] = (),
+        joining: bool = False,
     ) -> None:
         super().__init__(message)
         self.rank = rank
         self.tracebacks = tracebacks
         self.stacks = list(stacks)
+        self.joining = joining
 
 
 def free_port() -> int:
@@ -148,103 +160,6 @@ def rank_cpu_sets(world_size: int) -> list[list[int]]:
         per = len(cpus) // world_size
         return [cpus[r * per : (r + 1) * per] for r in range(world_size)]
     return [[cpus[r % len(cpus)]] for r in range(world_size)]
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    if len(text) > 300:
-        text = text[:297] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _thread_lock_for_tqdm() -> None:
-    """Give tqdm a thread lock in this rank. ``torch.fx.Interpreter.run`` (the executor) opens a
-    disabled tqdm bar, and tqdm's default class lock holds a multiprocessing RLock: a semaphore
-    registered with the launching process's resource tracker, which then warns of "leaked
-    semaphore objects" after every launch. A rank's bars are its own: a thread lock serves."""
-    from torch.hub import tqdm  # tqdm's own, or torch's stand-in without locks
-
-    if hasattr(tqdm, "set_lock"):
-        tqdm.set_lock(threading.RLock())
-
-
-def _worker(
-    rank: int,
-    world_size: int,
-    port: int,
-    backend: str,
-    threads: int | None,
-    cpus: list[int] | None,
-    env: dict[str, str],
-    timeout_s: float,
-    stack_file: str,
-    job: mpc.Connection,
-    conn: mpc.Connection,
-) -> None:
-    """Body of one rank: read (fn, args, kwargs) from `job`, init the group, run `fn`, send
-    ("ok", value) or ("error", ...) to the parent. SIGUSR1 writes every thread's stack to
-    `stack_file` (the parent asks on a timeout)."""
-    # its parent is the fork server, which exits when the launching process does
-    end_with_parent()
-    stacks = open(stack_file, "w")  # noqa: SIM115 - open for the process's life
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    # and on a crash (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL): where the rank was in Python
-    faulthandler.enable(file=stacks, all_threads=True)
-    os.environ.clear()  # the caller's environment, not the fork server's (module docstring)
-    os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
-    try:
-        fn, args, kwargs = pickle.loads(job.recv_bytes())
-        threading.Thread(
-            target=_exit_with_launcher, args=(job, stack_file), daemon=True
-        ).start()
-        import torch
-        import torch.distributed as dist
-
-        _thread_lock_for_tqdm()
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-        if threads:
-            torch.set_num_threads(threads)
-        device_id = None
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            device_id = torch.device("cuda", rank)
-        timeout = datetime.timedelta(seconds=max(timeout_s, 1.0))
-        # a client of the store the launching process serves (`_serve_store`)
-        store = dist.TCPStore("127.0.0.1", port, world_size, timeout=timeout)
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-            device_id=device_id,
-        )
-        value = fn(*args, **kwargs)
-        dist.destroy_process_group()
-        conn.send(("ok", rank, value))
-    except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
-        # Report before anything else: the time stamp must precede the peers' "connection reset"
-        # errors this rank's exit will cause, so the parent blames the root cause. No
-        # destroy_process_group here (it can block on dead peers); the exit closes the sockets.
-        failed_at = time.time()
-        with contextlib.suppress(
-            Exception
-        ):  # if even this fails, the exit code tells the parent
-            conn.send(
-                ("error", rank, failed_at, _one_line(exc), traceback.format_exc())
-            )
-        conn.close()
-        os._exit(1)
-    conn.close()
 
 
 def _stop(procs: Sequence[Any], grace_s: float) -> None:
@@ -298,9 +213,55 @@ def launch(
     # read when the server starts, at the first launch
     extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
     ctx.set_forkserver_preload([*PRELOAD, *extra])
+    # Plain pickle, by value: multiprocessing's ForkingPickler shares a tensor's storage through
+    # a file descriptor that only one process can take, and every rank unpickles this payload.
+    payload = pickle.dumps(
+        (fn, tuple(args), dict(kwargs or {})), pickle.HIGHEST_PROTOCOL
+    )
+    deadline = time.monotonic() + timeout_s
+    restarts = 0
+    while True:
+        try:
+            return _launch_once(
+                ctx,
+                payload,
+                world_size,
+                backend,
+                threads_per_rank,
+                cpu_sets,
+                dict(os.environ) | dict(env or {}),
+                timeout_s,
+                deadline,
+                grace_s,
+            )
+        except LaunchError as exc:
+            if not exc.joining or restarts == JOIN_RESTARTS:
+                raise
+            restarts += 1
+            print(
+                f"meshplan: starting the {world_size} ranks again (restart {restarts} of "
+                f"{JOIN_RESTARTS}): while joining the process group, {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _launch_once(
+    ctx: Any,
+    payload: bytes,
+    world_size: int,
+    backend: str,
+    threads_per_rank: int | None,
+    cpu_sets: Sequence[list[int] | None],
+    env: dict[str, str],
+    timeout_s: float,
+    deadline: float,
+    grace_s: float,
+) -> list[Any]:
+    """One start of the ranks (`launch`), which must all end before `deadline`."""
     store = _serve_store(world_size, timeout_s)
     port = store.port
-    # ranks remove their own files when the launch ends (`_exit_with_launcher`)
+    # ranks remove their own files when the launch ends (`runtime.rank`)
     stack_dir = tempfile.TemporaryDirectory(
         prefix="meshplan-stacks-", ignore_cleanup_errors=True
     )
@@ -309,22 +270,17 @@ def launch(
     ]
     procs: list[Any] = []
     conns: dict[Any, int] = {}
-    # the job pipes' sending ends, open until the launch ends (`_exit_with_launcher`)
+    # the job pipes' sending ends, open until the launch ends (`runtime.rank`)
     jobs: list[mpc.Connection] = []
     # The job goes through a pipe once the rank runs, not with the process's arguments:
     # multiprocessing writes those before it closes its copy of the child's end, so a rank that
     # dies while starting (a script read from standard input cannot be re-imported) left a
     # parent writing a large job (a plan) blocked for ever, past any deadline.
-    # Plain pickle, by value: multiprocessing's ForkingPickler shares a tensor's storage through
-    # a file descriptor that only one process can take, and every rank unpickles this payload.
-    payload = pickle.dumps(
-        (fn, tuple(args), dict(kwargs or {})), pickle.HIGHEST_PROTOCOL
-    )
     for rank in range(world_size):
         recv, send = ctx.Pipe(duplex=False)
         job_recv, job_send = ctx.Pipe(duplex=False)
         p = ctx.Process(
-            target=_worker,
+            target=run_rank,
             args=(
                 rank,
                 world_size,
@@ -332,7 +288,7 @@ def launch(
                 backend,
                 threads_per_rank,
                 cpu_sets[rank],
-                dict(os.environ) | dict(env or {}),
+                env,
                 timeout_s,
                 stack_files[rank],
                 job_recv,
@@ -353,8 +309,8 @@ def launch(
         ).start()
 
     results: dict[int, Any] = {}
-    # rank -> (time, one line, traceback) of a raised exception
-    errors: dict[int, tuple[float, str, str]] = {}
+    # rank -> (time, one line, traceback, raised while joining the group) of an exception
+    errors: dict[int, tuple[float, str, str, bool]] = {}
     # rank -> (time, exit code) of a rank that exited without a report
     deaths: dict[int, tuple[float, int]] = {}
     sentinels = {p.sentinel: r for r, p in enumerate(procs)}
@@ -369,7 +325,7 @@ def launch(
         if msg[0] == "ok":
             results[rank] = msg[2]
         else:
-            errors[rank] = (msg[2], msg[3], msg[4])
+            errors[rank] = (msg[2], msg[3], msg[4], msg[5])
 
     def reap(ready: list[Any]) -> None:
         """Take the reports among `ready`, then note the ranks among it that exited."""
@@ -387,7 +343,6 @@ def launch(
                 code = procs[rank].exitcode
                 deaths[rank] = (time.time(), code if code is not None else -1)
 
-    deadline = time.monotonic() + timeout_s
     try:
         while len(results) < world_size and not errors and not deaths:
             left = deadline - time.monotonic()
@@ -425,7 +380,7 @@ def _stacks(
     wait_s: float = 2.0,
 ) -> dict[int, str]:
     """Every thread's Python stack of each rank in `ranks` (SIGUSR1 -> faulthandler, see
-    `_worker`); a rank that wrote nothing within `wait_s` (not yet past its start, or stuck
+    `runtime.rank`); a rank that wrote nothing within `wait_s` (not yet past its start, or stuck
     outside Python's reach) gets a line saying so."""
     for r in ranks:
         with contextlib.suppress(ProcessLookupError, TypeError):
@@ -455,38 +410,21 @@ def _read(path: str) -> str:
 
 def _send_job(conn: mpc.Connection, payload: bytes) -> None:
     """Hand a rank its pickled job; a rank that died first is reported by its exit code. The
-    pipe stays open: it is the rank's lifeline (`_exit_with_launcher`)."""
+    pipe stays open: it is the rank's lifeline (`runtime.rank`)."""
     with contextlib.suppress(OSError):
         conn.send_bytes(payload)
 
 
-def _exit_with_launcher(job: mpc.Connection, stack_file: str) -> None:
-    """In a rank: wait for the end of the job pipe, which the launching process closes when the
-    launch ends or it dies, and exit. The parent-death signal alone does not cover that: a rank's
-    parent is the fork server, which outlives a launching process killed mid-run while ranks
-    hold its liveness pipe (multiprocessing hands it to every child). A launching process killed
-    so cannot remove its directory of stack files either: each rank removes its own file on the
-    way out, and the last one the directory."""
-    with contextlib.suppress(EOFError, OSError):
-        while True:
-            job.recv_bytes()
-    with contextlib.suppress(OSError):
-        os.remove(stack_file)
-    with contextlib.suppress(OSError):  # another rank's file is still there
-        os.rmdir(os.path.dirname(stack_file))
-    os._exit(1)
-
-
 def _failure(
     world_size: int,
-    errors: dict[int, tuple[float, str, str]],
+    errors: dict[int, tuple[float, str, str, bool]],
     deaths: dict[int, tuple[float, int]],
     stack_files: Sequence[str],
 ) -> LaunchError:
     """Blame one rank: a rank that died without reporting (os._exit, a signal) is never a mere
     victim of a peer's failure, so it comes first; otherwise the earliest reported exception.
     A rank killed by a crash signal has its Python stacks at the crash (faulthandler, see
-    `_worker`) as its traceback."""
+    `runtime.rank`) as its traceback."""
     tracebacks = {r: e[2] for r, e in errors.items()}
     shown: list[int] = []
     for r, (_, code) in deaths.items():
@@ -514,4 +452,5 @@ def _failure(
     others = sorted((set(errors) | set(deaths)) - {rank})
     if others:
         what += f" (also failed: ranks {', '.join(map(str, others))})"
-    return LaunchError(what, rank, tracebacks, shown)
+    joining = not deaths and errors[rank][3]
+    return LaunchError(what, rank, tracebacks, shown, joining)

@@ -309,6 +309,71 @@ def test_a_port_taken_by_another_launch_does_not_join_its_group(monkeypatch):
     assert ports[0] == ports[1] != other.port
 
 
+def _count_stores(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Every store the launch serves, one per start of its ranks."""
+    import runtime.launch
+
+    real = runtime.launch._serve_store
+    served: list[object] = []
+    monkeypatch.setattr(
+        runtime.launch, "_serve_store", lambda *a: served.append(real(*a)) or served[-1]
+    )
+    return served
+
+
+@pytest.mark.slow
+def test_ranks_that_fail_to_join_the_group_start_again_once(monkeypatch, capfd):
+    """An interface gloo cannot find fails each rank in init_process_group: the launch starts its
+    ranks a second time, then raises, saying it failed while joining."""
+    served = _count_stores(monkeypatch)
+    with pytest.raises(LaunchError, match="meshplan-no-such-nic") as info:
+        launch(
+            _group_port,
+            2,
+            timeout_s=60,
+            env={"GLOO_SOCKET_IFNAME": "meshplan-no-such-nic"},
+        )
+    assert info.value.joining and len(served) == 2
+    err = capfd.readouterr().err
+    assert (
+        err.count(
+            "starting the 2 ranks again (restart 1 of 1): while joining the process group, rank"
+        )
+        == 1
+    ), err
+
+
+def test_a_launch_that_failed_joining_once_returns_the_second_starts_results(
+    monkeypatch,
+):
+    import runtime.launch
+
+    real = runtime.launch._launch_once
+    starts: list[int] = []
+
+    def once(*args: object) -> list[object]:
+        starts.append(1)
+        if len(starts) == 1:
+            raise LaunchError(
+                "rank 1 of 2 failed: RuntimeError: Gloo connectFullMesh",
+                1,
+                {},
+                joining=True,
+            )
+        return real(*args)
+
+    monkeypatch.setattr(runtime.launch, "_launch_once", once)
+    assert launch(_group_port, 2, timeout_s=60)[0] > 0 and len(starts) == 2
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_in_its_function_is_not_started_again(monkeypatch):
+    served = _count_stores(monkeypatch)
+    with pytest.raises(LaunchError, match="boom on purpose") as info:
+        launch(_rank1_raises, 2, timeout_s=60)
+    assert len(served) == 1 and not info.value.joining
+
+
 @pytest.mark.parametrize(
     ("fn", "expected"),
     [
