@@ -17,6 +17,7 @@ from importlib.metadata import EntryPoint, entry_points
 
 from cost_models.errors import MeshplanError
 from runtime.launch import LaunchError
+from runtime.torchrun import record_error
 
 GROUP = "meshplan.commands"
 #: The order of `meshplan --help`, by entry-point name; commands not named here come after, by name.
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
     except MeshplanError as exc:
         print(f"meshplan: error: {exc}", file=sys.stderr)
+        record_error(
+            f"meshplan: error: {exc}"
+        )  # torchrun's failure table, under torchrun
         # where each rank of a timed-out launch hung, or where the blamed rank crashed
         if isinstance(exc, LaunchError):
             for rank in exc.stacks:

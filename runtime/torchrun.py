@@ -27,12 +27,20 @@ What torchrun and PyTorch lack, and this module adds:
   match. Every rank writes a digest of its plan and options (`run_digest`) at the meeting, and a rank whose
   digest differs from the first one written is refused there.
 
+- A rank that exits with meshplan's one-line error leaves torchrun's failure table with
+  "traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html" as
+  its root cause. `record_error` writes the line where torchrun's agent reads a rank's error
+  (TORCHELASTIC_ERROR_FILE) so the table shows it. PyTorch's
+  ``ErrorHandler.record_exception`` writes the Python traceback there, which the table would
+  print instead of the line.
+
 Without the agent store (TORCHELASTIC_USE_AGENT_STORE unset: rank 0 serves the store itself once
 it initialises the process group) there is nothing to meet on beforehand, and joining is a no-op.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -71,6 +79,19 @@ def check_torchrun_shape(plan: ParallelPlan, env: Mapping[str, str]) -> None:
             f"started {nodes} node(s) x {local} processes; run torchrun with --nnodes {hosts} "
             f"--nproc-per-node {per_host}, or plan for --cluster {nodes}x{local}x..."
         )
+
+
+def record_error(message: str, env: Mapping[str, str] | None = None) -> None:
+    """Under torchrun, write `message` to this rank's error file (TORCHELASTIC_ERROR_FILE) as
+    ``ErrorHandler.record_exception`` does, with `message` in place of the traceback (the
+    "py_callstack" the failure table prints); nothing elsewhere, or where the file cannot be
+    written (the exit code still tells torchrun the rank failed)."""
+    path = (os.environ if env is None else env).get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    info = {"py_callstack": message, "timestamp": str(int(time.time()))}
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump({"message": {"message": message, "extraInfo": info}}, f)
 
 
 def _join_prefix(env: Mapping[str, str]) -> str:

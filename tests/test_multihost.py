@@ -184,7 +184,33 @@ def test_a_failed_host_stops_both(
     named = "cannot read plan missing.json" in other and "before every rank" in other
     lost = bad_node == 0 and "lost torchrun's store at 127.0.0.1:" in other
     assert named or lost, other[-3000:]
+    # torchrun's failure table on the failed host names the error as the root cause
+    root = _log(tmp_path, bad_node).split("Root Cause")[-1]
+    assert "meshplan: error: cannot read plan missing.json" in root, root
     print(f"both launchers stopped in {waited:.1f} s")
+
+
+def test_an_error_under_torchrun_is_the_root_cause_torchrun_prints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`meshplan run`'s one-line error goes to the file torchrun's agent reads, read back here
+    by torchrun's own code."""
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError,
+        ProcessFailure,
+    )
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", MODEL, "--plan", "missing.json", "--steps", "1"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("meshplan: error: cannot read plan missing.json"), line
+    failure = ProcessFailure(
+        local_rank=0, pid=1, exitcode=2, error_file=str(error_file)
+    )
+    table = ChildFailedError("meshplan run", {0: failure}).format_msg()
+    assert f"traceback : {line}" in table, table
 
 
 def test_plan_for_other_hosts_refused_before_joining(
