@@ -93,7 +93,28 @@ MODELS = {
     "qwen3_5_moe_text": f"hidden_size=64,num_hidden_layers=2,num_attention_heads=4,{_KV},"
     f"head_dim=16,{_V},num_experts=4,num_experts_per_tok=2,moe_intermediate_size=32,"
     "shared_expert_intermediate_size=64",
+    "olmo": f"{_D},{_KV},{_V}",
+    "helium": f"{_D},{_KV},head_dim=16,{_V}",
+    "internlm3": f"{_D},{_KV},{_V}",
+    "arcee": f"{_D},{_KV},{_V}",
+    "apertus": f"{_D},{_KV},{_V}",
+    "ernie4_5": f"{_D},{_KV},{_V}",
+    "exaone": f"{_D},{_KV},{_V}",
+    "bitnet": f"{_D},{_KV},{_V}",
+    "doge": f"{_D},{_KV},{_V},attn=eager",  # a mask computed from parameters
+    "vaultgemma": f"{_D},{_KV},head_dim=16,{_V}",
+    "granite_swa": f"{_D},{_KV},{_V}",
+    "granitemoeshared": f"{_D},{_KV},{_V},num_local_experts=4,shared_intermediate_size=64",
+    "cohere2_moe": f"{_D},{_KV},{_V},num_experts=4",
+    "glm4_moe": f"{_D},{_KV},{_V},n_routed_experts=4,num_experts_per_tok=2,"
+    "moe_intermediate_size=32",
+    "exaone_moe": f"{_D},{_KV},{_V},num_experts=4,num_experts_per_tok=2,"
+    "moe_intermediate_size=32",
+    "minimax_m2": f"{_D},{_KV},{_V},num_local_experts=4,num_experts_per_tok=2",
     # hybrids: linear attention, state-space or convolution blocks beside attention
+    "minimax": f"{_D},{_KV},{_V},num_local_experts=4",
+    "bamba": f"{_D},{_KV},{_V},mamba_n_heads=8,mamba_d_head=16,mamba_d_state=16,"
+    "mamba_chunk_size=16",
     "qwen3_next": f"{_D},{_KV},head_dim=16,{_V},num_experts=4,num_experts_per_tok=2,"
     "moe_intermediate_size=32,shared_expert_intermediate_size=64",
     "jamba": f"{_D},{_KV},{_V},num_experts=4,num_experts_per_tok=2",

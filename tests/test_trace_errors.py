@@ -61,6 +61,41 @@ def test_data_dependent_control_flow_names_the_module_and_what_to_do() -> None:
     assert "torch.where" in msg and "if h.sum() > 0" in msg
 
 
+class MaskedAttention(nn.Module):
+    """Attention whose additive mask is a parameter (`learned`) or a constant: Doge's dynamic
+    mask is computed from parameters so."""
+
+    def __init__(self, learned: bool) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        bias = torch.zeros(8, 8)
+        self.bias = nn.Parameter(bias) if learned else nn.Buffer(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+        return out.pow(2).mean()
+
+
+@pytest.mark.parametrize("learned", [True, False])
+def test_a_mask_that_needs_a_gradient_asks_for_eager_attention(learned: bool) -> None:
+    batch = (torch.randn(2, 8, 16),)
+    if not learned:
+        assert any(
+            "flash_attention" in n.target
+            for n in trace(MaskedAttention(False), batch).nodes
+        )
+        return
+    with pytest.raises(MeshplanError, match="mask computed from parameters") as info:
+        trace(MaskedAttention(True), batch)
+    msg = str(info.value)
+    assert "module ''" in msg and "attn=eager" in msg and "\n" not in msg, msg
+    # the computation as it trains: the math kernel, with a gradient for the mask
+    model = MaskedAttention(True)
+    model(*batch).backward()
+    assert model.bias.grad is not None
+
+
 def test_item_names_the_op() -> None:
     with pytest.raises(MeshplanError, match=r"(?s)top-level forward.*\.item\(\)"):
         trace(Item(), torch.randn(4, 8))

@@ -425,10 +425,37 @@ def _build_graph(
                 fx_node.name, "output", "output", "output", inputs=ins, module_path=path
             )
         else:
+            _check_attention_mask(fx_node, by_name, path, label)
             node = _op_node(fx_node, outs, path, by_name, root, param_of)
         nodes.append(node)
         by_name[node.name] = node
     return OpGraph(nodes, params, buffers, placeholder_paths, gm=gm, model_name=label)
+
+
+_SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _check_attention_mask(
+    fx_node: torch.fx.Node, by_name: dict[str, OpNode], path: str, label: str | None
+) -> None:
+    """Refuse CPU flash attention given a mask that needs a gradient (one computed from
+    parameters, as Doge's dynamic mask is). The trace runs without gradients, so
+    ``scaled_dot_product_attention`` picks the CPU flash kernel. That kernel has no gradient for
+    its mask; in training, PyTorch picks the math kernel for such a mask instead."""
+    mask = fx_node.kwargs.get("attn_mask")
+    if not (
+        fx_node.target is _SDPA_CPU
+        and isinstance(mask, torch.fx.Node)
+        and by_name[mask.name].requires_grad
+    ):
+        return
+    raise MeshplanError(
+        f"cannot trace {label or 'the model'} in module {path!r}: its "
+        "scaled_dot_product_attention gets a mask computed from parameters, which needs a "
+        "gradient, and the fused attention kernel meshplan traces has none for a mask; build "
+        "the model with eager attention (add attn=eager to an hf: spec, or pass "
+        "attn_implementation='eager' to transformers)"
+    )
 
 
 def _op_node(
