@@ -103,9 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
     except MeshplanError as exc:
         print(f"meshplan: error: {exc}", file=sys.stderr)
-        record_error(
-            f"meshplan: error: {exc}"
-        )  # torchrun's failure table, under torchrun
+        record_error(f"meshplan: error: {exc}")  # for torchrun's failure table
         # where each rank of a timed-out launch hung, or where the blamed rank crashed
         if isinstance(exc, LaunchError):
             for rank in exc.stacks:

@@ -26,7 +26,6 @@ What torchrun and PyTorch lack, and this module adds:
   given different plan files or options would form one group and run programs that do not
   match. Every rank writes a digest of its plan and options (`run_digest`) at the meeting, and a rank whose
   digest differs from the first one written is refused there.
-
 - A rank that exits with meshplan's one-line error leaves torchrun's failure table with
   "traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html" as
   its root cause. `record_error` writes the line where torchrun's agent reads a rank's error
