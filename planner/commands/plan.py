@@ -10,7 +10,7 @@ from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from cost_models.memory import OPTIMIZERS
 from planner.commands.fmt import nbytes, param_count, table
-from planner.vocab.plan_check import FSDP_MODES, RECOMPUTE_MODES
+from planner.vocab.plan_check import DTYPES, FSDP_MODES, RECOMPUTE_MODES
 from planner.vocab.plan_file import ParallelPlan, StagePlan
 
 
@@ -43,7 +43,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dtype",
-        choices=["float16", "bfloat16", "float32"],
+        choices=DTYPES,
         help="training dtype (default: the one a Hugging Face config.json declares, else "
         "float16)",
     )

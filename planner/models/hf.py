@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from cost_models.errors import MeshplanError
+from planner.vocab.plan_check import DTYPES
 
 TASKS = ("causal-lm", "masked-lm")
 ATTENTION = ("sdpa", "eager")
@@ -87,13 +88,9 @@ def _items(body: str, name: str) -> dict[str, Any]:
     return out
 
 
-#: The training dtypes meshplan plans (`meshplan plan --dtype`).
-DTYPES = ("float16", "bfloat16", "float32")
-
-
 def declared_dtype(name: str) -> str | None:
     """The dtype an ``hf:PATH/config.json`` spec's config declares (``dtype``, or
-    ``torch_dtype`` as transformers 4 saved it) when it is one of `DTYPES`; None for any other
+    ``torch_dtype`` as transformers 4 saved it) when a plan may be in it (`DTYPES`); None for any other
     spec, where the CLI's default is float16."""
     if not name.strip().startswith("hf:"):
         return None

@@ -15,6 +15,7 @@ from cost_models.errors import MeshplanError
 from planner.tracing.calls import batch_tuple
 from planner.tracing.opgraph import OpGraph
 from planner.tracing.tracer import trace
+from planner.vocab.plan_check import DTYPES
 
 #: The graphs of models named by a string that builds the same model every time
 #: (`planner.models.registry.built_from_string_alone`), per (spec, micro-batch size, dtype, name),
@@ -60,9 +61,9 @@ def training_dtype(model: Any, dtype: torch.dtype | str | None) -> torch.dtype:
     parameters' dtype: a `dtype` other than theirs is an error naming both, instead of a plan
     in a dtype the caller did not ask for."""
     if isinstance(dtype, str):
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        if dtype not in DTYPES:
             raise MeshplanError(
-                f"unknown dtype {dtype!r}; expected float16, bfloat16 or float32"
+                f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}"
             )
         dtype = getattr(torch, dtype)
     if not isinstance(model, nn.Module):

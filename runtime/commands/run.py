@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cost_models.errors import MeshplanError
+from planner.vocab.plan_check import DTYPES
 from planner.vocab.plan_file import ParallelPlan
 from runtime.torchrun import (
     agent_store,
@@ -399,7 +400,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     g.add_argument(
         "--dtype",
         default="float32",
-        choices=("float32", "float16", "bfloat16"),
+        choices=DTYPES,
         help="training dtype to plan for (default float32)",
     )
     g.add_argument("--save-plan", metavar="FILE", help="write the plan made here")
