@@ -19,6 +19,7 @@ alike. The cache belongs to the default process group: a new one (after
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -52,6 +53,8 @@ def device_mesh(
     key = (device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()), names_key)
     mesh = _cache.get(key)
     if mesh is None:
+        if ranks.dim() > 1:
+            _quiet_flatten_advice()
         mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names_key)
         _cache[key] = mesh
     if sub is None:
@@ -74,3 +77,23 @@ def stage_mesh(stage: StagePlan, device_type: str = "cpu") -> DeviceMesh:
             f"logical mesh {tuple(stage.logical_mesh)}"
         )
     return device_mesh(device_type, ranks.view(shape))
+
+
+class _FlattenAdvice(logging.Filter):
+    """Drops DTensor's advice to flatten mesh dimensions ("While redistributing from (Partial(avg),
+    Partial(avg)) to (Replicate(), Replicate()), 2 sequential all_reduce operations will be
+    performed ... flatten mesh dimensions"), which every rank logs at the first such
+    redistribution of a multi-dimensional mesh: a data-parallel loss over dp x tp is one. A
+    plan's meshes are the planner's, priced with one collective per mesh axis
+    (`cost_models.resharding`), so a user of meshplan has nothing to act on there; DTensor's
+    other messages pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("While redistributing from")
+
+
+def _quiet_flatten_advice() -> None:
+    """Install `_FlattenAdvice` on DTensor's redistribution logger, once per process."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    if not any(isinstance(f, _FlattenAdvice) for f in logger.filters):
+        logger.addFilter(_FlattenAdvice())
