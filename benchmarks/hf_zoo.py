@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -121,7 +122,65 @@ MODELS = {
     "falcon_h1": f"{_D},{_KV},{_V}",
     "lfm2": f"{_D},{_KV},{_V}",
     "mamba": f"hidden_size=64,num_hidden_layers=2,state_size=8,{_V}",
+    "mamba2": f"hidden_size=64,num_hidden_layers=2,num_heads=8,head_dim=16,state_size=16,"
+    f"n_groups=1,{_V}",
+    "falcon_mamba": f"hidden_size=64,num_hidden_layers=2,state_size=8,intermediate_size=128,{_V}",
+    "recurrent_gemma": f"{_D},{_KV},head_dim=16,{_V},attention_window_size=16",
+    # dense decoders
+    "xglm": f"d_model=64,ffn_dim=96,num_layers=2,attention_heads=4,{_V}",
+    "persimmon": f"{_D},{_V}",
+    "glm": f"{_D},{_KV},head_dim=16,{_V},pad_token_id=0",
+    "hunyuan_v1_dense": f"{_D},{_KV},head_dim=16,{_V}",
+    "ministral": f"{_D},{_KV},head_dim=16,{_V}",
+    "openai-gpt": f"n_embd=64,n_layer=2,n_head=4,n_positions=16,{_V}",
+    "ctrl": f"n_embd=64,n_layer=2,n_head=4,n_positions=16,dff=96,{_V}",
+    "modernbert-decoder": f"{_D},{_V},pad_token_id=0",
+    "nanochat": f"{_D},{_KV},{_V}",
+    "diffllama": f"{_D},{_KV},{_V}",
+    "minicpm3": f"{_D},{_KV},{_V},q_lora_rank=16,kv_lora_rank=16,qk_nope_head_dim=8,"
+    "qk_rope_head_dim=8,v_head_dim=16",
+    "jais2": f"{_D},{_KV},head_dim=16,{_V}",
+    "cwm": f"{_D},{_KV},head_dim=16,{_V}",
+    "youtu": f"{_D},{_KV},{_V},kv_lora_rank=16,q_lora_rank=16,qk_rope_head_dim=8,"
+    "qk_nope_head_dim=8,v_head_dim=16",
+    "iquestcoder": f"{_D},{_KV},head_dim=16,{_V}",
+    # models that make their own mask of ones when called without one
+    "biogpt": f"{_D},{_V}",
+    "megatron-bert": f"{_D},{_V},task=masked-lm",
+    "roformer": f"{_D},embedding_size=64,{_V},task=masked-lm",
+    "rembert": f"{_D},input_embedding_size=64,output_embedding_size=64,{_V},task=masked-lm",
+    # encoders (masked LM)
+    "electra": f"{_D},embedding_size=64,{_V},task=masked-lm",
+    "xlm-roberta": f"{_D},{_V},task=masked-lm,pad_token_id=1",
+    "camembert": f"{_D},{_V},task=masked-lm,pad_token_id=1",
+    "data2vec-text": f"{_D},{_V},task=masked-lm,pad_token_id=1",
+    "ernie": f"{_D},{_V},task=masked-lm",
+    # mixtures of experts
+    "hunyuan_v1_moe": f"{_D},{_KV},head_dim=16,{_V},num_experts=4,moe_topk=2",
+    "dots1": f"{_D},{_KV},{_V},moe_intermediate_size=32,n_routed_experts=4,"
+    "num_experts_per_tok=2,n_shared_experts=1,first_k_dense_replace=1",
+    "flex_olmo": f"{_D},{_KV},{_V},pad_token_id=0,num_experts=4,num_experts_per_tok=2",
+    "afmoe": f"{_D},{_KV},head_dim=16,{_V},moe_intermediate_size=32,num_experts=4,"
+    "num_experts_per_tok=2,num_shared_experts=1,num_dense_layers=1",
+    "solar_open": f"hidden_size=64,num_hidden_layers=2,num_attention_heads=4,{_KV},{_V},"
+    "moe_intermediate_size=32,n_routed_experts=4,num_experts_per_tok=2,n_shared_experts=1",
+    "glm4_moe_lite": f"{_D},{_KV},{_V},moe_intermediate_size=32,n_routed_experts=4,"
+    "num_experts_per_tok=2,n_shared_experts=1,kv_lora_rank=16,q_lora_rank=16,"
+    "qk_rope_head_dim=8,qk_nope_head_dim=8,v_head_dim=16,n_group=1,topk_group=1",
+    "sarvam_moe": f"{_D},{_KV},{_V},moe_intermediate_size=32,n_routed_experts=4,"
+    "num_experts_per_tok=2,n_shared_experts=1",
+    "laguna": f"{_D},{_KV},{_V},moe_intermediate_size=32,shared_expert_intermediate_size=32,"
+    "num_experts=4,num_experts_per_tok=2",
+    "mellum": f"{_D},{_KV},{_V},moe_intermediate_size=32,num_local_experts=4,"
+    "num_experts_per_tok=2",
+    "hy_v3": f"{_D},{_KV},head_dim=16,{_V},num_experts=4,num_experts_per_tok=2",
+    "mimo_v2_flash": f"{_D},{_KV},{_V},moe_intermediate_size=32,n_routed_experts=4,"
+    "num_experts_per_tok=2",
 }
+#: types whose forward iterates over a set of strings (MiMoV2Flash builds its masks in the order
+#: of ``set(config.layer_types)``): their op order follows each process's string hashing, so
+#: they are planned and run with PYTHONHASHSEED=0, as `ParallelPlan.check_model`'s refusal says
+HASH_SEEDED = ("mimo_v2_flash",)
 CLUSTER, BATCH, STEPS, LR, REL = "1x4xA100-80GB", 8, 3, 0.1, 1e-5
 
 
@@ -142,10 +201,12 @@ def one_device_losses(spec: str) -> list[float]:
     return losses
 
 
-def _cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+def _cli(
+    *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "runtime.cli", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     return proc, time.perf_counter() - t0
 
 
@@ -165,11 +226,15 @@ def run_model(kind: str) -> dict[str, Any]:
     """Plan, run and compare one model type (module docstring)."""
     spec = f"hf:{kind}:{MODELS[kind]}"
     out: dict[str, Any] = {"model": kind, "spec": spec, "ok": False}
+    env = None
+    if kind in HASH_SEEDED:
+        env = os.environ | {"PYTHONHASHSEED": "0"}
+        out["env"] = "PYTHONHASHSEED=0"
     with tempfile.TemporaryDirectory() as tmp:
         plan_file, losses_file = Path(tmp) / "plan.json", Path(tmp) / "losses.json"
         proc, out["plan_s"] = _cli(
             "plan", spec, "--cluster", CLUSTER, "--batch", str(BATCH),
-            "--dtype", "float32", "--quiet", "--json", str(plan_file),
+            "--dtype", "float32", "--quiet", "--json", str(plan_file), env=env,
         )  # fmt: skip
         if proc.returncode != 0:
             return out | {"error": f"plan: {_last_error(proc)}"}
@@ -180,7 +245,7 @@ def run_model(kind: str) -> dict[str, Any]:
         ]
         proc, out["run_s"] = _cli(
             "run", spec, "--plan", str(plan_file), "--steps", str(STEPS),
-            "--json", str(losses_file),
+            "--json", str(losses_file), env=env,
         )  # fmt: skip
         if proc.returncode != 0:
             return out | {"error": f"run: {_last_error(proc)}"}

@@ -141,39 +141,45 @@ def _prune(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return gm
 
 
-def _view(x: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+def tolerant_view(x: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
     """``aten.view``, or ``aten.reshape`` (a copy) where the real tensor's strides do not allow
     the view the trace made on fake tensors. Some ops' meta functions give their output other
     strides than their CPU kernels: ``softplus_backward``'s real output follows the gradient's
     layout, its fake one ``self``'s (torch 2.13), so a view of it that was valid at trace time
     fails at run time (Qwen3.5's gated delta rule: ``softplus(a)`` backward through a transpose).
-    A graph after AOTAutograd is functional, so a copy where the view cannot be is the same
-    value; only a call that would fail changes."""
+    The same holds for a kernel that lays its output out by its inputs' strides (CPU flash
+    attention), whose inputs' local layout under DTensor can differ from the trace's
+    (FlexOLMo's attention output, viewed after a transpose). A graph after AOTAutograd is
+    functional, and the executor's graph too, so a copy where the view cannot be is the same
+    value; only a call that would fail changes. The copy is a contiguous clone, then the view:
+    not ``aten.reshape``, which decides on a DTensor's global strides, and those can claim a
+    layout its local tensor does not have."""
     try:
         return torch.ops.aten.view.default(x, size)
     except RuntimeError:
-        return torch.ops.aten.reshape.default(x, size)
+        copy = torch.ops.aten.clone.default(x, memory_format=torch.contiguous_format)
+        return torch.ops.aten.view.default(copy, size)
 
 
 def _tolerant_views(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """`gm` with every ``aten.view`` run as `_view`."""
+    """`gm` with every ``aten.view`` run as `tolerant_view`."""
     views = [n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default]
     for n in views:
-        n.target = _view
+        n.target = tolerant_view
     if views:
         gm.recompile()
     return gm
 
 
 def _forward_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-    """The no-op compiler, after pruning dead nodes, making views tolerant of strides (`_view`)
+    """The no-op compiler, after pruning dead nodes, making views tolerant of strides (`tolerant_view`)
     and labelling the forward graph's collectives with their sites."""
     comm_count.label_graph_sites(_tolerant_views(_prune(gm)), backward=False)
     return gm
 
 
 def _backward_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-    """The no-op compiler, after pruning dead nodes, making views tolerant of strides (`_view`)
+    """The no-op compiler, after pruning dead nodes, making views tolerant of strides (`tolerant_view`)
     and labelling the backward graph's collectives with their sites."""
     comm_count.label_graph_sites(_tolerant_views(_prune(gm)), backward=True)
     return gm

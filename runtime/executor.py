@@ -98,7 +98,7 @@ from planner.vocab.placements import device_mesh_shape, fsdp_gradient, mesh_axes
 from planner.vocab.strategy import StageProgram, consumed_output
 from runtime import comm_count
 from runtime.checkpointed import run_checkpointed
-from runtime.compiled import CompiledStage
+from runtime.compiled import CompiledStage, tolerant_view
 from runtime.context import context_attention
 from runtime.device_ops import device_targets
 from runtime.differentiable import differentiable_targets
@@ -120,6 +120,7 @@ if TYPE_CHECKING:
 __all__ = ["PlanExecutor", "make_mesh", "place_params", "run_graph"]
 
 Strs = tuple[str, ...]
+VIEW = torch.ops.aten.view.default
 _NOT_COMPILED = object()  # `_run_compiled`: this stage runs eagerly
 
 
@@ -232,6 +233,10 @@ class PlanExecutor(torch.fx.Interpreter):
                     self._parse(strategy.inputs[0]),
                     output_placements(strategy.output[0], axes, self._parse),
                 )
+            if n.target is VIEW and n not in self._targets:
+                # a view the trace made on fake tensors may not fit the local tensor's strides
+                # here (a kernel that lays its output out by its inputs' strides: `tolerant_view`)
+                self._targets[n] = tolerant_view
         # FSDP parameters (placeholder name -> shard placements; `runtime.fsdp`): eager only;
         # `layers` (op node name -> FSDP unit) paces their reduce-scatters
         # with recomputation, the recomputed forward gathers them again (`runtime.fsdp`)

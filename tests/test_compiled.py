@@ -281,3 +281,39 @@ def test_views_survive_strides_the_fake_trace_did_not_see() -> None:
     got, a.grad = a.grad, None
     run(a, w).backward()
     assert torch.equal(got, a.grad)
+
+
+def _view_of_a_local_layout_the_dtensor_does_not_claim() -> list[bool]:
+    """In a rank: a DTensor whose local tensor is laid out otherwise than its global strides
+    say (as CPU flash attention lays its output out by its inputs' strides, which differ under
+    DTensor from the trace's), viewed by the trace's ``aten.view``."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from planner.vocab.strategy import StageProgram
+    from runtime.compiled import tolerant_view
+    from runtime.executor import make_mesh
+
+    mesh = make_mesh(StageProgram((1,), {}))
+    local = torch.arange(32.0).view(4, 8).t()  # (8, 4), strides (1, 8)
+    x = DTensor.from_local(local, mesh, [Replicate()], shape=(8, 4), stride=(4, 1))
+    out = []
+    for view in (torch.ops.aten.view.default, torch.ops.aten.reshape.default):
+        try:
+            view(x, [32])
+            out.append(True)
+        except RuntimeError:
+            out.append(False)
+    got = tolerant_view(x, [32]).to_local()
+    return [*out, torch.equal(got, local.reshape(32))]
+
+
+@pytest.mark.slow
+def test_a_view_the_local_layout_does_not_allow_is_a_copy() -> None:
+    """FlexOLMo's attention output, viewed after a transpose, under a data-parallel plan: the
+    trace's view fails on the local tensor, and so does ``aten.reshape`` (it decides on the
+    DTensor's global strides); the executor's and the compiled stage's views copy then."""
+    assert launch(_view_of_a_local_layout_the_dtensor_does_not_claim, 1)[0] == [
+        False,
+        False,
+        True,
+    ]

@@ -171,6 +171,38 @@ def test_unpadded_batch_has_no_mask_tensor(name: str) -> None:
     assert inputs((ids, labels, torch.ones_like(ids))) == [4] * layers
 
 
+#: models that make their own padding mask of ones when called without one
+SELF_MASKED = {
+    "biogpt": f"hf:biogpt:{_DENSE},vocab_size=128,seq=16,hidden_dropout_prob=0,"
+    "attention_probs_dropout_prob=0",
+    "megatron-bert": f"hf:megatron-bert:{_DENSE},vocab_size=128,seq=16,task=masked-lm,"
+    "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
+}
+
+
+@pytest.mark.parametrize("name", list(SELF_MASKED))
+def test_a_mask_of_ones_the_model_makes_is_no_mask(name: str) -> None:
+    """BioGPT (sdpa attention) and Megatron-BERT (eager) make a mask of ones when called
+    without one, and transformers reads its values (an error while tracing): the trace has no
+    mask tensor ([batch, 1, seq, seq]), as transformers runs such a mask on a device, and the
+    traced graph computes the model's loss."""
+    from planner.tracing.calls import call_for_loss
+
+    torch.manual_seed(0)
+    model, batch = build_model(SELF_MASKED[name], batch=2, device="cpu")
+    graph = trace(model, batch)
+    mask = (2, 1, 16, 16)
+    assert not [n for n in graph.ops if any(o.shape == mask for o in n.outputs)]
+    sdpa = [n for n in graph.ops if "scaled_dot_product" in str(n.target)]
+    assert all(len(n.inputs) == 3 for n in sdpa)
+    # the graph's inputs flat (a functionalized graph's calling convention): parameters,
+    # buffers, then the batch
+    flat = [*model.parameters(), *model.buffers(), *batch]
+    got = torch.fx.Interpreter(graph.gm).run(*flat)
+    want = call_for_loss(model, tuple(batch))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
 def test_python_literals_in_specs() -> None:
     """True, False and None as a config's repr writes them, besides JSON's."""
     from planner.models import hf

@@ -306,6 +306,11 @@ def test_plan_refuses_other_model() -> None:
     ):
         p.check_model("0000", name, "bfloat16" if p.dtype != "bfloat16" else "float32")
     p.check_model(p.model["fingerprint"], name, "anything")  # the same graph runs
+    # the same model tracing to other ops (e.g. a forward iterating over a set of strings)
+    with pytest.raises(
+        MeshplanError, match="traces to other ops here.*PYTHONHASHSEED=0"
+    ):
+        p.check_model("0000", name)
 
 
 def test_intra_only_is_one_stage_on_the_whole_cluster() -> None:

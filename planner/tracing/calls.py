@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from cost_models.errors import MeshplanError
 
@@ -134,6 +136,12 @@ def tracing_patches(model: nn.Module) -> Iterator[None]:
       sequence, no packing. The mask's preprocessing is given no position ids, as for a batch
       known not to be packed (giving it ours would also add an expand of them, at more than
       one row only, and change the graph with the batch size);
+    * a model that makes its own mask of ones when called without one (BioGPT, Megatron-BERT,
+      RoFormer, RemBERT: ``torch.ones(batch, seq)``) has transformers read it to see whether
+      any token is padded, which a traced tensor cannot answer. That mask is a constant of the
+      trace, so its values are read here instead: a mask of ones is given to the preprocessing
+      as no mask, which is what transformers makes of it on a device (``sdpa`` causal or
+      unmasked with no mask tensor; eager attention the same mask);
     * a mixture of experts' experts run transformers' grouped matrix-product path: its
       ``eager`` path loops over the experts that received tokens (data-dependent control
       flow); both compute the same;
@@ -155,12 +163,26 @@ def tracing_patches(model: nn.Module) -> Iterator[None]:
             def unpacked(*args: Any, **kwargs: Any) -> Any:
                 bound = signature.bind(*args, **kwargs)
                 bound.arguments["position_ids"] = None
+                if _made_of_ones(bound.arguments.get("attention_mask")):
+                    bound.arguments["attention_mask"] = None
                 return preprocess(*bound.args, **bound.kwargs)
 
             masks._preprocess_mask_arguments = unpacked
             undo.callback(setattr, masks, "_preprocess_mask_arguments", preprocess)
         with _experts_patches(model):
             yield
+
+
+def _made_of_ones(mask: Any) -> bool:
+    """Whether `mask` is a 2-D padding mask the model made itself (a real tensor, not one of the
+    trace's fake inputs) with no token masked. Its values are read with the trace's recording
+    switched off: reading them through it would be a data-dependent op of the graph."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return False
+    if isinstance(mask, FakeTensor) or mask.is_meta:
+        return False
+    with disable_proxy_modes_tracing():
+        return bool(mask.all())
 
 
 @contextlib.contextmanager

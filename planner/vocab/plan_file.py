@@ -203,6 +203,19 @@ class ParallelPlan:
                 f"parameters are {dtype}: build the model in {self.dtype}, or plan it again "
                 f"in {dtype}{how}"
             )
+        if name and name == self.model.get("name"):
+            # the same spec traced to other ops: other library versions, or a forward whose op
+            # order follows a set of strings (transformers' MiMoV2Flash builds its attention masks
+            # in the order of `set(config.layer_types)`), which changes with each process's
+            # string hashing
+            raise MeshplanError(
+                f"plan was made for model {name!r} (fingerprint "
+                f"{self.model.get('fingerprint')}), and it traces to other ops here (fingerprint "
+                f"{fingerprint}): its code or the versions of torch or transformers differ, "
+                "and plan it again where it runs; or its forward iterates over a Python set, "
+                "whose order changes with each process, and set PYTHONHASHSEED=0 both where you "
+                "plan and where you run"
+            )
         raise MeshplanError(
             f"plan was made for model {self.model.get('name')!r} (fingerprint {self.model.get('fingerprint')}), "
             f"not for {name or 'this model'} (fingerprint {fingerprint}); plan it again with `meshplan plan`"
