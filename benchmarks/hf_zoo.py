@@ -41,6 +41,11 @@ _MLA = (
     "first_k_dense_replace=1,kv_lora_rank=16,q_lora_rank=16,qk_rope_head_dim=8,"
     "qk_nope_head_dim=8,v_head_dim=16,n_group=1,topk_group=1"
 )
+#: an encoder-decoder config's sizes (its decoder is what the causal-LM head trains)
+_SEQ2SEQ = (
+    "d_model=64,decoder_layers=2,encoder_layers=2,decoder_attention_heads=4,"
+    "encoder_attention_heads=4,decoder_ffn_dim=96,encoder_ffn_dim=96"
+)
 #: model type -> its small config (the keys beyond `_D` are what the type needs to build small)
 MODELS = {
     "llama": f"{_D},{_KV},{_V}",
@@ -176,6 +181,31 @@ MODELS = {
     "hy_v3": f"{_D},{_KV},head_dim=16,{_V},num_experts=4,num_experts_per_tok=2",
     "mimo_v2_flash": f"{_D},{_KV},{_V},moe_intermediate_size=32,n_routed_experts=4,"
     "num_experts_per_tok=2",
+    "deepseek_v32": f"{_D},num_key_value_heads=4,{_V},{_MLA}",
+    "lfm2_moe": f"{_D},{_KV},{_V},moe_intermediate_size=32,num_experts=4,"
+    'num_experts_per_tok=2,num_dense_layers=1,layer_types=["conv","full_attention"]',
+    # hybrids given their layer types as a list (commas inside the brackets)
+    "olmo_hybrid": f"{_D},{_KV},{_V},pad_token_id=0,linear_num_key_heads=4,"
+    'linear_num_value_heads=4,layer_types=["linear_attention","full_attention"]',
+    "zamba2": f'{_D},{_KV},{_V},mamba_d_state=16,n_mamba_heads=2,layers_block_type=["mamba","hybrid"]',
+    # more decoders and encoders
+    "gpt_neo": "hidden_size=64,num_layers=2,num_heads=4,max_position_embeddings=16,"
+    f'attention_types=[[["global","local"],1]],{_V}',
+    "gpt-sw3": f"n_embd=64,n_layer=2,n_head=4,n_positions=16,{_V},pad_token_id=0,"
+    "bos_token_id=0,eos_token_id=0",
+    "gpt_neox_japanese": "hidden_size=64,num_hidden_layers=2,num_attention_heads=4,"
+    f"intermediate_multiple_size=2,{_V}",
+    "xlm-roberta-xl": f"{_D},{_V},task=masked-lm,pad_token_id=1",
+    "roberta-prelayernorm": f"{_D},{_V},task=masked-lm,pad_token_id=1",
+    # the decoders of encoder-decoder models (their causal-LM heads)
+    "bart": f"{_SEQ2SEQ},{_V},pad_token_id=1",
+    "mbart": f"{_SEQ2SEQ},{_V},pad_token_id=1",
+    "marian": f"{_SEQ2SEQ},{_V},pad_token_id=1,decoder_start_token_id=0",
+    "pegasus": f"{_SEQ2SEQ},{_V},pad_token_id=0",
+    "blenderbot": f"{_SEQ2SEQ},{_V},pad_token_id=0",
+    "plbart": f"{_SEQ2SEQ},{_V},pad_token_id=1",
+    "trocr": f"d_model=64,decoder_layers=2,decoder_attention_heads=4,decoder_ffn_dim=96,{_V},"
+    "pad_token_id=1",
 }
 #: types whose forward iterates over a set of strings (MiMoV2Flash builds its masks in the order
 #: of ``set(config.layer_types)``): their op order follows each process's string hashing, so

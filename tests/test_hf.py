@@ -211,6 +211,13 @@ def test_python_literals_in_specs() -> None:
     assert config.use_sliding_window is True and config.tie_word_embeddings is False
     config, _ = hf.parse("hf:qwen2:sliding_window=None")
     assert config.sliding_window is None
+    # a list, its commas inside the brackets (JSON: double quotes)
+    config, _ = hf.parse(
+        'hf:qwen2:num_hidden_layers=2,layer_types=["full_attention","sliding_attention"],'
+        "max_window_layers=1"
+    )
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    assert config.max_window_layers == 1
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mixtral", "bert"])

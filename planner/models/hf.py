@@ -76,9 +76,28 @@ def _value(raw: str) -> Any:
         return raw
 
 
+def _split(body: str) -> list[str]:
+    """`body`'s comma-separated items, a comma inside brackets or quotes kept in its item (a
+    list value: ``layer_types=["conv","full_attention"]``)."""
+    items, depth, quote, start = [], 0, "", 0
+    for i, c in enumerate(body):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "\"'":
+            quote = c
+        elif c in "[{(":
+            depth += 1
+        elif c in "]})":
+            depth -= 1
+        elif c == "," and depth == 0:
+            items.append(body[start:i])
+            start = i + 1
+    return [*items, body[start:]]
+
+
 def _items(body: str, name: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for item in filter(None, (i.strip() for i in body.split(","))):
+    for item in filter(None, (i.strip() for i in _split(body))):
         key, sep, raw = item.partition("=")
         if not sep or not key.strip() or not raw.strip():
             raise MeshplanError(
