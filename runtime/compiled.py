@@ -142,8 +142,8 @@ def _prune(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def tolerant_view(x: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
-    """``aten.view``, or ``aten.reshape`` (a copy) where the real tensor's strides do not allow
-    the view the trace made on fake tensors. Some ops' meta functions give their output other
+    """``aten.view``, or the view of a contiguous copy where the real tensor's strides do not
+    allow the view the trace made on fake tensors. Some ops' meta functions give their output other
     strides than their CPU kernels: ``softplus_backward``'s real output follows the gradient's
     layout, its fake one ``self``'s (torch 2.13), so a view of it that was valid at trace time
     fails at run time (Qwen3.5's gated delta rule: ``softplus(a)`` backward through a transpose).
@@ -172,15 +172,15 @@ def _tolerant_views(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def _forward_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-    """The no-op compiler, after pruning dead nodes, making views tolerant of strides (`tolerant_view`)
-    and labelling the forward graph's collectives with their sites."""
+    """The no-op compiler, after pruning dead nodes, making views tolerant of strides
+    (`tolerant_view`) and labelling the forward graph's collectives with their sites."""
     comm_count.label_graph_sites(_tolerant_views(_prune(gm)), backward=False)
     return gm
 
 
 def _backward_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-    """The no-op compiler, after pruning dead nodes, making views tolerant of strides (`tolerant_view`)
-    and labelling the backward graph's collectives with their sites."""
+    """The no-op compiler, after pruning dead nodes, making views tolerant of strides
+    (`tolerant_view`) and labelling the backward graph's collectives with their sites."""
     comm_count.label_graph_sites(_tolerant_views(_prune(gm)), backward=True)
     return gm
 
