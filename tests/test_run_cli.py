@@ -117,7 +117,8 @@ def test_run_matches_single_device(tmp_path: Path) -> None:
     own lines (no warning of semaphores the ranks left to the resource tracker, no DTensor
     advice to flatten the dp x tp mesh its loss is reduced over: `runtime.meshes`)."""
     out = tmp_path / "run.json"
-    # 2 x 2 rows: the loss is partial over both mesh axes (1 x 2 rows: over dp only)
+    # at global batch 8 the loss is Partial on both mesh axes, which made DTensor print its
+    # advice; at batch 4 it printed none
     plan = _plan_file(tmp_path, dp=2, tp=2, pp=1, batch=8)
     argv = ["run", SPEC, "--plan", plan, "--steps", str(STEPS), "--json", str(out)]
     proc = subprocess.run(
