@@ -188,6 +188,8 @@ MODELS = {
     "olmo_hybrid": f"{_D},{_KV},{_V},pad_token_id=0,linear_num_key_heads=4,"
     'linear_num_value_heads=4,layer_types=["linear_attention","full_attention"]',
     "zamba2": f'{_D},{_KV},{_V},mamba_d_state=16,n_mamba_heads=2,layers_block_type=["mamba","hybrid"]',
+    # mLSTM blocks: LogSigmoid gates, whose backward DTensor runs by `ELEMENTWISE_BACKWARD`'s rules
+    "xlstm": f"hidden_size=64,num_hidden_layers=2,num_heads=4,{_V},chunk_size=8",
     # more decoders and encoders
     "gpt_neo": "hidden_size=64,num_layers=2,num_heads=4,max_position_embeddings=16,"
     f'attention_types=[[["global","local"],1]],{_V}',

@@ -186,6 +186,46 @@ def _register_aten_rules() -> None:
     if not _has_strategy(aten.copy.default):
         _registered[0] += 1
         register_single_dim_strategy(aten.copy.default, **_UNEVEN)(_copy_rules)
+    for op in ELEMENTWISE_BACKWARD:
+        if not _has_strategy(op):
+            _registered[0] += 1
+            register_single_dim_strategy(op, **_UNEVEN)(_elementwise_backward_rules)
+
+
+#: The backward ops of elementwise activations that have neither a DTensor strategy nor a
+#: decomposition DTensor can propagate through (torch 2.13): ReLU6 and Hardtanh, Hardswish,
+#: Hardsigmoid, LogSigmoid (xLSTM's gates), Softshrink, Hardshrink. Their forward ops run
+#: sharded, so a plan that shards one failed in its first backward. The planner prices backward
+#: from the forward op and never meets these; the rules only let DTensor run them as planned.
+ELEMENTWISE_BACKWARD = (
+    aten.hardtanh_backward.default,
+    aten.hardswish_backward.default,
+    aten.hardsigmoid_backward.default,
+    aten.log_sigmoid_backward.default,
+    aten.softshrink_backward.default,
+    aten.hardshrink_backward.default,
+)
+
+
+def _elementwise_backward_rules(
+    op: Any, args_schema: tuple, kwargs_schema: dict
+) -> list:
+    """[grad_input, grad_output, self, (buffer)] of an `ELEMENTWISE_BACKWARD` op: all sharded
+    alike along any dimension (each output element reads the same element of every input),
+    or grad_output Partial with the rest replicated (grad_input = grad_output * f'(self) is
+    linear in grad_output). A tensor of another shape (log_sigmoid_backward's ``buffer``,
+    empty on CUDA) is replicated."""
+    shape = args_schema[0].shape
+    tensors = [a for a in args_schema if hasattr(a, "shape")]
+    rules = [
+        [_ShardingPlaceholder(d)]
+        + [
+            _ShardingPlaceholder(d) if t.shape == shape else Replicate()
+            for t in tensors
+        ]
+        for d in range(len(shape))
+    ]
+    return rules + [[Partial(), Partial()] + [Replicate()] * (len(tensors) - 1)]
 
 
 #: Samplers whose tensor input gives only a shape, dtype and layout (its values are not read):
