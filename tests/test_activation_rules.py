@@ -1,15 +1,16 @@
-"""planner.vocab.dtensor_ext's rules for the backward ops of elementwise activations
-(`ELEMENTWISE_BACKWARD`): without them DTensor cannot run the backward of ReLU6, Hardtanh,
-Hardswish, Hardsigmoid, LogSigmoid, Softshrink or Hardshrink on sharded tensors (their forward
-runs), so any plan that sharded one failed at its first backward.
+"""planner.vocab.dtensor_ext's rules for backward ops DTensor cannot run on sharded tensors
+while it runs their forward ops (`ELEMENTWISE_BACKWARD`: ReLU6, Hardtanh, Hardswish,
+Hardsigmoid, LogSigmoid, Softshrink, Hardshrink; `POOL_BACKWARD`: average pooling, local
+response norm, adaptive max pooling; PReLU's): without them any plan that sharded one failed at
+its first backward.
 
 Ground truth: plain PyTorch on one process. On 4 gloo processes in one launch:
-* each activation's output and input gradient on a 2 x 2 mesh, the input sharded on both axes
-  (S(0), S(1)) and replicated with a column-parallel product after it, which hands the
-  activation's backward a Partial gradient;
-* a plain-PyTorch model with these activations in its MLPs trained 3 SGD steps under tensor x
-  data parallelism (tp2 x dp2, the activations' inputs sharded along their last dimension) and
-  under the automatic plan for a CPU cluster, to one device's losses and parameters.
+* each op's output and gradients on a 2 x 2 mesh, the input sharded on both axes, and
+  replicated with a column-parallel product after it, which hands the op's backward a Partial
+  gradient;
+* a plain-PyTorch model with these ops in its MLPs trained 3 SGD steps under tensor x data
+  parallelism (tp2 x dp2, the ops' inputs sharded along the MLP's hidden dimension) and under
+  the automatic plan for a CPU cluster, to one device's losses and parameters.
 """
 
 from __future__ import annotations
@@ -38,32 +39,54 @@ ACTIVATIONS = {
     "softshrink": lambda x: F.softshrink(x, 0.3),
     "hardshrink": lambda x: F.hardshrink(x, 0.3),
 }
+#: name -> (f(x, weight), shape of x); weight: PReLU's, one per channel (dim 1), else unused
+CASES = {name: (lambda x, w, f=f: f(x), (8, 12)) for name, f in ACTIVATIONS.items()} | {
+    "avg_pool2d": (lambda x, w: F.avg_pool2d(x, 2), (4, 4, 6, 6)),
+    "avg_pool1d": (lambda x, w: F.avg_pool1d(x, 3, 1, 1), (4, 4, 6)),
+    "avg_pool3d": (lambda x, w: F.avg_pool3d(x, 2), (4, 4, 2, 4, 4)),
+    "local_response_norm": (lambda x, w: F.local_response_norm(x, 2), (4, 4, 6, 6)),
+    "adaptive_max_pool2d": (lambda x, w: F.adaptive_max_pool2d(x, 3), (4, 4, 6, 6)),
+    "adaptive_max_pool3d": (lambda x, w: F.adaptive_max_pool3d(x, 2), (4, 4, 2, 4, 4)),
+    "prelu": (F.prelu, (4, 4, 6)),
+}
 V, H, S, BATCH, LR, STEPS = 64, 16, 8, 8, 0.1, 3
 
 
-def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _inputs(name: str) -> tuple[torch.Tensor, ...]:
+    """x, PReLU's weight, a weight for the product after the op, the output's gradient."""
+    f, shape = CASES[name]
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 12, generator=gen, dtype=torch.float64) * 3
-    w = torch.randn(12, 6, generator=gen, dtype=torch.float64)
-    g = torch.randn(8, 12, generator=gen, dtype=torch.float64)
-    return x, w, g
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 3
+    weight = torch.rand(shape[1], generator=gen, dtype=torch.float64)
+    out = f(x, weight)
+    w = torch.randn(out[0].numel(), 6, generator=gen, dtype=torch.float64)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    return x, weight, w, g
+
+
+def _values(name: str, x1, x2, weight, w, g) -> dict[str, torch.Tensor]:
+    """Output and input (and weight) gradients of op(x1) weighted by g, and of the op's output
+    flattened times w, on x2 (the op's gradient Partial where w is split by columns)."""
+    f = CASES[name][0]
+    y = f(x1, weight)
+    (y * g).sum().backward()
+    (f(x2, weight).flatten(1) @ w).sum().backward()
+    out = {"y": y.detach(), "grad": x1.grad, "grad_partial": x2.grad}
+    return out | ({"grad_weight": weight.grad} if name == "prelu" else {})
 
 
 def _reference(name: str) -> dict[str, torch.Tensor]:
-    """Output and input gradients of both cases on plain tensors."""
-    x, w, g = _inputs()
-    act = ACTIVATIONS[name]
-    x1 = x.clone().requires_grad_()
-    y = act(x1)
-    (y * g).sum().backward()
-    x2 = x.clone().requires_grad_()
-    (act(x2) @ w).sum().backward()
-    return {"y": y.detach(), "grad": x1.grad, "grad_partial": x2.grad}
+    """`_values` on plain tensors."""
+    x, weight, w, g = _inputs(name)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    return _values(name, x1, x2, weight.requires_grad_(), w, g)
 
 
 def _on_mesh() -> dict[str, dict[str, Any]]:
-    """Body of every rank: `_reference`'s values computed on DTensors of a 2 x 2 mesh (as numpy
-    arrays: a tensor would cross to the launching process in shared memory this rank frees)."""
+    """Body of every rank: `_values` on DTensors of a 2 x 2 mesh, x (and the output's gradient)
+    sharded along dims 0 and 1 (0 and 2 for PReLU: its weight runs along 1), then replicated with
+    w split by columns; as numpy arrays (a tensor would cross to the launching process in
+    shared memory this rank frees)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -71,37 +94,41 @@ def _on_mesh() -> dict[str, dict[str, Any]]:
 
     register_missing_rules()
     mesh = init_device_mesh("cpu", (2, 2))
-    x, w, g = _inputs()
+    R = [Replicate(), Replicate()]
     out = {}
-    for name, act in ACTIVATIONS.items():
-        x1 = distribute_tensor(x, mesh, [Shard(0), Shard(1)]).requires_grad_()
-        y = act(x1)
-        (y * distribute_tensor(g, mesh, [Shard(0), Shard(1)])).sum().backward()
-        x2 = distribute_tensor(x, mesh, [Replicate(), Replicate()]).requires_grad_()
-        (act(x2) @ distribute_tensor(w, mesh, [Replicate(), Shard(1)])).sum().backward()
-        out[name] = {
-            "y": y.full_tensor().detach().numpy(),
-            "grad": x1.grad.full_tensor().numpy(),
-            "grad_partial": x2.grad.full_tensor().numpy(),
-        }
+    for name in CASES:
+        x, weight, w, g = _inputs(name)
+        split = [Shard(0), Shard(2 if name == "prelu" else 1)]
+        got = _values(
+            name,
+            distribute_tensor(x, mesh, split).requires_grad_(),
+            distribute_tensor(x, mesh, R).requires_grad_(),
+            distribute_tensor(weight, mesh, R).requires_grad_(),
+            distribute_tensor(w, mesh, [Replicate(), Shard(1)]),
+            distribute_tensor(g, mesh, split),
+        )
+        out[name] = {k: v.full_tensor().detach().numpy() for k, v in got.items()}
     return out
 
 
 class Net(nn.Module):
-    """Embedding, one MLP block per activation pair (names as GPT's, so Megatron's column- then
-    row-parallel placements apply), LM head and cross-entropy."""
+    """Embedding, MLP blocks (names as GPT's, so Megatron's column- then row-parallel placements
+    apply) with two of `ACTIVATIONS` each, then one with a per-channel PReLU and an average pool
+    over the sequence between its products, LM head and cross-entropy."""
 
     def __init__(self) -> None:
         super().__init__()
         self.wte = nn.Embedding(V, H)
         self.blocks = nn.ModuleList()
         acts = list(ACTIVATIONS)
-        for k in range(0, len(acts), 2):
+        for k in range(0, len(acts) + 1, 2):
             block = nn.Module()
             block.ln = nn.LayerNorm(H)
             block.mlp = nn.Module()
             block.mlp.fc, block.mlp.proj = nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
             block.acts = acts[k : k + 2]
+            if not block.acts:
+                block.prelu = nn.PReLU(4 * H, init=0.1)
             self.blocks.append(block)
         self.lm_head = nn.Linear(H, V, bias=False)
 
@@ -111,6 +138,8 @@ class Net(nn.Module):
             h = b.mlp.fc(b.ln(x))
             for name in b.acts:
                 h = ACTIVATIONS[name](h)
+            if not b.acts:  # channels (4H) along dim 1, as PReLU and pooling take them
+                h = F.avg_pool1d(b.prelu(h.transpose(1, 2)), 3, 1, 1).transpose(1, 2)
             x = x + b.mlp.proj(h)
         return F.cross_entropy(self.lm_head(x).flatten(0, 1), targets.flatten())
 
@@ -152,7 +181,7 @@ def _runs() -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(ACTIVATIONS))
+@pytest.mark.parametrize("name", list(CASES))
 def test_backward_on_sharded_and_partial_values(name: str) -> None:
     want = _reference(name)
     for rank in _runs():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -186,17 +187,24 @@ def _register_aten_rules() -> None:
     if not _has_strategy(aten.copy.default):
         _registered[0] += 1
         register_single_dim_strategy(aten.copy.default, **_UNEVEN)(_copy_rules)
-    for op in ELEMENTWISE_BACKWARD:
+    backward = (
+        [(op, _elementwise_backward_rules) for op in ELEMENTWISE_BACKWARD]
+        + [(op, _pool_backward_rules) for op in POOL_BACKWARD]
+        + [(aten._prelu_kernel_backward.default, _prelu_backward_rules)]
+    )
+    for op, rules in backward:
         if not _has_strategy(op):
             _registered[0] += 1
-            register_single_dim_strategy(op, **_UNEVEN)(_elementwise_backward_rules)
+            register_single_dim_strategy(op, **_UNEVEN)(rules)
 
 
-#: The backward ops of elementwise activations that have neither a DTensor strategy nor a
-#: decomposition DTensor can propagate through (torch 2.13): ReLU6 and Hardtanh, Hardswish,
-#: Hardsigmoid, LogSigmoid (xLSTM's gates), Softshrink, Hardshrink. Their forward ops run
-#: sharded, so a plan that shards one failed in its first backward. The planner prices backward
-#: from the forward op and never meets these; the rules only let DTensor run them as planned.
+# The backward ops below have neither a DTensor strategy nor a decomposition DTensor can
+# propagate through (torch 2.13), while their forward ops run sharded: a plan that shards one
+# failed in its first backward. The planner prices a backward from its forward op and never
+# meets these; their rules only let DTensor run them as planned.
+
+#: Elementwise activations: ReLU6 and Hardtanh, Hardswish, Hardsigmoid, LogSigmoid (xLSTM's
+#: gates), Softshrink, Hardshrink.
 ELEMENTWISE_BACKWARD = (
     aten.hardtanh_backward.default,
     aten.hardswish_backward.default,
@@ -226,6 +234,37 @@ def _elementwise_backward_rules(
         for d in range(len(shape))
     ]
     return rules + [[Partial(), Partial()] + [Replicate()] * (len(tensors) - 1)]
+
+
+#: Pooling with no backward rule: AvgPool (and LocalResponseNorm, which pools), AdaptiveMaxPool;
+#: value -> the number of pooled (trailing) dimensions.
+POOL_BACKWARD = {
+    aten.avg_pool2d_backward.default: 2,
+    aten.avg_pool3d_backward.default: 3,
+    aten.adaptive_max_pool2d_backward.default: 2,
+    aten.adaptive_max_pool3d_backward.default: 3,
+}
+
+
+def _pool_backward_rules(op: Any, args_schema: tuple, kwargs_schema: dict) -> list:
+    """[grad_input, grad_output, self, (indices)]: all sharded alike along a dimension that is
+    not pooled (batch or channels), as DTensor's rule for ``max_pool2d_with_indices_backward``;
+    or grad_output Partial, the rest replicated (the backward is linear in grad_output)."""
+    tensors = sum(hasattr(a, "shape") for a in args_schema)
+    kept = len(args_schema[0].shape) - POOL_BACKWARD[op]
+    rules = [[_ShardingPlaceholder(d)] * (tensors + 1) for d in range(kept)]
+    return rules + [[Partial(), Partial()] + [Replicate()] * (tensors - 1)]
+
+
+def _prelu_backward_rules(op: Any, args_schema: tuple, kwargs_schema: dict) -> list:
+    """[grad_input, grad_weight, grad_output, self, weight] of PReLU's backward: grad_output and
+    self sharded alike along a dimension the weight does not run along (all but the channels,
+    dim 1, unless one weight serves all), the weight replicated and its gradient Partial; or
+    grad_output Partial, self and weight replicated, both gradients Partial."""
+    shape, weight = args_schema[1].shape, args_schema[2].shape
+    s, R, P = _ShardingPlaceholder, Replicate(), Partial()
+    dims = [d for d in range(len(shape)) if d != 1 or math.prod(weight) == 1]
+    return [[s(d), P, s(d), s(d), R] for d in dims] + [[P, P, P, R, R]]
 
 
 #: Samplers whose tensor input gives only a shape, dtype and layout (its values are not read):
