@@ -213,7 +213,7 @@ class PlanExecutor(torch.fx.Interpreter):
                 and strategy.source == "fallback"
                 and isinstance(n.target, torch._ops.OpOverload)
             ):
-                register_fallback(n.target)
+                register_fallback(n.target, _on_meta(n))
             if n.target is SDPA and context_axis(strategy) is not None:
                 # context parallelism: no DTensor rule, run by `runtime.context`
                 out, lse = n.meta["val"][:2]
@@ -606,3 +606,15 @@ def run_graph(
     return PlanExecutor(graph, program, mesh, strict=strict).run_plan(
         params, batch, buffers
     )
+
+
+def _on_meta(n: torch.fx.Node) -> tuple[tuple, dict]:
+    """(args, kwargs) of `n` with each input node's traced value as an empty meta tensor."""
+
+    def meta(a: torch.fx.Node) -> Any:
+        v = a.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            return v
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+
+    return map_arg(n.args, meta), map_arg(n.kwargs, meta)

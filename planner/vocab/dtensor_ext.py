@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 from typing import Any
 
 import torch
@@ -38,7 +37,10 @@ from torch.distributed.tensor.placement_types import (
     Shard,
     _StridedShard,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
 
+from planner.vocab.backward_rules import BACKWARD_RULES
 from planner.vocab.placements import PARTIAL_OPS
 
 aten = torch.ops.aten
@@ -187,84 +189,18 @@ def _register_aten_rules() -> None:
     if not _has_strategy(aten.copy.default):
         _registered[0] += 1
         register_single_dim_strategy(aten.copy.default, **_UNEVEN)(_copy_rules)
-    backward = (
-        [(op, _elementwise_backward_rules) for op in ELEMENTWISE_BACKWARD]
-        + [(op, _pool_backward_rules) for op in POOL_BACKWARD]
-        + [(aten._prelu_kernel_backward.default, _prelu_backward_rules)]
-    )
-    for op, rules in backward:
+    for op, rules in BACKWARD_RULES.items():
         if not _has_strategy(op):
             _registered[0] += 1
             register_single_dim_strategy(op, **_UNEVEN)(rules)
-
-
-# The backward ops below have neither a DTensor strategy nor a decomposition DTensor can
-# propagate through (torch 2.13), while their forward ops run sharded: a plan that shards one
-# failed in its first backward. The planner prices a backward from its forward op and never
-# meets these; their rules only let DTensor run them as planned.
-
-#: Elementwise activations: ReLU6 and Hardtanh, Hardswish, Hardsigmoid, LogSigmoid (xLSTM's
-#: gates), Softshrink, Hardshrink.
-ELEMENTWISE_BACKWARD = (
-    aten.hardtanh_backward.default,
-    aten.hardswish_backward.default,
-    aten.hardsigmoid_backward.default,
-    aten.log_sigmoid_backward.default,
-    aten.softshrink_backward.default,
-    aten.hardshrink_backward.default,
-)
-
-
-def _elementwise_backward_rules(
-    op: Any, args_schema: tuple, kwargs_schema: dict
-) -> list:
-    """[grad_input, grad_output, self, (buffer)] of an `ELEMENTWISE_BACKWARD` op: all sharded
-    alike along any dimension (each output element reads the same element of every input),
-    or grad_output Partial with the rest replicated (grad_input = grad_output * f'(self) is
-    linear in grad_output). A tensor of another shape (log_sigmoid_backward's ``buffer``,
-    empty on CUDA) is replicated."""
-    shape = args_schema[0].shape
-    tensors = [a for a in args_schema if hasattr(a, "shape")]
-    rules = [
-        [_ShardingPlaceholder(d)]
-        + [
-            _ShardingPlaceholder(d) if t.shape == shape else Replicate()
-            for t in tensors
-        ]
-        for d in range(len(shape))
-    ]
-    return rules + [[Partial(), Partial()] + [Replicate()] * (len(tensors) - 1)]
-
-
-#: Pooling with no backward rule: AvgPool (and LocalResponseNorm, which pools), AdaptiveMaxPool;
-#: value -> the number of pooled (trailing) dimensions.
-POOL_BACKWARD = {
-    aten.avg_pool2d_backward.default: 2,
-    aten.avg_pool3d_backward.default: 3,
-    aten.adaptive_max_pool2d_backward.default: 2,
-    aten.adaptive_max_pool3d_backward.default: 3,
-}
-
-
-def _pool_backward_rules(op: Any, args_schema: tuple, kwargs_schema: dict) -> list:
-    """[grad_input, grad_output, self, (indices)]: all sharded alike along a dimension that is
-    not pooled (batch or channels), as DTensor's rule for ``max_pool2d_with_indices_backward``;
-    or grad_output Partial, the rest replicated (the backward is linear in grad_output)."""
-    tensors = sum(hasattr(a, "shape") for a in args_schema)
-    kept = len(args_schema[0].shape) - POOL_BACKWARD[op]
-    rules = [[_ShardingPlaceholder(d)] * (tensors + 1) for d in range(kept)]
-    return rules + [[Partial(), Partial()] + [Replicate()] * (tensors - 1)]
-
-
-def _prelu_backward_rules(op: Any, args_schema: tuple, kwargs_schema: dict) -> list:
-    """[grad_input, grad_weight, grad_output, self, weight] of PReLU's backward: grad_output and
-    self sharded alike along a dimension the weight does not run along (all but the channels,
-    dim 1, unless one weight serves all), the weight replicated and its gradient Partial; or
-    grad_output Partial, self and weight replicated, both gradients Partial."""
-    shape, weight = args_schema[1].shape, args_schema[2].shape
-    s, R, P = _ShardingPlaceholder, Replicate(), Partial()
-    dims = [d for d in range(len(shape)) if d != 1 or math.prod(weight) == 1]
-    return [[s(d), P, s(d), s(d), R] for d in dims] + [[P, P, P, R, R]]
+    sp = _propagator()
+    # GroupNorm's backward takes the batch size N and HxW as numbers, as its forward does:
+    # sharded, they must be the local ones (DTensor adjusts them for the forward only)
+    group_norm = sp.op_to_scalar_shape_adjuster.get(aten.native_group_norm.default)
+    if group_norm is not None:
+        sp.op_to_scalar_shape_adjuster.setdefault(
+            aten.native_group_norm_backward.default, group_norm
+        )
 
 
 #: Samplers whose tensor input gives only a shape, dtype and layout (its values are not read):
@@ -352,13 +288,28 @@ def _register_grouped_fallback() -> None:
             )
 
 
-def register_fallback(op: torch._ops.OpOverload) -> bool:
+def register_fallback(
+    op: torch._ops.OpOverload, example: tuple[tuple, dict] | None = None
+) -> bool:
     """Let DTensor run `op` replicated, as a plan's fallback assumes (DTensor's own
-    ``replicate_op_strategy``; not for view ops or ops returning a list). Returns False if DTensor
-    already has a strategy for `op`."""
+    ``replicate_op_strategy``; not for view ops or ops returning a list), and the ops its
+    backward calls that DTensor has no strategy for (`backward_ops` on `example`, the op's
+    (args, kwargs) on the meta device; LSTM's ``mkldnn_rnn_layer_backward``, Unfold's
+    ``col2im``): the backward of a replicated op gets replicated inputs, which DTensor cannot
+    run otherwise. Returns False if DTensor already had a strategy for `op`."""
+    new = _replicated(op)
+    for b in backward_ops(op, *example) if example is not None else ():
+        _replicated(b)
+    return new
+
+
+def _replicated(op: torch._ops.OpOverload) -> bool:
     from torch.distributed.tensor._ops.utils import replicate_op_strategy
 
-    if _has_strategy(op):
+    handled = (
+        _propagator().op_to_rules.keys() | DTensor._op_dispatcher._custom_op_handlers
+    )
+    if _has_strategy(op) or op in handled:
         return False
     _propagator().register_op_strategy(op, replicate_op_strategy)
     _registered[0] += 1
@@ -369,5 +320,58 @@ def register_fallback(op: torch._ops.OpOverload) -> bool:
             getattr(torch.ops, op.namespace), f"{op._opname}_backward", None
         )
         for name in packet.overloads() if packet is not None else ():
-            register_fallback(getattr(packet, name))
+            _replicated(getattr(packet, name))
     return True
+
+
+class _Calls(TorchDispatchMode):
+    """The ops dispatched while it is on, in order (what PyTorch lacks: a list of the ops an
+    op's derivative formula calls; autograd only runs them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[torch._ops.OpOverload, None] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func] = None
+        return func(*args, **(kwargs or {}))
+
+
+def backward_ops(
+    op: torch._ops.OpOverload, args: tuple, kwargs: dict
+) -> list[torch._ops.OpOverload]:
+    """The ops `op`'s backward calls that return one tensor or a tuple of them and alias none
+    of their inputs, found by running `op` on `args` (floating tensors made leaves that require
+    grad; meta tensors cost nothing) and its backward once; [] where that cannot run (an op
+    without a meta kernel: DTensor's own error at run time then names the op)."""
+    leaves: list[torch.Tensor] = []
+
+    def leaf(a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            leaves.append(a.detach().requires_grad_())
+            return leaves[-1]
+        return a
+
+    args, kwargs = tree_map(leaf, (args, kwargs))
+    try:
+        with torch.enable_grad():
+            out = op(*args, **kwargs)
+        outs = [
+            o
+            for o in tree_leaves(out)
+            if isinstance(o, torch.Tensor) and o.grad_fn is not None
+        ]
+        if not outs:
+            return []
+        grads = [torch.ones_like(o) for o in outs]
+        with _Calls() as calls:
+            torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+    except Exception:  # noqa: BLE001 - see the docstring
+        return []
+    return [
+        f
+        for f in calls.ops
+        if f is not op
+        and not any(r.alias_info for r in f._schema.returns)
+        and all(isinstance(r.type, torch.TensorType) for r in f._schema.returns)
+    ]
