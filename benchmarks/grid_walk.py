@@ -13,8 +13,7 @@ from typing import Any
 
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
-from planner.orphans import end_with_parent
-from planner.size_search import start_method, wanted_processes
+from planner.size_search import start_forked_worker, start_method, wanted_processes
 from planner.vocab.plan_file import ParallelPlan
 
 #: a `benchmarks.manual_grid.ManualConfig` (not imported: manual_grid imports this module)
@@ -144,9 +143,7 @@ _WALK: Walk | None = None  # a worker's walk, set by `_start_worker`
 def _start_worker(walk: Walk, parent: int) -> None:
     global _WALK
     _WALK = walk
-    # forked: it holds the pool's queues itself, so it would keep pricing after a bench killed
-    # with SIGKILL (`planner.size_search` starts its workers so too)
-    end_with_parent(parent)
+    start_forked_worker(parent)
 
 
 def _walk_in_worker(run: list[tuple[int, list[Config]]]) -> list[Priced]:

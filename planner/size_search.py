@@ -328,9 +328,21 @@ def _init_worker(
 ) -> None:
     _worker.update(messages=messages, job=job, make=make)
     if make is not None:
-        # forked: it holds the pool's queues itself, so it would never see them close and would
-        # wait on them for ever after a planning process killed with SIGKILL
-        end_with_parent(parent)
+        start_forked_worker(parent)
+
+
+def start_forked_worker(parent: int) -> None:
+    """What a forked worker process (of a pool whose tasks trace models) does first:
+    * end with its parent (`end_with_parent`): it holds the pool's queues itself, so it would
+      never see them close and would wait on them for ever after a planning process killed
+      with SIGKILL;
+    * run ops on one intra-op thread, so that none enters an OpenMP parallel region: GNU
+      OpenMP's threads do not survive a fork, and a child that enters a region after its parent
+      ran one waits on them for ever (a model whose forward computes on real tensors, a causal
+      mask from ``torch.ones(...).triu()``, traced by a process that had traced it before).
+      A worker is one of a process per core; it would not use more threads anyway."""
+    end_with_parent(parent)
+    torch.set_num_threads(1)
 
 
 def _evaluate_in_worker(b: int, k: int, n: int) -> SizeResult:

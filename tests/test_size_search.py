@@ -182,6 +182,56 @@ def test_forked_workers_end_when_the_planning_process_is_killed(
     assert not running(pid), pid
 
 
+MASK_FROM_ONES = """
+import os, sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.head = nn.Embedding(64, 16), nn.Linear(16, 64)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx)
+        T = x.shape[1]
+        future = torch.ones(T, T, dtype=torch.bool).triu(1)  # real values, while tracing too
+        scores = (x @ x.transpose(1, 2)).masked_fill(future, float("-inf"))
+        h = torch.softmax(scores, -1) @ x
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+if __name__ == "__main__":
+    os.environ["MESHPLAN_PLANNER_PROCESSES"] = "2"
+    torch.set_num_threads(2)
+    from planner import plan, trace
+    batch = (torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8)))
+    trace(Masked(), batch)  # this process runs an OpenMP region (the mask's triu)
+    p = plan(Masked(), "1x4xA100-80GB", batch, global_batch=8, dtype="float32")
+    print("planned", p.stages[0].logical_mesh)
+"""
+
+
+@pytest.mark.skipif(
+    size_search.start_method() != "fork", reason="workers are spawned here"
+)
+def test_forked_workers_trace_after_the_parent_ran_openmp(tmp_path) -> None:
+    """A process that traced a model computing on real tensors (an OpenMP region: a causal
+    mask's ``triu``) then plans it in forked workers: they used to wait for ever on the parent's
+    OpenMP threads, which do not survive a fork (`size_search.start_forked_worker`)."""
+    script = tmp_path / "mask_from_ones.py"
+    script.write_text(MASK_FROM_ONES)
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "planned" in out.stdout
+
+
 @pytest.mark.parametrize("helpers", [1, 3])
 def test_share_runs_each_index_once_in_order(helpers: int) -> None:
     """The calling thread takes indices from the back, the helpers from the front: each index
