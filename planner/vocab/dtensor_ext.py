@@ -12,7 +12,12 @@ The planner enumerates strategies after calling it; the runtime calls it before 
 so that DTensor runs these ops exactly as planned.
 
 An op the planner could not shard (no DTensor strategy) is planned replicated ("fallback");
-`register_fallback` lets DTensor run it that way, with DTensor's own ``replicate_op_strategy``.
+`register_fallback` lets DTensor run it that way, with DTensor's own ``replicate_op_strategy``,
+and the ops its backward calls that have no strategy either (`backward_ops`). Registered in
+DTensor, that holds for every call of those ops in the process, not only the plan's node: a
+backward op another, sharded op also calls runs replicated there too (correct, and priced as
+sharded). The rules for backward ops of sharded forward ops that DTensor lacks are
+`planner.vocab.backward_rules`'.
 `registrations()` counts the registrations made here, so that a cache of strategies can tell when
 DTensor's registries changed.
 """
