@@ -12,7 +12,7 @@ Ground truth: plain PyTorch on one process. On 4 gloo processes in one launch:
 * plain-PyTorch models trained 3 SGD steps to one device's losses and parameters: one with
   these ops in its MLPs under tensor x data parallelism (tp2 x dp2, the ops' inputs sharded along
   the MLP's hidden dimension) and the automatic plan for a CPU cluster; an LSTM, an Unfold and a
-  GroupNorm without weights, under dp4 and the automatic plan.
+  GroupNorm without weights, under dp4.
 """
 
 from __future__ import annotations
@@ -244,7 +244,8 @@ def _plans() -> dict[tuple[str, str], Any]:
             num_microbatches=1,
             **kw,
         )
-        out[name, "auto"] = plan(model, cpu_cluster(4), batches[0], **kw)
+        if name == "activations":  # the others' automatic plans are dp4 or replicated
+            out[name, "auto"] = plan(model, cpu_cluster(4), batches[0], **kw)
     return out
 
 
@@ -308,8 +309,9 @@ def test_backward_on_sharded_and_partial_values(name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["manual", "auto"])
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize(
+    "name, case", [(m, "manual") for m in MODELS] + [("activations", "auto")]
+)
 def test_models_train_like_one_device(name: str, case: str) -> None:
     model, batches = _model_and_batches(name)
     ref_losses, ref_params = single_device.train(

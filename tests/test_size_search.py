@@ -207,7 +207,8 @@ if __name__ == "__main__":
     from planner import plan, trace
     batch = (torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8)))
     trace(Masked(), batch)  # this process runs an OpenMP region (the mask's triu)
-    p = plan(Masked(), "1x4xA100-80GB", batch, global_batch=8, dtype="float32")
+    kw = {"global_batch": 8, "microbatch_size": [8, 4], "dtype": "float32"}
+    p = plan(Masked(), "1x2xA100-80GB", batch, **kw)
     print("planned", p.stages[0].logical_mesh)
 """
 
