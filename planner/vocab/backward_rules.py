@@ -19,6 +19,13 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 
 aten = torch.ops.aten
 
+
+def _linear_in_grad(outputs: int, others: int) -> list:
+    """The rule every op here has: its `outputs` Partial from grad_output Partial, its `others`
+    tensor inputs replicated."""
+    return [Partial()] * (outputs + 1) + [Replicate()] * others
+
+
 #: Elementwise activations: ReLU6 and Hardtanh, Hardswish, Hardsigmoid, LogSigmoid (xLSTM's
 #: gates), Softshrink, Hardshrink.
 ELEMENTWISE_BACKWARD = (
@@ -49,7 +56,7 @@ def _elementwise_backward_rules(
         ]
         for d in range(len(shape))
     ]
-    return rules + [[Partial(), Partial()] + [Replicate()] * (len(tensors) - 1)]
+    return [*rules, _linear_in_grad(1, len(tensors) - 1)]
 
 
 #: Pooling with no backward rule: AvgPool (and LocalResponseNorm, which pools), AdaptiveMaxPool;
@@ -69,7 +76,7 @@ def _pool_backward_rules(op: Any, args_schema: tuple, kwargs_schema: dict) -> li
     tensors = sum(hasattr(a, "shape") for a in args_schema)
     kept = len(args_schema[0].shape) - POOL_BACKWARD[op]
     rules = [[_ShardingPlaceholder(d)] * (tensors + 1) for d in range(kept)]
-    return rules + [[Partial(), Partial()] + [Replicate()] * (tensors - 1)]
+    return [*rules, _linear_in_grad(1, tensors - 1)]
 
 
 def _prelu_backward_rules(op: Any, args_schema: tuple, kwargs_schema: dict) -> list:
@@ -80,7 +87,7 @@ def _prelu_backward_rules(op: Any, args_schema: tuple, kwargs_schema: dict) -> l
     shape, weight = args_schema[1].shape, args_schema[2].shape
     s, R, P = _ShardingPlaceholder, Replicate(), Partial()
     dims = [d for d in range(len(shape)) if d != 1 or math.prod(weight) == 1]
-    return [[s(d), P, s(d), s(d), R] for d in dims] + [[P, P, P, R, R]]
+    return [[s(d), P, s(d), s(d), R] for d in dims] + [_linear_in_grad(2, 2)]
 
 
 def _group_norm_backward_rules(
@@ -91,17 +98,22 @@ def _group_norm_backward_rules(
     sharded along the batch (dim 0), as DTensor's rule for the forward, the weight replicated and
     its gradients Partial; or grad_out Partial, the rest replicated. An output the mask leaves
     out is None. The batch size and HxW given as numbers are made local by DTensor's adjuster of
-    the forward's, registered for this op too."""
+    the forward's (`SHARES_ADJUSTER`)."""
     weight, mask = args_schema[4], args_schema[-1]
-    R, P = Replicate(), Partial()
-    outs = [[s, P, P] for s in (_ShardingPlaceholder(0), P)]
-    ins = [[_ShardingPlaceholder(0)] * 4, [P, R, R, R]]
-    rules = []
-    for out, inp in zip(outs, ins):
-        rule = [o if m else None for o, m in zip(out, mask)] + inp
-        rules.append(rule + ([R] if weight is not None else []))
-    return rules
+    s, R, P = _ShardingPlaceholder(0), Replicate(), Partial()
+    rows = [([s, P, P], [s] * 4), ([P, P, P], [P, R, R, R])]  # (outputs, tensor inputs)
+    extra = [R] if weight is not None else []
+    return [
+        [o if m else None for o, m in zip(out, mask)] + ins + extra for out, ins in rows
+    ]
 
+
+#: backward op -> the forward op whose adjuster of numbers given for shapes (DTensor's
+#: ``op_to_scalar_shape_adjuster``) it needs too: GroupNorm's batch size N and HxW, which must be
+#: the local ones when sharded (DTensor adjusts them for the forward only)
+SHARES_ADJUSTER = {
+    aten.native_group_norm_backward.default: aten.native_group_norm.default,
+}
 
 #: op -> its rule
 BACKWARD_RULES = (

@@ -45,7 +45,7 @@ from torch.distributed.tensor.placement_types import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from planner.vocab.backward_rules import BACKWARD_RULES
+from planner.vocab.backward_rules import BACKWARD_RULES, SHARES_ADJUSTER
 from planner.vocab.placements import PARTIAL_OPS
 
 aten = torch.ops.aten
@@ -198,14 +198,10 @@ def _register_aten_rules() -> None:
         if not _has_strategy(op):
             _registered[0] += 1
             register_single_dim_strategy(op, **_UNEVEN)(rules)
-    sp = _propagator()
-    # GroupNorm's backward takes the batch size N and HxW as numbers, as its forward does:
-    # sharded, they must be the local ones (DTensor adjusts them for the forward only)
-    group_norm = sp.op_to_scalar_shape_adjuster.get(aten.native_group_norm.default)
-    if group_norm is not None:
-        sp.op_to_scalar_shape_adjuster.setdefault(
-            aten.native_group_norm_backward.default, group_norm
-        )
+    adjusters = _propagator().op_to_scalar_shape_adjuster
+    for op, forward in SHARES_ADJUSTER.items():
+        if forward in adjusters:
+            adjusters.setdefault(op, adjusters[forward])
 
 
 #: Samplers whose tensor input gives only a shape, dtype and layout (its values are not read):
@@ -311,12 +307,14 @@ def register_fallback(
 def _replicated(op: torch._ops.OpOverload) -> bool:
     from torch.distributed.tensor._ops.utils import replicate_op_strategy
 
-    handled = (
-        _propagator().op_to_rules.keys() | DTensor._op_dispatcher._custom_op_handlers
-    )
-    if _has_strategy(op) or op in handled:
+    sp = _propagator()
+    if (
+        _has_strategy(op)
+        or op in sp.op_to_rules
+        or op in DTensor._op_dispatcher._custom_op_handlers
+    ):
         return False
-    _propagator().register_op_strategy(op, replicate_op_strategy)
+    sp.register_op_strategy(op, replicate_op_strategy)
     _registered[0] += 1
     # A custom op whose autograd formula calls a second custom op (transformers' grouped product
     # and its ``..._backward``) meets that op on DTensors in backward: replicate it too.
