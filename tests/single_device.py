@@ -101,17 +101,23 @@ def held_state_bytes(
 
 
 def counted_adam_steps(
-    plan, model: torch.nn.Module, batches: list, key: str, lr: float
+    plan,
+    model: torch.nn.Module,
+    batches: list,
+    key: str,
+    lr: float,
+    compile: bool = True,
 ) -> dict[str, Any]:
     """In a rank of a launched group: three Adam steps under `plan` (the second under a
     `runtime.comm_count.CommCounter`), then a fourth forward and backward and the bytes this
     rank holds after it (`held_state_bytes`). Losses, full parameters, the counted
     collectives, the held bytes, whether every stage ran compiled, and the executors'
-    mismatches (values whose placement differed from the plan)."""
+    mismatches (values whose placement differed from the plan). ``compile``: as in
+    `train_plan`."""
     from runtime.comm_count import CommCounter
     from runtime.train import split_batch
 
-    tr = trainer(plan, model, batches[0], key, optimizer="adam", lr=lr)
+    tr = trainer(plan, model, batches[0], key, optimizer="adam", lr=lr, compile=compile)
     losses = [tr.step(batches[0])]
     with CommCounter() as counter:
         losses.append(tr.step(batches[1]))

@@ -219,12 +219,34 @@ def _make_fx(
     finally:
         h1.remove()
         h2.remove()
+    _training_kernels(gm)
     if any(_mutates(n) for n in gm.graph.nodes):
         gm = _functionalized(gm)
     paths = list(params) + list(buffers) + [f"batch[{i}]" for i in range(len(batch))]
     _drop_input_writes(gm, paths, len(params))
     inline_constants(gm)
     return gm, paths
+
+
+#: Inference-only kernel -> the training kernel of the same schema and outputs. The parameters are
+#: traced as fake tensors that do not require grad, so an op that picks a kernel by whether its
+#: weight requires grad traces to the one that saves nothing for backward and has no autograd
+#: formula (``nn.EmbeddingBag``: then measuring its FLOPs failed with "Autograd not support
+#: dtype: Long"). The runtime trains: the graph gets the training kernel.
+TRAINING_KERNELS = {
+    torch.ops.aten._embedding_bag_forward_only.default: torch.ops.aten._embedding_bag.default,
+}
+
+
+def _training_kernels(gm: torch.fx.GraphModule) -> None:
+    """Replace `TRAINING_KERNELS`' inference-only kernels in `gm` by their training ones."""
+    replaced = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in TRAINING_KERNELS:
+            node.target = TRAINING_KERNELS[node.target]
+            replaced = True
+    if replaced:
+        gm.recompile()
 
 
 def _mutates(node: torch.fx.Node) -> bool:
