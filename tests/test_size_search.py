@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -27,19 +28,26 @@ def _without_time(p) -> dict:
     return d
 
 
+SEARCHED = {"global_batch": 8, "microbatch_size": [8, 4, 2, 1]}
+
+
+@functools.cache
+def _serial_plan() -> dict:
+    """gpt-tiny's plan over `SEARCHED`'s sizes, in this process (the same for both start methods)."""
+    return _without_time(plan("gpt-tiny", "1x4xA100-80GB", **SEARCHED))
+
+
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_worker_processes_give_the_serial_plan(
     method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if method not in multiprocessing.get_all_start_methods():
         pytest.skip(f"no {method} here")
-    kw = {"global_batch": 8, "microbatch_size": [8, 4, 2, 1]}
-    serial = plan("gpt-tiny", "1x4xA100-80GB", **kw)
     monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "2")
     monkeypatch.setattr(size_search, "start_method", lambda: method)
     said: list[str] = []
-    parallel = plan("gpt-tiny", "1x4xA100-80GB", progress=said.append, **kw)
-    assert _without_time(parallel) == _without_time(serial)
+    parallel = plan("gpt-tiny", "1x4xA100-80GB", progress=said.append, **SEARCHED)
+    assert _without_time(parallel) == _serial_plan()
     # the workers' progress reaches the caller: every size traced
     for b in (8, 4, 2, 1):
         assert any(f"with micro-batch {b}" in m for m in said), said
