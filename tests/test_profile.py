@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -453,15 +456,23 @@ def test_ranks_stop_when_the_launching_process_is_killed(tmp_path):
     server, would otherwise keep them: `runtime.launch._exit_with_launcher`) and no directory
     of stack files behind (the ranks remove it). The ranks find the modules of
     ``MESHPLAN_PRELOAD`` imported (by the fork server)."""
-    import os
-    import signal
+    script = tmp_path / "launcher.py"
+    script.write_text(KILLED_LAUNCHER)
+    # the launching process's temporary files, in a short directory: the fork server's socket
+    # lies under TMPDIR, and under pytest's tmp_path (whose run number grows on a long-lived
+    # machine) its path passed AF_UNIX's 107 bytes ("AF_UNIX path too long", pytest-101)
+    temp = Path(tempfile.mkdtemp(prefix="meshplan-killed-"))
+    try:
+        _killed_launcher_leaves_nothing(script, temp, tmp_path)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _killed_launcher_leaves_nothing(script: Path, temp: Path, tmp_path: Path) -> None:
+    """`test_ranks_stop_when_the_launching_process_is_killed` with TMPDIR `temp`."""
     import subprocess
     import sys
 
-    script = tmp_path / "launcher.py"
-    script.write_text(KILLED_LAUNCHER)
-    temp = tmp_path / "tmp"  # the launching process's temporary files
-    temp.mkdir()
     env = os.environ | {
         "MESHPLAN_PRELOAD": "json.tool, no_such_module_anywhere",
         "TMPDIR": str(temp),
