@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import statistics
 import tempfile
@@ -461,11 +460,8 @@ def test_ranks_stop_when_the_launching_process_is_killed(tmp_path):
     # the launching process's temporary files, in a short directory: the fork server's socket
     # lies under TMPDIR, and under pytest's tmp_path (whose run number grows on a long-lived
     # machine) its path passed AF_UNIX's 107 bytes ("AF_UNIX path too long", pytest-101)
-    temp = Path(tempfile.mkdtemp(prefix="meshplan-killed-"))
-    try:
-        _killed_launcher_leaves_nothing(script, temp, tmp_path)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="meshplan-killed-") as temp:
+        _killed_launcher_leaves_nothing(script, Path(temp), tmp_path)
 
 
 def _killed_launcher_leaves_nothing(script: Path, temp: Path, tmp_path: Path) -> None:

@@ -20,9 +20,9 @@ gloo launch of 4 ranks runs them all; ranks outside a plan idle):
 For each: the losses of 3 steps and the parameters after them equal single-device training within
 1e-5 (relative). ``dp2_tp2_zero_momentum`` runs compiled (AOTAutograd), the others eagerly (the
 same arithmetic; the compiled executor is checked against the eager one in
-`tests/test_compiled.py`, and MoE pipelines train compiled in
-`tests/test_runtime_torch_pipeline.py`). The pipeline plans run on our own runner (``pipeline="ours"``);
-`tests/test_runtime_torch_pipeline.py` runs MoE pipelines on torch.distributed.pipelining.
+`tests/test_compiled.py`). The pipeline plans run on our own runner (``pipeline="ours"``);
+`tests/test_runtime_torch_pipeline.py` runs MoE pipelines on torch.distributed.pipelining, one
+of them compiled.
 """
 
 from __future__ import annotations
