@@ -78,43 +78,44 @@ def _collective_call(
     raise MeshplanError(f"unknown collective {op!r}")
 
 
+#: Timed calls of each size per repeat, each on its own (`_time_sizes`).
+CALLS_PER_REPEAT = 5
+
+
 def _time_sizes(
     fns: list[Callable[[], Any]], group: Any, opts: ProfileOptions
 ) -> list[float]:
     """Median seconds of one call of each closure (one per message size), the slowest rank's.
 
-    Repeats go round-robin over the sizes (size 1, size 2, ..., size 1, ...), so a burst of load
-    from elsewhere on the machine spoils one repeat of several sizes rather than every repeat of one.
-    Loop counts are agreed across ranks (max of the warm-up times), so every rank calls alike.
+    Each call is timed on its own: a group barrier, the call, the wait for its result, as the
+    runtime issues a collective between computations (a step's gradient bucket, an activation's
+    redistribution) and waits for it. Calls back to back measure less than that: a rank done with
+    one starts the next while others finish (gloo on this machine's 4 ranks: 1 MiB all-reduces
+    5.1 ms back to back, 7.5 ms each on its own; 4 MiB 11.7 and 15.7 ms), and the overheads that
+    `runtime.overhead` fits are net of the step's collectives timed on their own. A sample is the
+    slowest rank's time of one call, and a size's figure the median of its ``opts.repeats *
+    CALLS_PER_REPEAT`` samples. Repeats go round-robin over the sizes (size 1, size 2, ...,
+    size 1, ...), so a burst of load from elsewhere on the machine spoils one repeat of several
+    sizes rather than every repeat of one.
     """
     import torch
     import torch.distributed as dist
 
     dev = _device()
-    first = []
     for fn in fns:
         for _ in range(opts.warmup):
             fn()
-        dist.barrier(group=group)
-        t = time.perf_counter()
-        fn()
-        _sync()
-        first.append(time.perf_counter() - t)
-    agreed = torch.tensor(first, dtype=torch.float64, device=dev)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    inner = [
-        max(1, min(50, int(opts.target_repeat_s / max(t, 1e-9))))
-        for t in agreed.tolist()
-    ]
-    times = torch.zeros(opts.repeats, len(fns), dtype=torch.float64)
+    _sync()
+    calls = opts.repeats * CALLS_PER_REPEAT
+    times = torch.zeros(calls, len(fns), dtype=torch.float64)
     for r in range(opts.repeats):
         for i, fn in enumerate(fns):
-            dist.barrier(group=group)
-            t = time.perf_counter()
-            for _ in range(inner[i]):
+            for c in range(r * CALLS_PER_REPEAT, (r + 1) * CALLS_PER_REPEAT):
+                dist.barrier(group=group)
+                t = time.perf_counter()
                 fn()
-            _sync()
-            times[r, i] = (time.perf_counter() - t) / inner[i]
+                _sync()
+                times[c, i] = time.perf_counter() - t
     times = times.to(dev)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return [statistics.median(col) for col in times.cpu().T.tolist()]

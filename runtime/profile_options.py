@@ -29,7 +29,6 @@ class ProfileOptions:
     sizes: list[int] = field(default_factory=lambda: [64 * KB << i for i in range(11)])
     repeats: int = 5
     warmup: int = 1
-    target_repeat_s: float = 0.02
     matmul_shapes: list[tuple[int, int, int]] | None = (
         None  # None: DEFAULT_MATMUL_DIMS grid
     )

@@ -20,11 +20,11 @@ One launch (`runtime.launch.launch`) of N ranks measures, in order:
    size: all_reduce, all_gather (all_gather_single / all_gather_into_tensor),
    reduce_scatter (reduce_scatter_single / reduce_scatter_tensor; gloo in torch 2.13 runs it, so no
    emulation is needed), all_to_all (all_to_all_single) and send_recv (world size 2 only: the
-   group's two ranks ping-pong, one-way time = round trip / 2). One timed repeat is a sub-group
-   barrier followed by `inner` back-to-back calls (inner chosen from a warm-up so a repeat lasts
-   ~`target_repeat_s`, the same on every rank); a repeat's time is the slowest rank's, and the
-   sample is the median repeat (collectives vary between repeats by themselves, from the ranks'
-   mutual scheduling, so the median is their typical time).
+   group's two ranks ping-pong, one-way time = round trip / 2). Each call is timed on its own, as the
+   runtime issues them: a sub-group barrier, the call, its wait; a call's time is the slowest
+   rank's, and the sample is the median call (collectives vary between calls by themselves, from
+   the ranks' mutual scheduling, so the median is their typical time;
+   `runtime.profile_collectives._time_sizes`).
    Byte convention: see cost_models/profile.py (the full unsharded tensor for all_gather output /
    reduce_scatter input / all_reduce / all_to_all buffer; the per-rank message for send_recv).
    (`runtime.profile_collectives`.)

@@ -667,13 +667,15 @@ def test_same_plan_ignores_size_one_axes_and_layer_numbering():
 
 def test_runner_up_is_planned_when_the_best_manual_plan_is_the_automatic_one():
     """With this profile the grid's best (dp2) is the automatic plan: the case also plans the best
-    manual configuration whose plan differs, and that is the manual plan it would run."""
+    manual configuration whose plan differs, and that is the manual plan it would run. (With
+    all-reduces of 20 us the automatic plan replicates the whole model instead: on this
+    profile's fast ops that costs less than the loss's and the gradients' all-reduces.)"""
     from benchmarks.local_suite import _plan_case, same_plan
 
     prof = dataclasses.replace(
         _profile(1e-5, devices=2),
         collectives=[
-            CollectiveFit("all_reduce", 2, 20e-6, 1e-9),
+            CollectiveFit("all_reduce", 2, 2e-6, 1e-9),
             CollectiveFit("send_recv", 2, 20e-6, 1e-9),
         ],
     )

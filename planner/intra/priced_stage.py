@@ -48,7 +48,8 @@ class PricedStage:
 
     def node_cost(self, name: str, opt: Option) -> float:
         """Seconds per micro-batch of node `name` under `opt`: an op's compute
-        (`prices.compute_time`); a parameter's ZeRO / FSDP collectives (`fsdp_prices.zero_cost`),
+        (`prices.compute_time`), and for the loss its reduction to replicated
+        (`prices.loss_reduction_time`); a parameter's ZeRO / FSDP collectives (`fsdp_prices.zero_cost`),
         the runtime's time per parameter tensor and per byte of its gradient
         (`cost_models.compute.param_overhead`, 0 without a measured profile) and its optimizer
         step on the shard of its state (`cost_models.compute.param_step_time`), the per-step
@@ -63,7 +64,10 @@ class PricedStage:
                 )
                 + self.optimizer_cost(name, opt)
             )
-        return sc.compute_time(node, opt, self.settings)
+        cost = sc.compute_time(node, opt, self.settings)
+        if name == self.graph.loss_value:
+            cost += sc.loss_reduction_time(node, opt, self.settings)
+        return cost
 
     def optimizer_cost(self, name: str, opt: Option) -> float:
         """Seconds per micro-batch of parameter `name`'s optimizer step under `opt` (its share
@@ -145,6 +149,7 @@ class PricedStage:
                 n.is_view,
                 name in self.graph.placeholder_paths,
                 name in self.saved,
+                name == self.graph.loss_value,
                 id(full[name]),
             )
             key = self._price_keys[name] = self._price_ids.setdefault(

@@ -180,6 +180,19 @@ def compute_time(node: OpNode, option: Option, s: StageSettings) -> float:
     )
 
 
+def loss_reduction_time(node: OpNode, option: Option, s: StageSettings) -> float:
+    """Seconds per micro-batch of bringing the loss `node` (`OpGraph.loss_value`) from its
+    placement under `option` to replicated, as the runtime does after every micro-batch's
+    forward (`runtime.executor.PlanExecutor.run_plan`): the all-reduce of a partial loss over
+    the axes that split the batch. No consumer's input prices it (the graph's output is not an
+    op), and on a CPU's gloo ranks a 4-byte all-reduce takes milliseconds."""
+    if not node.outputs or not option.strategy.output or not option.strategy.output[0]:
+        return 0.0
+    src = tuple(map(norm, option.strategy.output[0]))
+    meta = node.outputs[0]
+    return _reshard(s, meta.shape, _element_bytes(meta), src, ("R",) * len(src))
+
+
 def _op_time(
     node: OpNode,
     option: Option,

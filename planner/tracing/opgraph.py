@@ -143,6 +143,16 @@ class OpGraph:
         return self._by_name[name]
 
     @property
+    def loss_value(self) -> str | None:
+        """The value the runtime takes as the loss: the graph output's first value
+        (`runtime.executor.PlanExecutor.run_plan`); None without one."""
+        def make() -> str | None:
+            out = [n for n in self.nodes if n.op == "output"]
+            return out[-1].inputs[0] if out and out[-1].inputs else None
+
+        return self.derived(("loss_value",), make)
+
+    @property
     def ops(self) -> list[OpNode]:
         """The op nodes (``op == "call"``) in graph order: one list, made once, which the
         planner's inner loops read (do not modify it)."""
