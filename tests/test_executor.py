@@ -48,10 +48,11 @@ CASES = {
     "data_parallel": (16, 4, (1, 4)),
     "mixed_2x2": (8, 4, (2, 2)),
 }
-# Collectives the planner does not price: the all-reduce of the scalar loss (returned replicated;
-# no edge leads to the graph's output) and the one of the scalar total_weight that DTensor's
-# nll_loss_backward wants replicated while the forward left it partial.
-UNPRICED_SITES = ("fwd:output", "bwd:nll_loss_forward")
+# Collectives the planner does not price: the all-reduce of the scalar total_weight that DTensor's
+# nll_loss_backward wants replicated while the forward left it partial (the runtime's fitted
+# overheads hold it: `runtime.overhead`). The loss's own all-reduce to replicated is priced
+# (``fwd:output``, `planner.intra.prices.loss_reduction_time`).
+UNPRICED_SITES = ("bwd:nll_loss_forward")
 # Sites where the runtime's bytes differ from the price, with the cause (planner-side):
 KNOWN_DIFFS = {
     # wte is vocabulary-sharded on axis 1 and the tokens batch-sharded on axis 0. The planner

@@ -199,3 +199,41 @@ def test_gradient_all_reduce_latency_is_paid_once_per_bucket() -> None:
     prof = st.profile(sol, g, layer_of, bd.boundary_values(g, layer_of, 2), 2)
     assert prof.fixed[0, 0] == prof.fixed[1, 1] == prof.fixed[0, 1] == latency / 2
     assert prof.range_time(0, 1, False) == pytest.approx(sol.time_s, rel=1e-9)
+
+
+def test_a_partial_loss_pays_its_all_reduce_every_micro_batch() -> None:
+    """Data parallel on 2 devices: the loss leaves the forward partial over the batch axis and the
+    runtime all-reduces it to replicated after every micro-batch's forward
+    (`runtime.executor.PlanExecutor.run_plan`). No edge leads to the graph's output, so the loss
+    node's own price holds that all-reduce; a replicated loss has none to pay."""
+    from planner.intra.prices import compute_time
+    from planner.intra.solve import price_stage
+
+    g = trace(_MLP(), (torch.randn(64, 64),))
+    mesh = _mesh("1x2xA100-80GB", (1, 2))
+    loss = g.loss_value
+    assert g.node(loss).target == "aten.mean.default"
+    ctx = price_stage(g, mesh, num_microbatches=2).ctx
+    paid = {}
+    for opt in ctx.options[loss]:
+        placement = tuple(opt.strategy.output[0])
+        paid[placement] = ctx.node_cost(loss, opt) - compute_time(
+            g.node(loss), opt, ctx.settings
+        )
+    assert paid[("R", "R")] == 0.0
+    partial = [p for p in paid if p[1].startswith("P")]
+    assert partial and mesh.all_reduce(4.0, 1) > 0
+    for p in partial:
+        assert paid[p] == pytest.approx(mesh.all_reduce(4.0, 1), rel=1e-9)
+    # the solution's compute counts the loss's reduction where it chose a partial loss
+    sol = solve_stage(g, mesh, batch_axes=(1,), num_microbatches=2)
+    chosen = tuple(sol.choice[loss].strategy.output[0])
+    assert sol.compute_s == pytest.approx(
+        sum(
+            compute_time(g.node(n), o, ctx.settings)
+            for n, o in sol.choice.items()
+            if g.node(n).op == "call"
+        )
+        + paid[chosen],
+        rel=1e-9,
+    )

@@ -32,7 +32,8 @@ def predicted_collectives(
     forward redistribution of every edge u -> v of the chosen strategies, and ``"bwd:u->v"`` for its
     gradient (`planner.intra.prices`: from ``grad_from_consumer(dst, v's strategy)`` to
     ``expected_grad(src)``), both from `cost_models.resharding.reshard_steps`. One micro-batch,
-    forward + backward (the parameter-gradient part is not divided by the micro-batches).
+    forward + backward (the parameter-gradient part is not divided by the micro-batches);
+    ``"fwd:output"`` the loss's reduction to replicated, where the program holds the loss.
 
     `fsdp`: paths of FSDP parameters (`planner.intra.prices`): ``"fwd:fsdp:<path>"`` their
     all-gather, ``"bwd:fsdp:<path>"`` the all-gather again and the gradient's reduce-scatter;
@@ -77,13 +78,21 @@ def predicted_collectives(
             for label, a, b in steps:
                 if a == b:
                     continue
-                colls = [
-                    (st.collective, st.nbytes)
-                    for st in reshard_steps(mesh, meta.shape, width, a, b)
-                    if st.collective
-                ]
+                colls = _collectives(mesh, meta.shape, width, a, b)
                 if colls:
                     out[label] = colls
+    loss = graph.loss_value
+    if loss is not None and program.strategies.get(loss) is not None:
+        # the runtime brings the loss to replicated after the forward
+        # (`planner.intra.prices.loss_reduction_time`)
+        src = program.strategies[loss].output[0]
+        meta = graph.node(loss).outputs[0]
+        if src:
+            src = tuple(map(norm, src))
+            width = meta.nbytes / max(meta.numel(), 1)
+            colls = _collectives(mesh, meta.shape, width, src, ("R",) * len(src))
+            if colls:
+                out["fwd:output"] = colls
     return out
 
 
