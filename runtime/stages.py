@@ -216,6 +216,8 @@ def _stage(
     sub_nodes = []
     for n in g.nodes:
         if n.op == "output":
+            if s == S - 1:  # the model's output, whose first value is the loss
+                sub_nodes.append(graph.node(out_node.name))  # (`OpGraph.loss_value`)
             continue
         node = graph.node(n.name)
         if n.name in inputs:  # a received value is a leaf of this stage

@@ -415,7 +415,9 @@ def test_fsdp_communicates_what_was_priced(runs: list[dict[str, Any]]) -> None:
         measured = [x for x in r["records"] if x.site not in UNPRICED_SITES]
         totals, diffs = compare(predicted, measured)
         assert not diffs, "\n".join(diffs[:10])
-        assert totals["reduce_scatter"][0] > 0 and "all_reduce" not in totals
+        assert totals["reduce_scatter"][0] > 0
+        # no gradient all-reduce: the only one is the loss's, a scalar per micro-batch
+        assert totals.get("all_reduce", (0.0, 0.0))[1] <= 4 * B
 
 
 @pytest.mark.slow
