@@ -443,6 +443,10 @@ def _summarise(
     for act, grad in zip(*edge_terms):
         comm += act
         grad_sync += grad * s.num_microbatches
+    loss = g.loss_value
+    if loss in choice:  # the loss's all-reduce: in its node's price, communication here
+        reduction = sc.loss_reduction_time(g.node(loss), choice[loss], s)
+        compute, comm = compute - reduction, comm + reduction
     buckets = sc.grad_buckets(
         g,
         choice,
