@@ -52,7 +52,7 @@ CASES = {
 # nll_loss_backward wants replicated while the forward left it partial (the runtime's fitted
 # overheads hold it: `runtime.overhead`). The loss's own all-reduce to replicated is priced
 # (``fwd:output``, `planner.intra.prices.loss_reduction_time`).
-UNPRICED_SITES = ("bwd:nll_loss_forward")
+UNPRICED_SITES = ("bwd:nll_loss_forward",)
 # Sites where the runtime's bytes differ from the price, with the cause (planner-side):
 KNOWN_DIFFS = {
     # wte is vocabulary-sharded on axis 1 and the tokens batch-sharded on axis 0. The planner

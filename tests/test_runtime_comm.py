@@ -48,7 +48,7 @@ from runtime.train import _random_batches
 SPEC = "gpt:hidden=64,layers=4,heads=4,seq=16,vocab=128"
 CLUSTER = "1x4xA100-80GB"
 # nll_loss's total_weight (see tests/test_executor.py)
-UNPRICED_SITES = ("bwd:nll_loss_forward")
+UNPRICED_SITES = ("bwd:nll_loss_forward",)
 # our runner (`runtime.pipeline`) and torch.distributed.pipelining (`runtime.torch_pipeline`)
 IMPLS = ("ours", "torch")
 

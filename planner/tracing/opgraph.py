@@ -146,6 +146,7 @@ class OpGraph:
     def loss_value(self) -> str | None:
         """The value the runtime takes as the loss: the graph output's first value
         (`runtime.executor.PlanExecutor.run_plan`); None without one."""
+
         def make() -> str | None:
             out = [n for n in self.nodes if n.op == "output"]
             return out[-1].inputs[0] if out and out[-1].inputs else None
