@@ -25,7 +25,8 @@ of `planner.tracing.tracer.trace`) node by node on DTensors:
   planned context-parallel (sequence split, `planner.vocab.context`) has no DTensor rule and runs
   as `runtime.context.context_attention`.
 * Output. The loss is returned replicated; a partial loss (``P(avg)`` under data parallelism) is
-  all-reduced first (one scalar, which the planner does not price: no edge leads to the output).
+  all-reduced first (one scalar, which the planner prices on the loss node:
+  `planner.intra.prices.loss_reduction_time`).
 
 Backward is plain autograd through DTensor ops and the `Edge` functions. Why an explicit edge
 function instead of relying on ``DTensor.redistribute``'s own backward: the planner prices every

@@ -43,7 +43,7 @@ from runtime.train import _random_batches
 SPEC = "llama:hidden=64,layers=4,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"
 CLUSTER = "1x2xA100-80GB"
 STEPS, LR, BATCH, B = 3, 1e-3, 8, 2
-# the loss all-reduce, nll_loss's total_weight and the embedding's scalar (tests/test_fsdp.py)
+# nll_loss's total_weight and the embedding's scalar (tests/test_fsdp.py)
 UNPRICED_SITES = ("bwd:nll_loss_forward", "bwd:embedding")
 
 

@@ -47,7 +47,7 @@ from runtime.train import _random_batches
 SPEC = "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"
 CLUSTER = "1x8xA100-80GB"
 STEPS, LR, BATCH, B = 3, 1e-3, 4, 2  # 2 micro-batches of 2 rows: one per replica
-# the loss all-reduce, nll_loss's total_weight and the embedding's scalar (tests/test_fsdp.py)
+# nll_loss's total_weight and the embedding's scalar (tests/test_fsdp.py)
 UNPRICED_SITES = ("bwd:nll_loss_forward", "bwd:embedding")
 # Every plan runs eagerly: compiling on 8 ranks costs the most CPU of the suite's compiled runs
 # (dp_cp_tp compiled: its run 99 s of the launch instead of 44 s, the launch 165 s instead of
