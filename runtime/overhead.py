@@ -238,10 +238,15 @@ class _Calibration:
         self.trainer.step(self.batch)
 
     def collectives(self) -> None:
+        """The step's priced collectives, issued as the runtime issues them (functional
+        collectives and their wait; `runtime.profile_collectives` times them the same way)."""
+        import torch
         import torch.distributed as dist
 
-        dist.all_reduce(self.grads)
-        dist.all_reduce(self.scalar)
+        c10d = torch.ops._c10d_functional
+        name = dist.group.WORLD.group_name
+        c10d.wait_tensor(c10d.all_reduce_(self.grads, "sum", name))
+        c10d.wait_tensor(c10d.all_reduce(self.scalar, "sum", name))
 
 
 def _net(run: dict[str, float], all_reduce: Any) -> float:

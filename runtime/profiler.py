@@ -17,10 +17,11 @@ One launch (`runtime.launch.launch`) of N ranks measures, in order:
 2. memory bandwidth on rank 0: fastest copy of a large tensor, counting read + write bytes.
 3. every collective for every world size w in `world_sizes` (sub-group of ranks 0..w-1; ranks outside
    it wait; with ``concurrent_collectives`` every group of w consecutive ranks at once) and message
-   size: all_reduce, all_gather (all_gather_single / all_gather_into_tensor),
-   reduce_scatter (reduce_scatter_single / reduce_scatter_tensor; gloo in torch 2.13 runs it, so no
-   emulation is needed), all_to_all (all_to_all_single) and send_recv (world size 2 only: the
-   group's two ranks ping-pong, one-way time = round trip / 2). Each call is timed on its own, as the
+   size: all_reduce, all_gather (all_gather_into_tensor), reduce_scatter (reduce_scatter_tensor;
+   gloo in torch 2.13 runs it, so no emulation is needed) and all_to_all (all_to_all_single), each
+   the functional collective (``_c10d_functional``) and its ``wait_tensor``, the path DTensor and
+   the gradient buckets take; and send_recv (world size 2 only: the group's two ranks ping-pong
+   with ``dist.send``/``recv``, one-way time = round trip / 2). Each call is timed on its own, as the
    runtime issues them: a sub-group barrier, the call, its wait; a call's time is the slowest
    rank's, and the sample is the median call (collectives vary between calls by themselves, from
    the ranks' mutual scheduling, so the median is their typical time;

@@ -606,3 +606,28 @@ def test_matmul_samples_are_self_consistent(measured, tmp_path):
             if 1 - TOLERANCE <= attempts[-1] <= 1 / (1 - TOLERANCE):
                 return
     pytest.fail(f"re-measured / profiled matmul time, median per attempt: {attempts}")
+
+
+@pytest.mark.parametrize(
+    "op", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+)
+def test_profiled_collectives_are_the_functional_ones_the_runtime_issues(op):
+    """The profile times a collective the way the runtime issues it (the functional collective
+    and its wait, which costs more than ``dist.all_reduce`` and its kind on gloo): each timed
+    call is one collective that `runtime.comm_count` counts, of the op's kind and of the bytes
+    of the profile's byte convention."""
+    from runtime.comm_count import CommCounter
+    from runtime.profile_collectives import _collective_call
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        call = _collective_call(op, 64 * 1024, dist.group.WORLD, 1, 0)
+        with CommCounter() as counted:
+            call()
+    finally:
+        dist.destroy_process_group()
+    assert [(r.kind, r.nbytes, r.group_size) for r in counted.records] == [
+        (op, 64 * 1024, 1)
+    ]
