@@ -55,7 +55,9 @@ def test_bad_device_and_missing_steps_begin() -> None:
         torch.empty(10)
 
 
-def test_the_profiler_writes_nothing_to_standard_error(capfd: pytest.CaptureFixture) -> None:
+def test_the_profiler_writes_nothing_to_standard_error(
+    capfd: pytest.CaptureFixture,
+) -> None:
     """Kineto's start and stop lines (written by C++ to file descriptor 2) do not reach a run's
     output; what Python writes there before and after still does."""
     import sys
