@@ -3,6 +3,7 @@ sizes are known (one process, no launch)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -60,8 +61,6 @@ def test_the_profiler_writes_nothing_to_standard_error(
 ) -> None:
     """Kineto's start and stop lines (written by C++ to file descriptor 2) do not reach a run's
     output; what Python writes there before and after still does."""
-    import sys
-
     print("before", file=sys.stderr)
     with PeakMemory("cpu") as rec:
         rec.steps_begin()
