@@ -32,24 +32,22 @@ trainer transiently holds a full copy of the model that a real job would load sh
   measure in dedicated steps, not timed ones. Kineto (torch 2.13) writes a line to the process's
   standard error at each profiler start and stop (``USDT:... profiler_start``), from C++, with no
   setting that turns it off (``KINETO_LOG_LEVEL`` does not); the recorder points file descriptor 2
-  at ``/dev/null`` for those two calls only (`_native_stderr_silenced`), so that a measured run's
+  at ``/dev/null`` for those two calls only (`planner.native_output.fd_silenced`), so that a measured run's
   output holds only meshplan's own lines.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
-import sys
 import time
-from collections.abc import Iterator
 from types import TracebackType
 from typing import Any, Self
 
 import torch
 
 from cost_models.errors import MeshplanError
+from planner.native_output import fd_silenced
 
 __all__ = ["PeakMemory"]
 
@@ -58,23 +56,6 @@ def _report_flag() -> ctypes.c_bool:
     """c10's ``FLAGS_caffe2_report_cpu_memory_usage`` (module docstring)."""
     lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
     return ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
-
-
-@contextlib.contextmanager
-def _native_stderr_silenced() -> Iterator[None]:
-    """File descriptor 2 pointed at /dev/null while the block runs (module docstring): what
-    native code writes there is dropped; Python's `sys.stderr` is flushed first, and exceptions
-    still propagate."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    null = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(null, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
 
 
 class PeakMemory:
@@ -105,7 +86,7 @@ class PeakMemory:
             self._flag_before = bool(self._flag.value)
             self._flag.value = True
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            with _native_stderr_silenced():
+            with fd_silenced(2):
                 self._prof.__enter__()
         return self
 
@@ -127,7 +108,7 @@ class PeakMemory:
             if exc_type is None:
                 self.peak_bytes = torch.cuda.max_memory_allocated() - self._base
             return
-        with _native_stderr_silenced():
+        with fd_silenced(2):
             self._prof.__exit__(exc_type, exc, tb)
         self._flag.value = self._flag_before
         if exc_type is None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cost_models.errors import MeshplanError
+from planner.native_output import fd_silenced
 
 #: Relative optimality gap at which HiGHS stops (both routes).
 GAP_REL = 1e-7
@@ -302,15 +302,8 @@ def _silence_highs_banner() -> None:
     descriptor 1 pointed at /dev/null, so that the banner never reaches a user's output."""
     import highspy
 
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            highspy.Highs()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
+    with fd_silenced(1):
+        highspy.Highs()
 
 
 _python_lock = threading.Lock()
