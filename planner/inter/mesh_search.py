@@ -287,13 +287,27 @@ def search(
         inter = InterleavedSearch(graph, chunks, cluster.num_devices, B, budget)
     least = np.inf
     first = tables[0]
-    jobs = [
+    # A mesh where no layer's parameter state fits is not solved: none of its solutions could
+    # enter a table or the interleaved options (`stage_solves.least_layer_state`; the chunks'
+    # layers count where the submesh's device groups can be interleaved); the whole cluster's
+    # is, for the least memory the error message reports when nothing fits.
+    layer_maps = [t.layer_of for t in tables]
+
+    def fits(job: tuple) -> bool:
+        _, sub, mesh = job
+        if sub == cluster.shape:
+            return True
+        maps = layer_maps + ([inter.layer_of] if inter and inter.groups(sub) else [])
+        return stage_solves.least_layer_state(graph, mesh, maps, optimizer) <= budget
+
+    meshes = [
         (m, sub, LogicalMesh(cluster, sub, shape))
         for m, sub in enumerate(subs)
         for shape in (
             [(1, sub[0] * sub[1])] if mode == "inter-only" else logical_shapes(sub)
         )
     ]
+    jobs = [job for job in meshes if fits(job)]
 
     def solve(job: tuple) -> list:
         _, sub, mesh = job

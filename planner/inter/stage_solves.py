@@ -13,12 +13,14 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from planner.inter.stage_table import LayerProfile, profile
 from planner.intra.batch_split import batch_split_options
 from planner.intra.context import context_filter
+from planner.intra.fsdp_prices import hybrid_axes, param_state_bytes
 from planner.intra.megatron import (
     ParamFilter,
     Seed,
@@ -26,7 +28,7 @@ from planner.intra.megatron import (
     both_filters,
     sequence_filter,
 )
-from planner.intra.prices import zero2_option
+from planner.intra.prices import StageSettings, node_options, zero2_option
 from planner.intra.solution import StageSolution
 from planner.intra.solve import StagePricing, price_stage, solve_stage, with_zero2
 from planner.tracing.opgraph import OpGraph
@@ -212,6 +214,46 @@ def _seed_params_per_layer(
     for n in params:
         per_layer[layer_of.get(n, 0)] += least[rep.get(n, n)]
     return float(per_layer.min())
+
+
+def least_layer_state(
+    graph: OpGraph,
+    mesh: LogicalMesh,
+    layer_maps: Sequence[dict[str, int]],
+    optimizer: str,
+) -> float:
+    """The least parameter-state bytes per device (weights, gradients, optimizer state) that any
+    layer of any of the clusterings `layer_maps` can have on `mesh`: each parameter at the
+    option (`planner.intra.prices.node_options`: DTensor's placements, ZeRO-2, FSDP, HSDP) that
+    holds the least of it, summed per layer (a parameter of no layer counts in layer 0, as
+    `planner.inter.stage_table.profile` attributes it). Every stage or interleaved chunk holds
+    at least one layer's parameter state besides what else it keeps
+    (`cost_models.memory.stage_peak_bytes`), so when this exceeds the memory budget no stage
+    on `mesh` fits and its intra-op programs need not be solved (`planner.inter.mesh_search`:
+    within one host a 1T GPT's layer does not fit on 8 A100s). Needs no pricing: a
+    parameter's options are placements of its own shape."""
+    settings = StageSettings(mesh, optimizer=optimizer)
+    hybrid = hybrid_axes(mesh)
+    fx = graph.derived(("param_fx",), lambda: _param_fx(graph))
+    least: dict[tuple, float] = {}  # per (shape, dtype): a block's copies alike
+    per_layer = [np.zeros(max(m.values(), default=0) + 1) for m in layer_maps]
+    for n, fx_node in fx.items():
+        meta = graph.node(n).outputs[0]
+        key = (tuple(meta.shape), meta.dtype)
+        if key not in least:
+            least[key] = min(
+                param_state_bytes(meta, o, settings)
+                for o in node_options(fx_node, graph.node(n), mesh.shape, hybrid)
+            )
+        for layers, m in zip(per_layer, layer_maps):
+            layers[m.get(n, 0)] += least[key]
+    return min((float(x.min()) for x in per_layer), default=0.0)
+
+
+def _param_fx(graph: OpGraph) -> dict[str, torch.fx.Node]:
+    """The fx node of every parameter of `graph`, by name."""
+    params = {n.name for n in graph.nodes if n.op == "param"}
+    return {n.name: n for n in graph.gm.graph.nodes if n.name in params}
 
 
 def _both(f: ParamFilter, g: ParamFilter) -> ParamFilter:
