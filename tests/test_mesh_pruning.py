@@ -1,6 +1,8 @@
 """Meshes where no layer's parameter state fits are not solved (`planner.inter.mesh_search`,
-`planner.inter.stage_solves.least_layer_state`): the search's stage tables and interleaved
-options are exactly those of solving every mesh, and the bound is below every solution's."""
+`planner.inter.stage_solves.least_layer_state`), nor is a solution profiled for a clustering
+none of whose layers its parameter state fits (`planner.inter.stage_table.least_layer_params`):
+the search's stage tables and interleaved options are exactly those of solving and profiling
+everything, and the bound is below every solution's."""
 
 from __future__ import annotations
 
@@ -22,14 +24,22 @@ CLUSTER = "4x4xA100-80GB"
 BUDGET = 5e6
 
 
-def _search(monkeypatch, prune: bool) -> tuple[list, list, list]:
-    """(every stage DP cost table, the interleaved options, the bounds computed) of one plan."""
-    tables, inter, bounds = [], [], []
+def _search(monkeypatch, prune: bool) -> tuple[list, list, list, list]:
+    """(every stage DP cost table, the interleaved options, the bounds computed, the solutions
+    left unprofiled for a clustering) of one plan; `prune` False: every mesh solved, every
+    solution profiled for every clustering."""
+    tables, inter, bounds, unprofiled = [], [], [], []
+    fits_nowhere = mesh_search._fits_nowhere
 
     def bound(graph, mesh, maps, optimizer):
         least = least_layer_state(graph, mesh, maps, optimizer)
         bounds.append((mesh.submesh, least))
         return least if prune else 0.0
+
+    def nowhere(prof, layering, budget):
+        skip = fits_nowhere(prof, layering, budget)
+        unprofiled.extend([prof] if skip else [])
+        return skip and prune
 
     def dp(cost, *args, **kw):
         tables.append(cost.copy())
@@ -47,17 +57,22 @@ def _search(monkeypatch, prune: bool) -> tuple[list, list, list]:
     stage_dp = mesh_search.stage_dp
     with monkeypatch.context() as m:
         m.setattr(stage_solves, "least_layer_state", bound)
+        m.setattr(mesh_search, "_fits_nowhere", nowhere)
         m.setattr(mesh_search, "stage_dp", dp)
         m.setattr(mesh_search, "InterleavedSearch", Kept)
         plan(MODEL, CLUSTER, global_batch=32, microbatch_size=[4], memory_budget=BUDGET)
-    return tables, inter, bounds
+    return tables, inter, bounds, unprofiled
 
 
-def test_skipped_meshes_change_nothing(monkeypatch) -> None:
-    pruned, inter_pruned, bounds = _search(monkeypatch, prune=True)
-    every, inter_every, _ = _search(monkeypatch, prune=False)
+def test_skipped_meshes_and_profiles_change_nothing(monkeypatch) -> None:
+    """Ground truth: the same search solving every mesh and profiling every solution for every
+    clustering."""
+    pruned, inter_pruned, bounds, unprofiled = _search(monkeypatch, prune=True)
+    every, inter_every, _, _ = _search(monkeypatch, prune=False)
     skipped = {sub for sub, least in bounds if least > BUDGET}
     assert skipped == {(1, 1), (1, 2)}
+    # the coarser clusterings' layers hold too much on 4 devices
+    assert unprofiled
     assert len(pruned) == len(every) > 0
     for a, b in zip(pruned, every):
         np.testing.assert_array_equal(a, b)

@@ -239,6 +239,14 @@ def _solver_threads() -> int:
     return max(1, min(4, cores))
 
 
+def _fits_nowhere(prof: st.LayerProfile, layering, budget: float) -> bool:
+    """Whether no layer of `layering` (a `_Table` or the `InterleavedSearch`) has its parameter
+    state within `budget` under `prof`'s solution: no range of that clustering fits, so the
+    solution's profile for it would enter nothing (`stage_table.least_layer_params`)."""
+    least = st.least_layer_params(prof.solution, layering.layer_of, layering.L)
+    return least > budget
+
+
 def _lean_layers(tables: list, sub: tuple[int, int], devices: int) -> tuple | None:
     """The clustering whose layers the memory ladder (`planner.inter.stage_solves.profiles_for`) must
     make lean on submesh `sub`: the p-layer one where p stages of this size fill the cluster, else
@@ -341,17 +349,22 @@ def search(
     try:
         for (m, sub, mesh), profiles in zip(jobs, pool.map(solve, jobs)):
             crosses = cluster.hosts > 1 and sub[1] == cluster.devices_per_host
+            whole = sub == cluster.shape
             for t in tables:
                 for prof in profiles:
                     if t is not first:
+                        if not whole and _fits_nowhere(prof, t, budget):
+                            continue
                         prof = st.profile(
                             prof.solution, graph, t.layer_of, t.bounds, t.L
                         )
-                    low = t.add(m, mesh, prof, budget, crosses, sub == cluster.shape)
+                    low = t.add(m, mesh, prof, budget, crosses, whole)
                     least = min(least, low)
             if inter is not None and inter.groups(sub):
                 for prof in profiles:
                     if inter.layers != first.layers:
+                        if _fits_nowhere(prof, inter, budget):
+                            continue
                         prof = st.profile(
                             prof.solution, graph, inter.layer_of, inter.bounds, inter.L
                         )

@@ -403,6 +403,16 @@ def profile(
     )
 
 
+def least_layer_params(sol: StageSolution, layer_of: dict[str, int], L: int) -> float:
+    """The least parameter-state bytes of any of the L layers of `layer_of` under `sol`: the
+    `params` of its `profile`, made without the rest. A stage (or interleaved chunk) holds at
+    least one layer, so where this exceeds the memory budget no range of that clustering fits
+    and the solution need not be profiled for it (`planner.inter.mesh_search`)."""
+    names, table = sol.node_cost_table()
+    index = _layer_index(layer_of, names)
+    return float(np.bincount(index, weights=table[:, 2], minlength=L).min())
+
+
 def _memo(sol: StageSolution, graph: OpGraph, key: str, make) -> Any:
     """``make()``, kept with the solution under `key` when `graph` is its own (`held_memory`)."""
     return cached_on(sol, graph, (key,), make)
