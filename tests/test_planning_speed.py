@@ -257,26 +257,37 @@ def test_held_memory_kept_per_solution_matches_fresh() -> None:
 def test_value_table_per_class_equals_per_node() -> None:
     """`PricedStage.value_table` looks up one node per class of block copies when each class
     chooses one option (as `solve_stage`'s solutions do) and every node otherwise: both equal
-    `values` node by node, and the per-node path is taken where a copy chooses otherwise."""
+    `values` node by node, and the per-node path is taken where a copy chooses otherwise. The
+    classes are made on the first mesh and kept for the graph: on each mesh they are the nodes
+    of one `price_key` and representative."""
     model, batch = build_model("llama-tiny", batch=2, dtype=torch.float16)
     graph = trace(model, batch)
     cluster = Cluster.from_spec("1x4xA100-80GB")
-    mesh = LogicalMesh(cluster, cluster.shape, (2, 2))
-    sol = solve_stage(graph, mesh, num_microbatches=2, param_filter=_sharded_or_fsdp)
-    ctx, index = sol._ctx, sol._chosen()
-    # a copy choosing an option priced otherwise than its representative's
-    copy, other = next(
-        (n, j)
-        for n, r in ctx.rep.items()
-        if n != r
-        for j in range(len(ctx.options[n]))
-        if ctx.values(n, j) != ctx.values(n, index[n])
-    )
-    for chosen in (index, index | {copy: other}):
-        names, table = ctx.value_table(chosen)
-        assert names == list(chosen)
-        alone = [ctx.values(n, i, forward=True) for n, i in chosen.items()]
-        assert table.tolist() == [list(v) for v in alone]
+    for shape in ((2, 2), (1, 4)):
+        mesh = LogicalMesh(cluster, cluster.shape, shape)
+        sol = solve_stage(
+            graph, mesh, num_microbatches=2, param_filter=_sharded_or_fsdp
+        )
+        ctx, index = sol._ctx, sol._chosen()
+        # a copy choosing an option priced otherwise than its representative's
+        copy, other = next(
+            (n, j)
+            for n, r in ctx.rep.items()
+            if n != r
+            for j in range(len(ctx.options[n]))
+            if ctx.values(n, j) != ctx.values(n, index[n])
+        )
+        for chosen in (index, index | {copy: other}):
+            names, table = ctx.value_table(chosen)
+            assert names == list(chosen)
+            alone = [ctx.values(n, i, forward=True) for n, i in chosen.items()]
+            assert table.tolist() == [list(v) for v in alone]
+        cls, _ = ctx._value_classes(tuple(names))
+        keys = [(ctx.price_key(n), ctx.rep.get(n, n)) for n in names]
+        first = {}
+        for c, k in zip(cls.tolist(), keys):
+            assert first.setdefault(c, k) == k  # one key per class
+        assert len(set(first.values())) == len(first)  # one class per key
 
 
 def test_zero2_copies_choose_their_representatives_objects() -> None:

@@ -133,29 +133,33 @@ class PricedStage:
         option, so the copies of a transformer block are priced once."""
         key = self._price_keys.get(name)
         if key is None:
-            n = self.graph.node(name)
             full = self.full_options or self.options
-            what = (
-                n.op,
-                n.target,
-                n.kind,
-                tuple(n.outputs),
-                n.fwd_flops,
-                n.bwd_flops,
-                n.bytes_read,
-                n.bytes_written,
-                n.saved_extra_bytes,
-                n.requires_grad,
-                n.is_view,
-                name in self.graph.placeholder_paths,
-                name in self.saved,
-                name == self.graph.loss_value,
-                id(full[name]),
-            )
+            what = (*self._signature(name), id(full[name]))
             key = self._price_keys[name] = self._price_ids.setdefault(
                 what, len(self._price_ids)
             )
         return key
+
+    def _signature(self, name: str) -> tuple:
+        """What `price_key` reads of node `name` besides its list of options: the same on
+        every mesh."""
+        n = self.graph.node(name)
+        return (
+            n.op,
+            n.target,
+            n.kind,
+            tuple(n.outputs),
+            n.fwd_flops,
+            n.bwd_flops,
+            n.bytes_read,
+            n.bytes_written,
+            n.saved_extra_bytes,
+            n.requires_grad,
+            n.is_view,
+            name in self.graph.placeholder_paths,
+            name in self.saved,
+            name == self.graph.loss_value,
+        )
 
     def values(
         self, name: str, i: int, forward: bool = False
@@ -220,21 +224,23 @@ class PricedStage:
 
     def _value_classes(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
         """(each of `names`' class among them, the position of each class's first node): nodes of
-        one `price_key` and representative (`value_table`). Made once per pricing and names."""
+        one `price_key` and representative (`value_table`). Nodes of one representative share
+        its list of options (`planner.intra.solve.price_stage`), so their `price_key`s are
+        equal where their `_signature`s are, on every mesh: made once per graph and names."""
 
         def make() -> tuple[np.ndarray, np.ndarray]:
             found: dict[tuple, int] = {}
             cls = np.empty(len(names), dtype=np.int64)
             samples = []
             for p, n in enumerate(names):
-                c = (self.price_key(n), self.rep.get(n, n))
+                c = (self._signature(n), self.rep.get(n, n))
                 if c not in found:
                     found[c] = len(samples)
                     samples.append(p)
                 cls[p] = found[c]
             return cls, np.array(samples, dtype=np.int64)
 
-        return _kept(self.shared, ("value_classes", names), make)
+        return self.per_pricing(self.graph, ("value_classes", names), make)
 
     def _keeps_alike(
         self, names: tuple[str, ...], cls: np.ndarray, samples: np.ndarray
