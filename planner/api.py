@@ -200,7 +200,10 @@ def plan(
     # (`next_size_step`): it is searched beside them, not after them on one core.
     certain = next((b for b in larger if b >= rows), None) if tried < rows else None
     first = ([certain] if certain else []) + sorted(sizes_b, reverse=True)
-    results = evaluate_all(job, make, first, say)
+    # every result but the larger size's (`_walk_larger` may drop it) is kept
+    results = evaluate_all(
+        job, make, first, say, kept=range(len(first))[bool(certain) :]
+    )
     held = results.pop(0) if certain else None
     _walk_larger(job, make, results, larger, tried, rows, held, say)
     best = _best(results)
@@ -259,7 +262,15 @@ def _walk_larger(
             continue
         if b not in ahead:
             batch = [b] + [c for c in larger[k + 1 :] if c not in ahead][: width - 1]
-            found = evaluate_all(job, make, batch, lambda m: say(f"larger sizes {m}"))
+            # the walk keeps b; the sizes searched ahead only if it reaches them
+            found = evaluate_all(
+                job,
+                make,
+                batch,
+                lambda m: say(f"larger sizes {m}"),
+                kept=[0],
+                bar=_best(results).seconds,
+            )
             ahead.update(zip(batch, found))
         results.append(ahead.pop(b))
         before, tried = (tried if tried in larger else None), b

@@ -462,7 +462,8 @@ def test_the_size_tried_in_any_case_is_searched_with_the_first_sizes(
     serial walk (`next_size_step` after every size up to 32), for a best size below, at and
     beyond 32 rows, with ties going to the earlier size of the walk. With n planner processes
     each later size the walk needs is searched with up to n - 1 sizes after it (`planner.api.
-    _walk_larger`): more sizes may be searched, never another plan returned."""
+    _walk_larger`): more sizes may be searched, never another plan returned, whichever sizes'
+    plans are left unassembled as slower than a size the search keeps."""
     import copy
 
     from planner import api
@@ -514,9 +515,27 @@ def test_the_size_tried_in_any_case_is_searched_with_the_first_sizes(
         for width in (1, 2, 3):
             batches: list[list[int]] = []
 
-            def evaluate_all(job, make, sizes, say, seconds=seconds, batches=batches):
+            def evaluate_all(
+                job,
+                make,
+                sizes,
+                say,
+                kept=None,
+                bar=float("inf"),
+                seconds=seconds,
+                batches=batches,
+            ):
+                # as `size_search.evaluate_all` would at most leave unassembled: every size
+                # slower than `bar` or than any kept size
                 batches.append(list(sizes))
-                return [result(b, seconds) for b in sizes]
+                kept = range(len(sizes)) if kept is None else kept
+                bar = min([bar] + [seconds[sizes[k]] for k in kept])
+                return [
+                    SizeResult(b, seconds[b], beaten=True)
+                    if seconds[b] > bar
+                    else result(b, seconds)
+                    for b in sizes
+                ]
 
             monkeypatch.setattr(api, "evaluate_all", evaluate_all)
             monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", str(width))

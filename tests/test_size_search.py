@@ -326,3 +326,28 @@ def test_cli_progress_and_quiet(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*args, "--quiet"]) == 0
     out = capsys.readouterr()
     assert out.err == "" and "auto plan for gpt-tiny" in out.out
+
+
+def test_a_plan_slower_than_a_kept_sizes_is_not_assembled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`_assembled` assembles a size's plan unless it is slower than the fastest kept size's so
+    far, which only kept sizes lower (ties are assembled: the earlier size wins them)."""
+    made = []
+    monkeypatch.setattr(size_search, "assemble", lambda spec: made.append(spec) or spec)
+    best = multiprocessing.get_context().Value("d", float("inf"))
+
+    def result(seconds: float, kept: bool) -> size_search.SizeResult:
+        out = size_search.SizeResult(
+            1, seconds, best=size_search.Ranked(seconds, f"plan {seconds}")
+        )
+        return size_search._assembled(out, best, kept)
+
+    assert result(5.0, kept=True).plan == "plan 5.0" and best.value == 5.0
+    assert result(4.0, kept=False).plan == "plan 4.0" and best.value == 5.0
+    late = result(6.0, kept=True)
+    assert late.beaten and late.plan is None and late.best is None
+    assert late.seconds == 6.0 and best.value == 5.0
+    assert result(7.0, kept=False).beaten
+    assert result(5.0, kept=True).plan == "plan 5.0"
+    assert made == ["plan 5.0", "plan 4.0", "plan 5.0"]
