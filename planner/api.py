@@ -200,10 +200,8 @@ def plan(
     # (`next_size_step`): it is searched beside them, not after them on one core.
     certain = next((b for b in larger if b >= rows), None) if tried < rows else None
     first = ([certain] if certain else []) + sorted(sizes_b, reverse=True)
-    # every result but the larger size's (`_walk_larger` may drop it) is kept
-    results = evaluate_all(
-        job, make, first, say, kept=range(len(first))[bool(certain) :]
-    )
+    # every result is kept: the walk never stops before `certain` (`next_size_step`)
+    results = evaluate_all(job, make, first, say)
     held = results.pop(0) if certain else None
     _walk_larger(job, make, results, larger, tried, rows, held, say)
     best = _best(results)
