@@ -35,7 +35,7 @@ from cost_models.cluster import Cluster
 from cost_models.errors import DoesNotFitError, MeshplanError, gib
 from cost_models.memory import canonical_schedule, param_state_bytes
 from planner.commands.fmt import param_count
-from planner.inter.mesh_search import submesh_shapes
+from planner.inter.mesh_shapes import submesh_shapes
 from planner.plans.assemble import assemble
 from planner.size_search import SizeJob, SizeResult, evaluate_all, processes
 from planner.tracing.inputs import resolve_model, training_dtype

@@ -10,8 +10,10 @@ say), which need not be picklable, is searched in workers too. Elsewhere, or whe
 has initialised CUDA (a forked child cannot use it), they are spawned: a spawned worker imports
 the planner and rebuilds the model from its name, so only a model given by name or spec is
 searched in workers; an `nn.Module` object is then searched in this process. A worker searches
-one size at a time and returns that size's best plan, assembled. The results are those of the
-serial search: the sizes' best plans are compared in the order the serial search visits them
+one size at a time and returns that size's best plan, assembled. A process that finds no size
+left helps one still being searched (`help_sizes`): it traces that size too and solves meshes
+from the back of its list, which its owner enters in job order (`planner.inter.mesh_share`).
+The results are those of the serial search: the sizes' best plans are compared in the order the serial search visits them
 (ties go to the earlier), so the plan does not depend on the process count.
 `MESHPLAN_PLANNER_PROCESSES` sets the count, this process included (1: everything in this
 process); by default one per core this process may use, at most one per size, and none in a
@@ -37,7 +39,8 @@ from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from planner.collector import sparse_collections
 from planner.inter.layers import graph_layerings
-from planner.inter.mesh_search import search
+from planner.inter.mesh_search import help_search, search
+from planner.inter.mesh_share import JobCursor, MeshShare
 from planner.orphans import end_with_parent
 from planner.plans.assemble import (
     PlanSpec,
@@ -101,14 +104,48 @@ class SizeResult:
         return self.best is not None or self.plan is not None
 
 
-def evaluate(job: SizeJob, make: ModelSource, b: int, say: Progress) -> SizeResult:
-    """Trace the model at micro-batch size `b` and search it (`planner.inter.mesh_search`),
-    with the garbage collector held back (`planner.collector`)."""
+def evaluate(
+    job: SizeJob,
+    make: ModelSource,
+    b: int,
+    say: Progress,
+    share: MeshShare | None = None,
+) -> SizeResult:
+    """Trace the model at micro-batch size `b` and search it (`planner.inter.mesh_search`; with
+    `share`, other processes may solve some of its meshes), with the garbage collector held
+    back (`planner.collector`)."""
     with sparse_collections():
-        return _evaluate(job, make, b, say)
+        return _evaluate(job, make, b, say, share)
 
 
-def _evaluate(job: SizeJob, make: ModelSource, b: int, say: Progress) -> SizeResult:
+def _search_args(job: SizeJob, graph: Any, b: int, say: Progress) -> tuple[list, dict]:
+    """The arguments of `planner.inter.mesh_search.search` for one traced size (its owner's and
+    its helpers' alike)."""
+    # per trace: the op count may depend on the micro-batch size (e.g. size-1 dims)
+    D = job.cluster.num_devices
+    layers = graph_layerings(graph, job.num_layers, D if job.mode == "auto" else 1)
+    args = [
+        graph,
+        layers,
+        job.cluster,
+        job.submeshes,
+        job.global_batch // b,
+        job.budget,
+        job.optimizer,
+        job.mode,
+        job.schedule,
+        say,
+    ]
+    kw = {
+        "context_parallel": job.context_parallel,
+        "chunk_layers": layers[0] if job.num_layers else None,
+    }
+    return args, kw
+
+
+def _evaluate(
+    job: SizeJob, make: ModelSource, b: int, say: Progress, share: MeshShare | None
+) -> SizeResult:
     name = job.model_name
     say(f"tracing {name} with micro-batch {b}")
     try:
@@ -116,26 +153,11 @@ def _evaluate(job: SizeJob, make: ModelSource, b: int, say: Progress) -> SizeRes
     except MeshplanError as exc:  # e.g. BatchNorm over a single value per channel
         say(f"micro-batch {b} skipped: {exc}")
         return SizeResult(b, untraceable=exc)
-    # per trace: the op count may depend on the micro-batch size (e.g. size-1 dims)
-    D = job.cluster.num_devices
-    layers = graph_layerings(graph, job.num_layers, D if job.mode == "auto" else 1)
-    counts = ", ".join(str(len(x)) for x in layers)
+    args, kw = _search_args(job, graph, b, say)
+    counts = ", ".join(str(len(x)) for x in args[1])
     say(f"{len(graph.ops)} ops in {counts} layers")
     B = job.global_batch // b
-    result = search(
-        graph,
-        layers,
-        job.cluster,
-        job.submeshes,
-        B,
-        job.budget,
-        job.optimizer,
-        job.mode,
-        job.schedule,
-        say,
-        context_parallel=job.context_parallel,
-        chunk_layers=layers[0] if job.num_layers else None,
-    )
+    result = search(*args, **kw, share=share)
     found = []
     for cand in result.candidates:
         stages = [
@@ -239,12 +261,22 @@ def evaluate_all(
     context = multiprocessing.get_context(method)
     messages = context.Queue()
     best = context.Value("d", bar)  # the fastest plan of a kept size so far
+    # a size's meshes shared with processes that have no size left (`planner.inter.mesh_share`)
+    cursor = JobCursor(context, n)
+    inboxes = [context.Queue() for _ in range(n)]
     # a forked worker inherits `make`; a spawned one rebuilds it from the model's name
     pool = ProcessPoolExecutor(
         workers - 1,
         mp_context=context,
         initializer=_init_worker,
-        initargs=(messages, job, make if method == "fork" else None, os.getpid(), best),
+        initargs=(
+            messages,
+            job,
+            make if method == "fork" else None,
+            os.getpid(),
+            best,
+            (sizes, cursor, inboxes),
+        ),
     )
     relay = threading.Thread(target=_relay, args=(messages, say), daemon=True)
     try:
@@ -259,9 +291,21 @@ def evaluate_all(
             workers - 1,
             # assembled as a worker's are: this process does not keep every size's graph
             lambda k: _assembled(
-                evaluate(job, make, sizes[k], _numbered(say, k, n)), best, k in kept
+                evaluate(
+                    job,
+                    make,
+                    sizes[k],
+                    _numbered(say, k, n),
+                    MeshShare(cursor, k, inboxes[k]),
+                ),
+                best,
+                k in kept,
             ),
-            lambda k: _in_worker(pool, sizes[k], k, n, k in kept),
+            lambda k: _in_worker(
+                pool, sizes[k], _evaluate_in_worker, sizes[k], k, n, k in kept
+            ),
+            lambda: help_sizes(job, make, sizes, cursor, inboxes, say),
+            lambda: _in_worker(pool, None, _help_in_worker),
         )
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -271,28 +315,37 @@ def evaluate_all(
 
 
 def _in_worker(
-    pool: ProcessPoolExecutor, b: int, k: int, n: int, kept: bool
-) -> SizeResult:
-    """`_evaluate_in_worker` on `pool`; a worker that died (killed, say for memory, or unable to
-    start) is one line naming the size and what to do instead of the pool's traceback."""
+    pool: ProcessPoolExecutor, b: int | None, fn: Callable, *args: Any
+) -> Any:
+    """``fn(*args)`` on `pool` (`_evaluate_in_worker` of micro-batch size `b`, or with `b` None
+    `_help_in_worker`); a worker that died (killed, say for memory, or unable to start) is one
+    line naming the size and what to do instead of the pool's traceback."""
     try:
-        return pool.submit(_evaluate_in_worker, b, k, n, kept).result()
+        return pool.submit(fn, *args).result()
     except BrokenProcessPool as exc:
+        what = "another's micro-batch size" if b is None else f"micro-batch size {b}"
         raise MeshplanError(
-            f"a planner worker process died while searching micro-batch size {b} (killed, "
+            f"a planner worker process died while searching {what} (killed, "
             "perhaps for memory, or unable to start: a script read from standard input cannot "
             "start one); plan in this process alone with MESHPLAN_PLANNER_PROCESSES=1"
         ) from exc
 
 
 def share(
-    n: int, helpers: int, here: Callable[[int], Any], there: Callable[[int], Any]
+    n: int,
+    helpers: int,
+    here: Callable[[int], Any],
+    there: Callable[[int], Any],
+    help_here: Callable[[], Any] | None = None,
+    help_there: Callable[[], Any] | None = None,
 ) -> list[Any]:
     """[f(0), ..., f(n - 1)] where each k is run once, by `here(k)` in the calling thread or
     `there(k)` on one of `helpers` threads (each waiting on a worker process): the helpers take
     indices from the front, the calling thread from the back, each the next one nobody has
-    taken when it is free. The first exception (either side) is raised once every thread is
-    done with the index it has; no index is taken after it."""
+    taken when it is free. A thread that finds none left then runs `help_here` (the calling
+    thread) or `help_there` (the others), if given: help with the indices still running. The
+    first exception (either side) is raised once every thread is done with the index it has;
+    no index is taken after it."""
     left = list(range(n))  # indices nobody has taken
     lock = threading.Lock()
     results: dict[int, Any] = {}
@@ -304,22 +357,24 @@ def share(
                 return None
             return left.pop(0 if front else -1)
 
-    def run(front: bool, f: Callable[[int], Any]) -> None:
+    def run(front: bool, f: Callable[[int], Any], then: Callable | None) -> None:
         try:
             while (k := take(front)) is not None:
                 results[k] = f(k)
+            if then is not None and not failed:
+                then()
         except BaseException as exc:  # noqa: BLE001 - raised by the calling thread
             with lock:
                 failed.append(exc)
 
     threads = [
-        threading.Thread(target=run, args=(True, there), daemon=True)
+        threading.Thread(target=run, args=(True, there, help_there), daemon=True)
         for _ in range(helpers)
     ]
     for t in threads:
         t.start()
     try:
-        run(False, here)
+        run(False, here, help_here)
     finally:
         for t in threads:
             t.join()
@@ -345,9 +400,14 @@ _worker: dict[str, Any] = {}
 
 
 def _init_worker(
-    messages: Any, job: SizeJob, make: ModelSource | None, parent: int, best: Any
+    messages: Any,
+    job: SizeJob,
+    make: ModelSource | None,
+    parent: int,
+    best: Any,
+    shared: tuple,
 ) -> None:
-    _worker.update(messages=messages, job=job, make=make, best=best)
+    _worker.update(messages=messages, job=job, make=make, best=best, shared=shared)
     if make is not None:
         start_forked_worker(parent)
 
@@ -366,17 +426,49 @@ def start_forked_worker(parent: int) -> None:
     torch.set_num_threads(1)
 
 
-def _evaluate_in_worker(b: int, k: int, n: int, kept: bool) -> SizeResult:
-    """`evaluate` of the k-th of n sizes in a worker (the model rebuilt from its name once per
-    spawned worker), the best plan assembled (a `PlanSpec` holds the traced graph, which does
-    not cross processes)."""
+def _worker_make() -> ModelSource:
+    """The worker's model maker (rebuilt from the model's name once per spawned worker)."""
     job = _worker["job"]
     if _worker["make"] is None:
         _worker["make"] = resolve_model(
             job.model, job.example_batch, job.dtype, job.model_name
         )[1]
+    return _worker["make"]
+
+
+def _evaluate_in_worker(b: int, k: int, n: int, kept: bool) -> SizeResult:
+    """`evaluate` of the k-th of n sizes in a worker, its meshes shared, the best plan
+    assembled (a `PlanSpec` holds the traced graph, which does not cross processes)."""
     say = _numbered(_worker["messages"].put, k, n)
-    return _assembled(evaluate(job, _worker["make"], b, say), _worker["best"], kept)
+    _, cursor, inboxes = _worker["shared"]
+    share = MeshShare(cursor, k, inboxes[k])
+    out = evaluate(_worker["job"], _worker_make(), b, say, share)
+    return _assembled(out, _worker["best"], kept)
+
+
+def _help_in_worker() -> None:
+    """`help_sizes` in a worker."""
+    sizes, cursor, inboxes = _worker["shared"]
+    say = _worker["messages"].put
+    help_sizes(_worker["job"], _worker_make(), sizes, cursor, inboxes, say)
+
+
+def help_sizes(
+    job: SizeJob,
+    make: ModelSource,
+    sizes: list[int],
+    cursor: JobCursor,
+    inboxes: list,
+    say: Progress,
+) -> None:
+    """Help the sizes other processes are searching while one has meshes left to solve
+    (`planner.inter.mesh_share`): trace it here and solve meshes from the back of its list."""
+    while (k := cursor.claim()) is not None:
+        b, numbered = sizes[k], _numbered(say, k, len(sizes))
+        numbered(f"helping with micro-batch {b}")
+        with sparse_collections():
+            args, kw = _search_args(job, make.trace(b), b, numbered)
+            help_search(*args, **kw, cursor=cursor, k=k, outbox=inboxes[k])
 
 
 def _assembled(out: SizeResult, best: Any, kept: bool) -> SizeResult:

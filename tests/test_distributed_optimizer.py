@@ -123,7 +123,7 @@ def test_seed_bound_reads_each_block_once(spec: str) -> None:
     """`profiles_for`'s bound on a seed's lightest layer (`_seed_params_per_layer`) reads the seed
     once per repeated block's representative: the same bytes as reading it with every copy's own
     path, for every seed of a 2 x 2 mesh, with and without ZeRO-2."""
-    from planner.inter.mesh_search import _seeds
+    from planner.inter.mesh_shapes import _seeds
     from planner.intra.prices import zero2_option
 
     module, batch = build_model(spec, batch=8, device="meta")

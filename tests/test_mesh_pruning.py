@@ -11,7 +11,7 @@ import numpy as np
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from planner.api import plan
-from planner.inter import interleave, mesh_search, stage_solves
+from planner.inter import interleave, mesh_search, mesh_shapes, stage_solves
 from planner.inter.boundaries import layer_of_nodes
 from planner.inter.layers import graph_layerings
 from planner.inter.stage_solves import least_layer_state, profiles_for
@@ -78,7 +78,7 @@ def test_skipped_meshes_and_profiles_change_nothing(monkeypatch) -> None:
         np.testing.assert_array_equal(a, b)
     assert inter_pruned == inter_every and inter_every
     # the skipped submeshes' entries: none fits when they are solved either
-    subs = mesh_search.submesh_shapes(Cluster.from_spec(CLUSTER))
+    subs = mesh_shapes.submesh_shapes(Cluster.from_spec(CLUSTER))
     for table in every:
         for sub in skipped:
             assert np.isinf(table[:, :, subs.index(sub), :]).all()
@@ -104,7 +104,7 @@ def test_bound_is_below_every_solution() -> None:
                 num_microbatches=8,
                 budget=cluster.device.memory_bytes,
                 optimizer="adam_mixed",
-                seeds=mesh_search._seeds(graph, mesh, "auto"),
+                seeds=mesh_shapes._seeds(graph, mesh, "auto"),
             )
             assert len(profiles) > 1
             lightest = min(float(p.params.min()) for p in profiles)

@@ -598,7 +598,7 @@ def test_boundary_sends_share_the_network_card_only_among_senders() -> None:
 def test_logical_shapes_offer_both_orientations_inside_a_host() -> None:
     from cost_models.communication import LogicalMesh
     from cost_models.resharding import reshard_cost
-    from planner.inter.mesh_search import _seeds_only, logical_shapes
+    from planner.inter.mesh_shapes import _seeds_only, logical_shapes
 
     assert logical_shapes((1, 8)) == [(1, 8), (2, 4), (4, 2)]
     assert logical_shapes((1, 4)) == [(1, 4), (2, 2)]

@@ -7,10 +7,12 @@ assembles the best."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -19,16 +21,20 @@ from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from cost_models.memory import microbatches_in_flight
 from planner.inter import boundaries as bd
-from planner.inter import stage_solves
+from planner.inter import mesh_share, stage_solves
 from planner.inter import stage_table as st
 from planner.inter.interleave import InterleavedSearch, interleave_layering
+from planner.inter.mesh_shapes import (
+    _param_filter,
+    _seeds,
+    _seeds_only,
+    logical_shapes,
+)
+from planner.inter.mesh_share import JobCursor, MeshShare
 from planner.inter.range_costs import range_costs
 from planner.inter.stage_dp import stage_dp
 from planner.intra.context import without_context
-from planner.intra.fsdp_prices import hybrid_axes
 from planner.intra.highs import solves_overlap
-from planner.intra.megatron import context_seeds, is_expert_weight, seed_filters
-from planner.intra.prices import Option
 from planner.tracing.opgraph import OpGraph
 
 
@@ -70,95 +76,6 @@ class SearchResult:
 
     candidates: list[Candidate]
     least_whole_memory: float
-
-
-def submesh_shapes(cluster: Cluster) -> list[tuple[int, int]]:
-    """(1, 1), (1, 2), (1, 4), ..., (1, M), then (n, M) for n = 2..N hosts, keeping the n that are
-    powers of two or divide N: fewer shapes for the intra-op pass to solve, and any N hosts are
-    still tiled (by powers of two)."""
-    N, M = cluster.shape
-    out = [
-        (1, m) for m in range(1, M + 1) if M % m == 0 and (m & (m - 1) == 0 or m == M)
-    ]
-    return out + [(n, M) for n in range(2, N + 1) if N % n == 0 or n & (n - 1) == 0]
-
-
-def logical_shapes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
-    """The logical meshes tried on a submesh.
-
-    * Inside one host: one flat axis and every a x m/a with 1 < a < m (both 2 x 4 and 4 x 2 on 8
-      devices).
-    * Across n hosts: n x m, one flat axis of n * m devices, and (n * m / t) x t for every t
-      with 1 < t < m dividing m: data parallelism (or FSDP) over all devices with tensor
-      parallelism in groups of t inside a host, as torchtitan's 2D meshes run it (llama3-405b
-      on 64x8 H100s: dp256 x tp2 with FSDP + SP, 482 TFLOP/s per device, where the best of
-      64 x 8 and 1 x 512 reached 387). Only their seeds are solved (`_seeds_only`), but for
-      m x 2 on two hosts. The flat axis is FSDP over all of them, as torchtitan shards over a
-      flat data-parallel mesh. On n x m, a parameter sharded on both
-      axes is gathered inner axis first (DTensor's nested shard order), so the inter-host step
-      moves (n - 1) / n of the parameter from every device; a flat collective is priced at the
-      cluster's all-device bandwidth (llama3-70b on 8x8 H100s, FSDP over all 64 at 2 rows per
-      device: one pass's all-gathers 2.57 s on 8 x 8, 0.65 s flat; the step 17.12 against
-      16.71 s with full recomputation). On two hosts m x 2 (tensor parallelism in device pairs
-      inside a host with data parallelism over the rest: the best manual configuration of
-      gpt-15b on 4x8 A100s, dp8 x tp2 per 16-device stage) is solved in full. Larger
-      multi-host submeshes do not get that: it is one of the costliest intra-op programs, and
-      planning gpt-39b on 8x8 V100s took 48 s with it on two hosts only, 100 s with it on every
-      multi-host submesh (one run each).
-
-    A mesh and its transpose are not interchangeable: a dimension sharded on both axes nests axis 0
-    outside axis 1 (DTensor's default shard order; `planner.intra.strategies` has no strided shards). On
-    4 x 2 with tensor parallelism on axis 1, Megatron's dp-outer, tp-inner activation layout is
-    (S(0), S(0)), and moving between it and (S(0), R) is one collective over the 2 tp devices. With
-    tensor parallelism on axis 0 of 2 x 4 the same layout nests the other way round, and DTensor
-    first replicates a misaligned nested shard (`cost_models.resharding`). gpt-39b on 8x8 A100s
-    with micro-batch 8 plans 19.14 s per iteration without 4 x 2, 19.04 s with it."""
-    n, m = submesh
-    if n > 1:
-        groups = [(n * m // t, t) for t in range(2, m) if m % t == 0]
-        return [(n, m), *groups, (1, n * m)]
-    return [(1, m)] + [(a, m // a) for a in range(2, m) if m % a == 0]
-
-
-def _seeds_only(sub: tuple[int, int], shape: tuple[int, int], mode: str) -> bool:
-    """Whether only the seeds are solved on this logical mesh (data parallelism, FSDP, tensor
-    parallelism inside a host, context parallelism; `planner.intra.megatron.seed_filters`):
-    on a submesh across hosts, every logical mesh `logical_shapes` offers but hosts x devices
-    and, on two hosts, m x 2. Their free time-optimal programs with the memory ladder would be
-    the costliest passes of the submesh, and tensor parallelism across hosts cannot win."""
-    n, m = sub
-    if mode == "inter-only" or n == 1 or shape == sub:
-        return False
-    return not (n == 2 and shape == (m, 2))
-
-
-def _param_filter(mode: str) -> Callable[[str, Option], bool] | None:
-    if mode == "inter-only":
-        return lambda path, o: (
-            not o.zero and all(p == "R" for p in o.strategy.output[0])
-        )
-    return None
-
-
-def _seeds(
-    graph: OpGraph, mesh: LogicalMesh, mode: str, context_parallel: bool = True
-) -> list:
-    """Megatron-style parameter placements solved as extra candidates (`planner.intra.megatron`);
-    on a mesh spanning hosts also HSDP over the axes inside a host; context parallelism
-    (`planner.intra.megatron.context_seeds`) unless `context_parallel` is False. On the
-    tensor-parallel groups across hosts (`logical_shapes`' (n * m / t) x t, seeds only) only
-    the tensor-parallel seeds: data parallelism, FSDP and context parallelism over all devices
-    are the flat mesh's."""
-    if mode == "inter-only":
-        return []
-    experts = any(is_expert_weight(p) for p in graph.placeholder_paths.values())
-    M = mesh.cluster.devices_per_host
-    tps = {t for t in range(2, M + 1) if M % t == 0}
-    groups = _seeds_only(mesh.submesh, mesh.shape, mode) and mesh.shape[0] > 1
-    seeds = seed_filters(mesh.shape, experts, tps, hybrid_axes(mesh), groups)
-    if context_parallel and not groups:
-        seeds += context_seeds(mesh.shape, experts, tps)
-    return seeds
 
 
 #: Schedules `search` accepts beyond `cost_models.memory.SCHEDULES`' pinned ones: "auto" searches
@@ -261,6 +178,226 @@ def _lean_layers(tables: list, sub: tuple[int, int], devices: int) -> tuple | No
     return None
 
 
+class _MeshJobs:
+    """One micro-batch size's search (`search`): the layer clusterings' tables, the interleaved
+    options, the logical meshes to solve (`jobs`), how a job is solved (`solve`), its profiles
+    attributed to every clustering (`attribute`) and entered (`enter`, in job order), and the
+    stage DP's candidates at the end (`result`)."""
+
+    def __init__(
+        self,
+        graph,
+        layerings,
+        cluster,
+        subs,
+        B,
+        budget,
+        optimizer,
+        mode,
+        schedule,
+        say,
+        context_parallel,
+        chunk_layers,
+    ) -> None:
+        self.graph, self.cluster, self.subs, self.B = graph, cluster, subs, B
+        self.budget, self.optimizer, self.mode, self.schedule = (
+            budget,
+            optimizer,
+            mode,
+            schedule,
+        )
+        self.say, self.context_parallel = say, context_parallel
+        self.tables = [
+            _Table(graph, layers, cluster, subs, B, mode, schedule)
+            for layers in layerings
+        ]
+        # without context parallelism: no attention node may take a CP strategy, seeded or not
+        self.acts = None if context_parallel else without_context(graph)
+        self.inter = None
+        if schedule in SEARCHED and mode != "intra-only":
+            chunks = chunk_layers or interleave_layering(graph)
+            self.inter = InterleavedSearch(
+                graph, chunks, cluster.num_devices, B, budget
+            )
+        self.least = np.inf
+        self.first = self.tables[0]
+        self.layer_maps = [t.layer_of for t in self.tables]
+        meshes = [
+            (m, sub, LogicalMesh(cluster, sub, shape))
+            for m, sub in enumerate(subs)
+            for shape in (
+                [(1, sub[0] * sub[1])] if mode == "inter-only" else logical_shapes(sub)
+            )
+        ]
+        self.jobs = [job for job in meshes if self._fits(job)]
+        self._pricings: dict = {}  # the owner's pricing of a helper's mesh (`result`)
+
+    def _fits(self, job: tuple) -> bool:
+        """A mesh where no layer's parameter state fits is not solved: none of its solutions
+        could enter a table or the interleaved options (`stage_solves.least_layer_state`; the
+        chunks' layers count where the submesh's device groups can be interleaved); the whole
+        cluster's is, for the least memory the error message reports when nothing fits."""
+        _, sub, mesh = job
+        if sub == self.cluster.shape:
+            return True
+        inter = self.inter
+        maps = self.layer_maps + (
+            [inter.layer_of] if inter and inter.groups(sub) else []
+        )
+        return (
+            stage_solves.least_layer_state(self.graph, mesh, maps, self.optimizer)
+            <= self.budget
+        )
+
+    def solve(self, job: tuple) -> list[st.LayerProfile]:
+        """The solutions of one logical mesh, profiled for the first clustering."""
+        _, sub, mesh = job
+        shape, first, mode = mesh.shape, self.first, self.mode
+        with solves_overlap():
+            self.say(
+                f"micro-batches {self.B}: submesh {sub[0]}x{sub[1]}, logical mesh "
+                f"{shape[0]}x{shape[1]} ({self.jobs.index(job) + 1} of {len(self.jobs)})"
+            )
+            return stage_solves.profiles_for(
+                self.graph,
+                mesh,
+                first.layer_of,
+                first.bounds,
+                first.L,
+                num_microbatches=self.B,
+                budget=self.budget,
+                optimizer=self.optimizer,
+                param_filter=_param_filter(mode),
+                activation_filter=self.acts,
+                seeds=_seeds(self.graph, mesh, mode, self.context_parallel),
+                lean_layers=_lean_layers(self.tables, sub, self.cluster.num_devices),
+                seeds_only=_seeds_only(sub, shape, mode),
+            )
+
+    def attribute(self, job: tuple, profiles: list) -> list[list[st.LayerProfile]]:
+        """A job's profiles per clustering (the tables', then the interleaved options' when its
+        device groups can use the submesh); a solution none of whose layers fits a clustering is
+        left out of it (not on the whole cluster, for the least memory of the error message)."""
+        _, sub, _ = job
+        whole = sub == self.cluster.shape
+        out = []
+        for t in self.tables:
+            out.append(
+                [
+                    p
+                    if t is self.first
+                    else st.profile(p.solution, self.graph, t.layer_of, t.bounds, t.L)
+                    for p in profiles
+                    if t is self.first or whole or not _fits_nowhere(p, t, self.budget)
+                ]
+            )
+        inter = self.inter
+        if inter is not None and inter.groups(sub):
+            same = inter.layers == self.first.layers
+            out.append(
+                [
+                    p
+                    if same
+                    else st.profile(
+                        p.solution, self.graph, inter.layer_of, inter.bounds, inter.L
+                    )
+                    for p in profiles
+                    if same or not _fits_nowhere(p, inter, self.budget)
+                ]
+            )
+        return out
+
+    def enter(self, job: tuple, attributed: list[list[st.LayerProfile]]) -> None:
+        """Enter a job's profiles, per clustering as `attribute` gives them."""
+        m, sub, mesh = job
+        crosses = self.cluster.hosts > 1 and sub[1] == self.cluster.devices_per_host
+        whole = sub == self.cluster.shape
+        for t, profs in zip(self.tables, attributed):
+            for prof in profs:
+                self.least = min(
+                    self.least, t.add(m, mesh, prof, self.budget, crosses, whole)
+                )
+        if len(attributed) > len(self.tables):
+            for prof in attributed[-1]:
+                self.inter.add(
+                    sub,
+                    mesh,
+                    prof,
+                    crosses,
+                    lambda rc, mesh=mesh, prof=prof: StageOption(mesh, prof, rc),
+                )
+
+    def _own(self, pick: StagePick) -> StagePick:
+        """`pick` with a helper's profile given this process's pricing back."""
+        option = pick.option
+        if not mesh_share.is_shipped(option.profile):
+            return pick
+        prof = mesh_share.rebuild(
+            option.profile,
+            self.graph,
+            option.mesh,
+            self.B,
+            self.optimizer,
+            self._pricings,
+        )
+        return dataclasses.replace(
+            pick, option=dataclasses.replace(option, profile=prof)
+        )
+
+    def result(self) -> SearchResult:
+        """The stage DP's candidate per clustering and the interleaved options."""
+        inter = self.inter
+        out = []
+        for pick in inter.best() if inter is not None else []:
+            stages = [StagePick(c, pick.submesh, pick.option) for c in pick.chunks]
+            out.append(
+                Candidate(inter.layers, stages, "interleaved", pick.virtual_stages)
+            )
+        if self.schedule != "interleaved":
+            out += self._dp_candidates()
+        out = [
+            dataclasses.replace(c, stages=[self._own(s) for s in c.stages]) for c in out
+        ]
+        return SearchResult(out, self.least)
+
+    def _dp_candidates(self) -> list[Candidate]:
+        B, subs, schedule, mode = self.B, self.subs, self.schedule, self.mode
+        out = []
+        for t in self.tables:
+            if mode == "intra-only":  # one stage: only the range of all layers
+                whole = t.cost[0, t.L - 1].copy()
+                t.cost[:] = np.inf
+                t.cost[0, t.L - 1] = whole
+            zb = schedule == "zero_bubble"
+            if (
+                zb
+            ):  # torch's zero bubble: B >= S stages and a multiple of its rounds B // S
+                for S in range(1, t.cost.shape[3]):
+                    if B < S or B % (B // S):
+                        t.cost[..., S] = np.inf
+            try:
+                dp = stage_dp(
+                    t.cost,
+                    [a * b for a, b in subs],
+                    self.cluster.num_devices,
+                    B,
+                    by_total=zb,
+                )
+            except MeshplanError:
+                continue
+            S = len(dp.stages)
+            picks = [
+                StagePick(
+                    (k, j), subs[m], t.options[t.choice[k, j, m, S if zb else S - i]]
+                )
+                for i, (k, j, m) in enumerate(dp.stages)
+            ]
+            out.append(
+                Candidate(t.layers, picks, "1f1b" if schedule in SEARCHED else schedule)
+            )
+        return out
+
+
 def search(
     graph: OpGraph,
     layerings: list[list[tuple[int, int]]],
@@ -274,6 +411,7 @@ def search(
     say: Callable[[str], None],
     context_parallel: bool = True,
     chunk_layers: list[tuple[int, int]] | None = None,
+    share: MeshShare | None = None,
 ) -> SearchResult:
     """Solve the intra-op pass once per logical mesh (time-optimal, memory ladder, Megatron seeds,
     context-parallel seeds unless `context_parallel` is False),
@@ -283,128 +421,121 @@ def search(
     stays 1F1B's, the candidates are ranked by the plan's own price). With `schedule` "auto" the
     stage DP's 1F1B candidates and the interleaved options (`planner.inter.interleave`, on its own
     clustering `chunk_layers`, by default `interleave_layering`'s; every profile is attributed to it
-    as to the others) are returned together; with "interleaved" only the latter."""
-    tables = [
-        _Table(graph, layers, cluster, subs, B, mode, schedule) for layers in layerings
-    ]
-    # without context parallelism: no attention node may take a CP strategy, seeded or not
-    acts = None if context_parallel else without_context(graph)
-    inter = None
-    if schedule in SEARCHED and mode != "intra-only":
-        chunks = chunk_layers or interleave_layering(graph)
-        inter = InterleavedSearch(graph, chunks, cluster.num_devices, B, budget)
-    least = np.inf
-    first = tables[0]
-    # A mesh where no layer's parameter state fits is not solved: none of its solutions could
-    # enter a table or the interleaved options (`stage_solves.least_layer_state`; the chunks'
-    # layers count where the submesh's device groups can be interleaved); the whole cluster's
-    # is, for the least memory the error message reports when nothing fits.
-    layer_maps = [t.layer_of for t in tables]
-
-    def fits(job: tuple) -> bool:
-        _, sub, mesh = job
-        if sub == cluster.shape:
-            return True
-        maps = layer_maps + ([inter.layer_of] if inter and inter.groups(sub) else [])
-        return stage_solves.least_layer_state(graph, mesh, maps, optimizer) <= budget
-
-    meshes = [
-        (m, sub, LogicalMesh(cluster, sub, shape))
-        for m, sub in enumerate(subs)
-        for shape in (
-            [(1, sub[0] * sub[1])] if mode == "inter-only" else logical_shapes(sub)
-        )
-    ]
-    jobs = [job for job in meshes if fits(job)]
-
-    def solve(job: tuple) -> list:
-        _, sub, mesh = job
-        shape = mesh.shape
-        with solves_overlap():
-            say(
-                f"micro-batches {B}: submesh {sub[0]}x{sub[1]}, logical mesh "
-                f"{shape[0]}x{shape[1]} ({jobs.index(job) + 1} of {len(jobs)})"
-            )
-            return stage_solves.profiles_for(
-                graph,
-                mesh,
-                first.layer_of,
-                first.bounds,
-                first.L,
-                num_microbatches=B,
-                budget=budget,
-                optimizer=optimizer,
-                param_filter=_param_filter(mode),
-                activation_filter=acts,
-                seeds=_seeds(graph, mesh, mode, context_parallel),
-                lean_layers=_lean_layers(tables, sub, cluster.num_devices),
-                seeds_only=_seeds_only(sub, shape, mode),
-            )
-
+    as to the others) are returned together; with "interleaved" only the latter. With `share`,
+    other planner processes may solve some of the meshes (`planner.inter.mesh_share`); the
+    result is the same."""
+    jobs = _MeshJobs(
+        graph,
+        layerings,
+        cluster,
+        subs,
+        B,
+        budget,
+        optimizer,
+        mode,
+        schedule,
+        say,
+        context_parallel,
+        chunk_layers,
+    )
     # The meshes' intra-op programs are independent: threads overlap one mesh's HiGHS solve with
     # another's pricing (`planner.intra.highs.solves_overlap`). Results are entered in job order, so the
     # plan does not depend on the thread count. On an error or Ctrl-C the queued passes are
     # cancelled (the running ones finish first).
     pool = ThreadPoolExecutor(max_workers=_solver_threads())
     try:
-        for (m, sub, mesh), profiles in zip(jobs, pool.map(solve, jobs)):
-            crosses = cluster.hosts > 1 and sub[1] == cluster.devices_per_host
-            whole = sub == cluster.shape
-            for t in tables:
-                for prof in profiles:
-                    if t is not first:
-                        if not whole and _fits_nowhere(prof, t, budget):
-                            continue
-                        prof = st.profile(
-                            prof.solution, graph, t.layer_of, t.bounds, t.L
-                        )
-                    low = t.add(m, mesh, prof, budget, crosses, whole)
-                    least = min(least, low)
-            if inter is not None and inter.groups(sub):
-                for prof in profiles:
-                    if inter.layers != first.layers:
-                        if _fits_nowhere(prof, inter, budget):
-                            continue
-                        prof = st.profile(
-                            prof.solution, graph, inter.layer_of, inter.bounds, inter.L
-                        )
-                    inter.add(
-                        sub,
-                        mesh,
-                        prof,
-                        crosses,
-                        lambda rc, mesh=mesh, prof=prof: StageOption(mesh, prof, rc),
-                    )
+        if share is None:
+            for job, profiles in zip(jobs.jobs, pool.map(jobs.solve, jobs.jobs)):
+                jobs.enter(job, jobs.attribute(job, profiles))
+        else:
+            _shared(jobs, share, pool)
     finally:
         pool.shutdown(cancel_futures=True)
-    out = []
-    for pick in inter.best() if inter is not None else []:
-        stages = [StagePick(c, pick.submesh, pick.option) for c in pick.chunks]
-        out.append(Candidate(inter.layers, stages, "interleaved", pick.virtual_stages))
-    if schedule == "interleaved":
-        return SearchResult(out, least)
-    for t in tables:
-        if mode == "intra-only":  # one stage: only the range of all layers
-            whole = t.cost[0, t.L - 1].copy()
-            t.cost[:] = np.inf
-            t.cost[0, t.L - 1] = whole
-        zb = schedule == "zero_bubble"
-        if zb:  # torch's zero bubble: B >= S stages and a multiple of its rounds B // S
-            for S in range(1, t.cost.shape[3]):
-                if B < S or B % (B // S):
-                    t.cost[..., S] = np.inf
-        try:
-            dp = stage_dp(
-                t.cost, [a * b for a, b in subs], cluster.num_devices, B, by_total=zb
-            )
-        except MeshplanError:
-            continue
-        S = len(dp.stages)
-        picks = [
-            StagePick((k, j), subs[m], t.options[t.choice[k, j, m, S if zb else S - i]])
-            for i, (k, j, m) in enumerate(dp.stages)
-        ]
-        out.append(
-            Candidate(t.layers, picks, "1f1b" if schedule in SEARCHED else schedule)
+    return jobs.result()
+
+
+def _shared(jobs: _MeshJobs, share: MeshShare, pool: ThreadPoolExecutor) -> None:
+    """`search`'s solves with helpers (`planner.inter.mesh_share`): this process's threads take
+    jobs from the front; each job's profiles are entered in job order, a helper's as they
+    arrive."""
+
+    def local() -> tuple[int, list] | None:
+        i = share.take_front()
+        return None if i is None else (i, jobs.solve(jobs.jobs[i]))
+
+    share.open(len(jobs.jobs))
+    futures = iter([pool.submit(local) for _ in jobs.jobs])
+    solved: dict[int, list] = {}
+    maps = jobs.layer_maps + ([jobs.inter.layer_of] if jobs.inter else [])
+    for i, job in enumerate(jobs.jobs):
+        while i not in solved:
+            f = None if share.helped(i) else next(futures, None)
+            if f is None:  # a helper took it
+                jobs.enter(job, mesh_share.received(share.receive(i), maps))
+                break
+            if (r := f.result()) is not None:
+                solved[r[0]] = r[1]
+        if i in solved:
+            jobs.enter(job, jobs.attribute(job, solved.pop(i)))
+
+
+def help_search(
+    graph: OpGraph,
+    layerings: list[list[tuple[int, int]]],
+    cluster: Cluster,
+    subs: list[tuple[int, int]],
+    B: int,
+    budget: float,
+    optimizer: str,
+    mode: str,
+    schedule: str,
+    say: Callable[[str], None],
+    context_parallel: bool = True,
+    chunk_layers: list[tuple[int, int]] | None = None,
+    *,
+    cursor: JobCursor,
+    k: int,
+    outbox: Any,
+) -> int:
+    """A helper's side of `search` with a share (`planner.inter.mesh_share`): the jobs of size k
+    (the owner's, as `search` lists them from the same arguments) taken from the back, each
+    solved, attributed to every clustering and put on `outbox` for the owner; the number of
+    jobs solved. An error is put there too, for the owner to raise."""
+    jobs = _MeshJobs(
+        graph,
+        layerings,
+        cluster,
+        subs,
+        B,
+        budget,
+        optimizer,
+        mode,
+        schedule,
+        say,
+        context_parallel,
+        chunk_layers,
+    )
+    if len(jobs.jobs) != cursor.count(k):  # a trace that differs: leave the size alone
+        say(
+            f"micro-batches {B}: not helping, {len(jobs.jobs)} mesh jobs against {cursor.count(k)}"
         )
-    return SearchResult(out, least)
+        return 0
+
+    def work() -> int:
+        done = 0
+        while (i := cursor.take_back(k)) is not None:
+            try:
+                job = jobs.jobs[i]
+                outbox.put((i, mesh_share.ship(jobs.attribute(job, jobs.solve(job)))))
+                done += 1
+            except Exception as exc:  # the owner raises it too
+                outbox.put((i, f"{type(exc).__name__}: {exc}"))
+                raise
+        return done
+
+    pool = ThreadPoolExecutor(max_workers=_solver_threads())
+    try:
+        futures = [pool.submit(work) for _ in range(_solver_threads())]
+        return sum(f.result() for f in futures)
+    finally:
+        pool.shutdown(cancel_futures=True)
