@@ -12,9 +12,10 @@ the planner and rebuilds the model from its name, so only a model given by name 
 searched in workers; an `nn.Module` object is then searched in this process. A worker searches
 one size at a time and returns that size's best plan, assembled. A process that finds no size
 left helps one still being searched (`help_sizes`): it traces that size too and solves meshes
-from the back of its list, which its owner enters in job order (`planner.inter.mesh_share`).
-The results are those of the serial search: the sizes' best plans are compared in the order the serial search visits them
-(ties go to the earlier), so the plan does not depend on the process count.
+from the back of its list, which the size's owner enters in job order
+(`planner.inter.mesh_share`). The results are those of the serial search: the sizes' best plans
+are compared in the order the serial search visits them (ties go to the earlier), so the plan
+does not depend on the process count.
 `MESHPLAN_PLANNER_PROCESSES` sets the count, this process included (1: everything in this
 process); by default one per core this process may use, at most one per size, and none in a
 daemonic process (a rank started by `runtime.launch`), which multiprocessing allows no children.
