@@ -639,3 +639,35 @@ def test_planner_threads_do_not_change_the_plan(monkeypatch) -> None:
         MeshplanError, match="MESHPLAN_PLANNER_THREADS must be a positive"
     ):
         plan(SMALL, "1x4xV100-16GB", global_batch=16, microbatch_size=2)
+
+
+def test_plan_process_ends_with_its_output_written(tmp_path) -> None:
+    """`meshplan plan` as a program ends without the interpreter's teardown
+    (`runtime.cli._exit_fast`): its summary, piped (so block-buffered), and its plan file are
+    complete; a failing plan still exits 2 with its message."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "p.json"
+    argv = [sys.executable, "-m", "runtime.cli", "plan", SMALL, "--cluster"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    ok = subprocess.run(
+        [*argv, "1x2xA100-80GB", "--batch", "4", "--quiet", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=env,
+    )
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "iteration" in ok.stdout and f"wrote {out}" in ok.stderr
+    assert ParallelPlan.load(out).estimate.iteration_time_s > 0
+    bad = subprocess.run(
+        [*argv, "1x2xA100-80GB", "--batch", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert bad.returncode == 2 and "global batch must be positive" in bad.stderr

@@ -100,7 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="pipeline stages with pure data parallelism inside each",
     )
-    p.set_defaults(func=run_plan)
+    p.set_defaults(func=run_plan, exit_fast=True)
 
     m = sub.add_parser(
         "manual",
@@ -196,7 +196,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="write the plan even when a stage does not fit in memory (manual.fits says so)",
     )
-    m.set_defaults(func=run_manual)
+    m.set_defaults(func=run_manual, exit_fast=True)
 
     e = sub.add_parser(
         "explain", help="show a plan file: stages, placements and where the time goes"
