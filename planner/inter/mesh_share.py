@@ -5,9 +5,9 @@ so the processes end together instead of one waiting on another's last size.
 The size's owner (the process that took the size) traces it and lists its mesh jobs
 (`planner.inter.mesh_search`); it takes the jobs from the front of their take order (the
 costliest first), a helper from the back at a lower priority, each the next one nobody has taken
-(`JobCursor`, shared memory: positions in that order). A helper traces the
-same size itself (a traced graph does not cross processes; the trace is deterministic, so its
-node names and its job list are the owner's: the owner checks the count), solves its jobs and
+(`JobCursor`, shared memory: positions in that order). A helper traces the same size itself (a
+traced graph does not cross processes; the trace is deterministic, so its node names and its
+job list are the owner's: the helper checks the count), solves its jobs and
 attributes each solution to every layer clustering as the owner would, and sends the profiles
 to the owner (`ship`: the solutions without their pricing, which holds the graph). The owner
 enters every job's profiles into its tables in job order, so the plan is the one the owner
@@ -16,7 +16,7 @@ pricing back from the owner's own pricing of that mesh (`rebuild`): what assembl
 reads (the gradient buckets' overlap, the plan's memory) needs it.
 
 What PyTorch and multiprocessing lack: nothing hands out work items from both ends of a list to
-processes that join late; this is a lock and three integers per size.
+processes that join late; this is a lock and four integers per size.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from planner.intra.solution import StageSolution
 from planner.intra.solve import price_stage
 
 #: A size is helped only while at least this many of its jobs are left: a helper first traces
-#: the size (llama3-70b: about a second), which a single job's solve may not repay.
+#: the size, which a single job's solve may not repay.
 MIN_LEFT = 3
 #: Seconds between an owner's checks that the helper whose jobs it waits on is alive.
 POLL_S = 1.0
@@ -50,8 +50,8 @@ _SLOTS = 4
 class JobCursor:
     """Per size: the next job from the front, the end of the jobs nobody has taken from the
     back (-1 until the owner has listed them), the helper's process id (0: none) and the
-    number of jobs.
-    Picklable to forked or spawned processes (multiprocessing shared memory)."""
+    number of jobs. Passed to forked or spawned processes at their start (multiprocessing
+    shared memory)."""
 
     def __init__(self, context: Any, sizes: int) -> None:
         self.slots = context.Array("q", _SLOTS * sizes)
@@ -178,8 +178,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 
