@@ -197,8 +197,8 @@ class _MeshJobs:
         mode,
         schedule,
         say,
-        context_parallel,
-        chunk_layers,
+        context_parallel=True,
+        chunk_layers=None,
     ) -> None:
         self.graph, self.cluster, self.subs, self.B = graph, cluster, subs, B
         self.budget, self.optimizer, self.mode, self.schedule = (
@@ -454,8 +454,8 @@ def search(
         mode,
         schedule,
         say,
-        context_parallel,
-        chunk_layers,
+        context_parallel=context_parallel,
+        chunk_layers=chunk_layers,
     )
     # The meshes' intra-op programs are independent: threads overlap one mesh's HiGHS solve with
     # another's pricing (`planner.intra.highs.solves_overlap`). Results are entered in job order, so the
@@ -500,41 +500,15 @@ def _shared(jobs: _MeshJobs, share: MeshShare, pool: ThreadPoolExecutor) -> None
 
 
 def help_search(
-    graph: OpGraph,
-    layerings: list[list[tuple[int, int]]],
-    cluster: Cluster,
-    subs: list[tuple[int, int]],
-    B: int,
-    budget: float,
-    optimizer: str,
-    mode: str,
-    schedule: str,
-    say: Callable[[str], None],
-    context_parallel: bool = True,
-    chunk_layers: list[tuple[int, int]] | None = None,
-    *,
-    cursor: JobCursor,
-    k: int,
-    outbox: Any,
+    *search_args: Any, cursor: JobCursor, k: int, outbox: Any, **search_kw: Any
 ) -> int:
-    """A helper's side of `search` with a share (`planner.inter.mesh_share`): the jobs of size k
-    (the owner's, as `search` lists them from the same arguments) taken from the back, each
-    solved, attributed to every clustering and put on `outbox` for the owner; the number of
-    jobs solved. An error is put there too, for the owner to raise."""
-    jobs = _MeshJobs(
-        graph,
-        layerings,
-        cluster,
-        subs,
-        B,
-        budget,
-        optimizer,
-        mode,
-        schedule,
-        say,
-        context_parallel,
-        chunk_layers,
-    )
+    """A helper's side of `search` with a share (`planner.inter.mesh_share`), given `search`'s
+    arguments but the share: the jobs of size k (the owner's, as `search` lists them from the
+    same arguments) taken from the back, each solved, attributed to every clustering and put on
+    `outbox` for the owner; the number of jobs solved. An error is put there too, for the owner
+    to raise."""
+    jobs = _MeshJobs(*search_args, **search_kw)
+    say, B = jobs.say, jobs.B
     if len(jobs.jobs) != cursor.count(k):  # a trace that differs: leave the size alone
         say(
             f"micro-batches {B}: not helping, {len(jobs.jobs)} mesh jobs against {cursor.count(k)}"
