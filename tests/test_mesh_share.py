@@ -71,7 +71,7 @@ class _HelpedAtOpen(MeshShare):
 
     def open(self, jobs: int) -> None:
         super().open(jobs)
-        self.cursor.slots[2] = 1  # a helper's process id: alive
+        self.cursor.slots[mesh_share._HELPER] = 1  # size 0's helper: a live process
         args, kw = _search_args(self.job, self.make.trace(B), B, lambda m: None)
         try:
             help_search(*args, **kw, cursor=self.cursor, k=0, outbox=self.inbox)

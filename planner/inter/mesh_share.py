@@ -35,7 +35,7 @@ from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from planner.inter.stage_table import LayerProfile
 from planner.intra.solution import StageSolution
-from planner.intra.solve import price_stage
+from planner.intra.solve import option_position, price_stage
 
 #: A size is helped only while at least this many of its jobs are left: a helper first traces
 #: the size, which a single job's solve may not repay.
@@ -204,7 +204,7 @@ def ship(attributed: list[list[LayerProfile]]) -> list[list[LayerProfile]]:
             )
             out._shipped = (
                 {n: k.copy() for n, k in ctx.keep.items()},
-                {n: _index_of(ctx, n, o) for n, o in sol.choice.items()},
+                {n: option_position(ctx, n, o) for n, o in sol.choice.items()},
             )
             stripped[id(sol)] = out
         return stripped[id(sol)]
@@ -216,13 +216,6 @@ def ship(attributed: list[list[LayerProfile]]) -> list[list[LayerProfile]]:
         ]
         for profs in attributed
     ]
-
-
-def _index_of(ctx: Any, n: str, option: Any) -> int:
-    for i, o in enumerate(ctx.options[n]):
-        if o is option:
-            return i
-    return ctx.options[n].index(option)
 
 
 def received(

@@ -319,7 +319,7 @@ def with_zero2(pricing: StagePricing, sol: StageSolution) -> StageSolution | Non
             z = sc.zero2_option(o, sol.mesh_shape)
             changed |= z is not o
             o = z
-        index[n] = _position(ctx, n, o)
+        index[n] = option_position(ctx, n, o)
     if not changed:
         return None
     # the options' own objects (the ZeRO-2 variant the list holds, not a new equal one), so
@@ -329,7 +329,7 @@ def with_zero2(pricing: StagePricing, sol: StageSolution) -> StageSolution | Non
     return _summarise(ctx, choice, index, pricing.ops, sol.ilp_nodes, sol.optimal, 0.0)
 
 
-def _position(ctx: PricedStage, name: str, option: Option) -> int:
+def option_position(ctx: PricedStage, name: str, option: Option) -> int:
     """The position of `option` in ``ctx.options[name]``: found by identity (a solution's
     options are the pricing's objects; a list's positions kept once per list), by equality for
     an option made since (`zero2_option`'s)."""
