@@ -246,13 +246,15 @@ def evaluate_all(
     results the caller keeps; default all): that plan cannot be the caller's best, and is left
     `beaten` (llama3-70b on 8x8 H100s: 0.4 s of CPU a size).
 
-    With n > 1 processes this process is one of them: n - 1 workers take the sizes from the
-    front of the list, one at a time each (a feeder thread per worker hands it the next when it
-    returns one), while this process takes them from the back. No process sits idle waiting for
-    the others, and one worker fewer is one fewer to start (a spawned worker first imports the
+    With n > 1 processes this process is one of them, beside n - 1 workers: each process takes
+    the next size nobody has taken when it is free (a feeder thread per worker hands it one
+    when it returns one), in `take_order`: from the middle size out when every size is kept,
+    else in the list's order (the kept sizes first). No process sits idle waiting for the
+    others, and one worker fewer is one fewer to start (a spawned worker first imports the
     planner: seconds of CPU)."""
     workers = processes(job, len(sizes))
     n = len(sizes)
+    order = take_order(sizes) if kept is None else list(range(n))
     kept = set(range(n) if kept is None else kept)
     if workers <= 1:
         return [
@@ -290,6 +292,7 @@ def evaluate_all(
         return share(
             n,
             workers - 1,
+            order,
             # assembled as a worker's are: this process does not keep every size's graph
             lambda k: _assembled(
                 evaluate(
@@ -332,35 +335,53 @@ def _in_worker(
         ) from exc
 
 
+def take_order(sizes: list[int]) -> list[int]:
+    """The positions of `sizes` in the order processes take them (`evaluate_all`): the middle
+    size first, then outwards, the larger of two alike first.
+
+    Why: a size's search ends with its longest mesh job (one branch-and-bound of a memory rung
+    can take most of it), which no helper can split, so a costly size taken last ends the
+    search late. The middle sizes were the costliest: CPU seconds per micro-batch size of 1, 2,
+    ..., 64 rows, planning mixtral-8x7b on 8x8 H100s 34, 20, 25, 43, 21, 21, 22 (8 rows: a
+    20 s branch-and-bound), moe-70b on 8x8 A100s 25, 24, 18, 26, 39, 20, 24, llama3-70b on
+    8x8 H100s 15, 13, 14, 14, 13, 11, 12. Taken from both ends (the earlier order) mixtral's
+    8 rows came last: 97-99 s of planning against 89.8 s from the middle out."""
+    rank = sorted(range(len(sizes)), key=lambda k: sizes[k])
+    mid = len(sizes) - 1
+    by_distance = sorted(range(len(sizes)), key=lambda r: (abs(2 * r - mid), -r))
+    return [rank[r] for r in by_distance]
+
+
 def share(
     n: int,
     helpers: int,
+    order: list[int],
     here: Callable[[int], Any],
     there: Callable[[int], Any],
     help_here: Callable[[], Any] | None = None,
     help_there: Callable[[], Any] | None = None,
 ) -> list[Any]:
     """[f(0), ..., f(n - 1)] where each k is run once, by `here(k)` in the calling thread or
-    `there(k)` on one of `helpers` threads (each waiting on a worker process): the helpers take
-    indices from the front, the calling thread from the back, each the next one nobody has
-    taken when it is free. A thread that finds none left then runs `help_here` (the calling
-    thread) or `help_there` (the others), if given: help with the indices still running. The
-    first exception (either side) is raised once every thread is done with the index it has;
-    no index is taken after it."""
-    left = list(range(n))  # indices nobody has taken
+    `there(k)` on one of `helpers` threads (each waiting on a worker process): each thread
+    takes the next index of `order` (a permutation of range(n)) nobody has taken when it is
+    free. A thread that finds none left then runs `help_here` (the calling thread) or
+    `help_there` (the others), if given: help with the indices still running. The first
+    exception (either side) is raised once every thread is done with the index it has; no
+    index is taken after it."""
+    left = list(order)  # indices nobody has taken
     lock = threading.Lock()
     results: dict[int, Any] = {}
     failed: list[BaseException] = []
 
-    def take(front: bool) -> int | None:
+    def take() -> int | None:
         with lock:
             if failed or not left:
                 return None
-            return left.pop(0 if front else -1)
+            return left.pop(0)
 
-    def run(front: bool, f: Callable[[int], Any], then: Callable | None) -> None:
+    def run(f: Callable[[int], Any], then: Callable | None) -> None:
         try:
-            while (k := take(front)) is not None:
+            while (k := take()) is not None:
                 results[k] = f(k)
             if then is not None and not failed:
                 then()
@@ -369,13 +390,13 @@ def share(
                 failed.append(exc)
 
     threads = [
-        threading.Thread(target=run, args=(True, there, help_there), daemon=True)
+        threading.Thread(target=run, args=(there, help_there), daemon=True)
         for _ in range(helpers)
     ]
     for t in threads:
         t.start()
     try:
-        run(False, here, help_here)
+        run(here, help_here)
     finally:
         for t in threads:
             t.join()

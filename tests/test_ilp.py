@@ -215,3 +215,20 @@ def test_presolve_only_where_the_relaxation_splits_at_most_one_node() -> None:
     assert highs.presolve_for(np.array([1.0, 0.0, 0.25, 0.75]))
     assert not highs.presolve_for(np.array([0.3, 0.3, 0.4, 1.0]))
     assert not highs.presolve_for(np.array([0.5, 0.5, 0.5, 0.5]))
+
+
+def test_edge_groups_are_numpys_unique_rows_then_columns() -> None:
+    """`_groups` (an edge's distinct rows, then their distinct columns) gives what
+    ``np.unique`` along each axis gives: the same groups, in the same order."""
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        values = rng.choice([0.0, 1.5, 2.25, 3e-6, np.inf], size=rng.integers(1, 6, 2))
+        rows = rng.integers(0, values.shape[0], rng.integers(1, 40))
+        cols = rng.integers(0, values.shape[1], rng.integers(1, 40))
+        r = np.ascontiguousarray(values[rows][:, cols])
+        distinct, row_of = np.unique(r, axis=0, return_inverse=True)
+        want, col_of = np.unique(distinct, axis=1, return_inverse=True)
+        grouped, got_rows, got_cols = ilp._groups.__wrapped__(r.shape, r.tobytes())
+        assert np.array_equal(grouped, want)
+        assert np.array_equal(got_rows, row_of.ravel())
+        assert np.array_equal(got_cols, col_of.ravel())

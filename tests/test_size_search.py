@@ -19,7 +19,7 @@ from cost_models.errors import MeshplanError
 from planner import size_search
 from planner.api import plan
 from planner.models import build_model
-from planner.size_search import SizeJob, processes, share
+from planner.size_search import SizeJob, processes, share, take_order
 
 
 def _without_time(p) -> dict:
@@ -243,9 +243,9 @@ def test_forked_workers_trace_after_the_parent_ran_openmp(tmp_path) -> None:
 
 @pytest.mark.parametrize("helpers", [1, 3])
 def test_share_runs_each_index_once_in_order(helpers: int) -> None:
-    """The calling thread takes indices from the back, the helpers from the front: each index
-    runs once, the results come back in index order, and the calling thread's indices are a
-    suffix (it has imports done; a worker's first size waits for the worker's start)."""
+    """Every thread takes the next index of the take order nobody has taken: each index runs
+    once, each thread's indices come in the take order, the results come back in index order,
+    and the calling thread runs some."""
     me = threading.get_ident()
     ran: dict[int, int] = {}
     lock = threading.Lock()
@@ -267,10 +267,23 @@ def test_share_runs_each_index_once_in_order(helpers: int) -> None:
         return f(k)
 
     n = 9
-    assert share(n, helpers, here, there) == [k * k for k in range(n)]
+    order = [4, 3, 5, 2, 6, 1, 7, 0, 8]
+    assert share(n, helpers, order, here, there) == [k * k for k in range(n)]
     assert sorted(ran) == list(range(n))
-    mine = sorted(k for k, t in ran.items() if t == me)
-    assert mine and mine == list(range(n - len(mine), n))
+    for thread in set(ran.values()):  # `ran` in the order the indices started
+        positions = [order.index(k) for k, t in ran.items() if t == thread]
+        assert positions == sorted(positions), positions
+    assert me in ran.values()
+
+
+def test_take_order_goes_from_the_middle_size_out() -> None:
+    """The middle size first, then outwards, the larger of two alike first, whatever order
+    the sizes are listed in."""
+    assert take_order([64, 32, 16, 8, 4, 2, 1]) == [3, 2, 4, 1, 5, 0, 6]
+    assert take_order([1024, 32, 16, 8, 4, 2, 1]) == [3, 2, 4, 1, 5, 0, 6]
+    assert take_order([1, 2, 4, 8]) == [2, 1, 3, 0]
+    assert take_order([8, 4, 2, 1]) == [1, 2, 0, 3]
+    assert take_order([5]) == [0]
 
 
 @pytest.mark.parametrize("failing", ["here", "there"])
@@ -291,8 +304,9 @@ def test_share_raises_the_first_failure(failing: str) -> None:
 
     sides = (boom, waits) if failing == "here" else (waits, boom)
     with pytest.raises(MeshplanError, match="failed"):
-        share(4, 1, *sides)
-    assert 1 not in ran and 2 not in ran, ran
+        share(4, 1, list(range(4)), *sides)
+    # one index each at most, the first of the take order: none taken after the failure
+    assert len(ran) <= 2 and sorted(ran) == list(range(len(ran))), ran
 
 
 def test_process_count(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -501,9 +501,28 @@ def _groups(
     matrix `data` (float64 bytes of `shape`): its distinct rows, then their distinct columns.
     Cached by content: the programs of one stage (time-optimal, seeds) share most edges."""
     r = np.frombuffer(data).reshape(shape)
-    distinct, row_of = np.unique(r, axis=0, return_inverse=True)
-    grouped, col_of = np.unique(distinct, axis=1, return_inverse=True)
-    return grouped, row_of.ravel(), col_of.ravel()
+    row_of, distinct = _distinct_rows(r)
+    col_of, grouped = _distinct_rows(np.ascontiguousarray(distinct.T))
+    return grouped.T, row_of, col_of
+
+
+def _distinct_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(each row's group, the distinct rows in ascending lexicographic order): what
+    ``np.unique(a, axis=0, return_inverse=True)`` returns (reversed), for rows of numbers that
+    are not NaN. Why not that: it sorts the rows as records of one field per column, which took
+    3.5% of mixtral-8x7b's planning CPU; a lexicographic argsort of the columns is 5 times
+    faster on these matrices."""
+    n = a.shape[0]
+    if n == 1:
+        return np.zeros(1, dtype=np.intp), a
+    order = np.lexsort(a.T[::-1])  # by the first column, then the second, ...
+    ranked = a[order]
+    new = np.empty(n, dtype=bool)
+    new[0] = True
+    np.any(ranked[1:] != ranked[:-1], axis=1, out=new[1:])
+    group = np.empty(n, dtype=np.intp)
+    group[order] = np.cumsum(new) - 1
+    return group, ranked[new]
 
 
 #: Local costs within this much (relative to the largest cost) count as tied in `settle`: far
