@@ -343,9 +343,10 @@ def take_order(sizes: list[int]) -> list[int]:
     can take most of it), which no helper can split, so a costly size taken last ends the
     search late. The middle sizes were the costliest: CPU seconds per micro-batch size of 1, 2,
     ..., 64 rows, planning mixtral-8x7b on 8x8 H100s 34, 20, 25, 43, 21, 21, 22 (8 rows: a
-    20 s branch-and-bound), moe-70b on 8x8 A100s 25, 24, 18, 26, 39, 20, 24, llama3-70b on
-    8x8 H100s 15, 13, 14, 14, 13, 11, 12. Taken from both ends (the earlier order) mixtral's
-    8 rows came last: 97-99 s of planning against 89.8 s from the middle out."""
+    19 s branch-and-bound), moe-70b on 8x8 A100s 25, 24, 18, 26, 39, 20, 24 (two processes),
+    llama3-70b on 8x8 H100s 15, 13, 14, 14, 13, 11, 12 (one). Taken from both ends of the list
+    (the earlier order), mixtral's 8 rows came last, started at 71 s: 97.8 s of planning in one
+    run, 89.8 s from the middle out (benchmarks/planning_time_log.md, 2026-12-05)."""
     rank = sorted(range(len(sizes)), key=lambda k: sizes[k])
     mid = len(sizes) - 1
     by_distance = sorted(range(len(sizes)), key=lambda r: (abs(2 * r - mid), -r))
