@@ -502,7 +502,7 @@ def _groups(
     Cached by content: the programs of one stage (time-optimal, seeds) share most edges."""
     r = np.frombuffer(data).reshape(shape)
     row_of, distinct = _distinct_rows(r)
-    col_of, grouped = _distinct_rows(np.ascontiguousarray(distinct.T))
+    col_of, grouped = _distinct_rows(distinct.T)
     return grouped.T, row_of, col_of
 
 
@@ -513,8 +513,6 @@ def _distinct_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     3.5% of mixtral-8x7b's planning CPU; a lexicographic argsort of the columns is 5 times
     faster on these matrices."""
     n = a.shape[0]
-    if n == 1:
-        return np.zeros(1, dtype=np.intp), a
     order = np.lexsort(a.T[::-1])  # by the first column, then the second, ...
     ranked = a[order]
     new = np.empty(n, dtype=bool)
