@@ -204,6 +204,45 @@ def test_settle_takes_the_least_memory_then_the_lowest_index_among_ties() -> Non
     assert ilp.settle(q, [2], 1e-12) == [1]
     # never towards more memory, even at a lower cost
     assert ilp.settle(p, [0, 3], 1e-12) == [0, 3]
+    # nor to a strategy `allowed` leaves out: of 0 and 1 (2 out), the lowest index
+    assert ilp.settle(p, [0, 1], 1e-12, {1: np.array([1, 1, 0, 1], bool)}) == [0, 0]
+
+
+def _restricted(p: ILPProblem, allowed: dict[int, np.ndarray]) -> ILPProblem:
+    keep = [allowed.get(v, np.arange(c.size)) for v, c in enumerate(p.node_costs)]
+    return ILPProblem(
+        [c[k] for c, k in zip(p.node_costs, keep)],
+        [(u, v, r[np.ix_(keep[u], keep[v])]) for u, v, r in p.edges],
+    )
+
+
+def test_solve_within_is_the_optimum_over_the_allowed_strategies() -> None:
+    """`ILPModel.solve_within`: one program solved under three random restrictions in turn (its
+    relaxation warm from the last solve, the excluded strategies fixed at 0 and freed again),
+    then unrestricted, then by `solve`: every answer obeys its restriction and is the
+    brute-force optimum of the restricted problem, or None where the relaxation is fractional."""
+    rng = np.random.default_rng(77)
+    answered = asked = 0
+    for _ in range(20):
+        p = _random_problem(rng, with_memory=False)
+        model = ILPModel(p)
+        for turn in range(4):
+            allowed = {}
+            for v, c in enumerate(p.node_costs):
+                if turn < 3 and rng.uniform() < 0.6:
+                    size = int(rng.integers(1, c.size))
+                    allowed[v] = np.sort(rng.choice(c.size, size=size, replace=False))
+            got = model.solve_within(allowed)
+            asked += 1
+            if got is None:
+                continue
+            answered += 1
+            want = brute_force(_restricted(p, allowed))
+            assert all(got.choice[v] in a for v, a in allowed.items())
+            assert got.objective == pytest.approx(want.objective, rel=1e-6, abs=1e-9)
+        want = brute_force(p).objective
+        assert model.solve(None).objective == pytest.approx(want, rel=1e-6, abs=1e-9)
+    assert answered >= asked * 3 // 4, (answered, asked)
 
 
 def test_presolve_only_where_the_relaxation_splits_at_most_one_node() -> None:

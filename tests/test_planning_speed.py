@@ -290,6 +290,55 @@ def test_value_table_per_class_equals_per_node() -> None:
         assert len(set(first.values())) == len(first)  # one class per key
 
 
+def test_parameter_filters_solved_within_the_free_program_as_alone(monkeypatch) -> None:
+    """A filter of parameters alone (the seeds of a model with experts, whose activations stay
+    free) is solved on the unfiltered program with the excluded strategies fixed out
+    (`planner.intra.solve._within`, its relaxation warm from the time-optimal solve): the same
+    optima as the program of the filtered options built and solved alone."""
+    from planner.intra.megatron import seed_filters
+    from planner.intra.solve import ILPModel
+
+    model, batch = build_model(
+        "mixtral:hidden=32,layers=3,heads=2,kv_heads=1,ffn=32,experts=2,seq=16,vocab=64",
+        batch=4,
+        dtype=torch.float16,
+    )
+    graph = trace(model, batch)
+    cluster = Cluster.from_spec("1x4xA100-80GB")
+    mesh = LogicalMesh(cluster, cluster.shape, (2, 2))
+    seeds = seed_filters(mesh.shape, True, {2, 4})
+    assert len(seeds) >= 3 and not any(s.batch_axes for s in seeds)
+
+    def solutions() -> list:
+        pricing = price_stage(graph, mesh, num_microbatches=2)
+        solve_stage(graph, mesh, pricing=pricing, num_microbatches=2)
+        return [
+            solve_stage(
+                graph, mesh, pricing=pricing, num_microbatches=2, param_filter=s.params
+            )
+            for s in seeds
+        ]
+
+    within = ILPModel.solve_within
+    answered = []
+
+    def counted(self, *a, **kw):
+        answered.append(within(self, *a, **kw) is not None)
+        return within(self, *a, **kw)
+
+    monkeypatch.setattr(ILPModel, "solve_within", counted)
+    warm = solutions()
+    assert len(answered) == len(seeds) and all(answered)
+    monkeypatch.setattr(ILPModel, "solve_within", lambda self, *a, **kw: None)
+    alone = solutions()
+    # the same optima, up to ties below HiGHS's tolerances (an add whose output costs 1e-9 of
+    # the stage's time more replicated than partial)
+    for a, b in zip(warm, alone):
+        assert a.time_s == pytest.approx(b.time_s, rel=1e-6)
+        assert a.memory_bytes == pytest.approx(b.memory_bytes, rel=1e-6)
+    assert len({tuple(sorted(map(str, s.param_placements.items()))) for s in warm}) > 1
+
+
 def test_zero2_copies_choose_their_representatives_objects() -> None:
     """`with_zero2` takes each ZeRO-2 option from the node's own option list, so the copies of
     a block choose their representative's object (`held_memory` classes them by identity)."""

@@ -217,6 +217,48 @@ def solve_relaxation(
     return ("failed", None) if state == "stopped" else (state, values)
 
 
+class WarmRelaxation:
+    """The LP relaxation of one program without a memory row, kept in one HiGHS instance and
+    solved again with some binary columns fixed at 0 (a seed's excluded strategies,
+    `planner.intra.ilp.ILPModel.solve_within`). Each solve starts from the basis the last one
+    ended with: fixing columns keeps that basis dual feasible, so HiGHS's dual simplex goes on
+    from it instead of from a slack basis (highspy keeps the basis across bound changes; its
+    LP interface has no other way to start a related program warm). One solve at a time."""
+
+    def __init__(self, arrays: HighsArrays) -> None:
+        self.arrays = arrays
+        self._h = None
+        self._lock = threading.Lock()
+
+    def solve(
+        self, zero: np.ndarray, *, time_limit: float | None = None
+    ) -> tuple[str, np.ndarray | None]:
+        """("optimal" | "infeasible" | "failed", column values or None) with the model's binary
+        columns `zero` fixed at 0, as `solve_relaxation` returns them."""
+        a = self.arrays
+        if not len(a.cost):
+            return "optimal", np.zeros(0)
+        with self._lock:
+            if self._h is None:
+                self._h = _highs(a, None, False)
+                self._h.setOptionValue("presolve", "off")
+            h = self._h
+            h.setOptionValue("time_limit", np.inf if time_limit is None else time_limit)
+            cols = np.unique(a.position[zero]).astype(np.int32)
+            if len(cols):
+                h.changeColsBounds(
+                    len(cols), cols, np.zeros(len(cols)), np.zeros(len(cols))
+                )
+            try:
+                state, values = _run(h)
+            finally:
+                if len(cols):
+                    h.changeColsBounds(
+                        len(cols), cols, np.zeros(len(cols)), a.upper[cols]
+                    )
+        return ("failed", None) if state == "stopped" else (state, values)
+
+
 def _run(h) -> tuple[str, np.ndarray | None]:
     """Run `h` with the GIL released: ("optimal" | "stopped" | "infeasible" | "failed", column
     values or None); "stopped": the time limit left a feasible solution."""

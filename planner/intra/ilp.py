@@ -355,6 +355,50 @@ class ILPModel:
         )
         return prob
 
+    @functools.cached_property
+    def _warm(self) -> highs.WarmRelaxation:
+        return highs.WarmRelaxation(self._arrays)
+
+    def solve_within(
+        self, allowed: dict[int, np.ndarray], *, time_limit: float | None = None
+    ) -> ILPSolution | None:
+        """The best choice without a memory row when node v may take only the strategies
+        ``allowed[v]`` (original indices; every strategy of the nodes not given), found on this
+        program's LP relaxation with the other strategies' binaries fixed at 0
+        (`planner.intra.highs.WarmRelaxation`: warm from this program's last such solve). When
+        that relaxation's optimum is integral no integral choice beats it, and `settle` breaks
+        its ties among the allowed strategies. None when it is fractional (or not solved): the
+        caller then solves the program of the allowed strategies alone."""
+        problem, masks, zero = self.problem, {}, []
+        for v, ok in allowed.items():
+            mask = np.zeros(problem.node_costs[v].size, dtype=bool)
+            mask[ok] = True
+            masks[v] = mask
+            kept = mask[self.keep[v]]
+            if not kept.any():
+                return None
+            if self.s[v] is not None:
+                zero.append(self.s[v][~kept])
+        state, values = self._warm.solve(
+            np.concatenate(zero) if zero else np.zeros(0, dtype=np.int64),
+            time_limit=time_limit,
+        )
+        if state != "optimal" or not highs.integral(values[self._arrays.integer]):
+            return None
+        binaries = np.round(values[self._arrays.binaries])
+        choice = settle(
+            problem,
+            [
+                int(k[0 if cols is None else np.argmax(binaries[cols])])
+                for k, cols in zip(self.keep, self.s)
+            ],
+            SETTLE_TOL * self.scale,
+            masks,
+        )
+        return ILPSolution(
+            choice, problem.objective(choice), problem.memory(choice), True
+        )
+
     def solve(
         self,
         budget: float | None,
@@ -374,9 +418,14 @@ class ILPModel:
         name = _solver_name(solver)
         model = self
         if name == "highs" and not via_pulp:
-            state, values = highs.solve_relaxation(
-                self.highs_arrays(budget), time_limit=time_limit, msg=msg
-            )
+            if budget is None and not msg:  # seeds of this program start from its basis
+                state, values = self._warm.solve(
+                    np.zeros(0, dtype=np.int64), time_limit=time_limit
+                )
+            else:
+                state, values = highs.solve_relaxation(
+                    self.highs_arrays(budget), time_limit=time_limit, msg=msg
+                )
             if state == "optimal" and highs.integral(values[self._arrays.integer]):
                 binaries = np.round(values[self._arrays.binaries])
             elif state == "infeasible":  # no integral choice fits either
@@ -528,7 +577,12 @@ def _distinct_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 SETTLE_TOL = 1e-12
 
 
-def settle(problem: ILPProblem, choice: list[int], tol: float) -> list[int]:
+def settle(
+    problem: ILPProblem,
+    choice: list[int],
+    tol: float,
+    allowed: dict[int, np.ndarray] | None = None,
+) -> list[int]:
     """The same optimum with ties broken the same way whatever the solver's path: each node in
     turn takes, among its strategies whose local cost (its own plus its edges' under the
     neighbours' current choices) is within `tol` of its current one's, the one of least memory,
@@ -538,7 +592,8 @@ def settle(problem: ILPProblem, choice: list[int], tol: float) -> list[int]:
     strategies tie (copies that pruning removes in one program and keeps in another, or a view
     whose output may be replicated or split at the same price), and the tie-break in the
     objective (`TIE`) lies below the solvers' tolerances. A change keeps the objective (within
-    `tol`) and lowers (memory, index) at one node, so the passes end, and the budget still holds."""
+    `tol`) and lowers (memory, index) at one node, so the passes end, and the budget still holds.
+    `allowed[v]` (a mask over node v's strategies) limits node v's moves to those."""
     choice = list(choice)
     n = len(problem.node_costs)
     memory = problem.node_memory or [np.zeros(c.size) for c in problem.node_costs]
@@ -557,7 +612,10 @@ def settle(problem: ILPProblem, choice: list[int], tol: float) -> list[int]:
             for r, w, out in incident[v]:
                 local += r[:, choice[w]] if out else r[choice[w]]
             cur, m = choice[v], memory[v]
-            tied = np.flatnonzero((local <= local[cur] + tol) & (m <= m[cur]))
+            ok = (local <= local[cur] + tol) & (m <= m[cur])
+            if allowed is not None and v in allowed:
+                ok &= allowed[v]
+            tied = np.flatnonzero(ok)
             best = int(tied[np.lexsort((tied, m[tied]))[0]])
             if best != cur and (m[best], best) < (m[cur], cur):
                 choice[v] = best

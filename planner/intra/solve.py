@@ -39,7 +39,7 @@ from planner.intra import prices as sc
 from planner.intra.batch_split import batch_split_options
 from planner.intra.cost_graph import CostGraph, Reduction, identity, merge_followers
 from planner.intra.highs import GAP_REL
-from planner.intra.ilp import ILPModel
+from planner.intra.ilp import ILPModel, ILPSolution
 from planner.intra.megatron import allowed_options
 from planner.intra.priced_stage import PricedStage
 from planner.intra.prices import Option, StageSettings
@@ -228,6 +228,8 @@ def solve_stage(
             kept = [o for o in options[n] if fp.hsdp_holds(o, mesh.shape, batch_axes)]
             hsdp_dropped |= len(kept) < len(options[n])
             options[n] = kept
+    # before the parameter filter; a copy of a repeated block with its representative's list
+    plain = {n: options[rep.get(n, n)] for n in options}
     if param_filter is not None:
         for n in names:
             if rep.get(n, n) == n and graph.node(n).op == "param":
@@ -270,32 +272,23 @@ def solve_stage(
     else:
         ctx = base
 
+    # Under a filter of parameters alone the followers are the unfiltered program's (a
+    # parameter the filter leaves one placement keeps its views as followers), so that the
+    # program is the unfiltered one with some strategies excluded (`_within`).
+    params_only = param_filter is not None and activation_filter is None and not split
+    reps = [n for n in names if rep.get(n, n) == n]
+    leaders = _leaders(graph, reps, plain if params_only else options, rep)
+    if params_only and memory_budget is None:
+        out = _within(
+            graph, pricing, plain, options, leaders, hsdp_dropped, time_limit, t0
+        )
+        if out is not None:
+            return out
     # The program depends on the options kept (ctx.keep), not on the budget: a memory ladder
     # builds it once (`planner.intra.ilp.ILPModel`) and only changes its memory row.
-    key = tuple(sorted((n, k.tobytes()) for n, k in ctx.keep.items()))
-    if key not in pricing._programs:
-        red = _reduce(graph, pricing, ctx, options)
-        pricing._programs[key] = (red, ILPModel(red.graph.problem(None)))
-    red, program = pricing._programs[key]
+    red, program, key = _program(graph, pricing, ctx, options, leaders)
     sol = program.solve(memory_budget, time_limit=time_limit, gap=gap)
-    # A memory ladder's rungs often land on the same choice: its summary (and what later passes
-    # derive from it, `StageSolution._derived`) is made once per program and choice.
-    same = pricing._summaries.get((key, tuple(sol.choice)))
-    if same is not None:
-        return _again(same, sol.optimal, time.perf_counter() - t0)
-    picked = red.expand(sol.choice)
-    index = {n: picked[rep.get(n, n)] for n in names}
-    choice = {n: options[n][index[n]] for n in names}
-    out = pricing._summaries[key, tuple(sol.choice)] = _summarise(
-        ctx,
-        choice,
-        index,
-        pricing.ops,
-        len(red.graph.names),
-        sol.optimal,
-        time.perf_counter() - t0,
-    )
-    return out
+    return _summary(pricing, ctx, options, red, key, sol, t0)
 
 
 def with_zero2(pricing: StagePricing, sol: StageSolution) -> StageSolution | None:
@@ -329,6 +322,84 @@ def with_zero2(pricing: StagePricing, sol: StageSolution) -> StageSolution | Non
     return _summarise(ctx, choice, index, pricing.ops, sol.ilp_nodes, sol.optimal, 0.0)
 
 
+def _program(
+    graph: OpGraph,
+    pricing: StagePricing,
+    ctx: PricedStage,
+    options: dict[str, list[Option]],
+    leaders: dict[str, str],
+) -> tuple[Reduction, ILPModel, tuple]:
+    """The reduced cost graph and program of ctx's options (made once per pricing), and its key."""
+    key = (
+        tuple(sorted((n, k.tobytes()) for n, k in ctx.keep.items())),
+        tuple(sorted(leaders.items())),
+    )
+    if key not in pricing._programs:
+        red = _reduce(graph, pricing, ctx, options, leaders)
+        pricing._programs[key] = (red, ILPModel(red.graph.problem(None)))
+    return (*pricing._programs[key], key)
+
+
+def _within(
+    graph: OpGraph,
+    pricing: StagePricing,
+    plain: dict[str, list[Option]],
+    options: dict[str, list[Option]],
+    leaders: dict[str, str],
+    hsdp_dropped: bool,
+    time_limit: float | None,
+    t0: float,
+) -> StageSolution | None:
+    """The solve of a filter of parameters alone (`options` of the parameters within `plain`'s)
+    on the unfiltered program (`plain`'s) with the excluded strategies fixed out
+    (`planner.intra.ilp.ILPModel.solve_within`: its relaxation warm from the program's last
+    solve), the program of the filtered options not built; None when that relaxation is
+    fractional."""
+    base, rep = pricing.ctx, pricing.ctx.rep
+    ctx = base.restricted(plain) if hsdp_dropped else base
+    red, program, key = _program(graph, pricing, ctx, plain, leaders)
+    allowed = {}
+    for n, opts in options.items():
+        if opts is not plain[n] and rep.get(n, n) == n:
+            where = {id(o): i for i, o in enumerate(plain[n])}
+            allowed[red.target[n]] = np.array([where[id(o)] for o in opts], dtype=int)
+    sol = program.solve_within(allowed, time_limit=time_limit)
+    if sol is None:
+        return None
+    return _summary(pricing, ctx, plain, red, key, sol, t0)
+
+
+def _summary(
+    pricing: StagePricing,
+    ctx: PricedStage,
+    options: dict[str, list[Option]],
+    red: Reduction,
+    key: tuple,
+    sol: ILPSolution,
+    t0: float,
+) -> StageSolution:
+    """The StageSolution of the program's solution `sol`; made once per program and choice (a
+    memory ladder's rungs often land on the same one), with what later passes derive from it
+    (`StageSolution._derived`)."""
+    same = pricing._summaries.get((key, tuple(sol.choice)))
+    if same is not None:
+        return _again(same, sol.optimal, time.perf_counter() - t0)
+    rep = ctx.rep
+    picked = red.expand(sol.choice)
+    index = {n: picked[rep.get(n, n)] for n in pricing.names}
+    choice = {n: options[n][index[n]] for n in pricing.names}
+    out = pricing._summaries[key, tuple(sol.choice)] = _summarise(
+        ctx,
+        choice,
+        index,
+        pricing.ops,
+        len(red.graph.names),
+        sol.optimal,
+        time.perf_counter() - t0,
+    )
+    return out
+
+
 def option_position(ctx: PricedStage, name: str, option: Option) -> int:
     """The position of `option` in ``ctx.options[name]``: found by identity (a solution's
     options are the pricing's objects; a list's positions kept once per list), by equality for
@@ -355,9 +426,10 @@ def _reduce(
     pricing: StagePricing,
     ctx: PricedStage,
     options: dict[str, list[Option]],
+    leaders: dict[str, str],
 ) -> Reduction:
     """The cost graph of the stage's representatives under ctx's options (repeated blocks
-    counted, `representatives`), with followers merged into their leaders."""
+    counted, `representatives`), with `leaders`' followers merged into their leaders."""
     names, rep = pricing.names, ctx.rep
     reps = [n for n in names if rep.get(n, n) == n]
     count = Counter(rep.get(n, n) for n in names)
@@ -373,7 +445,6 @@ def _reduce(
     for key, (edge, c) in _edge_classes(ctx).items():
         act, grad = ctx.edge(*edge)
         cg.add_edge(index[key[0]], index[key[1]], (act + grad) * c)
-    leaders = _leaders(graph, reps, options, rep)
     return merge_followers(identity(cg), leaders)
 
 
