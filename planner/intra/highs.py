@@ -220,10 +220,12 @@ def solve_relaxation(
 class WarmRelaxation:
     """The LP relaxation of one program without a memory row, kept in one HiGHS instance and
     solved again with some binary columns fixed at 0 (a seed's excluded strategies,
-    `planner.intra.ilp.ILPModel.solve_within`). Each solve starts from the basis the last one
-    ended with: fixing columns keeps that basis dual feasible, so HiGHS's dual simplex goes on
-    from it instead of from a slack basis (highspy keeps the basis across bound changes; its
-    LP interface has no other way to start a related program warm). One solve at a time."""
+    `planner.intra.ilp.ILPModel.solve_within`; the program's own relaxation too, so that its
+    seeds start from its optimum). Each solve starts from the basis the last one ended with,
+    not from a slack basis: HiGHS keeps the basis across bound changes. On one of
+    mixtral-8x7b's programs at 8 rows (80K columns), the relaxation took 62 ms cold and 9 ms
+    solved again; the 60 seeds of that size took 2.5 s of CPU warm (a seed may still move
+    every parameter: 9-175 ms each). One solve at a time."""
 
     def __init__(self, arrays: HighsArrays) -> None:
         self.arrays = arrays

@@ -385,19 +385,21 @@ class ILPModel:
         )
         if state != "optimal" or not highs.integral(values[self._arrays.integer]):
             return None
-        binaries = np.round(values[self._arrays.binaries])
-        choice = settle(
-            problem,
-            [
-                int(k[0 if cols is None else np.argmax(binaries[cols])])
-                for k, cols in zip(self.keep, self.s)
-            ],
-            SETTLE_TOL * self.scale,
-            masks,
-        )
+        choice = self._settled(np.round(values[self._arrays.binaries]), masks)
         return ILPSolution(
             choice, problem.objective(choice), problem.memory(choice), True
         )
+
+    def _settled(
+        self, binaries: np.ndarray, allowed: dict[int, np.ndarray] | None = None
+    ) -> list[int]:
+        """Every node's original strategy from the values of this program's binary columns,
+        its ties broken by `settle`."""
+        choice = [
+            int(k[0 if cols is None else np.argmax(binaries[cols])])
+            for k, cols in zip(self.keep, self.s)
+        ]
+        return settle(self.problem, choice, SETTLE_TOL * self.scale, allowed)
 
     def solve(
         self,
@@ -469,14 +471,7 @@ class ILPModel:
                 f"no sharding fits in memory: budget {budget / 2**30:.2f} GiB per device is below what any "
                 f"consistent choice needs (at least {min_memory(problem) / 2**30:.2f} GiB)"
             )
-        choice = settle(
-            problem,
-            [
-                int(k[0 if cols is None else np.argmax(binaries[cols])])
-                for k, cols in zip(model.keep, model.s)
-            ],
-            SETTLE_TOL * self.scale,
-        )
+        choice = model._settled(binaries)
         optimal = state == "optimal"
         if not optimal:
             warnings.warn(

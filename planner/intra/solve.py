@@ -13,7 +13,9 @@ Steps (DESIGN, "The two searches"; Alpa section 4.2):
    and backward + gradient synchronisation / micro-batches (its bandwidth part: the latency of
    the runtime's gradient buckets is charged per stage, `planner.intra.prices.grad_buckets`),
    subject to per-device memory. Solves of one pricing (`price_stage`) with the same options
-   kept share the program; only the memory budget differs between them.
+   kept share the program; only the memory budget differs between them. A filter of
+   parameters alone (the seeds of a model with experts, whose activations stay free) is solved
+   on the unfiltered program with the other strategies fixed out (`_within`).
 
 Prices: `planner.intra.prices`. The result, `StageSolution` (`planner.intra.solution`), holds the
 strategy of every node, the placement of every parameter, the cost broken down, and
