@@ -217,6 +217,9 @@ def solve_relaxation(
     return ("failed", None) if state == "stopped" else (state, values)
 
 
+NO_COLUMNS = np.zeros(0, dtype=np.int64)
+
+
 class WarmRelaxation:
     """The LP relaxation of one program without a memory row, kept in one HiGHS instance and
     solved again with some binary columns fixed at 0 (a seed's excluded strategies,
@@ -233,10 +236,10 @@ class WarmRelaxation:
         self._lock = threading.Lock()
 
     def solve(
-        self, zero: np.ndarray, *, time_limit: float | None = None
+        self, zero: np.ndarray = NO_COLUMNS, *, time_limit: float | None = None
     ) -> tuple[str, np.ndarray | None]:
         """("optimal" | "infeasible" | "failed", column values or None) with the model's binary
-        columns `zero` fixed at 0, as `solve_relaxation` returns them."""
+        columns `zero` (none by default) fixed at 0, as `solve_relaxation` returns them."""
         a = self.arrays
         if not len(a.cost):
             return "optimal", np.zeros(0)

@@ -380,8 +380,7 @@ class ILPModel:
             if self.s[v] is not None:
                 zero.append(self.s[v][~kept])
         state, values = self._warm.solve(
-            np.concatenate(zero) if zero else np.zeros(0, dtype=np.int64),
-            time_limit=time_limit,
+            np.concatenate(zero) if zero else highs.NO_COLUMNS, time_limit=time_limit
         )
         if state != "optimal" or not highs.integral(values[self._arrays.integer]):
             return None
@@ -421,9 +420,7 @@ class ILPModel:
         model = self
         if name == "highs" and not via_pulp:
             if budget is None and not msg:  # seeds of this program start from its basis
-                state, values = self._warm.solve(
-                    np.zeros(0, dtype=np.int64), time_limit=time_limit
-                )
+                state, values = self._warm.solve(time_limit=time_limit)
             else:
                 state, values = highs.solve_relaxation(
                     self.highs_arrays(budget), time_limit=time_limit, msg=msg

@@ -261,19 +261,6 @@ def solve_stage(
         memo=base.shared.setdefault(("batch_split",), {}),
     )
     options.update(split)
-    if (
-        param_filter is not None
-        or split
-        or activation_filter is not None
-        or hsdp_dropped
-    ):
-        for n in names:
-            if rep.get(n, n) != n:
-                options[n] = options[rep[n]]
-        ctx = base.restricted(options)
-    else:
-        ctx = base
-
     # Under a filter of parameters alone the followers are the unfiltered program's (a
     # parameter the filter leaves one placement keeps its views as followers), so that the
     # program is the unfiltered one with some strategies excluded (`_within`).
@@ -286,6 +273,18 @@ def solve_stage(
         )
         if out is not None:
             return out
+    if (
+        param_filter is not None
+        or split
+        or activation_filter is not None
+        or hsdp_dropped
+    ):
+        for n in names:
+            if rep.get(n, n) != n:
+                options[n] = options[rep[n]]
+        ctx = base.restricted(options)
+    else:
+        ctx = base
     # The program depends on the options kept (ctx.keep), not on the budget: a memory ladder
     # builds it once (`planner.intra.ilp.ILPModel`) and only changes its memory row.
     red, program, key = _program(graph, pricing, ctx, options, leaders)
@@ -360,11 +359,11 @@ def _within(
     base, rep = pricing.ctx, pricing.ctx.rep
     ctx = base.restricted(plain) if hsdp_dropped else base
     red, program, key = _program(graph, pricing, ctx, plain, leaders)
-    allowed = {}
-    for n, opts in options.items():
-        if opts is not plain[n] and rep.get(n, n) == n:
-            where = {id(o): i for i, o in enumerate(plain[n])}
-            allowed[red.target[n]] = np.array([where[id(o)] for o in opts], dtype=int)
+    allowed = {  # a parameter is its own reduced node (never a follower)
+        red.target[n]: np.array([option_position(ctx, n, o) for o in opts], dtype=int)
+        for n, opts in options.items()
+        if opts is not plain[n] and rep.get(n, n) == n
+    }
     sol = program.solve_within(allowed, time_limit=time_limit)
     if sol is None:
         return None
