@@ -160,10 +160,11 @@ def _evaluate(
     B = job.global_batch // b
     result = search(*args, **kw, share=share)
     found = []
+    memo: dict = {}  # per profile: the arrays its stages are priced from
     for cand in result.candidates:
         stages = [
             stage_from_profile(
-                s.layers, s.submesh, s.option.profile, s.option.recompute
+                s.layers, s.submesh, s.option.profile, s.option.recompute, memo
             )
             for s in cand.stages
         ]

@@ -452,3 +452,44 @@ def test_reshard_plans_kept_per_placements_price_every_size_alike() -> None:
             rs._PLANS.clear()
             fresh = rs.reshard_steps(mesh, (16, 32, 2), 4.0, src, dst)
             assert kept == fresh
+
+
+def test_stages_priced_from_a_memo_equal_those_priced_alone() -> None:
+    """`stage_from_profile` with a memo of each (profile, recompute)'s arrays, shared by the
+    stages of two solutions' profiles in every recomputation mode, prices every stage as it is
+    priced alone."""
+    from planner.inter.boundaries import boundary_values, layer_of_nodes
+    from planner.inter.stage_table import profile
+    from planner.plans.assemble import stage_from_profile
+
+    model, batch = build_model("llama-tiny", batch=2, dtype=torch.float16)
+    graph = trace(model, batch)
+    cluster = Cluster.from_spec("1x4xA100-80GB")
+    mesh = LogicalMesh(cluster, cluster.shape, (2, 2))
+    n = len(graph.ops)
+    layers = [(0, n // 3), (n // 3 + 1, 2 * n // 3), (2 * n // 3 + 1, n - 1)]
+    layer_of = layer_of_nodes(graph, layers)
+    bounds = boundary_values(graph, layer_of, len(layers))
+    profiles = [
+        profile(
+            solve_stage(graph, mesh, num_microbatches=2, **kw),
+            graph,
+            layer_of,
+            bounds,
+            3,
+        )
+        for kw in ({}, {"param_filter": _sharded_or_fsdp})
+    ]
+    memo: dict = {}
+    priced = set()
+    for prof in profiles:
+        for rc in prof.recompute_modes():
+            for r in [(0, 0), (0, 2), (1, 2), (2, 2)]:
+                shared = stage_from_profile(r, (1, 4), prof, rc, memo)
+                alone = stage_from_profile(r, (1, 4), prof, rc)
+                assert (shared.cost, shared.grad_buckets) == (alone.cost, alone.grad_buckets)
+                priced.add(alone.cost)
+    assert len(memo) == sum(len(p.recompute_modes()) for p in profiles)
+    assert len(priced) > len(
+        memo
+    )  # the stages differ: a memo keyed too coarsely would show

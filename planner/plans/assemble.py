@@ -138,11 +138,17 @@ def stage_from_profile(
     submesh: tuple[int, int],
     profile: st.LayerProfile,
     recompute: str,
+    memo: dict | None = None,
 ) -> StageChoice:
     """A stage holding `layers` priced from a solution's per-layer profile
-    (`planner.inter.stage_table`: the stage DP's own prices)."""
+    (`planner.inter.stage_table`: the stage DP's own prices). `memo` (a dict the caller keeps
+    while it prices stages of a few profiles) holds each (profile, recompute)'s [k, j] arrays:
+    a candidate's stages mostly share one profile (the 1T GPT's interleaved candidates: 96
+    stages of one, each array 128 x 128)."""
     k, j = layers
-    params, kept, transient = range_footprint(profile, recompute)
+    params, kept, transient, accumulate, unmade = _range_arrays(
+        profile, recompute, memo
+    )
     sync = dp_sync(profile, layers, recompute)
     cost = StageCost(
         time_s=profile.range_time(k, j, recompute) + sync.adjust_s,
@@ -157,10 +163,27 @@ def stage_from_profile(
         weight_grad_bytes=0.0
         if profile.wgrad_bytes is None
         else float(profile.wgrad_bytes[k : j + 1].sum()),
-        accumulate_bytes=float(profile.accumulate_bytes(recompute)[k, j]),
-        unmade_bytes=float(profile.unmade_bytes()[k, j]),
+        accumulate_bytes=float(accumulate[k, j]),
+        unmade_bytes=float(unmade[k, j]),
     )
     return StageChoice(layers, submesh, profile.solution, recompute, cost, sync.buckets)
+
+
+def _range_arrays(
+    profile: st.LayerProfile, recompute: str, memo: dict | None
+) -> tuple[np.ndarray, ...]:
+    """`stage_from_profile`'s [k, j] arrays of `profile` under `recompute`, kept in `memo`."""
+    key = (id(profile), recompute)
+    if memo is not None and key in memo:
+        return memo[key][1]
+    out = (
+        *range_footprint(profile, recompute),
+        profile.accumulate_bytes(recompute),
+        profile.unmade_bytes(),
+    )
+    if memo is not None:  # the profile kept with its arrays: its id stays its own
+        memo[key] = (profile, out)
+    return out
 
 
 def dp_sync(

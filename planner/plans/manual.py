@@ -331,7 +331,8 @@ def manual_plan(
             f"the zero_bubble schedule is priced and run without recomputation and FSDP; got "
             f"recompute={recompute!r}, fsdp={fsdp!r}"
         )
-    stages = [stage_from_profile(r, sub, prof, recompute) for r in ranges]
+    memo: dict = {}  # every stage is priced from the one profile
+    stages = [stage_from_profile(r, sub, prof, recompute, memo) for r in ranges]
     spec = PlanSpec(
         model_name=name,
         graph=graph,
