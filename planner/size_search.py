@@ -187,6 +187,12 @@ def _evaluate(
             continue
         found.append(Ranked(predicted_iteration_time(spec), spec))
     best = min(found) if found else None
+    say(
+        f"micro-batch {b}: {best.seconds:.4g} s per iteration, the best of "
+        f"{len(found)} candidate plans"
+        if best
+        else f"micro-batch {b}: no plan fits in memory"
+    )
     return SizeResult(
         b,
         seconds=best.seconds if best else np.inf,

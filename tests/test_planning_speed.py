@@ -487,7 +487,10 @@ def test_stages_priced_from_a_memo_equal_those_priced_alone() -> None:
             for r in [(0, 0), (0, 2), (1, 2), (2, 2)]:
                 shared = stage_from_profile(r, (1, 4), prof, rc, memo)
                 alone = stage_from_profile(r, (1, 4), prof, rc)
-                assert (shared.cost, shared.grad_buckets) == (alone.cost, alone.grad_buckets)
+                assert (shared.cost, shared.grad_buckets) == (
+                    alone.cost,
+                    alone.grad_buckets,
+                )
                 priced.add(alone.cost)
     assert len(memo) == sum(len(p.recompute_modes()) for p in profiles)
     assert len(priced) > len(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -337,6 +338,10 @@ def test_cli_progress_and_quiet(capsys: pytest.CaptureFixture[str]) -> None:
     assert "[size 1 of 2] tracing gpt-tiny with micro-batch 4" in err, err
     assert "[size 2 of 2] tracing gpt-tiny with micro-batch 2" in err, err
     assert "logical mesh 1x2 (" in err and " of " in err, err
+    # each size's outcome, so a user sees why one lost
+    assert re.search(r"\[size 1 of 2\] micro-batch 4: [0-9.]+ s per iteration", err), (
+        err
+    )
     assert main([*args, "--quiet"]) == 0
     out = capsys.readouterr()
     assert out.err == "" and "auto plan for gpt-tiny" in out.out
