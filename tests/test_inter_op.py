@@ -193,3 +193,46 @@ def test_search_cuts_return_what_scanning_every_candidate_returns(seed: int) -> 
                 continue
             got = _search(cost, sizes, D, B, s_max, only)
             assert (got.latency, got.t_max, got.stages) == want
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_dp_over_the_submeshes_used_in_device_units_is_the_dp_over_all(
+    seed: int,
+) -> None:
+    """`stage_dp` solves over the submeshes where some entry fits, counting devices in units of
+    their sizes' gcd: the same stages and latency as over every submesh and device count
+    (`_stage_dp` on the whole table), and the brute-force optimum; zero bubble's search alike."""
+    from planner.inter.stage_dp import _stage_dp
+
+    rng = np.random.default_rng(100 + seed)
+    L = int(rng.integers(1, 5))
+    sizes = [1, 2, 4, 8, 12, 16]
+    D = int(rng.choice([8, 16, 24, 32]))
+    B = int(rng.integers(1, 9))
+    S = min(L, D) + 1
+    cost = np.full((L, L, len(sizes), S), np.inf)
+    # sizes 1 and 2 never fit; 12 only in some tables: the gcd of the rest is 4 or 8
+    unused = {0, 1} | ({4} if seed % 2 else set())
+    for k in range(L):
+        for j in range(k, L):
+            for m, size in enumerate(sizes):
+                if m in unused:
+                    continue
+                for s in range(1, S):
+                    if rng.uniform() > 0.2:
+                        cost[k, j, m, s] = (j - k + 1) * rng.uniform(1, 2) / size**0.8
+    for by_total in (False, True):
+        try:
+            whole = _stage_dp(cost, sizes, D, B, by_total)
+        except MeshplanError:
+            with pytest.raises(MeshplanError):
+                stage_dp(cost, sizes, D, B, by_total=by_total)
+            continue
+        got = stage_dp(cost, sizes, D, B, by_total=by_total)
+        assert (got.stages, got.latency, got.t_max) == (
+            whole.stages,
+            whole.latency,
+            whole.t_max,
+        )
+        if not by_total:
+            assert got.latency == pytest.approx(_brute(cost, sizes, D, B), rel=1e-12)

@@ -34,6 +34,7 @@ The exact enumeration costs at most a few tenths of a second per micro-batch siz
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,7 +58,36 @@ def stage_dp(
     by_total: bool = False,
 ) -> DPResult:
     """Solve the program above. `cost` has shape (L, L, len(sizes), S_max + 1); index s = 0 unused.
-    `by_total`: index s is the pipeline's number of stages, not the stages from this one on."""
+    `by_total`: index s is the pipeline's number of stages, not the stages from this one on.
+
+    The same program is solved over the submeshes where some entry is finite (no other is ever
+    chosen), with device counts in units of their sizes' greatest common divisor g (every sum
+    of their sizes is a multiple of g): F's device axis has D / g + 1 entries instead of D + 1,
+    and the candidates are compared in the same (j, m) order. The 1T GPT on 384x8 A100s at 32
+    rows per micro-batch: 8 of 20 submeshes, g = 16 to 128."""
+    used = np.flatnonzero(np.isfinite(cost).any(axis=(0, 1, 3)))
+    g = math.gcd(*(sizes[m] for m in used)) if used.size else 1
+    if not used.size or num_devices % g:
+        raise MeshplanError("no assignment of layers to submeshes fits in memory")
+    result = _stage_dp(
+        cost[:, :, used],
+        [sizes[m] // g for m in used],
+        num_devices // g,
+        num_microbatches,
+        by_total,
+    )
+    result.stages = [(k, j, int(used[m])) for k, j, m in result.stages]
+    return result
+
+
+def _stage_dp(
+    cost: np.ndarray,
+    sizes: list[int],
+    num_devices: int,
+    num_microbatches: int,
+    by_total: bool,
+) -> DPResult:
+    """`stage_dp` on the submeshes and device units it keeps."""
     L, _, _, s_cap = cost.shape
     s_max = min(L, num_devices, s_cap - 1)
     if by_total:
