@@ -271,3 +271,49 @@ def test_edge_groups_are_numpys_unique_rows_then_columns() -> None:
         assert np.array_equal(grouped, want)
         assert np.array_equal(got_rows, row_of.ravel())
         assert np.array_equal(got_cols, col_of.ravel())
+
+
+def _chain(n: int, seed: int = 0) -> ILPProblem:
+    """A chain of n nodes with 4 strategies each under a tight memory budget."""
+    rng = np.random.default_rng(seed)
+    costs = [rng.uniform(0, 10, size=4) for _ in range(n)]
+    edges = [(v - 1, v, rng.uniform(0, 10, size=(4, 4))) for v in range(1, n)]
+    memory = [rng.uniform(1, 100, size=4) for _ in range(n)]
+    lo, hi = sum(m.min() for m in memory), sum(m.max() for m in memory)
+    return ILPProblem(costs, edges, memory, float(lo + 0.3 * (hi - lo)))
+
+
+def test_a_time_limit_that_leaves_no_solution_is_an_error_naming_it() -> None:
+    """HiGHS stopped by its time limit before any solution is a "timeout" (not another
+    failure), and `ILPModel.solve` raises `SolveTimeLimitError` with the limit; without the
+    limit the same model is solved to its optimum."""
+    from planner.intra import highs
+
+    p = _chain(40)
+    model = ILPModel(p)
+    arrays = model.highs_arrays(p.memory_budget)
+    assert highs.run_highs(arrays, time_limit=0.0, msg=False) == ("timeout", None)
+    with pytest.raises(ilp.SolveTimeLimitError, match=r"time limit \(0 s\)"):
+        model.solve(p.memory_budget, time_limit=0.0)
+    assert model.solve(p.memory_budget).optimal
+
+
+def test_a_branch_and_bound_stopped_at_its_time_limit_returns_its_best_with_a_warning(
+    monkeypatch,
+) -> None:
+    """A branch-and-bound that the time limit stopped with a solution in hand (here: the
+    relaxation made to fail and HiGHS's answer reported as stopped) returns that solution,
+    marked not optimal, with a warning naming the limit."""
+    from planner.intra import highs
+
+    p = _chain(6)
+    run = highs.run_highs
+    monkeypatch.setattr(highs, "solve_relaxation", lambda *a, **kw: ("failed", None))
+    monkeypatch.setattr(
+        highs, "run_highs", lambda *a, **kw: ("stopped", run(*a, **kw)[1])
+    )
+    with pytest.warns(UserWarning, match=r"stopped at its time limit \(60.0 s\)"):
+        got = ILPModel(p).solve(p.memory_budget, time_limit=60.0)
+    assert not got.optimal
+    assert got.objective == pytest.approx(brute_force(p).objective, rel=1e-9)
+    assert got.memory <= p.memory_budget

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,6 +23,7 @@ from planner.inter.stage_table import LayerProfile, profile
 from planner.intra.batch_split import batch_split_options
 from planner.intra.context import context_filter
 from planner.intra.fsdp_prices import hybrid_axes, param_state_bytes
+from planner.intra.ilp import SolveTimeLimitError
 from planner.intra.megatron import (
     ParamFilter,
     Seed,
@@ -40,6 +43,28 @@ from planner.tracing.opgraph import OpGraph
 #: of CPU, the largest 37 s). Within 1e-4 a rung's stage is at most 0.01% slower than that
 #: budget's optimum.
 LADDER_GAP = 1e-4
+
+#: Seconds each HiGHS run of the search may take (`solve_time_limit`): a safety net, not a
+#: budget. The longest single program of the benchmark cases took 18.6 s on this 2-core
+#: machine (a memory rung of moe-70b on 8x8 A100s, benchmarks/planning_time_log.md,
+#: 2026-12-05); at the limit a branch-and-bound returns its best solution with a warning.
+SOLVE_TIME_LIMIT_S = 300.0
+
+
+def solve_time_limit() -> float:
+    """`SOLVE_TIME_LIMIT_S`, or the seconds `MESHPLAN_SOLVE_TIME_LIMIT` gives."""
+    env = os.environ.get("MESHPLAN_SOLVE_TIME_LIMIT")
+    if env is None:
+        return SOLVE_TIME_LIMIT_S
+    try:
+        seconds = float(env)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < math.inf:
+        raise MeshplanError(
+            f"MESHPLAN_SOLVE_TIME_LIMIT must be a positive number of seconds, got {env!r}"
+        )
+    return seconds
 
 
 def profiles_for(
@@ -72,7 +97,9 @@ def profiles_for(
     it; with its variant, when both do). `param_filter`, `batch_axes` and `activation_filter`
     restrict every solve
     (`planner.intra.solve.solve_stage`). `seeds_only`: the seeds' solutions alone (no
-    time-optimal solution, no ladder)."""
+    time-optimal solution, no ladder). Every HiGHS run gets `solve_time_limit()` seconds: a
+    time-optimal program with no solution by then is an error, a rung or seed with none is
+    left out with a warning."""
     pricing = price_stage(
         graph, mesh, num_microbatches=num_microbatches, optimizer=optimizer
     )
@@ -83,8 +110,15 @@ def profiles_for(
         "batch_axes": batch_axes,
         "activation_filter": activation_filter,
         "pricing": pricing,
+        "time_limit": solve_time_limit(),
     }
-    first = None if seeds_only else solve_stage(graph, mesh, **kw)
+    try:
+        first = None if seeds_only else solve_stage(graph, mesh, **kw)
+    except SolveTimeLimitError as exc:
+        raise MeshplanError(
+            f"{exc} on logical mesh {mesh.shape}; MESHPLAN_SOLVE_TIME_LIMIT (seconds) "
+            "sets the limit"
+        ) from None
     out = [] if first is None else [profile(first, graph, layer_of, bounds, num_layers)]
     last = first
     for f in ladder if first is not None else ():
@@ -95,6 +129,9 @@ def profiles_for(
             last = solve_stage(
                 graph, mesh, memory_budget=first.memory_bytes * f, gap=LADDER_GAP, **kw
             )
+        except SolveTimeLimitError as exc:
+            _skipped(exc, mesh, f"the memory rung at {f:g} of its memory")
+            break
         except MeshplanError:
             break
         out.append(profile(last, graph, layer_of, bounds, num_layers))
@@ -165,6 +202,9 @@ def profiles_for(
             }
             try:
                 sol = solve_stage(graph, mesh, **kw | restrict)
+            except SolveTimeLimitError as exc:
+                _skipped(exc, mesh, "a Megatron seed")
+                continue
             except MeshplanError:  # a parameter has no placement the seed allows
                 continue
         found = [
@@ -177,6 +217,15 @@ def profiles_for(
                 known.append(summary(new, acts))
                 out.append(profile(new, graph, layer_of, bounds, num_layers))
     return out
+
+
+def _skipped(exc: Exception, mesh: LogicalMesh, what: str) -> None:
+    """Warn that `what` of `mesh`'s program found no solution in the time limit."""
+    warnings.warn(
+        f"{exc} for {what} on logical mesh {mesh.shape}: searched without it "
+        "(MESHPLAN_SOLVE_TIME_LIMIT, in seconds, sets the limit)",
+        stacklevel=3,
+    )
 
 
 def _seed_params_per_layer(

@@ -137,8 +137,9 @@ def run_highs(
     presolve: bool = True,
 ) -> tuple[str, np.ndarray | None]:
     """Solve the program with HiGHS's branch-and-bound to the relative gap `gap`, with or without
-    presolve (`presolve_for`): ("optimal" | "stopped" | "infeasible" | "failed", column values or
-    None). "stopped": a time limit left a feasible, maybe not optimal, solution."""
+    presolve (`presolve_for`): ("optimal" | "stopped" | "timeout" | "infeasible" | "failed",
+    column values or None). "stopped": a time limit left a feasible, maybe not optimal,
+    solution; "timeout": it left none."""
     if not len(arrays.cost):  # every node has one strategy: nothing to choose
         return "optimal", np.zeros(0)
     import highspy
@@ -214,7 +215,7 @@ def solve_relaxation(
     h = _highs(arrays, time_limit, msg)
     h.setOptionValue("presolve", "off")
     state, values = _run(h)
-    return ("failed", None) if state == "stopped" else (state, values)
+    return ("failed", None) if state in ("stopped", "timeout") else (state, values)
 
 
 NO_COLUMNS = np.zeros(0, dtype=np.int64)
@@ -261,12 +262,13 @@ class WarmRelaxation:
                     h.changeColsBounds(
                         len(cols), cols, np.zeros(len(cols)), a.upper[cols]
                     )
-        return ("failed", None) if state == "stopped" else (state, values)
+        return ("failed", None) if state in ("stopped", "timeout") else (state, values)
 
 
 def _run(h) -> tuple[str, np.ndarray | None]:
-    """Run `h` with the GIL released: ("optimal" | "stopped" | "infeasible" | "failed", column
-    values or None); "stopped": the time limit left a feasible solution."""
+    """Run `h` with the GIL released: ("optimal" | "stopped" | "timeout" | "infeasible" |
+    "failed", column values or None); "stopped": the time limit left a feasible solution,
+    "timeout": it left none."""
     import highspy
 
     with released():
@@ -282,6 +284,8 @@ def _run(h) -> tuple[str, np.ndarray | None]:
         and h.getInfo().objective_function_value < highspy.kHighsInf
     ):
         return "stopped", np.array(h.getSolution().col_value)
+    if status == states.kTimeLimit:
+        return "timeout", None
     return "failed", None
 
 

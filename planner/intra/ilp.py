@@ -57,6 +57,7 @@ __all__ = [
     "ILPModel",
     "ILPProblem",
     "ILPSolution",
+    "SolveTimeLimitError",
     "brute_force",
     "min_memory",
     "solve",
@@ -105,6 +106,10 @@ class ILPSolution:
     objective: float
     memory: float
     optimal: bool
+
+
+class SolveTimeLimitError(MeshplanError):
+    """HiGHS reached its time limit before any solution of the program."""
 
 
 def min_memory(problem: ILPProblem) -> float:
@@ -441,6 +446,11 @@ class ILPModel:
                     gap=gap,
                     presolve=presolve,
                 )
+                if state == "timeout":
+                    raise SolveTimeLimitError(
+                        "HiGHS found no solution of the intra-op program within its time "
+                        f"limit ({time_limit:g} s)"
+                    )
                 if state == "failed":
                     raise MeshplanError(
                         "HiGHS found no solution of the intra-op program"
