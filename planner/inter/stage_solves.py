@@ -45,9 +45,9 @@ from planner.tracing.opgraph import OpGraph
 LADDER_GAP = 1e-4
 
 #: Seconds each HiGHS run of the search may take (`solve_time_limit`): a safety net, not a
-#: budget. The longest single program of the benchmark cases took 18.6 s on this 2-core
-#: machine (a memory rung of moe-70b on 8x8 A100s, benchmarks/planning_time_log.md,
-#: 2026-12-05); at the limit a branch-and-bound returns its best solution with a warning.
+#: budget. The longest program measured on the benchmark cases, a memory rung of moe-70b on
+#: 8x8 A100s, took 18.6 s on this 2-core machine (benchmarks/planning_time_log.md,
+#: 2026-12-05). At the limit a branch-and-bound returns its best solution with a warning.
 SOLVE_TIME_LIMIT_S = 300.0
 
 
