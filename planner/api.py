@@ -35,9 +35,17 @@ from cost_models.cluster import Cluster
 from cost_models.errors import DoesNotFitError, MeshplanError, gib
 from cost_models.memory import canonical_schedule, param_state_bytes
 from planner.commands.fmt import param_count
+from planner.inter.mesh_search import solver_threads
 from planner.inter.mesh_shapes import submesh_shapes
+from planner.inter.stage_solves import solve_time_limit
 from planner.plans.assemble import assemble
-from planner.size_search import SizeJob, SizeResult, evaluate_all, processes
+from planner.size_search import (
+    SizeJob,
+    SizeResult,
+    evaluate_all,
+    processes,
+    wanted_processes,
+)
 from planner.tracing.inputs import resolve_model, training_dtype
 from planner.vocab.plan_file import ParallelPlan
 
@@ -156,6 +164,10 @@ def plan(
             f"unknown mode {mode!r}; expected one of {', '.join(MODES)}"
         )
     schedule = _schedule(schedule, mode)
+    # the environment's settings, read where the search uses them, checked before any work
+    wanted_processes()
+    solver_threads()
+    solve_time_limit()
     cluster = Cluster.from_spec(cluster) if isinstance(cluster, str) else cluster
     dtype = training_dtype(model, dtype)
     name, make, default_batch = resolve_model(model, example_batch, dtype, model_name)

@@ -1,7 +1,8 @@
 """The search's safety net on HiGHS's time (`planner.inter.stage_solves.solve_time_limit`): each
 run of every intra-op program gets the limit; a time-optimal program that finds no solution
 within it stops the plan with an error naming `MESHPLAN_SOLVE_TIME_LIMIT`, a memory rung or
-seed that finds none is left out with a warning, and a bad value of the variable is an error."""
+seed that finds none is left out with a warning, and a bad value of the variable (or of the
+planner's other settings) is an error before any work."""
 
 from __future__ import annotations
 
@@ -30,6 +31,27 @@ def test_the_limit_is_the_default_or_the_variables_seconds(monkeypatch) -> None:
         monkeypatch.setenv("MESHPLAN_SOLVE_TIME_LIMIT", bad)
         with pytest.raises(MeshplanError, match="must be a positive number of seconds"):
             stage_solves.solve_time_limit()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "MESHPLAN_SOLVE_TIME_LIMIT",
+        "MESHPLAN_PLANNER_THREADS",
+        "MESHPLAN_PLANNER_PROCESSES",
+    ],
+)
+def test_a_bad_setting_is_an_error_before_any_work(monkeypatch, name) -> None:
+    """The planner's environment settings are checked before the model is built or traced."""
+    import planner.api
+
+    def built(*args, **kwargs):
+        raise AssertionError("the model was built before the settings were checked")
+
+    monkeypatch.setattr(planner.api, "resolve_model", built)
+    monkeypatch.setenv(name, "soon")
+    with pytest.raises(MeshplanError, match=f"{name} must be a positive"):
+        plan(MODEL, CLUSTER, global_batch=16)
 
 
 def test_a_time_optimal_program_without_a_solution_in_time_stops_the_plan(

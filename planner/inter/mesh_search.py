@@ -139,7 +139,7 @@ class _Table:
         return least
 
 
-def _solver_threads() -> int:
+def solver_threads() -> int:
     """Threads for the per-mesh intra-op solves: the cores this process may use, at most 4
     (`MESHPLAN_PLANNER_THREADS` overrides)."""
     env = os.environ.get("MESHPLAN_PLANNER_THREADS")
@@ -461,7 +461,7 @@ def search(
     # another's pricing (`planner.intra.highs.solves_overlap`). Results are entered in job order, so the
     # plan does not depend on the thread count. On an error or Ctrl-C the queued passes are
     # cancelled (the running ones finish first).
-    pool = ThreadPoolExecutor(max_workers=_solver_threads())
+    pool = ThreadPoolExecutor(max_workers=solver_threads())
     try:
         if share is None:
             for job, profiles in zip(jobs.jobs, pool.map(jobs.solve, jobs.jobs)):
@@ -530,9 +530,9 @@ def help_search(
                 raise
         return done
 
-    pool = ThreadPoolExecutor(max_workers=_solver_threads())
+    pool = ThreadPoolExecutor(max_workers=solver_threads())
     try:
-        futures = [pool.submit(work) for _ in range(_solver_threads())]
+        futures = [pool.submit(work) for _ in range(solver_threads())]
         return sum(f.result() for f in futures)
     finally:
         pool.shutdown(cancel_futures=True)
