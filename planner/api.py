@@ -23,6 +23,7 @@ Modes (Alpa's ablations): "auto"; "intra-only" (one stage on the whole cluster);
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from planner.inter.mesh_shapes import submesh_shapes
 from planner.inter.stage_solves import solve_time_limit
 from planner.plans.assemble import assemble
 from planner.size_search import (
+    SearchAhead,
     SizeJob,
     SizeResult,
     evaluate_all,
@@ -111,6 +113,39 @@ def next_size_step(
     if best in (tried, before) or tried < rows <= size:
         return "try"
     return "skip" if size < rows else "stop"
+
+
+def walk_next(
+    larger: list[int],
+    tried: int,
+    rows: int,
+    base: list[int],
+    done: dict[int, float],
+    busy: set[int],
+) -> int | None:
+    """The first size of `larger` that `plan`'s walk (`_walk_larger`) would search were the
+    sizes of `base` (its first results, in their order; `tried` the largest) to end as `done`
+    has them so far (seconds per size, also of sizes of `larger` searched), those missing
+    changing nothing: None when the walk would stop before one that is neither in `done` nor
+    being searched (`busy`), or when no size of `base` is done. The guess by which a planner
+    process with nothing left searches ahead (`planner.size_search.SearchAhead`)."""
+    known = [(done[b], i, b) for i, b in enumerate(base) if b in done]
+    if not known:
+        return None
+    seconds, _, best = min(known)  # ties go to the earlier, as in `_best`
+    before = None
+    for b in larger:
+        step = next_size_step(b, tried, best, rows, before)
+        if step == "stop":
+            return None
+        if step == "skip":
+            continue
+        if b not in done:
+            return None if b in busy else b
+        if done[b] < seconds:
+            seconds, best = done[b], b
+        before, tried = (tried if tried in larger else None), b
+    return None
 
 
 def _pow2_divisors(n: int, low: int, high: int) -> list[int]:
@@ -211,11 +246,15 @@ def plan(
     # The first larger size of at least `rows` is tried whatever the others find
     # (`next_size_step`): it is searched beside them, not after them on one core.
     certain = next((b for b in larger if b >= rows), None) if tried < rows else None
-    first = ([certain] if certain else []) + sorted(sizes_b, reverse=True)
+    base = sorted(sizes_b, reverse=True)
+    first = ([certain] if certain else []) + base
+    # a process with none of these left searches ahead the size the walk would try next
+    ahead = SearchAhead(functools.partial(walk_next, larger, tried, rows, base))
     # every result is kept: the walk never stops before `certain` (`next_size_step`)
-    results = evaluate_all(job, make, first, say)
-    held = results.pop(0) if certain else None
-    _walk_larger(job, make, results, larger, tried, rows, held, say)
+    results = evaluate_all(job, make, first, say, ahead=ahead if larger else None)
+    if certain:
+        ahead.found[certain] = results.pop(0)
+    _walk_larger(job, make, results, larger, tried, rows, ahead.found, say)
     best = _best(results)
     if not best.found:
         untraceable = [r.untraceable for r in results if r.untraceable is not None]
@@ -250,19 +289,20 @@ def _walk_larger(
     larger: list[int],
     tried: int,
     rows: int,
-    held: SizeResult | None,
+    held: dict[int, SizeResult],
     say: Progress,
 ) -> None:
     """Append to `results` the sizes of `larger` that `next_size_step` tries, walking them in
-    increasing order after the largest size tried so far (`tried`; `held`: the first size of
-    at least `rows`, already searched). Each size the walk needs is searched together with the
+    increasing order after the largest size tried so far (`tried`; `held`: sizes already
+    searched, the first of at least `rows` and those searched ahead with the first sizes,
+    `walk_next`). Each size the walk needs not held is searched together with the
     next sizes it may try after it, one per planner process (`planner.size_search.processes`),
     so that no core idles while one size runs alone: gpt-15b on 4x8 A100s walks 64, 128, 256
     and 512 rows, each winning, about 12 s each on this machine's 2 cores. A size searched
     ahead is used only when the walk reaches it and tries it, so the sizes compared, and the
     plan, are the serial walk's; one the walk stops before costs CPU, not wall time."""
     width = processes(job, len(larger))
-    ahead = {} if held is None else {held.size: held}
+    ahead = dict(held)
     before = None
     for k, b in enumerate(larger):
         step = next_size_step(b, tried, _best(results).size, rows, before)

@@ -11,8 +11,9 @@ has initialised CUDA (a forked child cannot use it), they are spawned: a spawned
 the planner and rebuilds the model from its name, so only a model given by name or spec is
 searched in workers; an `nn.Module` object is then searched in this process. A worker searches
 one size at a time and returns that size's best plan, assembled. A process that finds no size
-left helps one still being searched (`help_sizes`): it traces that size too and solves meshes
-from the back of its list, which the size's owner enters in job order
+left first searches the sizes beyond the list that the caller guesses it will need
+(`SearchAhead`), then helps one still being searched (`help_sizes`): it traces that size too
+and solves meshes from the back of its list, which the size's owner enters in job order
 (`planner.inter.mesh_share`). The results are those of the serial search: the sizes' best plans
 are compared in the order the serial search visits them (ties go to the earlier), so the plan
 does not depend on the process count.
@@ -82,6 +83,21 @@ class Ranked:
 
     seconds: float
     spec: PlanSpec = field(compare=False)
+
+
+@dataclass
+class SearchAhead:
+    """Sizes beyond `evaluate_all`'s list that a process with none of them left searches ahead
+    of need (`planner.api.walk_next`: the next size the walk over larger sizes would try, were
+    the sizes still being searched to change nothing): `pick(done, busy)` names one or None
+    (`done`: the seconds of each size finished so far; `busy`: the sizes being searched), and
+    each one's result lands in `found`. The walk uses a result only when it tries that size, so
+    the plan is the one found without them; they put an idle core to work (the 1T GPT on
+    384x8 A100s: seven sizes on two processes leave one idle for the last size's 20 s, and the
+    walk then tries 64 rows)."""
+
+    pick: Callable[[dict[int, float], set[int]], int | None]
+    found: dict[int, SizeResult] = field(default_factory=dict)
 
 
 @dataclass
@@ -243,6 +259,7 @@ def evaluate_all(
     say: Progress,
     kept: Collection[int] | None = None,
     bar: float = np.inf,
+    ahead: SearchAhead | None = None,
 ) -> list[SizeResult]:
     """`evaluate` every size, in worker processes when `processes` says so; results in the
     order of `sizes`.
@@ -258,7 +275,11 @@ def evaluate_all(
     when it returns one), in `take_order`: from the middle size out when every size is kept,
     else in the list's order (the kept sizes first). No process sits idle waiting for the
     others, and one worker fewer is one fewer to start (a spawned worker first imports the
-    planner: seconds of CPU)."""
+    planner: seconds of CPU).
+
+    With `ahead`, a process that finds no size of `sizes` left first searches the sizes
+    `ahead.pick` names (never kept: each is assembled only when faster than every kept size
+    so far), then helps."""
     workers = processes(job, len(sizes))
     n = len(sizes)
     order = take_order(sizes) if kept is None else list(range(n))
@@ -289,6 +310,37 @@ def evaluate_all(
         ),
     )
     relay = threading.Thread(target=_relay, args=(messages, say), daemon=True)
+    extra: list[int] = []  # the sizes searched ahead, at indices n, n + 1, ...
+
+    def size(k: int) -> int:
+        return sizes[k] if k < n else extra[k - n]
+
+    def more(done: dict[int, SizeResult]) -> int | None:
+        if ahead is None:
+            return None
+        finished = {size(k): r.seconds for k, r in done.items()}
+        busy = {size(k) for k in range(n + len(extra)) if k not in done}
+        b = ahead.pick(finished, busy)
+        if b is None:
+            return None
+        extra.append(b)
+        return n + len(extra) - 1
+
+    def here(k: int) -> SizeResult:
+        # assembled as a worker's are: this process does not keep every size's graph
+        if k >= n:
+            return _assembled(evaluate(job, make, size(k), _ahead(say)), best, False)
+        meshes = MeshShare(cursor, k, inboxes[k])
+        return _assembled(
+            evaluate(job, make, sizes[k], _numbered(say, k, n), meshes), best, k in kept
+        )
+
+    def there(k: int) -> SizeResult:
+        b = size(k)
+        if k >= n:
+            return _in_worker(pool, b, _evaluate_in_worker, b, None, n, False)
+        return _in_worker(pool, b, _evaluate_in_worker, b, k, n, k in kept)
+
     try:
         if method == "fork":
             # The pool forks all its workers at the first task: give it one now, before this
@@ -296,28 +348,19 @@ def evaluate_all(
             # forked holding a lock.
             pool.submit(os.getpid).result()
         relay.start()
-        return share(
+        out = share(
             n,
             workers - 1,
             order,
-            # assembled as a worker's are: this process does not keep every size's graph
-            lambda k: _assembled(
-                evaluate(
-                    job,
-                    make,
-                    sizes[k],
-                    _numbered(say, k, n),
-                    MeshShare(cursor, k, inboxes[k]),
-                ),
-                best,
-                k in kept,
-            ),
-            lambda k: _in_worker(
-                pool, sizes[k], _evaluate_in_worker, sizes[k], k, n, k in kept
-            ),
+            here,
+            there,
             lambda: help_sizes(job, make, sizes, cursor, inboxes, say),
             lambda: _in_worker(pool, None, _help_in_worker),
+            more,
         )
+        if ahead is not None:
+            ahead.found.update(zip(extra, out[n:]))
+        return out[:n]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         messages.put(None)
@@ -368,11 +411,14 @@ def share(
     there: Callable[[int], Any],
     help_here: Callable[[], Any] | None = None,
     help_there: Callable[[], Any] | None = None,
+    more: Callable[[dict[int, Any]], int | None] | None = None,
 ) -> list[Any]:
     """[f(0), ..., f(n - 1)] where each k is run once, by `here(k)` in the calling thread or
     `there(k)` on one of `helpers` threads (each waiting on a worker process): each thread
     takes the next index of `order` (a permutation of range(n)) nobody has taken when it is
-    free. A thread that finds none left then runs `help_here` (the calling thread) or
+    free. A thread that finds none left asks `more` (given the results so far, by index) for
+    another index, n, n + 1, ... in turn, run the same way and its result appended to the
+    list, until `more` says None; then it runs `help_here` (the calling thread) or
     `help_there` (the others), if given: help with the indices still running. The first
     exception (either side) is raised once every thread is done with the index it has; no
     index is taken after it."""
@@ -383,14 +429,18 @@ def share(
 
     def take() -> int | None:
         with lock:
-            if failed or not left:
+            if failed:
                 return None
-            return left.pop(0)
+            if left:
+                return left.pop(0)
+            return None if more is None else more(dict(results))
 
     def run(f: Callable[[int], Any], then: Callable | None) -> None:
         try:
             while (k := take()) is not None:
-                results[k] = f(k)
+                r = f(k)
+                with lock:
+                    results[k] = r
             if then is not None and not failed:
                 then()
         except BaseException as exc:  # noqa: BLE001 - raised by the calling thread
@@ -410,12 +460,17 @@ def share(
             t.join()
     if failed:
         raise failed[0]
-    return [results[k] for k in range(n)]
+    return [results[k] for k in range(len(results))]
 
 
 def _numbered(say: Progress, k: int, n: int) -> Progress:
     """`say` with each message of the k-th of n sizes prefixed by its number."""
     return lambda msg: say(f"[size {k + 1} of {n}] {msg}")
+
+
+def _ahead(say: Progress) -> Progress:
+    """`say` with each message of a size searched ahead (`SearchAhead`) prefixed so."""
+    return lambda msg: say(f"[searched ahead] {msg}")
 
 
 def _relay(messages: Any, say: Progress) -> None:
@@ -466,12 +521,16 @@ def _worker_make() -> ModelSource:
     return _worker["make"]
 
 
-def _evaluate_in_worker(b: int, k: int, n: int, kept: bool) -> SizeResult:
-    """`evaluate` of the k-th of n sizes in a worker, its meshes shared, the best plan
-    assembled (a `PlanSpec` holds the traced graph, which does not cross processes)."""
-    say = _numbered(_worker["messages"].put, k, n)
-    _, cursor, inboxes = _worker["shared"]
-    share = MeshShare(cursor, k, inboxes[k])
+def _evaluate_in_worker(b: int, k: int | None, n: int, kept: bool) -> SizeResult:
+    """`evaluate` of the k-th of n sizes in a worker, its meshes shared (with k None: a size
+    searched ahead, `SearchAhead`, unshared), the best plan assembled (a `PlanSpec` holds the
+    traced graph, which does not cross processes)."""
+    put = _worker["messages"].put
+    if k is None:
+        say, share = _ahead(put), None
+    else:
+        _, cursor, inboxes = _worker["shared"]
+        say, share = _numbered(put, k, n), MeshShare(cursor, k, inboxes[k])
     out = evaluate(_worker["job"], _worker_make(), b, say, share)
     return _assembled(out, _worker["best"], kept)
 

@@ -462,7 +462,10 @@ def test_the_size_tried_in_any_case_is_searched_with_the_first_sizes(
     serial walk (`next_size_step` after every size up to 32), for a best size below, at and
     beyond 32 rows, with ties going to the earlier size of the walk. With n planner processes
     each later size the walk needs is searched with up to n - 1 sizes after it (`planner.api.
-    _walk_larger`): more sizes may be searched, never another plan returned, whichever sizes'
+    _walk_larger`), and a process with none of the first sizes left searches ahead the size
+    the walk would try next were the sizes still running to change nothing (`planner.api.
+    walk_next`, here with the smallest size still running, 1 row, whose result may change
+    the walk): more sizes may be searched, never another plan returned, whichever sizes'
     plans are left unassembled as slower than a size the search keeps."""
     import copy
 
@@ -509,11 +512,16 @@ def test_the_size_tried_in_any_case_is_searched_with_the_first_sizes(
         },  # best 4; 64 only
         {1: 9, 2: 8, 4: 7, 8: 6, 16: 5, 32: 4, 64: 3, 128: 2, 256: 1},  # ever larger
         {1: 9, 2: 8, 4: 7, 8: 6, 16: 5, 32: 4, 64: 4, 128: 5, 256: 3},  # a tie at 64
+        # best 1, which the guess has not seen: 128 and 256 searched ahead in vain, and
+        # 256, faster, is not one the walk tries
+        {1: 0.5, 2: 8, 4: 7, 8: 6, 16: 5, 32: 4, 64: 3, 128: 2, 256: 0.25},
     ]
-    for seconds in profiles:
+    guessed = [[], [128, 256], [], [128, 256]]  # the sizes searched ahead
+    for seconds, guess in zip(profiles, guessed):
         sizes, best = serial(seconds)
         for width in (1, 2, 3):
             batches: list[list[int]] = []
+            searched_ahead: list[int] = []
 
             def evaluate_all(
                 job,
@@ -522,20 +530,32 @@ def test_the_size_tried_in_any_case_is_searched_with_the_first_sizes(
                 say,
                 kept=None,
                 bar=float("inf"),
+                ahead=None,
                 seconds=seconds,
                 batches=batches,
+                searched_ahead=searched_ahead,
+                width=width,
             ):
                 # as `size_search.evaluate_all` would at most leave unassembled: every size
                 # slower than `bar` or than any kept size
                 batches.append(list(sizes))
                 kept = range(len(sizes)) if kept is None else kept
                 bar = min([bar] + [seconds[sizes[k]] for k in kept])
-                return [
-                    SizeResult(b, seconds[b], beaten=True)
-                    if seconds[b] > bar
-                    else result(b, seconds)
-                    for b in sizes
-                ]
+
+                def done(b: int) -> SizeResult:
+                    if seconds[b] > bar:
+                        return SizeResult(b, seconds[b], beaten=True)
+                    return result(b, seconds)
+
+                if ahead is not None and width > 1:
+                    # the 1-row size still running: the walk guessed without it
+                    finished = {b: seconds[b] for b in sizes if b != 1}
+                    while (b := ahead.pick(finished, {1})) is not None:
+                        assert b not in finished and b not in sizes
+                        finished[b] = seconds[b]
+                        ahead.found[b] = done(b)
+                        searched_ahead.append(b)
+                return [done(b) for b in sizes]
 
             monkeypatch.setattr(api, "evaluate_all", evaluate_all)
             monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", str(width))
@@ -544,9 +564,11 @@ def test_the_size_tried_in_any_case_is_searched_with_the_first_sizes(
             later = [b for batch in batches[1:] for b in batch]
             # the serial walk's sizes, each once, and at most width - 1 searched ahead
             # of each size the walk needs
-            assert sizes <= set(batches[0]) | set(later) and 64 not in later
-            assert len(later) == len(set(later))
+            assert sizes <= set(batches[0]) | set(later) | set(searched_ahead)
+            assert 64 not in later + searched_ahead
+            assert len(later + searched_ahead) == len(set(later + searched_ahead))
             assert all(len(batch) <= width for batch in batches[1:])
+            assert searched_ahead == (guess if width > 1 else [])
             if width == 1:
                 assert set(batches[0]) | set(later) == sizes
             assert got.num_microbatches == G // best

@@ -16,11 +16,14 @@ import pytest
 import torch
 from processes import running
 
+from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from planner import size_search
 from planner.api import plan
+from planner.inter.mesh_shapes import submesh_shapes
 from planner.models import build_model
 from planner.size_search import SizeJob, processes, share, take_order
+from planner.tracing.inputs import resolve_model
 
 
 def _without_time(p) -> dict:
@@ -52,6 +55,51 @@ def test_worker_processes_give_the_serial_plan(
     # the workers' progress reaches the caller: every size traced
     for b in (8, 4, 2, 1):
         assert any(f"with micro-batch {b}" in m for m in said), said
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_process_with_no_size_left_searches_ahead(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `SearchAhead`, a process that finds no size left searches the size it names (in a
+    worker or in this process), once, with the result the serial search gives that size; the
+    sizes listed come back as before and the size searched ahead is reported so."""
+    if method not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"no {method} here")
+    monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "2")
+    monkeypatch.setattr(size_search, "start_method", lambda: method)
+    cluster = Cluster.from_spec("1x4xA100-80GB")
+    name, make, _ = resolve_model("gpt-tiny", None, torch.float16, None)
+    job = SizeJob(
+        "gpt-tiny",
+        None,
+        torch.float16,
+        name,
+        cluster,
+        8,
+        float(cluster.device.memory_bytes),
+        "adam_mixed",
+        "auto",
+        "auto",
+        None,
+        submesh_shapes(cluster),
+    )
+    asked: list[tuple[dict, set]] = []
+
+    def pick(done: dict[int, float], busy: set[int]) -> int | None:
+        asked.append((done, busy))
+        assert set(done) | busy == {8, 4} | ({2} if len(asked) > 1 else set())
+        return 2 if len(asked) == 1 else None
+
+    ahead = size_search.SearchAhead(pick)
+    said: list[str] = []
+    out = size_search.evaluate_all(job, make, [8, 4], said.append, ahead=ahead)
+    serial = {b: size_search.evaluate(job, make, b, lambda m: None) for b in (8, 4, 2)}
+    assert [(r.size, r.seconds) for r in out] == [
+        (b, serial[b].seconds) for b in (8, 4)
+    ]
+    assert list(ahead.found) == [2] and ahead.found[2].seconds == serial[2].seconds
+    assert any(m.startswith("[searched ahead] tracing") for m in said), said
 
 
 class Unpicklable(torch.nn.Module):
@@ -275,6 +323,44 @@ def test_share_runs_each_index_once_in_order(helpers: int) -> None:
         positions = [order.index(k) for k, t in ran.items() if t == thread]
         assert positions == sorted(positions), positions
     assert me in ran.values()
+
+
+@pytest.mark.parametrize("helpers", [0, 1, 3])
+def test_share_asks_for_more_when_nothing_is_left(helpers: int) -> None:
+    """A thread that finds no index left asks `more`, given the results so far, for another
+    (n, n + 1, ...): each runs once, its result appended; asked only once every index of the
+    order is taken, and until it says None; then the thread helps."""
+    n, extra = 4, 2
+    ran: list[int] = []
+    asked: list[dict] = []
+    helped: list[int] = []
+    lock = threading.Lock()
+
+    def f(k: int) -> int:
+        with lock:
+            ran.append(k)
+        return 10 * k
+
+    def more(done: dict[int, int]) -> int | None:
+        assert len(ran) >= n  # every index of the order taken
+        assert all(done[k] == 10 * k for k in done)
+        asked.append(done)
+        k = n + len(asked) - 1  # n, n + 1, ... then None
+        return k if k < n + extra else None
+
+    out = share(
+        n,
+        helpers,
+        [2, 1, 3, 0],
+        f,
+        f,
+        lambda: helped.append(0),
+        lambda: helped.append(1),
+        more,
+    )
+    assert out == [10 * k for k in range(n + extra)]
+    assert sorted(ran) == list(range(n + extra))
+    assert len(helped) == helpers + 1  # every thread helped once after
 
 
 def test_take_order_goes_from_the_middle_size_out() -> None:
