@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -120,15 +121,19 @@ def walk_next(
     tried: int,
     rows: int,
     base: list[int],
+    listed: set[int],
     done: dict[int, float],
     busy: set[int],
 ) -> int | None:
     """The first size of `larger` that `plan`'s walk (`_walk_larger`) would search were the
     sizes of `base` (its first results, in their order; `tried` the largest) to end as `done`
     has them so far (seconds per size, also of sizes of `larger` searched), those missing
-    changing nothing: None when the walk would stop before one that is neither in `done` nor
-    being searched (`busy`), or when no size of `base` is done. The guess by which a planner
-    process with nothing left searches ahead (`planner.size_search.SearchAhead`)."""
+    changing nothing. A size of `larger` searched ahead and still running (`busy`) is taken to
+    win, as the walk's own batches of sizes assume. None when the walk would stop before a
+    size neither done nor busy, when it would reach one of the sizes searched with `base`
+    (`listed`) that is still running (its result decides), or when no size of `base` is done.
+    The guess by which a planner process with nothing left searches ahead
+    (`planner.size_search.SearchAhead`)."""
     known = [(done[b], i, b) for i, b in enumerate(base) if b in done]
     if not known:
         return None
@@ -141,8 +146,12 @@ def walk_next(
         if step == "skip":
             continue
         if b not in done:
-            return None if b in busy else b
-        if done[b] < seconds:
+            if b in listed:
+                return None
+            if b not in busy:
+                return b
+            seconds, best = -np.inf, b
+        elif done[b] < seconds:
             seconds, best = done[b], b
         before, tried = (tried if tried in larger else None), b
     return None
@@ -249,7 +258,9 @@ def plan(
     base = sorted(sizes_b, reverse=True)
     first = ([certain] if certain else []) + base
     # a process with none of these left searches ahead the size the walk would try next
-    ahead = SearchAhead(functools.partial(walk_next, larger, tried, rows, base))
+    ahead = SearchAhead(
+        functools.partial(walk_next, larger, tried, rows, base, set(first))
+    )
     # every result is kept: the walk never stops before `certain` (`next_size_step`)
     results = evaluate_all(job, make, first, say, ahead=ahead if larger else None)
     if certain:

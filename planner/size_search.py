@@ -90,7 +90,8 @@ class SearchAhead:
     """Sizes beyond `evaluate_all`'s list that a process with none of them left searches ahead
     of need (`planner.api.walk_next`: the next size the walk over larger sizes would try, were
     the sizes still being searched to change nothing): `pick(done, busy)` names one or None
-    (`done`: the seconds of each size finished so far; `busy`: the sizes being searched), and
+    (`done`: the seconds of each size finished so far; `busy`: the sizes searched ahead still
+    running), and
     each one's result lands in `found`. The walk uses a result only when it tries that size, so
     the plan is the one found without them; they put an idle core to work (the 1T GPT on
     384x8 A100s: seven sizes on two processes leave one idle for the last size's 20 s, and the
@@ -319,7 +320,7 @@ def evaluate_all(
         if ahead is None:
             return None
         finished = {size(k): r.seconds for k, r in done.items()}
-        busy = {size(k) for k in range(n + len(extra)) if k not in done}
+        busy = {b for i, b in enumerate(extra) if n + i not in done}
         b = ahead.pick(finished, busy)
         if b is None:
             return None
@@ -418,34 +419,50 @@ def share(
     takes the next index of `order` (a permutation of range(n)) nobody has taken when it is
     free. A thread that finds none left asks `more` (given the results so far, by index) for
     another index, n, n + 1, ... in turn, run the same way and its result appended to the
-    list, until `more` says None; then it runs `help_here` (the calling thread) or
-    `help_there` (the others), if given: help with the indices still running. The first
-    exception (either side) is raised once every thread is done with the index it has; no
-    index is taken after it."""
+    list. When `more` says None it runs `help_here` (the calling thread) or `help_there` (the
+    others), if given: help with the indices still running; then it waits for one of those to
+    end and asks again (its result may change the answer), and ends once none is running. The
+    first exception (either side) is raised once every thread is done with the index it has;
+    no index is taken after it."""
     left = list(order)  # indices nobody has taken
-    lock = threading.Lock()
+    lock = threading.Condition()
     results: dict[int, Any] = {}
+    running: set[int] = set()
     failed: list[BaseException] = []
 
-    def take() -> int | None:
-        with lock:
-            if failed:
-                return None
-            if left:
-                return left.pop(0)
-            return None if more is None else more(dict(results))
+    def take() -> int | None:  # with the lock held
+        if failed:
+            return None
+        if left:
+            k = left.pop(0)
+        else:
+            k = None if more is None else more(dict(results))
+        if k is not None:
+            running.add(k)
+        return k
 
     def run(f: Callable[[int], Any], then: Callable | None) -> None:
         try:
-            while (k := take()) is not None:
+            while True:
+                with lock:
+                    k = take()
+                if k is None:
+                    if then is not None and not failed:
+                        then()
+                    with lock:
+                        while (k := take()) is None and running and not failed:
+                            lock.wait()
+                    if k is None:
+                        return
                 r = f(k)
                 with lock:
                     results[k] = r
-            if then is not None and not failed:
-                then()
+                    running.discard(k)
+                    lock.notify_all()
         except BaseException as exc:  # noqa: BLE001 - raised by the calling thread
             with lock:
                 failed.append(exc)
+                lock.notify_all()
 
     threads = [
         threading.Thread(target=run, args=(there, help_there), daemon=True)

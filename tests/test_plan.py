@@ -454,6 +454,32 @@ def test_a_batch_smaller_than_the_cluster_tries_its_largest_size() -> None:
     assert next_size_step(1024, 512, 4, 512) == "stop"
 
 
+def test_walk_next_guesses_the_size_the_walk_tries_next() -> None:
+    """`walk_next` on 64 devices (sizes 1 to 32 first, then 64, 128, 256; 64 rows in any
+    case): the walk's next size on the results so far; a size searched ahead still running
+    taken to win, one searched with the first sizes awaited; nothing while no first size is
+    done or once the walk would stop."""
+    from planner.api import walk_next
+
+    base = [32, 16, 8, 4, 2, 1]
+    guess = functools.partial(walk_next, [64, 128, 256], 32, 64, base)
+    first = set(base)  # 64 rows not among the first sizes: as on 32 devices
+    assert guess(first, {}, set()) is None
+    assert guess(first, {16: 5.0}, set()) == 64  # 64 rows in any case
+    assert guess(first, {16: 5.0, 64: 6.0}, set()) is None  # 16 best: stop after 64
+    assert guess(first, {32: 4.0, 16: 5.0, 64: 3.0}, set()) == 128
+    assert guess(first, {32: 4.0, 16: 5.0, 64: 3.0}, {128}) == 256  # as if 128 wins
+    assert guess(first, {32: 4.0, 16: 5.0, 64: 3.0, 128: 3.5}, set()) == 256
+    assert guess(first, {32: 4.0, 16: 5.0, 64: 4.0}, set()) is None  # a tie: 32
+    assert guess(first, {32: 4.0, 16: 5.0}, {64}) == 128  # as if 64 wins
+    assert guess(first, {32: 4.0, 16: 5.0}, {64, 128, 256}) is None
+    # 64 rows searched with the first sizes: awaited while it runs, then walked on from
+    listed = first | {64}
+    assert guess(listed, {32: 4.0, 16: 5.0}, set()) is None
+    assert guess(listed, {32: 4.0, 16: 5.0, 64: 3.0}, set()) == 128
+    assert guess(listed, {32: 4.0, 16: 5.0, 64: 6.0}, set()) is None
+
+
 def test_the_size_tried_in_any_case_is_searched_with_the_first_sizes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -550,7 +576,7 @@ def test_the_size_tried_in_any_case_is_searched_with_the_first_sizes(
                 if ahead is not None and width > 1:
                     # the 1-row size still running: the walk guessed without it
                     finished = {b: seconds[b] for b in sizes if b != 1}
-                    while (b := ahead.pick(finished, {1})) is not None:
+                    while (b := ahead.pick(finished, set())) is not None:
                         assert b not in finished and b not in sizes
                         finished[b] = seconds[b]
                         ahead.found[b] = done(b)

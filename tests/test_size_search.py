@@ -88,7 +88,7 @@ def test_a_process_with_no_size_left_searches_ahead(
 
     def pick(done: dict[int, float], busy: set[int]) -> int | None:
         asked.append((done, busy))
-        assert set(done) | busy == {8, 4} | ({2} if len(asked) > 1 else set())
+        assert set(done) <= {8, 4, 2} and busy <= {2} and not busy & set(done)
         return 2 if len(asked) == 1 else None
 
     ahead = size_search.SearchAhead(pick)
@@ -361,6 +361,30 @@ def test_share_asks_for_more_when_nothing_is_left(helpers: int) -> None:
     assert out == [10 * k for k in range(n + extra)]
     assert sorted(ran) == list(range(n + extra))
     assert len(helped) == helpers + 1  # every thread helped once after
+
+
+def test_share_asks_again_when_an_index_ends() -> None:
+    """A thread that `more` gave nothing while another index ran asks again once it ends: the
+    two extra indices `more` names only then run on both threads at once (each waits for the
+    other to start)."""
+    one_ended = threading.Event()
+    both = threading.Barrier(2, timeout=10)
+
+    def f(k: int) -> int:
+        if k == 1:  # the calling thread ends index 0 first and finds nothing more
+            time.sleep(0.2)
+            one_ended.set()
+        if k >= 2:
+            both.wait()
+        return k
+
+    extra = iter([2, 3])
+
+    def more(done: dict[int, int]) -> int | None:
+        return next(extra, None) if 1 in done else None
+
+    assert share(2, 1, [0, 1], f, f, more=more) == [0, 1, 2, 3]
+    assert one_ended.is_set()
 
 
 def test_take_order_goes_from_the_middle_size_out() -> None:
