@@ -88,14 +88,13 @@ class Ranked:
 @dataclass
 class SearchAhead:
     """Sizes beyond `evaluate_all`'s list that a process with none of them left searches ahead
-    of need (`planner.api.walk_next`: the next size the walk over larger sizes would try, were
-    the sizes still being searched to change nothing): `pick(done, busy)` names one or None
-    (`done`: the seconds of each size finished so far; `busy`: the sizes searched ahead still
-    running), and
-    each one's result lands in `found`. The walk uses a result only when it tries that size, so
-    the plan is the one found without them; they put an idle core to work (the 1T GPT on
-    384x8 A100s: seven sizes on two processes leave one idle for the last size's 20 s, and the
-    walk then tries 64 rows)."""
+    of need (`planner.api.walk_next`: the next size the walk over larger sizes would try on
+    the results so far): `pick(done, busy)` names one or None (`done`: the seconds of each size
+    finished so far; `busy`: the sizes searched ahead still running), and each one's result
+    lands in `found`. The walk uses a result only when it tries that size, so the plan is the
+    one found without them; they put an idle core to work (the 1T GPT on 384x8 A100s: seven
+    sizes on two processes left one idle for the last size's 20 s, and the walk then tries 64
+    rows)."""
 
     pick: Callable[[dict[int, float], set[int]], int | None]
     found: dict[int, SizeResult] = field(default_factory=dict)
