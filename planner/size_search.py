@@ -24,6 +24,7 @@ daemonic process (a rank started by `runtime.launch`), which multiprocessing all
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import sys
@@ -522,9 +523,14 @@ def start_forked_worker(parent: int) -> None:
       OpenMP's threads do not survive a fork, and a child that enters a region after its parent
       ran one waits on them for ever (a model whose forward computes on real tensors, a causal
       mask from ``torch.ones(...).triu()``, traced by a process that had traced it before).
-      A worker is one of a process per core; it would not use more threads anyway."""
+      A worker is one of a process per core; it would not use more threads anyway;
+    * never collect what it inherited (`gc.freeze`): a worker forked from a test process that
+      had planned before aborted while garbage-collecting ("terminate called after throwing
+      an instance of 'std::system_error'"), most likely a C++ object of the parent's solves
+      (HiGHS's, whose threads the child does not have) destroyed in the child."""
     end_with_parent(parent)
     torch.set_num_threads(1)
+    gc.freeze()
 
 
 def _worker_make() -> ModelSource:
