@@ -15,6 +15,8 @@ from planner.inter import interleave, mesh_search, mesh_shapes, stage_solves
 from planner.inter.boundaries import layer_of_nodes
 from planner.inter.layers import graph_layerings
 from planner.inter.stage_solves import least_layer_state, profiles_for
+from planner.intra.fsdp_prices import hybrid_axes, param_state_bytes
+from planner.intra.prices import StageSettings, node_options
 from planner.tracing.inputs import resolve_model
 
 MODEL = "gpt:hidden=256,layers=4,heads=4,seq=64,vocab=256"
@@ -90,11 +92,16 @@ def test_bound_is_below_every_solution() -> None:
     cluster = Cluster.from_spec(CLUSTER)
     _, make, _ = resolve_model(MODEL, None, None, None)
     graph = make.trace(4)
-    for layers in graph_layerings(graph, None, cluster.num_devices):
-        layer_of = layer_of_nodes(graph, layers)
+    layerings = graph_layerings(graph, None, cluster.num_devices)
+    maps = [layer_of_nodes(graph, layers) for layers in layerings]
+    for layers, layer_of in zip(layerings, maps):
         for sub, shape in (((1, 2), (1, 2)), ((1, 4), (2, 2)), ((2, 4), (2, 4))):
             mesh = LogicalMesh(cluster, sub, shape)
             least = least_layer_state(graph, mesh, [layer_of], "adam_mixed")
+            assert least == _least_by_hand(graph, mesh, layer_of)
+            assert least_layer_state(graph, mesh, maps, "adam_mixed") == min(
+                _least_by_hand(graph, mesh, m) for m in maps
+            )
             profiles = profiles_for(
                 graph,
                 mesh,
@@ -109,3 +116,19 @@ def test_bound_is_below_every_solution() -> None:
             assert len(profiles) > 1
             lightest = min(float(p.params.min()) for p in profiles)
             assert least <= lightest * (1 + 1e-12)
+
+
+def _least_by_hand(graph, mesh: LogicalMesh, layer_of: dict[str, int]) -> float:
+    """`least_layer_state` of one clustering, parameter by parameter: each at its lightest
+    option, added to its layer's bytes in graph order."""
+    settings = StageSettings(mesh, optimizer="adam_mixed")
+    per_layer = [0.0] * (max(layer_of.values()) + 1)
+    for n in graph.gm.graph.nodes:
+        if graph.node(n.name).op != "param":
+            continue
+        meta = graph.node(n.name).outputs[0]
+        options = node_options(n, graph.node(n.name), mesh.shape, hybrid_axes(mesh))
+        per_layer[layer_of.get(n.name, 0)] += min(
+            param_state_bytes(meta, o, settings) for o in options
+        )
+    return min(per_layer)

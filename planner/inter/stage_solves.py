@@ -283,26 +283,69 @@ def least_layer_state(
     parameter's options are placements of its own shape."""
     settings = StageSettings(mesh, optimizer=optimizer)
     hybrid = hybrid_axes(mesh)
-    fx = graph.derived(("param_fx",), lambda: _param_fx(graph))
-    least: dict[tuple, float] = {}  # per (shape, dtype): a block's copies alike
-    per_layer = [np.zeros(max(m.values(), default=0) + 1) for m in layer_maps]
-    for n, fx_node in fx.items():
-        meta = graph.node(n).outputs[0]
-        key = (tuple(meta.shape), meta.dtype)
-        if key not in least:
-            least[key] = min(
-                param_state_bytes(meta, o, settings)
-                for o in node_options(fx_node, graph.node(n), mesh.shape, hybrid)
+    names, samples, which = graph.derived(
+        ("param_shapes",), lambda: _param_shapes(graph)
+    )
+    # per (shape, dtype): a block's copies alike
+    least = np.array(
+        [
+            min(
+                param_state_bytes(graph.node(n.name).outputs[0], o, settings)
+                for o in node_options(n, graph.node(n.name), mesh.shape, hybrid)
             )
-        for layers, m in zip(per_layer, layer_maps):
-            layers[m.get(n, 0)] += least[key]
-    return min((float(x.min()) for x in per_layer), default=0.0)
+            for n in samples
+        ],
+        dtype=float,
+    )[which]
+    # summed per layer in the parameters' order, as adding them one by one would
+    return min(
+        (
+            float(
+                np.bincount(
+                    _layer_positions(graph, m, names),
+                    weights=least,
+                    minlength=max(m.values(), default=0) + 1,
+                ).min()
+            )
+            for m in layer_maps
+        ),
+        default=0.0,
+    )
 
 
-def _param_fx(graph: OpGraph) -> dict[str, torch.fx.Node]:
-    """The fx node of every parameter of `graph`, by name."""
+def _param_shapes(
+    graph: OpGraph,
+) -> tuple[list[str], list[torch.fx.Node], np.ndarray]:
+    """The parameters of `graph` (names, in graph order), the fx node of the first of each
+    (shape, dtype), and the position of each parameter's among those."""
     params = {n.name for n in graph.nodes if n.op == "param"}
-    return {n.name: n for n in graph.gm.graph.nodes if n.name in params}
+    names, samples, which = [], [], []
+    first: dict[tuple, int] = {}
+    for n in graph.gm.graph.nodes:
+        if n.name not in params:
+            continue
+        meta = graph.node(n.name).outputs[0]
+        key = (tuple(meta.shape), meta.dtype)
+        if key not in first:
+            first[key] = len(samples)
+            samples.append(n)
+        names.append(n.name)
+        which.append(first[key])
+    return names, samples, np.array(which, dtype=np.int64)
+
+
+def _layer_positions(
+    graph: OpGraph, layer_of: dict[str, int], names: list[str]
+) -> np.ndarray:
+    """The layer of each of `names` in `layer_of` (0 where it has none), kept with the graph
+    per clustering (the entry holds `layer_of`, so its id stays its own)."""
+    return graph.derived(
+        ("param_layers", id(layer_of)),
+        lambda: (
+            layer_of,
+            np.fromiter((layer_of.get(n, 0) for n in names), np.int64, len(names)),
+        ),
+    )[1]
 
 
 def _both(f: ParamFilter, g: ParamFilter) -> ParamFilter:
