@@ -109,7 +109,8 @@ def report(doc: dict[str, Any]) -> list[str]:
                 )
         lines.append(
             f"k={k}: skips {skipped} of {total} sizes; misses the best plan of "
-            f"{len(misses)} cases{': ' if misses else ''}{', '.join(misses)}"
+            f"{len(misses)} case{'' if len(misses) == 1 else 's'}"
+            f"{': ' if misses else ''}{', '.join(misses)}"
         )
     return lines
 

@@ -63,7 +63,9 @@ def microbatch_sizes(global_batch: int, cluster: Cluster | None = None) -> list[
     Each costs one trace and one intra-op pass per mesh; all are evaluated, because the latency
     is not unimodal in the micro-batch size (memory decides when recomputation is needed; an MoE
     layer's dispatch grows faster than linearly in its tokens): gpt-39b on 64 V100s is fastest at
-    micro-batch size 1 (tp4 x pp16), gpt-1.3b on 4 A100s at 64 (dp4, 16 rows each). The sizes of
+    micro-batch size 1 (tp4 x pp16), gpt-1.3b on 4 A100s at 64 (dp4, 16 rows each), and llama3-70b
+    on 64 H100s (global batch 128) at 1 after 16, 8 and 4 rows lost to 32 (every suite case's sizes:
+    `benchmarks.size_landscape`; a walk down that stops early misses such a plan). The sizes of
     the manual grid (`benchmarks.manual_grid`: 1 to 16 rows per data-parallel replica, so up to
     16 per device) beyond these are `larger_microbatch_sizes`, tried only while they pay off."""
     top = 32
@@ -82,9 +84,9 @@ def larger_microbatch_sizes(global_batch: int, cluster: Cluster) -> list[int]:
     fit at 64 rows and is fastest at 1; one more size costs about 13 s of its planning,
     `benchmarks/bench_planner.py`), while a data-parallel MoE on 16 H100s gains from 32 rows to
     64 and 128 (the manual grid's dp8 x pp2 runs 64), and data parallelism or FSDP over every
-    device needs a row per device: llama3-70b on 64 H100s (global batch 128) is fastest
-    FSDP-sharded over all 64 at 128 rows (460.7 TFLOP/s per device), where the best of 1 to 32
-    rows ran 1 row (419.8) and 64 rows reach 424.7."""
+    device needs a row per device: llama3-405b on 512 H100s (global batch 256) plans 22.02 s
+    per iteration at 256 rows, where the best of 1 to 32 rows (16) plans 25.88 s
+    (`benchmarks.size_landscape`, 2026-12-06)."""
     return _pow2_divisors(
         global_batch,
         max(microbatch_sizes(global_batch, cluster), default=0) + 1,
@@ -106,11 +108,11 @@ def next_size_step(
     largest size evaluated so far and `best` the size of the fastest plan: "try" it while the
     best plan uses the largest size tried, or the one before it (`before`, a size of
     `larger_microbatch_sizes` evaluated before `tried`: one larger size may lose on the way to a
-    faster one; moe-10b on 16 H100s plans 1.0434 s per iteration at 256 rows, 1.0598 s at 64 and
-    more at 128), and in any case when it is the first of at least `rows` (one row per device,
+    faster one; moe-10b on 16 A100s plans 2.886 s per iteration at 256 rows, 2.929 s at 64 and
+    2.966 s at 128, `benchmarks.size_landscape`), and in any case when it is the first of at least `rows` (one row per device,
     or the largest size where the global batch has fewer rows than the cluster devices:
     llama3-405b on 512 H100s at global batch 256 is fastest at 256 rows, FSDP over dp256 x tp2,
-    where the best of 1 to 32 rows is 4); "skip" it on the way to that one; else "stop"."""
+    where the best of 1 to 32 rows is 16); "skip" it on the way to that one; else "stop"."""
     if best in (tried, before) or tried < rows <= size:
         return "try"
     return "skip" if size < rows else "stop"

@@ -429,7 +429,7 @@ def test_larger_sizes_reach_one_row_per_device() -> None:
         assert 256 in evaluated
         # the sizes past 256 only while the largest tried, or the one before it, wins
         assert evaluated == sorted(evaluated)
-    # a larger size that loses does not stop the walk at once (moe-10b on 16 H100s: 64 rows
+    # a larger size that loses does not stop the walk at once (moe-10b on 16 A100s: 64 rows
     # beat 32, 128 lost to 64, 256 beat both); one that loses after a loss does
     assert next_size_step(256, 128, 64, 16, before=64) == "try"
     assert next_size_step(512, 256, 64, 16, before=128) == "stop"

@@ -30,7 +30,7 @@ def test_walk_down_stops_after_k_sizes_that_lose() -> None:
         ]
     }
     lines = sl.report(doc)
-    assert "misses the best plan of 1 cases: m on c (1.250x)" in lines[0]
+    assert "misses the best plan of 1 case: m on c (1.250x)" in lines[0]
     assert lines[2].startswith(
         "k=3: skips 0 of 6 sizes; misses the best plan of 0 cases"
     )
