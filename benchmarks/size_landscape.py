@@ -13,7 +13,7 @@ misses the best plan. The plans are not changed.
     python -m benchmarks.size_landscape [--suite SUITE:DEVICE ...] [--json FILE]
     python -m benchmarks.size_landscape --report [--json FILE]
 
-Without `--suite`: every suite on V100, A100 and H100 and the llama suite on H100 (about 40
+Without `--suite`: every suite on V100, A100 and H100 and the llama suite on H100 (about 30
 minutes on this machine). Results: ``benchmarks/results/size-landscape.json``.
 """
 
