@@ -109,8 +109,9 @@ def next_size_step(
     best plan uses the largest size tried, or the one before it (`before`, a size of
     `larger_microbatch_sizes` evaluated before `tried`: one larger size may lose on the way to a
     faster one; moe-10b on 16 A100s plans 2.886 s per iteration at 256 rows, 2.929 s at 64 and
-    2.966 s at 128, `benchmarks.size_landscape`), and in any case when it is the first of at least `rows` (one row per device,
-    or the largest size where the global batch has fewer rows than the cluster devices:
+    2.966 s at 128, `benchmarks.size_landscape`), and in any case when it is the first of at
+    least `rows` (one row per device, or the largest size where the global batch has fewer rows
+    than the cluster devices:
     llama3-405b on 512 H100s at global batch 256 is fastest at 256 rows, FSDP over dp256 x tp2,
     where the best of 1 to 32 rows is 16); "skip" it on the way to that one; else "stop"."""
     if best in (tried, before) or tried < rows <= size:

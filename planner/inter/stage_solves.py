@@ -283,9 +283,7 @@ def least_layer_state(
     parameter's options are placements of its own shape."""
     settings = StageSettings(mesh, optimizer=optimizer)
     hybrid = hybrid_axes(mesh)
-    names, samples, which = graph.derived(
-        ("param_shapes",), lambda: _param_shapes(graph)
-    )
+    _, samples, which = _param_shapes(graph)
     # per (shape, dtype): a block's copies alike
     least = np.array(
         [
@@ -302,7 +300,7 @@ def least_layer_state(
         (
             float(
                 np.bincount(
-                    _layer_positions(graph, m, names),
+                    _layer_positions(graph, m),
                     weights=least,
                     minlength=max(m.values(), default=0) + 1,
                 ).min()
@@ -313,11 +311,15 @@ def least_layer_state(
     )
 
 
-def _param_shapes(
+def _param_shapes(graph: OpGraph) -> tuple[list[str], list[torch.fx.Node], np.ndarray]:
+    """The parameters of `graph` (names, in graph order), the fx node of the first of each
+    (shape, dtype), and the position of each parameter's among those; made once per graph."""
+    return graph.derived(("param_shapes",), lambda: _make_param_shapes(graph))
+
+
+def _make_param_shapes(
     graph: OpGraph,
 ) -> tuple[list[str], list[torch.fx.Node], np.ndarray]:
-    """The parameters of `graph` (names, in graph order), the fx node of the first of each
-    (shape, dtype), and the position of each parameter's among those."""
     params = {n.name for n in graph.nodes if n.op == "param"}
     names, samples, which = [], [], []
     first: dict[tuple, int] = {}
@@ -334,11 +336,10 @@ def _param_shapes(
     return names, samples, np.array(which, dtype=np.int64)
 
 
-def _layer_positions(
-    graph: OpGraph, layer_of: dict[str, int], names: list[str]
-) -> np.ndarray:
-    """The layer of each of `names` in `layer_of` (0 where it has none), kept with the graph
-    per clustering (the entry holds `layer_of`, so its id stays its own)."""
+def _layer_positions(graph: OpGraph, layer_of: dict[str, int]) -> np.ndarray:
+    """The layer in `layer_of` of each parameter of `_param_shapes` (0 where it has none), kept
+    with the graph per clustering (the entry holds `layer_of`, so its id stays its own)."""
+    names = _param_shapes(graph)[0]
     return graph.derived(
         ("param_layers", id(layer_of)),
         lambda: (
