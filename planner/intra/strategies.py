@@ -193,6 +193,8 @@ def clear_cache() -> None:
     `planner.vocab.dtensor_ext`)."""
     _CACHE.clear()
     _PAIRS.clear()
+    _CONVERTED.clear()
+    _GROUPED.clear()
 
 
 def _template(node: torch.fx.Node) -> tuple[tuple, dict]:
@@ -251,21 +253,22 @@ def _convert(
     pair: dr.Pair,
     leaves: list,
     axes: list[int],
-    mesh_shape: tuple[int, ...],
+    n: int,
     source: str,
-) -> Strategy | None:
-    """DTensor (input placements, output specs) on the squeezed mesh -> Strategy, or None if dropped."""
-    n = len(mesh_shape)
+) -> _Converted | None:
+    """DTensor (input placements, output specs) on the squeezed mesh -> `_Converted`, or None if
+    dropped whatever the mesh's sizes. Made once per pair object (from `_probe_pairs`, whose key
+    fixes the node's op, shapes and inputs), axes and axis count (`_converted`)."""
     in_places, out_specs = pair
     if node.target in dr.NO_NESTED_SHARDING and _nested(pair):
         return None
+    even: list[tuple[tuple[int, ...], Placements]] = []
     inputs: list[Placements | None] = [None] * len(node.all_input_nodes)
     for leaf, pl in zip(leaves, in_places):
         strs = _replicated(n) if pl is None else _to_strs(pl, axes, n)
-        if strs is None or not _even(leaf.meta.shape, strs, mesh_shape):
+        if strs is None or _bad_mask(strs):
             return None
-        if _bad_mask(strs):
-            return None
+        even.append((tuple(leaf.meta.shape), strs))
         # DTensor turns a replicated input into the _MaskPartial a vocabulary-parallel embedding
         # wants by masking locally (no communication): the plan asks for R.
         strs = tuple("R" if p == "P(mask)" else p for p in strs)
@@ -283,10 +286,75 @@ def _convert(
             outputs.append(())
             continue
         strs = _replicated(n) if spec is None else _to_strs(spec.placements, axes, n)
-        if strs is None or not _even(v.shape, strs, mesh_shape) or _bad_mask(strs):
+        if strs is None or _bad_mask(strs):
             return None
+        even.append((tuple(v.shape), strs))
         outputs.append(strs)
-    return Strategy(tuple(outputs), tuple(inputs), source)
+    splits = _splits(even)
+    if splits is None:
+        return None
+    exact = not any(
+        placement_to_str(p) == "P(mask)" for pl in in_places if pl for p in pl
+    )
+    strategy = Strategy(tuple(outputs), tuple(inputs), source)
+    return strategy, exact, splits, _sort_key(strategy)
+
+
+# A converted pair: its Strategy, whether no input is P(mask) (DTensor prefers such a strategy),
+# its `_splits` (what must divide evenly on the real mesh) and its `_sort_key`.
+_Converted = tuple[Strategy, bool, tuple[tuple[int, tuple[int, ...]], ...], tuple]
+
+
+def _splits(
+    tensors: list[tuple[tuple[int, ...], Placements]],
+) -> tuple[tuple[int, tuple[int, ...]], ...] | None:
+    """`_even` of every (shape, placements) of `tensors` as (dim size, the mesh axes that split
+    it) pairs, whatever the mesh's sizes: even on a mesh when each dim size is a multiple of the
+    product of its axes' sizes (`_uneven`); None when a placement names a dim the tensor lacks."""
+    out: dict[tuple[int, tuple[int, ...]], None] = {}
+    for shape, placements in tensors:
+        by_dim: dict[int, tuple[int, ...]] = {}
+        for axis, p in enumerate(placements):
+            if p.startswith("S("):
+                d = int(p[2:-1])
+                if d >= len(shape):
+                    return None
+                by_dim[d] = by_dim.get(d, ()) + (axis,)
+        for d, split in by_dim.items():
+            out[shape[d], split] = None
+    return tuple(out)
+
+
+def _uneven(
+    splits: tuple[tuple[int, tuple[int, ...]], ...], mesh_shape: tuple[int, ...]
+) -> bool:
+    for size, split in splits:
+        k = 1
+        for axis in split:
+            k *= mesh_shape[axis]
+        if size % k:
+            return True
+    return False
+
+
+# `_convert` per (id of a pair in `_PAIRS`, axes, axis count, node inputs): the pair kept with
+# its conversion, so that an id is never another object's
+_CONVERTED: dict[tuple, tuple[dr.Pair, _Converted | None]] = {}
+
+
+def _converted(
+    node: torch.fx.Node,
+    pair: dr.Pair,
+    leaves: list,
+    axes: list[int],
+    n: int,
+    source: str,
+) -> _Converted | None:
+    key = (id(pair), tuple(axes), n, len(node.all_input_nodes))
+    hit = _CONVERTED.get(key)
+    if hit is None or hit[0] is not pair:
+        hit = _CONVERTED[key] = (pair, _convert(node, pair, leaves, axes, n, source))
+    return hit[1]
 
 
 def _nested(pair: dr.Pair) -> bool:
@@ -319,19 +387,36 @@ def _resolve(
     op: Any, args: tuple, kwargs: dict, mesh: Any, pairs: list[dr.Pair]
 ) -> list[dr.Pair]:
     """Keep, for input placements that several pairs share, the output DTensor's propagator picks."""
-    groups: dict[tuple, list[dr.Pair]] = {}
-    for pair in pairs:
-        groups.setdefault(pair[0], []).append(pair)
     kept = []
-    for k, group in groups.items():
-        outs = {_spec_key(p[1]) for p in group}
-        if len(outs) == 1:
+    for k, group in _groups(pairs):
+        if len(group) == 1:
             kept.append(group[0])
             continue
         chosen = dr.dtensor_output(op, args, kwargs, mesh, k)
         if chosen is not None:
             kept += [p for p in group if _spec_key(p[1]) == _spec_key(chosen)][:1]
     return kept
+
+
+# `_groups` per id of a pair list of `_PAIRS`, the list kept with them
+_GROUPED: dict[int, tuple[list[dr.Pair], list[tuple[tuple, list[dr.Pair]]]]] = {}
+
+
+def _groups(pairs: list[dr.Pair]) -> list[tuple[tuple, list[dr.Pair]]]:
+    """`pairs` by input placements, in order of first appearance: (placements, [the first
+    pair]) where the group's pairs all give one output, else (placements, the group). The same
+    on every mesh that shares a probe (`_probe_pairs`): made once per list."""
+    hit = _GROUPED.get(id(pairs))
+    if hit is None or hit[0] is not pairs:
+        groups: dict[tuple, list[dr.Pair]] = {}
+        for pair in pairs:
+            groups.setdefault(pair[0], []).append(pair)
+        out = [
+            (k, g if len({_spec_key(p[1]) for p in g}) > 1 else g[:1])
+            for k, g in groups.items()
+        ]
+        hit = _GROUPED[id(pairs)] = (pairs, out)
+    return hit[1]
 
 
 def _spec_key(specs: Any) -> Any:
@@ -371,22 +456,19 @@ def _compute(
             _fallback(node, mesh_shape)
         ], f"{source} rule raised {type(e).__name__}: {str(e)[:200]}"
     # keyed by inputs; when R stands for P(mask), DTensor prefers a strategy that needs no change
-    found: dict[tuple, tuple[Strategy, bool]] = {}
+    found: dict[tuple, _Converted] = {}
     for pair in pairs:
-        s = _convert(node, pair, leaves, axes, mesh_shape, source)
-        if s is None:
+        conv = _converted(node, pair, leaves, axes, len(mesh_shape), source)
+        if conv is None or _uneven(conv[2], mesh_shape):
             continue
-        exact = not any(
-            placement_to_str(p) == "P(mask)" for pl in pair[0] if pl for p in pl
-        )
-        prev = found.get(s.inputs)
-        if prev is None or (exact and not prev[1]):
-            found[s.inputs] = (s, exact)
+        prev = found.get(conv[0].inputs)
+        if prev is None or (conv[1] and not prev[1]):
+            found[conv[0].inputs] = conv
     if not found:
         return [
             _fallback(node, mesh_shape)
         ], f"{source} rule gave no evenly sharded strategy"
-    return sorted((s for s, _ in found.values()), key=_sort_key), None
+    return [c[0] for c in sorted(found.values(), key=lambda c: c[3])], None
 
 
 def _smallest_factor(n: int) -> int:
