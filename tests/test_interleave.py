@@ -48,8 +48,20 @@ def test_balanced_cut_is_exact() -> None:
         if trial % 3 == 0:  # some ranges do not fit
             cost[rng.random((L, L)) < 0.3] = np.inf
         counts = list(range(1, L + 2))  # L + 1 chunks: none
-        for C, cuts in zip(counts, balanced_cuts(cost, counts)):
+        tops: dict[int, float] = {}
+        skip = set(counts[1::2])
+
+        def wanted(C: int, top: float, tops: dict = tops, skip: set = skip) -> bool:
+            tops[C] = top
+            return C not in skip
+
+        asked = balanced_cuts(cost, counts, wanted)
+        for C, cuts, got in zip(counts, balanced_cuts(cost, counts), asked):
             assert cuts == balanced_cut(cost, C)
+            # `wanted` sees the least largest chunk; a count it declines gets no cut
+            assert got == (None if C in skip else cuts)
+            if cuts is not None:
+                assert tops[C] == max(cost[k, j] for k, j in cuts)
             want = _brute(cost, C) if C <= L else None
             if want is None:
                 assert cuts is None
@@ -110,19 +122,34 @@ def test_schedule_errors() -> None:
 
 def test_bounded_search_keeps_what_cutting_everything_keeps(monkeypatch) -> None:
     """`InterleavedSearch.best` cuts candidates in increasing order of their lower bound and
-    stops at the first above the K-th kept time: it keeps exactly the options (times, chunks,
-    submeshes, v, recomputation) of cutting every candidate, and cuts fewer."""
+    stops at the first above the K-th kept time, and skips a chunk count's sum DP where B times
+    its largest chunk already reaches that time: it keeps exactly the options (times, chunks,
+    submeshes, v, recomputation) of cutting every candidate at every count, and cuts fewer
+    and runs fewer sum DPs."""
     seen = []
+    sums = []
+    least_squares, cuts_of = interleave._least_squares, interleave.balanced_cuts
+    monkeypatch.setattr(
+        interleave,
+        "_least_squares",
+        lambda *a: (sums.append(1), least_squares(*a))[1],
+    )
 
     class Both(interleave.InterleavedSearch):
         def best(self):
             entries, cut = list(self._pending), []
             self._cut = lambda e, f=self._cut: (cut.append(e), f(e))
             bounded = super().best()
+            bounded_sums = len(sums)
             self._pending = [e._replace(bound=-np.inf) for e in entries]
             self._kept = []
-            every = super().best()
+            with monkeypatch.context() as m:  # every count's cut: no `wanted`
+                m.setattr(
+                    interleave, "balanced_cuts", lambda c, n, w=None: cuts_of(c, n)
+                )
+                every = super().best()
             seen.append((bounded, every, len(entries), len(cut) - len(entries)))
+            sums.append((bounded_sums, len(sums) - bounded_sums))
             return bounded
 
     monkeypatch.setattr(mesh_search, "InterleavedSearch", Both)
@@ -142,3 +169,5 @@ def test_bounded_search_keeps_what_cutting_everything_keeps(monkeypatch) -> None
 
     assert len(every) == interleave.KEEP and key(bounded) == key(every)
     assert 0 < cut < entered
+    bounded_sums, every_sums = sums[-1]
+    assert 0 < bounded_sums < every_sums

@@ -38,6 +38,7 @@ numpy operations) off the GIL while the intra-op solves run in threads
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -84,10 +85,14 @@ def balanced_cut(cost: np.ndarray, C: int) -> list[tuple[int, int]] | None:
 
 
 def balanced_cuts(
-    cost: np.ndarray, counts: list[int]
+    cost: np.ndarray,
+    counts: list[int],
+    wanted: Callable[[int, float], bool] | None = None,
 ) -> list[list[tuple[int, int]] | None]:
     """`balanced_cut` for each chunk count of `counts` (increasing), one min-max DP for all:
-    its table after C chunks is the one every larger count passes through."""
+    its table after C chunks is the one every larger count passes through. With `wanted`, a
+    count C whose least largest chunk is `top` gets its cut only where ``wanted(C, top)``
+    (None otherwise: the sum DP is skipped)."""
     if list(counts) != sorted(counts):
         raise ValueError(f"chunk counts must increase, got {counts}")
     L = cost.shape[0]
@@ -107,6 +112,9 @@ def balanced_cuts(
             G[i + 1 :] = np.min(np.maximum(G[i:L, None], c[i:L, i + 1 :]), axis=0)
             G[: i + 1] = np.inf
         done = C
+        if wanted is not None and not wanted(C, float(G[L])):
+            out.append(None)
+            continue
         out.append(_least_squares(c, G[L], C))
     return out
 
@@ -248,13 +256,26 @@ class InterleavedSearch:
         time = prof.range_times(rc) + send[None, :]
         acc = prof.accumulate_bytes(rc)
         chunks = [v for v in VIRTUAL_STAGES if p * v <= self.L]
-        for v, cuts in zip(chunks, balanced_cuts(time, [p * v for v in chunks])):
+
+        def order(v: int) -> int:
+            return index * len(VIRTUAL_STAGES) + VIRTUAL_STAGES.index(v)
+
+        def wanted(C: int, top: float) -> bool:
+            # with no chunk time below 0, the group holding the largest chunk (top) carries at
+            # least top per micro-batch, so the time is at least B top (`pipeline_time`:
+            # B device + (sum - device) / v); less a margin for the sums' rounding
+            return (B * top * (1 - 1e-9), order(C // p)) < self._bar()
+
+        counts = [p * v for v in chunks]
+        bounded = bool((np.triu(time) >= 0).all())
+        for v, cuts in zip(
+            chunks, balanced_cuts(time, counts, wanted if bounded else None)
+        ):
             if cuts is None:
                 continue
             t = [float(time[k, j]) for k, j in cuts]
             seconds = pipeline_time(t, B, "interleaved", virtual_stages=v)
-            order = index * len(VIRTUAL_STAGES) + VIRTUAL_STAGES.index(v)
-            if (seconds, order) >= self._bar():
+            if (seconds, order(v)) >= self._bar():
                 continue
             ks, js = np.array(cuts).T
             memory = max(
@@ -271,7 +292,7 @@ class InterleavedSearch:
             if memory > self.budget:
                 continue
             pick = InterleavedPick(seconds, cuts, sub, v, make_option(rc))
-            item = (-seconds, -order, pick)
+            item = (-seconds, -order(v), pick)
             if len(self._kept) < KEEP:
                 heapq.heappush(self._kept, item)
             else:
