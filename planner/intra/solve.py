@@ -331,15 +331,8 @@ def _program(
     leaders: dict[str, str],
 ) -> tuple[Reduction, ILPModel, tuple]:
     """The reduced cost graph and program of ctx's options (made once per pricing), and its key."""
-    keep, rep = ctx.keep, ctx.rep
-    key = (  # a copy of a block restricted by its representative's array is named by it
-        tuple(
-            sorted(
-                (n, k.tobytes())
-                for n, k in keep.items()
-                if rep.get(n, n) == n or keep.get(rep[n]) is not k
-            )
-        ),
+    key = (
+        tuple(sorted((n, k.tobytes()) for n, k in ctx.keep.items())),
         tuple(sorted(leaders.items())),
     )
     if key not in pricing._programs:
