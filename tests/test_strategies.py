@@ -759,3 +759,25 @@ def test_probe_mesh_enumeration_gives_the_real_meshes_strategies(
     first = len(calls)
     st.graph_strategies(g, (8, 4))
     assert len(calls) == first
+
+
+def test_conversions_shared_between_meshes_give_each_mesh_its_own() -> None:
+    """A pair's conversion is kept per pair, axes and axis count (`strategies._CONVERTED`), and
+    each mesh checks divisibility on its own sizes: meshes that share a probe, (1, 8) and (8, 1)
+    (one axis, on either side) and (2, 4), (4, 2), (2, 6) and (6, 2), get in any order the
+    strategies each gets with nothing kept, at 2 and 3 rows."""
+    from planner.tracing.inputs import resolve_model
+    from planner.tracing.tracer import trace
+
+    meshes = [(1, 8), (8, 1), (2, 4), (4, 2), (2, 6), (6, 2)]
+    _, make, _ = resolve_model("llama-tiny", None, torch.float16, None)
+    for rows in (2, 3):
+        g = trace(*make(rows), model_name="llama-tiny").gm
+        alone = {}
+        for mesh in meshes:
+            st.clear_cache()
+            alone[mesh] = st.graph_strategies(g, mesh)
+        st.clear_cache()
+        for mesh in meshes + meshes[::-1]:
+            assert st.graph_strategies(g, mesh) == alone[mesh], (rows, mesh)
+        assert st._CONVERTED

@@ -258,7 +258,7 @@ def _convert(
 ) -> _Converted | None:
     """DTensor (input placements, output specs) on the squeezed mesh -> `_Converted`, or None if
     dropped whatever the mesh's sizes. Made once per pair object (from `_probe_pairs`, whose key
-    fixes the node's op, shapes and inputs), axes and axis count (`_converted`)."""
+    fixes the node's op, shapes and inputs), axes and axis count (`_CONVERTED`)."""
     in_places, out_specs = pair
     if node.target in dr.NO_NESTED_SHARDING and _nested(pair):
         return None
@@ -340,21 +340,6 @@ def _uneven(
 # `_convert` per (id of a pair in `_PAIRS`, axes, axis count, node inputs): the pair kept with
 # its conversion, so that an id is never another object's
 _CONVERTED: dict[tuple, tuple[dr.Pair, _Converted | None]] = {}
-
-
-def _converted(
-    node: torch.fx.Node,
-    pair: dr.Pair,
-    leaves: list,
-    axes: list[int],
-    n: int,
-    source: str,
-) -> _Converted | None:
-    key = (id(pair), tuple(axes), n, len(node.all_input_nodes))
-    hit = _CONVERTED.get(key)
-    if hit is None or hit[0] is not pair:
-        hit = _CONVERTED[key] = (pair, _convert(node, pair, leaves, axes, n, source))
-    return hit[1]
 
 
 def _nested(pair: dr.Pair) -> bool:
@@ -457,8 +442,16 @@ def _compute(
         ], f"{source} rule raised {type(e).__name__}: {str(e)[:200]}"
     # keyed by inputs; when R stands for P(mask), DTensor prefers a strategy that needs no change
     found: dict[tuple, _Converted] = {}
+    n, at = len(mesh_shape), (tuple(axes), len(mesh_shape), len(node.all_input_nodes))
     for pair in pairs:
-        conv = _converted(node, pair, leaves, axes, len(mesh_shape), source)
+        key = (id(pair), *at)
+        hit = _CONVERTED.get(key)
+        if hit is None or hit[0] is not pair:
+            hit = _CONVERTED[key] = (
+                pair,
+                _convert(node, pair, leaves, axes, n, source),
+            )
+        conv = hit[1]
         if conv is None or _uneven(conv[2], mesh_shape):
             continue
         prev = found.get(conv[0].inputs)
