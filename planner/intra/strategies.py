@@ -104,15 +104,8 @@ def _sort_key(s: Strategy) -> tuple:
 def _even(
     shape: Iterable[int], placements: Placements, mesh_shape: tuple[int, ...]
 ) -> bool:
-    shape = tuple(shape)
-    shards = [1] * len(shape)
-    for p, size in zip(placements, mesh_shape):
-        if p.startswith("S("):
-            d = int(p[2:-1])
-            if d >= len(shape):
-                return False
-            shards[d] *= size
-    return all(n % k == 0 for n, k in zip(shape, shards))
+    splits = _splits([(tuple(shape), placements)])
+    return splits is not None and not _uneven(splits, mesh_shape)
 
 
 def _is_tensor(v: Any) -> bool:
