@@ -127,20 +127,21 @@ def test_bounded_search_keeps_what_cutting_everything_keeps(monkeypatch) -> None
     submeshes, v, recomputation) of cutting every candidate at every count, and cuts fewer
     and runs fewer sum DPs."""
     seen = []
-    sums = []
+    sums = [0]  # sum DPs run so far
     least_squares, cuts_of = interleave._least_squares, interleave.balanced_cuts
-    monkeypatch.setattr(
-        interleave,
-        "_least_squares",
-        lambda *a: (sums.append(1), least_squares(*a))[1],
-    )
+
+    def counted(*args):
+        sums[0] += 1
+        return least_squares(*args)
+
+    monkeypatch.setattr(interleave, "_least_squares", counted)
 
     class Both(interleave.InterleavedSearch):
         def best(self):
-            entries, cut = list(self._pending), []
+            entries, cut, start = list(self._pending), [], sums[0]
             self._cut = lambda e, f=self._cut: (cut.append(e), f(e))
             bounded = super().best()
-            bounded_sums = len(sums)
+            bounded_sums = sums[0] - start
             self._pending = [e._replace(bound=-np.inf) for e in entries]
             self._kept = []
             with monkeypatch.context() as m:  # every count's cut: no `wanted`
@@ -148,8 +149,11 @@ def test_bounded_search_keeps_what_cutting_everything_keeps(monkeypatch) -> None
                     interleave, "balanced_cuts", lambda c, n, w=None: cuts_of(c, n)
                 )
                 every = super().best()
-            seen.append((bounded, every, len(entries), len(cut) - len(entries)))
-            sums.append((bounded_sums, len(sums) - bounded_sums))
+            every_sums = sums[0] - start - bounded_sums
+            seen.append(
+                (bounded, every, len(entries), len(cut) - len(entries))
+                + (bounded_sums, every_sums)
+            )
             return bounded
 
     monkeypatch.setattr(mesh_search, "InterleavedSearch", Both)
@@ -159,7 +163,7 @@ def test_bounded_search_keeps_what_cutting_everything_keeps(monkeypatch) -> None
         global_batch=64,
         microbatch_size=[4],
     )
-    ((bounded, every, entered, cut),) = seen
+    ((bounded, every, entered, cut, bounded_sums, every_sums),) = seen
 
     def key(picks: list) -> list:
         return [
@@ -169,5 +173,4 @@ def test_bounded_search_keeps_what_cutting_everything_keeps(monkeypatch) -> None
 
     assert len(every) == interleave.KEEP and key(bounded) == key(every)
     assert 0 < cut < entered
-    bounded_sums, every_sums = sums[-1]
     assert 0 < bounded_sums < every_sums
