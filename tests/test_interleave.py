@@ -124,8 +124,9 @@ def test_bounded_search_keeps_what_cutting_everything_keeps(monkeypatch) -> None
     """`InterleavedSearch.best` cuts candidates in increasing order of their lower bound and
     stops at the first above the K-th kept time, and skips a chunk count's sum DP where B times
     its largest chunk already reaches that time: it keeps exactly the options (times, chunks,
-    submeshes, v, recomputation) of cutting every candidate at every count, and cuts fewer
-    and runs fewer sum DPs."""
+    submeshes, v, recomputation) of cutting every candidate at every count, cuts fewer
+    candidates, and runs fewer sum DPs than cutting the same candidates at every count (on
+    2x8 A100s, where some count's largest chunk already loses)."""
     seen = []
     sums = [0]  # sum DPs run so far
     least_squares, cuts_of = interleave._least_squares, interleave.balanced_cuts
@@ -137,33 +138,39 @@ def test_bounded_search_keeps_what_cutting_everything_keeps(monkeypatch) -> None
     monkeypatch.setattr(interleave, "_least_squares", counted)
 
     class Both(interleave.InterleavedSearch):
+        def again(self, entries: list, every_count: bool) -> tuple[list, int]:
+            """The search over `entries` afresh, every count cut where `every_count` (no
+            `wanted`); its options and sum DPs."""
+            self._pending, self._kept, start = entries, [], sums[0]
+            with monkeypatch.context() as m:
+                if every_count:
+                    m.setattr(
+                        interleave, "balanced_cuts", lambda c, n, w=None: cuts_of(c, n)
+                    )
+                return super().best(), sums[0] - start
+
         def best(self):
-            entries, cut, start = list(self._pending), [], sums[0]
+            entries, cut = list(self._pending), []
             self._cut = lambda e, f=self._cut: (cut.append(e), f(e))
-            bounded = super().best()
-            bounded_sums = sums[0] - start
-            self._pending = [e._replace(bound=-np.inf) for e in entries]
-            self._kept = []
-            with monkeypatch.context() as m:  # every count's cut: no `wanted`
-                m.setattr(
-                    interleave, "balanced_cuts", lambda c, n, w=None: cuts_of(c, n)
-                )
-                every = super().best()
-            every_sums = sums[0] - start - bounded_sums
+            bounded, bounded_sums = self.again(entries, False)
+            cut_bounded = len(cut)
+            # the same candidates, every chunk count cut
+            counts, counts_sums = self.again(entries, True)
+            every, _ = self.again([e._replace(bound=-np.inf) for e in entries], True)
             seen.append(
-                (bounded, every, len(entries), len(cut) - len(entries))
-                + (bounded_sums, every_sums)
+                (bounded, counts, every, len(entries), cut_bounded)
+                + (bounded_sums, counts_sums)
             )
             return bounded
 
     monkeypatch.setattr(mesh_search, "InterleavedSearch", Both)
     plan(
-        "gpt:hidden=256,layers=12,heads=4,seq=128,vocab=1024",
-        "1x8xA100-80GB",
+        "gpt:hidden=256,layers=16,heads=4,seq=128,vocab=1024",
+        "2x8xA100-80GB",
         global_batch=64,
         microbatch_size=[4],
     )
-    ((bounded, every, entered, cut, bounded_sums, every_sums),) = seen
+    ((bounded, counts, every, entered, cut, bounded_sums, counts_sums),) = seen
 
     def key(picks: list) -> list:
         return [
@@ -172,5 +179,6 @@ def test_bounded_search_keeps_what_cutting_everything_keeps(monkeypatch) -> None
         ]
 
     assert len(every) == interleave.KEEP and key(bounded) == key(every)
+    assert key(counts) == key(every)
     assert 0 < cut < entered
-    assert 0 < bounded_sums < every_sums
+    assert 0 < bounded_sums < counts_sums
