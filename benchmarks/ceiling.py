@@ -8,19 +8,13 @@ of the case on N devices is predicted to take at least
 
     T_min = T1 / N.
 
-Derivation, for the datasheet cost models (`cost_models.compute.op_time`), op by op. One op priced
-on one device is ``max(flops / (peak * eff(d)), bytes / bw) + kernels * c`` with
-``eff(d) = E_max * d / (d + d_half)`` increasing in ``d = min(m, n, k)``. Any plan runs the op as
-pieces over micro-batches and devices: the pieces' FLOPs add up to at least the op's (sharding
-splits them, replication repeats them, recomputation adds a forward), their bytes to at least the
-op's (a replicated weight is read by every device, each micro-batch reads it again), each piece's
-``d`` is at most the op's at the whole batch (micro-batching and sharding only shrink
-dimensions), and each piece pays its kernels' launch cost. Since ``sum_i max(a_i, b_i) >=
-max(sum a_i, sum b_i)``, the pieces' times add up to at least the op's time in T1; likewise the
-optimizer step (each parameter updated at least once) and the per-step and per-micro-batch
-overheads. Communication, pipeline bubbles and waiting only add time. So the N devices together
-spend at least T1 busy, and the iteration takes at least T1 / N. TFLOP/s per device is at most
-the model's FLOPs / (N * T_min), T1's own TFLOP/s.
+This is `planner.size_bound`'s bound T_min(b) at b = the global batch. Its module docstring
+derives it op by op for the datasheet cost models, for the plans of micro-batch size b: their
+pieces of an op add up to at least the op's FLOPs, bytes and kernel launches, at shapes no
+larger than the op's at b rows, and communication, pipeline bubbles and waiting only add time.
+No piece of a plan of any size is larger than the op at the whole batch, so the same argument
+bounds every plan of the case by T_min. TFLOP/s per device is at most the model's FLOPs /
+(N * T_min), T1's own TFLOP/s.
 
 So ``max_ratio = best manual time / T_min`` bounds the ratio of every automatic plan; where it is
 below a target, no planner pricing with these cost models can reach the target on that case. The

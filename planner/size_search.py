@@ -16,7 +16,9 @@ left first searches the sizes beyond the list that the caller guesses it will ne
 and solves meshes from the back of its list, which the size's owner enters in job order
 (`planner.inter.mesh_share`). The results are those of the serial search: the sizes' best plans
 are compared in the order the serial search visits them (ties go to the earlier), so the plan
-does not depend on the process count.
+does not depend on the process count. A size whose least possible iteration time
+(`planner.size_bound`) exceeds a plan already found at a size the caller keeps is traced but
+not searched: none of its plans could be the fastest, whichever process finds which first.
 `MESHPLAN_PLANNER_PROCESSES` sets the count, this process included (1: everything in this
 process); by default one per core this process may use, at most one per size, and none in a
 daemonic process (a rank started by `runtime.launch`), which multiprocessing allows no children.
@@ -52,10 +54,18 @@ from planner.plans.assemble import (
     predicted_iteration_time,
     stage_from_profile,
 )
+from planner.size_bound import least_iteration_time
 from planner.tracing.inputs import ModelSource, resolve_model
 from planner.vocab.plan_file import ParallelPlan
 
 Progress = Callable[[str], None]
+
+#: Whether a size whose least possible iteration time (`planner.size_bound`) exceeds a plan found
+#: already is skipped (`evaluate`); `benchmarks.size_landscape` turns it off to record every
+#: size's best plan. The bound must exceed the plan by `BOUND_MARGIN` (relative), a margin for
+#: the rounding of two sums priced apart.
+SKIP_BOUNDED_SIZES = True
+BOUND_MARGIN = 1e-9
 
 
 @dataclass(frozen=True)
@@ -106,8 +116,9 @@ class SizeResult:
     """The best plan of one micro-batch size: `best` (searched here) or `plan` (assembled by a
     worker); neither when nothing fits or the model cannot be traced at the size (`untraceable`),
     or when `beaten`: its plan's time is known but was not assembled, a size whose result the
-    search keeps being faster (`evaluate_all`). `least`: per-device memory of the whole model as
-    one stage on all devices, at best."""
+    search keeps being faster (`evaluate_all`), or when `bounded`: not searched, since none of
+    its plans can beat one found already (`evaluate`). `least`: per-device memory of the whole
+    model as one stage on all devices, at best."""
 
     size: int
     seconds: float = np.inf
@@ -116,6 +127,9 @@ class SizeResult:
     least: float = np.inf
     untraceable: MeshplanError | None = None
     beaten: bool = False
+    # not searched: the least iteration time any of its plans could take
+    # (`planner.size_bound`), above a plan found at another size
+    bounded: float | None = None
 
     @property
     def found(self) -> bool:
@@ -128,12 +142,16 @@ def evaluate(
     b: int,
     say: Progress,
     share: MeshShare | None = None,
+    beat: Callable[[], float] | None = None,
 ) -> SizeResult:
     """Trace the model at micro-batch size `b` and search it (`planner.inter.mesh_search`; with
     `share`, other processes may solve some of its meshes), with the garbage collector held
-    back (`planner.collector`)."""
+    back (`planner.collector`). `beat()`: the time of the fastest plan found so far among the
+    results the caller compares this one with. Where the size's least possible iteration time
+    (`planner.size_bound`) exceeds it, no plan of the size can be the caller's best, and the
+    size is not searched (`SizeResult.bounded`; unless `SKIP_BOUNDED_SIZES` is off)."""
     with sparse_collections():
-        return _evaluate(job, make, b, say, share)
+        return _evaluate(job, make, b, say, share, beat)
 
 
 def _search_args(job: SizeJob, graph: Any, b: int, say: Progress) -> tuple[list, dict]:
@@ -162,7 +180,12 @@ def _search_args(job: SizeJob, graph: Any, b: int, say: Progress) -> tuple[list,
 
 
 def _evaluate(
-    job: SizeJob, make: ModelSource, b: int, say: Progress, share: MeshShare | None
+    job: SizeJob,
+    make: ModelSource,
+    b: int,
+    say: Progress,
+    share: MeshShare | None,
+    beat: Callable[[], float] | None,
 ) -> SizeResult:
     name = job.model_name
     say(f"tracing {name} with micro-batch {b}")
@@ -171,10 +194,21 @@ def _evaluate(
     except MeshplanError as exc:  # e.g. BatchNorm over a single value per channel
         say(f"micro-batch {b} skipped: {exc}")
         return SizeResult(b, untraceable=exc)
+    B = job.global_batch // b
+    fastest = beat() if beat is not None and SKIP_BOUNDED_SIZES else np.inf
+    if np.isfinite(fastest):
+        bound = least_iteration_time(
+            graph, job.cluster, B, job.global_batch, job.optimizer, name or ""
+        )
+        if bound is not None and bound * (1 - BOUND_MARGIN) > fastest:
+            say(
+                f"micro-batch {b} skipped: none of its plans takes under {bound:.4g} s per "
+                f"iteration, and one of {fastest:.4g} s was found"
+            )
+            return SizeResult(b, bounded=bound)
     args, kw = _search_args(job, graph, b, say)
     counts = ", ".join(str(len(x)) for x in args[1])
     say(f"{len(graph.ops)} ops in {counts} layers")
-    B = job.global_batch // b
     result = search(*args, **kw, share=share)
     found = []
     memo: dict = {}  # per profile: the arrays its stages are priced from
@@ -286,9 +320,13 @@ def evaluate_all(
     order = take_order(sizes) if kept is None else list(range(n))
     kept = set(range(n) if kept is None else kept)
     if workers <= 1:
-        return [
-            evaluate(job, make, b, _numbered(say, k, n)) for k, b in enumerate(sizes)
-        ]
+        out: list[SizeResult] = []
+        for k, b in enumerate(sizes):
+            seen = min([bar] + [r.seconds for i, r in enumerate(out) if i in kept])
+            out.append(
+                evaluate(job, make, b, _numbered(say, k, n), beat=lambda s=seen: s)
+            )
+        return out
     method = start_method()
     context = multiprocessing.get_context(method)
     messages = context.Queue()
@@ -329,12 +367,15 @@ def evaluate_all(
 
     def here(k: int) -> SizeResult:
         # assembled as a worker's are: this process does not keep every size's graph
+        def beat() -> float:
+            return best.value
+
         if k >= n:
-            return _assembled(evaluate(job, make, size(k), _ahead(say)), best, False)
+            found = evaluate(job, make, size(k), _ahead(say), beat=beat)
+            return _assembled(found, best, False)
         meshes = MeshShare(cursor, k, inboxes[k])
-        return _assembled(
-            evaluate(job, make, sizes[k], _numbered(say, k, n), meshes), best, k in kept
-        )
+        found = evaluate(job, make, sizes[k], _numbered(say, k, n), meshes, beat)
+        return _assembled(found, best, k in kept)
 
     def there(k: int) -> SizeResult:
         b = size(k)
@@ -553,8 +594,9 @@ def _evaluate_in_worker(b: int, k: int | None, n: int, kept: bool) -> SizeResult
     else:
         _, cursor, inboxes = _worker["shared"]
         say, share = _numbered(put, k, n), MeshShare(cursor, k, inboxes[k])
-    out = evaluate(_worker["job"], _worker_make(), b, say, share)
-    return _assembled(out, _worker["best"], kept)
+    best = _worker["best"]
+    out = evaluate(_worker["job"], _worker_make(), b, say, share, lambda: best.value)
+    return _assembled(out, best, kept)
 
 
 def _help_in_worker() -> None:

@@ -136,9 +136,9 @@ def test_a_module_object_is_searched_in_forked_workers(
     parallel = plan(model, "1x4xA100-80GB", batch, progress=said.append, **kw)
     assert _without_time(parallel) == _without_time(serial)
     pids = traced_by.read_text().split()
-    assert len(pids) == 4 and len(set(pids)) == 2, (
-        pids
-    )  # each size traced once, in 2 processes
+    # each size traced in one of the 2 processes; a process with no size left traces another's
+    # again to help it (`help_sizes`), sooner where a size is ruled out by its bound
+    assert len(pids) >= 4 and len(set(pids)) == 2, pids
     for b in (8, 4, 2, 1):
         assert any(f"with micro-batch {b}" in m for m in said), said
 

@@ -1,0 +1,117 @@
+"""The least iteration time of a micro-batch size (`planner.size_bound`) is the one-device plan's
+time over the device count (the bound `benchmarks.ceiling` takes at one micro-batch), no plan
+of the size beats it (brute force: every size's own search and the manual grid; on one device
+each size's plan attains it), and the sizes it rules out leave the plan as searching every size
+gives it, in one process and in two."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from profiles import cpu_profile
+
+from benchmarks.ceiling import ceiling
+from benchmarks.manual_grid import grid, price
+from cost_models.cluster import Cluster
+from planner import size_search
+from planner.api import microbatch_sizes, plan
+from planner.plans.manual import manual_plan
+from planner.size_bound import least_iteration_time
+from planner.tracing.inputs import resolve_model
+
+# moe-tiny on two A100s plans fastest at 32 rows; at 8 rows and below the bound alone is slower
+MODEL, CLUSTER, G = "moe-tiny", "1x2xA100-80GB", 32
+
+
+def _bound(model: str, cluster: Cluster, G: int, b: int, optimizer: str) -> float:
+    _, make, _ = resolve_model(model, None, torch.float16, None)
+    return least_iteration_time(make.trace(b), cluster, G // b, G, optimizer, model)
+
+
+@pytest.mark.parametrize("b", [2, 8, 16])
+def test_the_bound_is_the_one_device_plan_over_the_devices(b: int) -> None:
+    cluster = Cluster.from_spec("1x4xA100-80GB")
+    one = manual_plan(
+        "gpt-tiny",
+        cluster.with_shape(1, 1),
+        dp=1,
+        tp=1,
+        pp=1,
+        num_microbatches=16 // b,
+        global_batch=16,
+        recompute=False,
+        dtype="float16",
+        allow_oom=True,
+    )
+    bound = _bound("gpt-tiny", cluster, 16, b, "adam_mixed")
+    assert bound == pytest.approx(one.estimate.iteration_time_s / 4, rel=1e-12)
+    if b == 16:  # the whole batch in one micro-batch: `benchmarks.ceiling`'s bound
+        t_min = ceiling("gpt-tiny", cluster, 16)["iteration_time_s"]
+        assert bound == pytest.approx(t_min, rel=1e-12)
+
+
+def test_no_bound_with_a_measured_profile() -> None:
+    cluster = replace(Cluster.from_spec(CLUSTER), profile=cpu_profile())
+    _, make, _ = resolve_model(MODEL, None, torch.float16, None)
+    assert least_iteration_time(make.trace(4), cluster, G // 4, G, "adam_mixed") is None
+
+
+@pytest.mark.parametrize(
+    "model,spec,G,suite",
+    [
+        (MODEL, CLUSTER, G, "moe"),
+        ("gpt-tiny", "2x2xV100-16GB", 8, "gpt"),
+        ("gpt-tiny", "1x1xA100-80GB", 16, "gpt"),
+    ],
+)
+@pytest.mark.slow
+def test_no_plan_of_a_size_beats_its_bound(model, spec, G, suite) -> None:
+    cluster = Cluster.from_spec(spec)
+    bounds = {
+        b: _bound(model, cluster, G, b, "adam_mixed")
+        for b in microbatch_sizes(G, cluster)
+    }
+    times = {}
+    for b in bounds:
+        p = plan(model, cluster, global_batch=G, microbatch_size=b)
+        times[f"auto at {b} rows"] = (b, p.estimate.iteration_time_s)
+    groups, _ = grid(model, cluster, G, "adam_mixed", suite)
+    for config in (c for group in groups for c in group):
+        p = price(model, cluster, config, G, "float16", "adam_mixed")
+        b = G // p.num_microbatches
+        if b in bounds:
+            times[config.label()] = (b, p.estimate.iteration_time_s)
+    assert len(times) >= 12
+    below = {
+        k: (t, bounds[b]) for k, (b, t) in times.items() if t < bounds[b] * (1 - 1e-9)
+    }
+    assert not below, f"faster than their size's bound: {below}"
+    if cluster.num_devices == 1:  # tight there: each size's plan is the bound's own
+        for b, bound in bounds.items():
+            assert times[f"auto at {b} rows"][1] == pytest.approx(bound, rel=1e-9)
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_sizes_the_bound_rules_out_change_no_plan(monkeypatch, processes) -> None:
+    monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", processes)
+    plans, said = [], []
+    for skip in (False, True):
+        monkeypatch.setattr(size_search, "SKIP_BOUNDED_SIZES", skip)
+        said.clear()
+        p = plan(MODEL, CLUSTER, global_batch=G, progress=said.append)
+        plans.append({k: v for k, v in p.to_json().items() if k != "planner_time_s"})
+    assert plans[0] == plans[1]
+    skipped = [
+        int(m.split("micro-batch ")[1].split()[0])
+        for m in said
+        if "skipped: none of its plans" in m
+    ]
+    searched = [m for m in said if " s per iteration, the best of " in m]
+    # 1 and 2 rows come after a faster size in either order (`take_order`), and serially
+    # after 32 rows
+    assert {1, 2} <= set(skipped) and len(skipped) + len(searched) == 6, said
+    best = plans[1]["estimate"]["iteration_time_s"]
+    for b in skipped:
+        assert _bound(MODEL, Cluster.from_spec(CLUSTER), G, b, "adam_mixed") > best
