@@ -6,7 +6,7 @@ host) and walks the larger ones only while they pay off (`planner.api.next_size_
 costs about as much CPU as the others (about 20 s for the 1T GPT on this machine), so a walk down
 from the largest size that stopped early would plan faster. This records the best plan's time of
 every size each case compares (read where `plan` ranks them, `planner.api._best`; no size
-left out for its least possible time, `planner.size_search.SKIP_BOUNDED_SIZES`), and reports
+left out for its least possible time, `planner.size_eval.SKIP_BOUNDED_SIZES`), and reports
 for a walk down that stops after `k` sizes in a row that do not beat the best so far (k = 1 to 3,
 the sizes above the first ones kept as searched) the sizes it skips and the cases where it
 misses the best plan. The plans are not changed.
@@ -33,7 +33,7 @@ from benchmarks.records import RESULTS, machine, write_results
 from benchmarks.suites import suite_cases
 from cost_models.cluster import Cluster
 from cost_models.errors import DoesNotFitError
-from planner import api, size_search
+from planner import api, size_eval
 
 DEFAULT_JSON = RESULTS / "size-landscape.json"
 ALL = [
@@ -58,7 +58,7 @@ def case_sizes(case: Any) -> list[tuple[int, float | None]]:
 
     api._best = best
     # every size searched: none left out for its bound (`planner.size_bound`)
-    skip, size_search.SKIP_BOUNDED_SIZES = size_search.SKIP_BOUNDED_SIZES, False
+    skip, size_eval.SKIP_BOUNDED_SIZES = size_eval.SKIP_BOUNDED_SIZES, False
     try:
         api.plan(
             case.model,
@@ -71,7 +71,7 @@ def case_sizes(case: Any) -> list[tuple[int, float | None]]:
         pass
     finally:
         api._best = ranked
-        size_search.SKIP_BOUNDED_SIZES = skip
+        size_eval.SKIP_BOUNDED_SIZES = skip
     return seen[-1] if seen else []
 
 

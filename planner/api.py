@@ -41,10 +41,9 @@ from planner.inter.mesh_search import solver_threads
 from planner.inter.mesh_shapes import submesh_shapes
 from planner.inter.stage_solves import solve_time_limit
 from planner.plans.assemble import assemble
+from planner.size_eval import SizeJob, SizeResult
 from planner.size_search import (
     SearchAhead,
-    SizeJob,
-    SizeResult,
     evaluate_all,
     processes,
     wanted_processes,

@@ -1,5 +1,5 @@
 """The search over micro-batch sizes behind `planner.api.plan`: each size is traced and searched on
-its own (`evaluate`), in this process or in worker processes.
+its own (`planner.size_eval.evaluate`), in this process or in worker processes.
 
 Why processes: a size's search is mostly Python holding the GIL (tracing, DTensor's strategies,
 prices, building the programs; only HiGHS releases it, `planner.intra.highs.solves_overlap`), and
@@ -16,9 +16,10 @@ left first searches the sizes beyond the list that the caller guesses it will ne
 and solves meshes from the back of its list, which the size's owner enters in job order
 (`planner.inter.mesh_share`). The results are those of the serial search: the sizes' best plans
 are compared in the order the serial search visits them (ties go to the earlier), so the plan
-does not depend on the process count. A size whose least possible iteration time
-(`planner.size_bound`) exceeds a plan already found at a size the caller keeps is traced but
-not searched: none of its plans could be the fastest, whichever process finds which first.
+does not depend on the process count. The fastest plan of a kept size so far is shared by the
+processes: a size whose least possible iteration time exceeds it is traced but not searched
+(`planner.size_eval.evaluate`), since none of its plans could be the fastest, whichever
+process finds which first.
 `MESHPLAN_PLANNER_PROCESSES` sets the count, this process included (1: everything in this
 process); by default one per core this process may use, at most one per size, and none in a
 daemonic process (a rank started by `runtime.launch`), which multiprocessing allows no children.
@@ -40,60 +41,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from planner.collector import sparse_collections
-from planner.inter.layers import graph_layerings
-from planner.inter.mesh_search import help_search, search
+from planner.inter.mesh_search import help_search
 from planner.inter.mesh_share import JobCursor, MeshShare
 from planner.orphans import end_with_parent
-from planner.plans.assemble import (
-    PlanSpec,
-    assemble,
-    device_memory,
-    predicted_iteration_time,
-    stage_from_profile,
+from planner.plans.assemble import assemble
+from planner.size_eval import (
+    Progress,
+    SizeJob,
+    SizeResult,
+    evaluate,
+    search_args,
 )
-from planner.size_bound import least_iteration_time
 from planner.tracing.inputs import ModelSource, resolve_model
-from planner.vocab.plan_file import ParallelPlan
-
-Progress = Callable[[str], None]
-
-#: Whether a size whose least possible iteration time (`planner.size_bound`) exceeds a plan found
-#: already is skipped (`evaluate`); `benchmarks.size_landscape` turns it off to record every
-#: size's best plan. The bound must exceed the plan by `BOUND_MARGIN` (relative), a margin for
-#: the rounding of two sums priced apart.
-SKIP_BOUNDED_SIZES = True
-BOUND_MARGIN = 1e-9
-
-
-@dataclass(frozen=True)
-class SizeJob:
-    """What the search of one micro-batch size reads besides the size (picklable when `model`
-    is a name or spec)."""
-
-    model: Any  # name, spec or nn.Module, as `plan` got it
-    example_batch: Any
-    dtype: torch.dtype
-    model_name: str | None
-    cluster: Cluster
-    global_batch: int
-    budget: float
-    optimizer: str
-    mode: str
-    schedule: str
-    num_layers: int | None
-    submeshes: list[tuple[int, int]]
-    context_parallel: bool = True  # `planner.plan`'s switch
-
-
-@dataclass(frozen=True, order=True)
-class Ranked:
-    """A searched plan and its predicted iteration time (ordered by the time)."""
-
-    seconds: float
-    spec: PlanSpec = field(compare=False)
 
 
 @dataclass
@@ -109,147 +70,6 @@ class SearchAhead:
 
     pick: Callable[[dict[int, float], set[int]], int | None]
     found: dict[int, SizeResult] = field(default_factory=dict)
-
-
-@dataclass
-class SizeResult:
-    """The best plan of one micro-batch size: `best` (searched here) or `plan` (assembled by a
-    worker); neither when nothing fits or the model cannot be traced at the size (`untraceable`),
-    or when `beaten`: its plan's time is known but was not assembled, a size whose result the
-    search keeps being faster (`evaluate_all`), or when `bounded`: not searched, since none of
-    its plans can beat one found already (`evaluate`). `least`: per-device memory of the whole
-    model as one stage on all devices, at best."""
-
-    size: int
-    seconds: float = np.inf
-    best: Ranked | None = None
-    plan: ParallelPlan | None = None
-    least: float = np.inf
-    untraceable: MeshplanError | None = None
-    beaten: bool = False
-    # not searched: the least iteration time any of its plans could take
-    # (`planner.size_bound`), above a plan found at another size
-    bounded: float | None = None
-
-    @property
-    def found(self) -> bool:
-        return self.best is not None or self.plan is not None
-
-
-def evaluate(
-    job: SizeJob,
-    make: ModelSource,
-    b: int,
-    say: Progress,
-    share: MeshShare | None = None,
-    beat: Callable[[], float] | None = None,
-) -> SizeResult:
-    """Trace the model at micro-batch size `b` and search it (`planner.inter.mesh_search`; with
-    `share`, other processes may solve some of its meshes), with the garbage collector held
-    back (`planner.collector`). `beat()`: the time of the fastest plan found so far among the
-    results the caller compares this one with. Where the size's least possible iteration time
-    (`planner.size_bound`) exceeds it, no plan of the size can be the caller's best, and the
-    size is not searched (`SizeResult.bounded`; unless `SKIP_BOUNDED_SIZES` is off)."""
-    with sparse_collections():
-        return _evaluate(job, make, b, say, share, beat)
-
-
-def _search_args(job: SizeJob, graph: Any, b: int, say: Progress) -> tuple[list, dict]:
-    """The arguments of `planner.inter.mesh_search.search` for one traced size (its owner's and
-    its helpers' alike)."""
-    # per trace: the op count may depend on the micro-batch size (e.g. size-1 dims)
-    D = job.cluster.num_devices
-    layers = graph_layerings(graph, job.num_layers, D if job.mode == "auto" else 1)
-    args = [
-        graph,
-        layers,
-        job.cluster,
-        job.submeshes,
-        job.global_batch // b,
-        job.budget,
-        job.optimizer,
-        job.mode,
-        job.schedule,
-        say,
-    ]
-    kw = {
-        "context_parallel": job.context_parallel,
-        "chunk_layers": layers[0] if job.num_layers else None,
-    }
-    return args, kw
-
-
-def _evaluate(
-    job: SizeJob,
-    make: ModelSource,
-    b: int,
-    say: Progress,
-    share: MeshShare | None,
-    beat: Callable[[], float] | None,
-) -> SizeResult:
-    name = job.model_name
-    say(f"tracing {name} with micro-batch {b}")
-    try:
-        graph = make.trace(b)
-    except MeshplanError as exc:  # e.g. BatchNorm over a single value per channel
-        say(f"micro-batch {b} skipped: {exc}")
-        return SizeResult(b, untraceable=exc)
-    B = job.global_batch // b
-    fastest = beat() if beat is not None and SKIP_BOUNDED_SIZES else np.inf
-    if np.isfinite(fastest):
-        bound = least_iteration_time(
-            graph, job.cluster, B, job.global_batch, job.optimizer, name or ""
-        )
-        if bound is not None and bound * (1 - BOUND_MARGIN) > fastest:
-            say(
-                f"micro-batch {b} skipped: none of its plans takes under {bound:.4g} s per "
-                f"iteration, and one of {fastest:.4g} s was found"
-            )
-            return SizeResult(b, bounded=bound)
-    args, kw = _search_args(job, graph, b, say)
-    counts = ", ".join(str(len(x)) for x in args[1])
-    say(f"{len(graph.ops)} ops in {counts} layers")
-    result = search(*args, **kw, share=share)
-    found = []
-    memo: dict = {}  # per profile: the arrays its stages are priced from
-    for cand in result.candidates:
-        stages = [
-            stage_from_profile(
-                s.layers, s.submesh, s.option.profile, s.option.recompute, memo
-            )
-            for s in cand.stages
-        ]
-        spec = PlanSpec(
-            model_name=name,
-            graph=graph,
-            layers=cand.layers,
-            cluster=job.cluster,
-            stages=stages,
-            num_microbatches=B,
-            global_batch=job.global_batch,
-            schedule=cand.schedule,
-            optimizer=job.optimizer,
-            kind=job.mode,
-            memory_budget=job.budget,
-            virtual_stages=cand.virtual_stages,
-        )
-        # an interleaved option's memory was checked without tied copies: the plan's own price
-        if cand.virtual_stages > 1 and max(device_memory(spec)) > job.budget:
-            continue
-        found.append(Ranked(predicted_iteration_time(spec), spec))
-    best = min(found) if found else None
-    say(
-        f"micro-batch {b}: {best.seconds:.4g} s per iteration, the best of "
-        f"{len(found)} candidate plans"
-        if best
-        else f"micro-batch {b}: no plan fits in memory"
-    )
-    return SizeResult(
-        b,
-        seconds=best.seconds if best else np.inf,
-        best=best,
-        least=result.least_whole_memory,
-    )
 
 
 def processes(job: SizeJob, sizes: int) -> int:
@@ -620,7 +440,7 @@ def help_sizes(
         b, numbered = sizes[k], _numbered(say, k, len(sizes))
         numbered(f"helping with micro-batch {b}")
         with sparse_collections():
-            args, kw = _search_args(job, make.trace(b), b, numbered)
+            args, kw = search_args(job, make.trace(b), b, numbered)
             help_search(*args, **kw, cursor=cursor, k=k, outbox=inboxes[k])
 
 

@@ -18,7 +18,7 @@ from planner.inter.mesh_search import help_search
 from planner.inter.mesh_shapes import submesh_shapes
 from planner.inter.mesh_share import JobCursor, MeshShare
 from planner.plans.assemble import assemble
-from planner.size_search import SizeJob, _search_args, evaluate
+from planner.size_eval import SizeJob, evaluate, search_args
 from planner.tracing.inputs import resolve_model
 
 MODEL = "gpt:hidden=256,layers=4,heads=4,seq=64,vocab=256"
@@ -72,7 +72,7 @@ class _HelpedAtOpen(MeshShare):
     def open(self, jobs: int) -> None:
         super().open(jobs)
         self.cursor.slots[mesh_share._HELPER] = 1  # size 0's helper: a live process
-        args, kw = _search_args(self.job, self.make.trace(B), B, lambda m: None)
+        args, kw = search_args(self.job, self.make.trace(B), B, lambda m: None)
         try:
             help_search(*args, **kw, cursor=self.cursor, k=0, outbox=self.inbox)
         except (

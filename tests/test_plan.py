@@ -496,7 +496,7 @@ def test_the_size_tried_in_any_case_is_searched_with_the_first_sizes(
     import copy
 
     from planner import api
-    from planner.size_search import SizeResult
+    from planner.size_eval import SizeResult
 
     made = plan("gpt-tiny", "1x2xA100-80GB", global_batch=4, microbatch_size=4)
     cluster = Cluster.from_spec("8x8xA100-80GB")

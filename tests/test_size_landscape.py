@@ -7,7 +7,7 @@ import math
 
 from benchmarks import size_landscape as sl
 from benchmarks.suites import Case
-from planner import api, plan, size_search
+from planner import api, plan, size_eval
 
 
 def test_walk_down_stops_after_k_sizes_that_lose() -> None:
@@ -46,11 +46,11 @@ def test_case_sizes_are_those_the_plan_compares() -> None:
     )
     ranked = api._best
     sizes = sl.case_sizes(case)
-    assert api._best is ranked and size_search.SKIP_BOUNDED_SIZES
+    assert api._best is ranked and size_eval.SKIP_BOUNDED_SIZES
     found = dict(sizes)
     assert set(api.microbatch_sizes(8, None)) <= set(found)
     # every size searched: 1 row's least possible time is above 8 rows' plan, and the
-    # planner alone leaves it out (`planner.size_search.SKIP_BOUNDED_SIZES`)
+    # planner alone leaves it out (`planner.size_eval.SKIP_BOUNDED_SIZES`)
     assert all(t is not None for t in found.values())
     auto = plan(case.model, case.cluster, global_batch=8, dtype="float16")
     assert (

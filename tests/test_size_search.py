@@ -22,7 +22,8 @@ from planner import size_search
 from planner.api import plan
 from planner.inter.mesh_shapes import submesh_shapes
 from planner.models import build_model
-from planner.size_search import SizeJob, processes, share, take_order
+from planner.size_eval import Ranked, SizeJob, SizeResult, evaluate
+from planner.size_search import processes, share, take_order
 from planner.tracing.inputs import resolve_model
 
 
@@ -94,7 +95,7 @@ def test_a_process_with_no_size_left_searches_ahead(
     ahead = size_search.SearchAhead(pick)
     said: list[str] = []
     out = size_search.evaluate_all(job, make, [8, 4], said.append, ahead=ahead)
-    serial = {b: size_search.evaluate(job, make, b, lambda m: None) for b in (8, 4, 2)}
+    serial = {b: evaluate(job, make, b, lambda m: None) for b in (8, 4, 2)}
     assert [(r.size, r.seconds) for r in out] == [
         (b, serial[b].seconds) for b in (8, 4)
     ]
@@ -466,10 +467,8 @@ def test_a_plan_slower_than_a_kept_sizes_is_not_assembled(
     monkeypatch.setattr(size_search, "assemble", lambda spec: made.append(spec) or spec)
     best = multiprocessing.get_context().Value("d", float("inf"))
 
-    def result(seconds: float, kept: bool) -> size_search.SizeResult:
-        out = size_search.SizeResult(
-            1, seconds, best=size_search.Ranked(seconds, f"plan {seconds}")
-        )
+    def result(seconds: float, kept: bool) -> SizeResult:
+        out = SizeResult(1, seconds, best=Ranked(seconds, f"plan {seconds}"))
         return size_search._assembled(out, best, kept)
 
     assert result(5.0, kept=True).plan == "plan 5.0" and best.value == 5.0
