@@ -1,7 +1,8 @@
 """One micro-batch size's search behind `planner.api.plan` (`evaluate`): the model traced at
 the size, the size skipped when its least possible iteration time (`planner.size_bound`)
-exceeds a plan already found, else its meshes searched (`planner.inter.mesh_search`) and its
-candidate plans ranked by their predicted iteration time. `planner.size_search` runs it for
+exceeds a plan already found, else its meshes searched (`planner.inter.mesh_search`; given up
+between two meshes once such a plan is found elsewhere) and its candidate plans ranked by
+their predicted iteration time. `planner.size_search` runs it for
 every size, in this process or in worker processes.
 """
 
@@ -74,7 +75,8 @@ class SizeResult:
     worker); neither when nothing fits or the model cannot be traced at the size (`untraceable`),
     or when `beaten`: its plan's time is known but was not assembled, a size whose result the
     search keeps being faster (`planner.size_search.evaluate_all`), or when `bounded`: not
-    searched, since none of its plans can beat one found already (`evaluate`). `least`:
+    searched, or not to its end, since none of its plans can beat one found already
+    (`evaluate`). `least`:
     per-device memory of the whole model as one stage on all devices, at best."""
 
     size: int
@@ -84,7 +86,7 @@ class SizeResult:
     least: float = np.inf
     untraceable: MeshplanError | None = None
     beaten: bool = False
-    # not searched: the least iteration time any of its plans could take
+    # not searched (or given up): the least iteration time any of its plans could take
     # (`planner.size_bound`), above a plan found at another size
     bounded: float | None = None
 
@@ -106,9 +108,16 @@ def evaluate(
     back (`planner.collector`). `beat()`: the time of the fastest plan found so far among the
     results the caller compares this one with. Where the size's least possible iteration time
     (`planner.size_bound`) exceeds it, no plan of the size can be the caller's best, and the
-    size is not searched (`SizeResult.bounded`; unless `SKIP_BOUNDED_SIZES` is off)."""
-    with sparse_collections():
-        return _evaluate(job, make, b, say, share, beat)
+    size is not searched, or no further mesh of it is when that happens during its search
+    (`SizeResult.bounded`; unless `SKIP_BOUNDED_SIZES` is off)."""
+    if share is not None:
+        share.begin()
+    try:
+        with sparse_collections():
+            return _evaluate(job, make, b, say, share, beat)
+    finally:
+        if share is not None:
+            share.end()
 
 
 def search_args(job: SizeJob, graph: Any, b: int, say: Progress) -> tuple[list, dict]:
@@ -136,6 +145,43 @@ def search_args(job: SizeJob, graph: Any, b: int, say: Progress) -> tuple[list, 
     return args, kw
 
 
+class _Bounded:
+    """Whether no plan of a traced size can beat the fastest found so far (`beat()`): its least
+    possible iteration time (`planner.size_bound`, made the first time a plan has been found)
+    exceeds it. Asked once the size is traced and again before each of its meshes is solved
+    (`planner.inter.mesh_search.search`'s `give_up`), as other sizes' plans come in."""
+
+    def __init__(
+        self, job: SizeJob, graph: Any, B: int, beat: Callable[[], float] | None
+    ):
+        self.job, self.graph, self.B = job, graph, B
+        self.beat = beat if SKIP_BOUNDED_SIZES else None
+        self.bound: float | None = np.nan  # nan: not made yet
+        self.fastest = np.inf
+
+    def __call__(self) -> bool:
+        self.fastest = np.inf if self.beat is None else self.beat()
+        if not np.isfinite(self.fastest):
+            return False
+        if self.bound is not None and np.isnan(self.bound):
+            job = self.job
+            self.bound = least_iteration_time(
+                self.graph,
+                job.cluster,
+                self.B,
+                job.global_batch,
+                job.optimizer,
+                job.model_name or "",
+            )
+        return self.bound is not None and self.bound * (1 - BOUND_MARGIN) > self.fastest
+
+    def why(self) -> str:
+        return (
+            f"none of its plans takes under {self.bound:.4g} s per iteration, and one of "
+            f"{self.fastest:.4g} s was found"
+        )
+
+
 def _evaluate(
     job: SizeJob,
     make: ModelSource,
@@ -152,21 +198,17 @@ def _evaluate(
         say(f"micro-batch {b} skipped: {exc}")
         return SizeResult(b, untraceable=exc)
     B = job.global_batch // b
-    fastest = beat() if beat is not None and SKIP_BOUNDED_SIZES else np.inf
-    if np.isfinite(fastest):
-        bound = least_iteration_time(
-            graph, job.cluster, B, job.global_batch, job.optimizer, name or ""
-        )
-        if bound is not None and bound * (1 - BOUND_MARGIN) > fastest:
-            say(
-                f"micro-batch {b} skipped: none of its plans takes under {bound:.4g} s per "
-                f"iteration, and one of {fastest:.4g} s was found"
-            )
-            return SizeResult(b, bounded=bound)
+    bounded = _Bounded(job, graph, B, beat)
+    if bounded():
+        say(f"micro-batch {b} skipped: {bounded.why()}")
+        return SizeResult(b, bounded=bounded.bound)
     args, kw = search_args(job, graph, b, say)
     counts = ", ".join(str(len(x)) for x in args[1])
     say(f"{len(graph.ops)} ops in {counts} layers")
-    result = search(*args, **kw, share=share)
+    result = search(*args, **kw, share=share, give_up=bounded)
+    if result is None:
+        say(f"micro-batch {b} given up: {bounded.why()}")
+        return SizeResult(b, bounded=bounded.bound)
     found = []
     memo: dict = {}  # per profile: the arrays its stages are priced from
     for cand in result.candidates:

@@ -17,7 +17,8 @@ and solves meshes from the back of its list, which the size's owner enters in jo
 (`planner.inter.mesh_share`). The results are those of the serial search: the sizes' best plans
 are compared in the order the serial search visits them (ties go to the earlier), so the plan
 does not depend on the process count. The fastest plan of a kept size so far is shared by the
-processes: a size whose least possible iteration time exceeds it is traced but not searched
+processes: a size whose least possible iteration time exceeds it is traced but not searched,
+or given up between two of its meshes when such a plan comes in meanwhile
 (`planner.size_eval.evaluate`), since none of its plans could be the fastest, whichever
 process finds which first.
 `MESHPLAN_PLANNER_PROCESSES` sets the count, this process included (1: everything in this
@@ -32,6 +33,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Collection
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -44,7 +46,7 @@ import torch
 from cost_models.errors import MeshplanError
 from planner.collector import sparse_collections
 from planner.inter.mesh_search import help_search
-from planner.inter.mesh_share import JobCursor, MeshShare
+from planner.inter.mesh_share import PENDING_POLL_S, JobCursor, MeshShare
 from planner.orphans import end_with_parent
 from planner.plans.assemble import assemble
 from planner.size_eval import (
@@ -435,8 +437,17 @@ def help_sizes(
     say: Progress,
 ) -> None:
     """Help the sizes other processes are searching while one has meshes left to solve
-    (`planner.inter.mesh_share`): trace it here and solve meshes from the back of its list."""
-    while (k := cursor.claim()) is not None:
+    (`planner.inter.mesh_share`): trace it here and solve meshes from the back of its list.
+    While a size's owner is still tracing it, wait for its list (gpt-39b on 8x8 V100s: a
+    process that found none, 0.05 s before the last size listed its jobs, left that size's
+    last 5 s to one core)."""
+    while True:
+        k = cursor.claim()
+        if k is None:
+            if not cursor.pending():
+                return
+            time.sleep(PENDING_POLL_S)
+            continue
         b, numbered = sizes[k], _numbered(say, k, len(sizes))
         numbered(f"helping with micro-batch {b}")
         with sparse_collections():

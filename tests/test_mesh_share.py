@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import threading
+import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +22,7 @@ from planner.inter.mesh_shapes import submesh_shapes
 from planner.inter.mesh_share import JobCursor, MeshShare
 from planner.plans.assemble import assemble
 from planner.size_eval import SizeJob, evaluate, search_args
-from planner.tracing.inputs import resolve_model
+from planner.tracing.inputs import ModelSource, resolve_model
 
 MODEL = "gpt:hidden=256,layers=4,heads=4,seq=64,vocab=256"
 CLUSTER = "2x4xA100-80GB"
@@ -139,6 +142,88 @@ def test_two_processes_plan_as_one(monkeypatch) -> None:
     serial = plan(MODEL, CLUSTER, **kw).to_json()
     monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "2")
     shared = plan(MODEL, CLUSTER, **kw).to_json()
+    for p in (serial, shared):
+        p.pop("planner_time_s", None)
+    assert shared == serial
+
+
+@pytest.mark.parametrize("owned", [0, 1, 2])
+def test_a_size_given_up_reads_its_helpers_messages_and_closes(
+    monkeypatch, owned
+) -> None:
+    """A size given up between meshes (a faster plan found elsewhere, `planner.size_eval`) after
+    the owner started `owned` meshes, three meshes from the back solved by a helper: the search
+    ends without waiting on a message that was read already, every message the helper sent is
+    read (none left to block its queue), and no job is left for a helper to take."""
+    monkeypatch.setenv("MESHPLAN_PLANNER_THREADS", "1")
+    job, make = _job(Cluster.from_spec(CLUSTER).device.memory_bytes)
+    share = _HelpedAtOpen(job, make, 3)
+    said: list[str] = []
+    asked = []
+
+    def beat() -> (
+        float
+    ):  # none once traced; then 1e-9 s once `owned` meshes have started
+        asked.append(1)
+        started = sum("logical mesh" in m for m in said)
+        return 1e-9 if len(asked) > 1 and started >= owned else np.inf
+
+    done: list = []  # in a thread: a wait on a message read already would never end
+    run = threading.Thread(
+        target=lambda: done.append(evaluate(job, make, B, said.append, share, beat)),
+        daemon=True,
+    )
+    run.start()
+    run.join(timeout=120)
+    assert done, f"the search did not end: {said}"
+    out = done[0]
+    assert out.bounded is not None and out.best is None
+    assert sum("logical mesh" in m for m in said) == owned
+    assert "given up" in said[-1], said
+    assert share.inbox.empty() and not share._arrived
+    assert share.cursor.take_back(0) is None and share.cursor.take_front(0) is None
+
+
+def test_a_size_being_traced_is_pending_until_listed_or_ended() -> None:
+    """A size whose owner is tracing it is pending (a free process waits for its list) until
+    the owner lists its jobs or ends it without listing any; an owner that died leaves
+    nothing pending (no wait without end)."""
+    cursor = JobCursor(multiprocessing.get_context(), 2)
+    assert not cursor.pending()
+    cursor.begin(0)
+    assert cursor.pending() and cursor.claim() is None
+    cursor.open(0, mesh_share.MIN_LEFT)
+    assert not cursor.pending() and cursor.claim() == 0
+    cursor.begin(1)
+    assert cursor.pending()
+    cursor.end(1)  # skipped, say: never listed
+    assert not cursor.pending() and cursor.claim() is None
+    dead = multiprocessing.get_context().Process(target=int)
+    dead.start()
+    dead.join()
+    cursor.slots[mesh_share._SLOTS * 1 + mesh_share._OWNER] = dead.pid
+    cursor.slots[mesh_share._SLOTS * 1 + mesh_share._BACK] = -1
+    assert not cursor.pending()
+
+
+def test_a_free_process_waits_for_a_size_still_being_traced(monkeypatch) -> None:
+    """Two processes, two sizes, one traced slowly: the process done first finds the other size
+    not listed yet, waits for its list and helps with it; the plan is the serial one."""
+    kw = {"global_batch": G, "microbatch_size": [2, 4]}
+    monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "1")
+    serial = plan(MODEL, CLUSTER, **kw).to_json()
+    trace = ModelSource.trace
+
+    def slow(self, b):
+        if b == 4:
+            time.sleep(3)
+        return trace(self, b)
+
+    monkeypatch.setattr(ModelSource, "trace", slow)
+    monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "2")
+    said: list[str] = []
+    shared = plan(MODEL, CLUSTER, progress=said.append, **kw).to_json()
+    assert any("helping with micro-batch 4" in m for m in said), said
     for p in (serial, shared):
         p.pop("planner_time_s", None)
     assert shared == serial

@@ -118,6 +118,7 @@ def _full_and_repeated(model: nn.Module, batch, monkeypatch) -> tuple:
 def test_repeated_trace_equals_full_trace(
     spec: str, batch: int, tries: int, monkeypatch
 ) -> None:
+    monkeypatch.setattr(repeat, "_READ_LATER", set())
     model, example = build_model(spec, batch=batch, device="meta")
     repeated, full, made = _full_and_repeated(model, example, monkeypatch)
     # the short trace was repeated, at the reading the table expects
@@ -129,6 +130,44 @@ def test_repeated_trace_equals_full_trace(
     ]
     assert repeated.params == full.params and repeated.buffers == full.buffers
     assert repeated.fingerprint() == full.fingerprint()
+
+
+def _same_as_full(spec: str, batch: int, memo: set, monkeypatch) -> list[int]:
+    """Trace `spec` with `memo` as the readings remembered; assert the graph is the full trace's;
+    the first block of each reading tried."""
+    model, example = build_model(spec, batch=batch, device="meta")
+    tried = []
+    short = repeat._short_and_expanded
+    with monkeypatch.context() as m:
+        m.setattr(repeat, "_READ_LATER", memo)
+        m.setattr(
+            repeat,
+            "_short_and_expanded",
+            lambda *a: tried.append(a[-1].start) or short(*a),
+        )
+        repeated, full, made = _full_and_repeated(model, example, m)
+    assert made[-1] is not None and len(made) == len(tried)
+    assert _fx(repeated.gm) == _fx(full.gm)
+    assert [dataclasses.asdict(n) for n in repeated.nodes] == [
+        dataclasses.asdict(n) for n in full.nodes
+    ]
+    return tried
+
+
+def test_a_model_read_later_before_is_read_later_first(monkeypatch) -> None:
+    """The MoE whose stack repeats a unit later, traced at one batch, is read that way first at
+    the next (one short trace, not two), with the full trace's graph. A model whose first
+    reading repeats, remembered as read later: read later, the same graph (each reading that
+    repeats gives the full trace)."""
+    memo: set = set()
+    moe = REPEATING[-1][0]  # period 2 from block 0; read from block 2
+    assert _same_as_full(moe, 2, memo, monkeypatch) == [0, 2]
+    assert _same_as_full(moe, 3, memo, monkeypatch) == [2]
+    llama = "llama:hidden=8,layers=6,heads=2,kv_heads=1,ffn=8,seq=4,vocab=16"
+    model, _ = build_model(llama, batch=2, device="meta")
+    assert _same_as_full(llama, 2, memo, monkeypatch) == [0]
+    memo.add((type(model), repeat.block_pattern(model)))
+    assert _same_as_full(llama, 3, memo, monkeypatch) == [1]
 
 
 @pytest.mark.parametrize(("spec", "batch", "stack"), HF_REPEATING)

@@ -6,6 +6,7 @@ gives it, in one process and in two."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -19,6 +20,7 @@ from planner import size_eval
 from planner.api import microbatch_sizes, plan
 from planner.plans.manual import manual_plan
 from planner.size_bound import least_iteration_time
+from planner.size_eval import SizeJob, evaluate
 from planner.tracing.inputs import resolve_model
 
 # moe-tiny on two A100s plans fastest at 32 rows; at 8 rows and below the bound alone is slower
@@ -103,10 +105,11 @@ def test_sizes_the_bound_rules_out_change_no_plan(monkeypatch, processes) -> Non
         p = plan(MODEL, CLUSTER, global_batch=G, progress=said.append)
         plans.append({k: v for k, v in p.to_json().items() if k != "planner_time_s"})
     assert plans[0] == plans[1]
+    # skipped once traced, or given up between meshes when a faster plan came in meanwhile
     skipped = [
         int(m.split("micro-batch ")[1].split()[0])
         for m in said
-        if "skipped: none of its plans" in m
+        if re.search(r"(skipped|given up): none of its plans", m)
     ]
     searched = [m for m in said if " s per iteration, the best of " in m]
     # 1 and 2 rows come after a faster size in either order (`take_order`), and serially
@@ -117,3 +120,48 @@ def test_sizes_the_bound_rules_out_change_no_plan(monkeypatch, processes) -> Non
     best = plans[1]["estimate"]["iteration_time_s"]
     for b in skipped:
         assert _bound(MODEL, cluster, G, b, "adam_mixed") > best
+
+
+def test_a_size_is_given_up_when_a_faster_plan_comes_in_during_its_search(
+    monkeypatch,
+) -> None:
+    """A size whose bound a plan found by another process beats while the size is searched stops
+    before its next mesh: moe-tiny at 2 rows, a plan of 1e-6 s "found" once its first mesh has
+    started. Before that, and with the switch off, the size is searched whole."""
+    monkeypatch.setenv("MESHPLAN_PLANNER_THREADS", "1")
+    cluster = Cluster.from_spec(CLUSTER)
+    name, make, _ = resolve_model(MODEL, None, torch.float16, None)
+    job = SizeJob(
+        MODEL,
+        None,
+        torch.float16,
+        name,
+        cluster,
+        G,
+        cluster.device.memory_bytes,
+        "adam_mixed",
+        "auto",
+        "auto",
+        None,
+        [(1, 1), (1, 2)],
+    )
+    said: list[str] = []
+
+    def beat() -> float:  # a faster plan exists once a mesh of this size has started
+        return 1e-6 if any("logical mesh" in m for m in said) else float("inf")
+
+    out = evaluate(job, make, 2, said.append, beat=beat)
+    meshes = [m for m in said if "logical mesh" in m]
+    assert out.bounded == _bound(MODEL, cluster, G, 2, "adam_mixed") > 1e-6
+    assert out.best is None and not out.found
+    assert len(meshes) == 1 and "(1 of 2)" in meshes[0], said
+    assert re.search(
+        r"micro-batch 2 given up: none of its plans takes under [0-9.]+ s per "
+        r"iteration, and one of 1e-06 s was found",
+        said[-1],
+    ), said
+    monkeypatch.setattr(size_eval, "SKIP_BOUNDED_SIZES", False)
+    said.clear()
+    whole = evaluate(job, make, 2, said.append, beat=beat)
+    assert whole.found and whole.bounded is None
+    assert sum("logical mesh" in m for m in said) == 2

@@ -431,7 +431,8 @@ def search(
     context_parallel: bool = True,
     chunk_layers: list[tuple[int, int]] | None = None,
     share: MeshShare | None = None,
-) -> SearchResult:
+    give_up: Callable[[], bool] | None = None,
+) -> SearchResult | None:
     """Solve the intra-op pass once per logical mesh (time-optimal, memory ladder, Megatron seeds,
     context-parallel seeds unless `context_parallel` is False),
     attribute every solution to each layer clustering, run the stage DP on each clustering's
@@ -442,7 +443,8 @@ def search(
     clustering `chunk_layers`, by default `interleave_layering`'s; every profile is attributed to it
     as to the others) are returned together; with "interleaved" only the latter. With `share`,
     other planner processes may solve some of the meshes (`planner.inter.mesh_share`); the
-    result is the same."""
+    result is the same. `give_up()` is asked before each mesh is solved here: once it is true,
+    no further mesh is started (nor taken by a helper) and the search returns None."""
     jobs = _MeshJobs(
         graph,
         layerings,
@@ -461,24 +463,53 @@ def search(
     # another's pricing (`planner.intra.highs.solves_overlap`). Results are entered in job order, so the
     # plan does not depend on the thread count. On an error or Ctrl-C the queued passes are
     # cancelled (the running ones finish first).
+    stop = _Stop(give_up)
     pool = ThreadPoolExecutor(max_workers=solver_threads())
     try:
         if share is None:
-            for job, profiles in zip(jobs.jobs, pool.map(jobs.solve, jobs.jobs)):
+            solve = stop.unless(jobs.solve)
+            for job, profiles in zip(jobs.jobs, pool.map(solve, jobs.jobs)):
+                if profiles is None:
+                    return None
                 jobs.enter(job, jobs.attribute(job, profiles))
-        else:
-            _shared(jobs, share, pool)
+        elif not _shared(jobs, share, pool, stop):
+            return None
     finally:
         pool.shutdown(cancel_futures=True)
     return jobs.result()
 
 
-def _shared(jobs: _MeshJobs, share: MeshShare, pool: ThreadPoolExecutor) -> None:
+class _Stop:
+    """`search`'s `give_up`, asked before a mesh is solved (holding the planner's lock, as a
+    solve's Python work does: the question may price the graph, `planner.size_eval`); once
+    true, it stays true."""
+
+    def __init__(self, give_up: Callable[[], bool] | None) -> None:
+        self.give_up, self.stopped = give_up, False
+
+    def now(self) -> bool:
+        if not self.stopped and self.give_up is not None:
+            with solves_overlap():
+                self.stopped = self.give_up()
+        return self.stopped
+
+    def unless(self, solve: Callable) -> Callable:
+        """`solve`, or None once stopped."""
+        return lambda job: None if self.now() else solve(job)
+
+
+def _shared(
+    jobs: _MeshJobs, share: MeshShare, pool: ThreadPoolExecutor, stop: _Stop
+) -> bool:
     """`search`'s solves with helpers (`planner.inter.mesh_share`): this process's threads take
     jobs from the front; each job's profiles are entered in job order, a helper's as they
-    arrive."""
+    arrive. False when `stop` ends the search: no job is taken any more, and the helper's jobs
+    already taken are waited for (its messages must all be read)."""
 
     def local() -> tuple[int, list] | None:
+        if stop.now():
+            share.close()
+            return None
         p = share.take_front()
         return None if p is None else (jobs.order[p], jobs.solve(jobs.job(p)))
 
@@ -490,6 +521,12 @@ def _shared(jobs: _MeshJobs, share: MeshShare, pool: ThreadPoolExecutor) -> None
     for i, job in enumerate(jobs.jobs):
         while i not in solved:
             f = None if share.helped(position[i]) else next(futures, None)
+            # given up: jobs below i are entered (their messages read), read the rest's
+            if f is None and stop.stopped:
+                for p in range(len(jobs.jobs)):
+                    if share.helped(p) and jobs.order[p] >= i:
+                        share.receive(jobs.order[p])
+                return False
             if f is None:  # a helper took it
                 jobs.enter(job, mesh_share.received(share.receive(i), maps))
                 break
@@ -497,6 +534,7 @@ def _shared(jobs: _MeshJobs, share: MeshShare, pool: ThreadPoolExecutor) -> None
                 solved[r[0]] = r[1]
         if i in solved:
             jobs.enter(job, jobs.attribute(job, solved.pop(i)))
+    return True
 
 
 def help_search(

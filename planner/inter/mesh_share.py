@@ -43,15 +43,18 @@ MIN_LEFT = 3
 #: Seconds between an owner's checks that the helper whose jobs it waits on is alive.
 POLL_S = 1.0
 
-_FRONT, _BACK, _HELPER, _COUNT = range(4)
-_SLOTS = 4
+_FRONT, _BACK, _HELPER, _COUNT, _OWNER = range(5)
+_SLOTS = 5
+#: Seconds between a free process's looks for a size whose owner is still tracing it
+#: (`JobCursor.pending`).
+PENDING_POLL_S = 0.02
 
 
 class JobCursor:
     """Per size: the next job from the front, the end of the jobs nobody has taken from the
-    back (-1 until the owner has listed them), the helper's process id (0: none) and the
-    number of jobs. Passed to forked or spawned processes at their start (multiprocessing
-    shared memory)."""
+    back (-1 until the owner has listed them), the helper's process id (0: none), the
+    number of jobs and the owner's process id (0: not taken yet). Passed to forked or spawned
+    processes at their start (multiprocessing shared memory)."""
 
     def __init__(self, context: Any, sizes: int) -> None:
         self.slots = context.Array("q", _SLOTS * sizes)
@@ -60,6 +63,29 @@ class JobCursor:
 
     def _at(self, k: int, field: int) -> int:
         return _SLOTS * k + field
+
+    def begin(self, k: int) -> None:
+        """This process owns size k and is tracing it (`pending` until it opens or ends it)."""
+        self.slots[self._at(k, _OWNER)] = os.getpid()
+
+    def end(self, k: int) -> None:
+        """The owner of size k is done with it: listed or not (skipped, say), nothing is left."""
+        with self.slots.get_lock():
+            back = self.slots[self._at(k, _BACK)]
+            self.slots[self._at(k, _BACK)] = max(back, 0)
+            self.slots[self._at(k, _FRONT)] = max(back, 0)
+
+    def pending(self) -> bool:
+        """Whether a size nobody helps has a live owner that has not listed its jobs yet (it is
+        tracing it): a process with nothing to do waits for it (`claim` again)."""
+        with self.slots.get_lock():
+            owners = [
+                self.slots[self._at(k, _OWNER)]
+                for k in range(len(self.slots) // _SLOTS)
+                if self.slots[self._at(k, _BACK)] < 0
+                and not self.slots[self._at(k, _HELPER)]
+            ]
+        return any(pid and _alive(pid) for pid in owners)
 
     def open(self, k: int, jobs: int) -> None:
         """The owner of size k has listed its `jobs` jobs: helpers may take them."""
@@ -77,6 +103,11 @@ class JobCursor:
                 return None
             self.slots[self._at(k, _FRONT)] = i + 1
             return i
+
+    def close(self, k: int) -> None:
+        """The owner of size k takes no more jobs, and no helper may: the front meets the back."""
+        with self.slots.get_lock():
+            self.slots[self._at(k, _FRONT)] = self.slots[self._at(k, _BACK)]
 
     def take_back(self, k: int) -> int | None:
         with self.slots.get_lock():
@@ -123,11 +154,20 @@ class MeshShare:
     inbox: Any
     _arrived: dict[int, Any] = dataclasses.field(default_factory=dict)
 
+    def begin(self) -> None:
+        self.cursor.begin(self.k)
+
+    def end(self) -> None:
+        self.cursor.end(self.k)
+
     def open(self, jobs: int) -> None:
         self.cursor.open(self.k, jobs)
 
     def take_front(self) -> int | None:
         return self.cursor.take_front(self.k)
+
+    def close(self) -> None:
+        self.cursor.close(self.k)
 
     def helped(self, p: int) -> bool:
         return self.cursor.helped(self.k, p)
