@@ -8,6 +8,7 @@ every size, in this process or in worker processes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,24 +157,25 @@ class _Bounded:
     ):
         self.job, self.graph, self.B = job, graph, B
         self.beat = beat if SKIP_BOUNDED_SIZES else None
-        self.bound: float | None = np.nan  # nan: not made yet
         self.fastest = np.inf
+
+    @functools.cached_property
+    def bound(self) -> float | None:
+        job = self.job
+        return least_iteration_time(
+            self.graph,
+            job.cluster,
+            self.B,
+            job.global_batch,
+            job.optimizer,
+            job.model_name or "",
+        )
 
     def __call__(self) -> bool:
         self.fastest = np.inf if self.beat is None else self.beat()
-        if not np.isfinite(self.fastest):
+        if not np.isfinite(self.fastest) or self.bound is None:
             return False
-        if self.bound is not None and np.isnan(self.bound):
-            job = self.job
-            self.bound = least_iteration_time(
-                self.graph,
-                job.cluster,
-                self.B,
-                job.global_batch,
-                job.optimizer,
-                job.model_name or "",
-            )
-        return self.bound is not None and self.bound * (1 - BOUND_MARGIN) > self.fastest
+        return self.bound * (1 - BOUND_MARGIN) > self.fastest
 
     def why(self) -> str:
         return (

@@ -16,7 +16,7 @@ import torch
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
 from planner.api import plan
-from planner.inter import mesh_share
+from planner.inter import mesh_search, mesh_share
 from planner.inter.mesh_search import help_search
 from planner.inter.mesh_shapes import submesh_shapes
 from planner.inter.mesh_share import JobCursor, MeshShare
@@ -161,12 +161,11 @@ def test_a_size_given_up_reads_its_helpers_messages_and_closes(
     said: list[str] = []
     asked = []
 
-    def beat() -> (
-        float
-    ):  # none once traced; then 1e-9 s once `owned` meshes have started
-        asked.append(1)
+    # none once traced; then 1e-9 s once `owned` meshes have started
+    def beat() -> float:
         started = sum("logical mesh" in m for m in said)
-        return 1e-9 if len(asked) > 1 and started >= owned else np.inf
+        asked.append(len(asked) > 0 and started >= owned)
+        return 1e-9 if asked[-1] else np.inf
 
     done: list = []  # in a thread: a wait on a message read already would never end
     run = threading.Thread(
@@ -220,6 +219,12 @@ def test_a_free_process_waits_for_a_size_still_being_traced(monkeypatch) -> None
         return trace(self, b)
 
     monkeypatch.setattr(ModelSource, "trace", slow)
+    # each mesh a while longer: the owner has not taken every job by the time the free
+    # process (polling every `PENDING_POLL_S`, under load) claims the size
+    solve = mesh_search._MeshJobs.solve
+    monkeypatch.setattr(
+        mesh_search._MeshJobs, "solve", lambda *a: time.sleep(0.3) or solve(*a)
+    )
     monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "2")
     said: list[str] = []
     shared = plan(MODEL, CLUSTER, progress=said.append, **kw).to_json()

@@ -463,7 +463,7 @@ def search(
     # another's pricing (`planner.intra.highs.solves_overlap`). Results are entered in job order, so the
     # plan does not depend on the thread count. On an error or Ctrl-C the queued passes are
     # cancelled (the running ones finish first).
-    stop = _Stop(give_up)
+    stop = _Stop(give_up, None if share is None else share.end)
     pool = ThreadPoolExecutor(max_workers=solver_threads())
     try:
         if share is None:
@@ -482,15 +482,21 @@ def search(
 class _Stop:
     """`search`'s `give_up`, asked before a mesh is solved (holding the planner's lock, as a
     solve's Python work does: the question may price the graph, `planner.size_eval`); once
-    true, it stays true."""
+    true, it stays true. `ended()` runs before `stopped` is set (with a share: its jobs closed
+    to every process before the owner waits on the helper's last messages)."""
 
-    def __init__(self, give_up: Callable[[], bool] | None) -> None:
-        self.give_up, self.stopped = give_up, False
+    def __init__(
+        self, give_up: Callable[[], bool] | None, ended: Callable[[], None] | None
+    ) -> None:
+        self.give_up, self.ended, self.stopped = give_up, ended, False
 
     def now(self) -> bool:
         if not self.stopped and self.give_up is not None:
             with solves_overlap():
-                self.stopped = self.give_up()
+                if self.give_up():
+                    if self.ended is not None:
+                        self.ended()
+                    self.stopped = True
         return self.stopped
 
     def unless(self, solve: Callable) -> Callable:
@@ -508,7 +514,6 @@ def _shared(
 
     def local() -> tuple[int, list] | None:
         if stop.now():
-            share.close()
             return None
         p = share.take_front()
         return None if p is None else (jobs.order[p], jobs.solve(jobs.job(p)))

@@ -69,7 +69,8 @@ class JobCursor:
         self.slots[self._at(k, _OWNER)] = os.getpid()
 
     def end(self, k: int) -> None:
-        """The owner of size k is done with it: listed or not (skipped, say), nothing is left."""
+        """The owner of size k is done with it, listed or not (skipped, say), or gives it up:
+        no job is left for anyone to take (the front meets the back)."""
         with self.slots.get_lock():
             back = self.slots[self._at(k, _BACK)]
             self.slots[self._at(k, _BACK)] = max(back, 0)
@@ -103,11 +104,6 @@ class JobCursor:
                 return None
             self.slots[self._at(k, _FRONT)] = i + 1
             return i
-
-    def close(self, k: int) -> None:
-        """The owner of size k takes no more jobs, and no helper may: the front meets the back."""
-        with self.slots.get_lock():
-            self.slots[self._at(k, _FRONT)] = self.slots[self._at(k, _BACK)]
 
     def take_back(self, k: int) -> int | None:
         with self.slots.get_lock():
@@ -165,9 +161,6 @@ class MeshShare:
 
     def take_front(self) -> int | None:
         return self.cursor.take_front(self.k)
-
-    def close(self) -> None:
-        self.cursor.close(self.k)
 
     def helped(self, p: int) -> bool:
         return self.cursor.helped(self.k, p)

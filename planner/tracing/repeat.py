@@ -198,7 +198,10 @@ def repeated_trace(
     for s in readings:
         out = _short_and_expanded(model, batch, make_fx, s)
         if out is not None:
-            (_READ_LATER.add if s is later else _READ_LATER.discard)(key)
+            if s is later:
+                _READ_LATER.add(key)
+            else:
+                _READ_LATER.discard(key)
             return out
     return None
 
