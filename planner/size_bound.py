@@ -31,7 +31,8 @@ A100s (global batch 1024) plans 2.604 s per iteration at 16 rows; T_min is 3.278
 and 5.233 s at 1 row (their best plans: 4.328 and 6.796 s), so neither can win. Where
 communication and memory decide, it rules nothing out: the 1T GPT on 384x8 A100s has T_min
 55.37-56.94 s at its eight sizes against its best plan's 65.49 s, gpt-39b on 8x8 V100s
-40.88-43.15 s against 55.40 s (benchmarks/planning_time_log.md, 2026-12-06 08:50). With a
+40.88-43.15 s against 55.40 s (benchmarks/planning_time_log.md, 2026-12-06 08:50); where the
+submeshes' communication decides, `planner.inter.mesh_bound` sees more. With a
 measured profile attached to the cluster, GEMM rates are interpolated from samples and need not
 grow with the shape, so no bound is claimed there (`least_iteration_time` returns None).
 """

@@ -1,7 +1,8 @@
 """One micro-batch size's search behind `planner.api.plan` (`evaluate`): the model traced at
 the size, the size skipped when its least possible iteration time (`planner.size_bound`)
 exceeds a plan already found, else its meshes searched (`planner.inter.mesh_search`; given up
-between two meshes once such a plan is found elsewhere) and its candidate plans ranked by
+between two meshes once such a plan is found elsewhere, or once one found is faster than the
+least its meshes allow, `planner.inter.mesh_bound`) and its candidate plans ranked by
 their predicted iteration time. `planner.size_search` runs it for
 every size, in this process or in worker processes.
 """
@@ -148,9 +149,11 @@ def search_args(job: SizeJob, graph: Any, b: int, say: Progress) -> tuple[list, 
 
 class _Bounded:
     """Whether no plan of a traced size can beat the fastest found so far (`beat()`): its least
-    possible iteration time (`planner.size_bound`, made the first time a plan has been found)
-    exceeds it. Asked once the size is traced and again before each of its meshes is solved
-    (`planner.inter.mesh_search.search`'s `give_up`), as other sizes' plans come in."""
+    possible iteration time exceeds it. Asked once the size is traced and again before each of
+    its meshes is solved (`planner.inter.mesh_search.search`'s `give_up`), as other sizes' plans
+    come in. The bound is one device's work over the devices (`planner.size_bound`, made the
+    first time a plan has been found), and where that does not rule the size out and its meshes
+    are known, what they allow (`planner.inter.mesh_bound`, made the first time it is needed)."""
 
     def __init__(
         self, job: SizeJob, graph: Any, B: int, beat: Callable[[], float] | None
@@ -158,6 +161,7 @@ class _Bounded:
         self.job, self.graph, self.B = job, graph, B
         self.beat = beat if SKIP_BOUNDED_SIZES else None
         self.fastest = np.inf
+        self.least = None  # the bound that ruled the size out
 
     @functools.cached_property
     def bound(self) -> float | None:
@@ -171,15 +175,20 @@ class _Bounded:
             job.model_name or "",
         )
 
-    def __call__(self) -> bool:
+    def __call__(self, meshes: Callable[[float], float | None] | None = None) -> bool:
         self.fastest = np.inf if self.beat is None else self.beat()
-        if not np.isfinite(self.fastest) or self.bound is None:
+        if not np.isfinite(self.fastest):
             return False
-        return self.bound * (1 - BOUND_MARGIN) > self.fastest
+        above = self.fastest / (1 - BOUND_MARGIN)
+        if self.bound is not None and self.bound > above:
+            self.least = self.bound
+        elif meshes is not None:
+            self.least = meshes(above)
+        return self.least is not None
 
     def why(self) -> str:
         return (
-            f"none of its plans takes under {self.bound:.4g} s per iteration, and one of "
+            f"none of its plans takes under {self.least:.4g} s per iteration, and one of "
             f"{self.fastest:.4g} s was found"
         )
 
@@ -203,14 +212,14 @@ def _evaluate(
     bounded = _Bounded(job, graph, B, beat)
     if bounded():
         say(f"micro-batch {b} skipped: {bounded.why()}")
-        return SizeResult(b, bounded=bounded.bound)
+        return SizeResult(b, bounded=bounded.least)
     args, kw = search_args(job, graph, b, say)
     counts = ", ".join(str(len(x)) for x in args[1])
     say(f"{len(graph.ops)} ops in {counts} layers")
     result = search(*args, **kw, share=share, give_up=bounded)
     if result is None:
         say(f"micro-batch {b} given up: {bounded.why()}")
-        return SizeResult(b, bounded=bounded.bound)
+        return SizeResult(b, bounded=bounded.least)
     found = []
     memo: dict = {}  # per profile: the arrays its stages are priced from
     for cand in result.candidates:

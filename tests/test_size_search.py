@@ -64,7 +64,8 @@ def test_a_process_with_no_size_left_searches_ahead(
 ) -> None:
     """With `SearchAhead`, a process that finds no size left searches the size it names (in a
     worker or in this process), once, with the result the serial search gives that size; the
-    sizes listed come back as before and the size searched ahead is reported so."""
+    sizes listed come back as before and the size searched ahead is reported so (given up
+    when a listed size's plan is faster than its bound)."""
     if method not in multiprocessing.get_all_start_methods():
         pytest.skip(f"no {method} here")
     monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "2")
@@ -99,7 +100,13 @@ def test_a_process_with_no_size_left_searches_ahead(
     assert [(r.size, r.seconds) for r in out] == [
         (b, serial[b].seconds) for b in (8, 4)
     ]
-    assert list(ahead.found) == [2] and ahead.found[2].seconds == serial[2].seconds
+    assert list(ahead.found) == [2]
+    # or given up, as a faster plan of a listed size rules it out (`planner.size_eval._Bounded`)
+    r = ahead.found[2]
+    assert r.seconds == serial[2].seconds or (
+        r.bounded is not None
+        and min(serial[8].seconds, serial[4].seconds) < r.bounded <= serial[2].seconds
+    )
     assert any(m.startswith("[searched ahead] tracing") for m in said), said
 
 

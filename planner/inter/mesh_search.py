@@ -8,6 +8,7 @@ assembles the best."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pickle
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from cost_models.communication import LogicalMesh
 from cost_models.errors import MeshplanError
 from cost_models.memory import microbatches_in_flight
 from planner.inter import boundaries as bd
-from planner.inter import mesh_share, stage_solves
+from planner.inter import mesh_bound, mesh_share, stage_solves
 from planner.inter import stage_table as st
 from planner.inter.interleave import InterleavedSearch, interleave_layering
 from planner.inter.mesh_shapes import (
@@ -36,6 +37,8 @@ from planner.inter.range_costs import range_costs
 from planner.inter.stage_dp import stage_dp
 from planner.intra.context import without_context
 from planner.intra.highs import solves_overlap
+from planner.intra.priced_stage import PricedStage
+from planner.intra.solve import StagePricing, price_stage
 from planner.tracing.opgraph import OpGraph
 
 
@@ -246,6 +249,49 @@ class _MeshJobs:
             ),
         )
         self._pricings: dict = {}  # the owner's pricing of a helper's mesh (`result`)
+        # per job: its pricing made by the size's bound (`beyond`) before its solve, which
+        # takes it over; its prices once solved (`solve`)
+        self._priced: dict[int, StagePricing] = {}
+        self._done: dict[int, PricedStage] = {}
+        self._least: mesh_bound.LeastTime | None = None
+
+    def _price(self, i: int) -> StagePricing:
+        return price_stage(
+            self.graph,
+            self.jobs[i][2],
+            num_microbatches=self.B,
+            optimizer=self.optimizer,
+        )
+
+    def _prices(self, i: int) -> PricedStage:
+        """Job i's prices: its solve's, else made here and kept for its solve."""
+        if i in self._done:
+            return self._done[i]
+        if i not in self._priced:
+            self._priced[i] = self._price(i)
+        return self._priced[i].ctx
+
+    def beyond(self, seconds: float) -> float | None:
+        """A least iteration time of the size's plans on its meshes above `seconds`
+        (`planner.inter.mesh_bound`, its meshes priced as far as needed), else None; None for
+        zero bubble (no bound)."""
+        if self.schedule == "zero_bubble":
+            return None
+        if self._least is None:
+            layerings = [t.layers for t in self.tables]
+            if self.inter is not None:
+                layerings.append(self.inter.layers)
+            self._least = mesh_bound.LeastTime(
+                self.graph,
+                layerings,
+                [
+                    (self.jobs[i][2].num_devices, lambda i=i: self._prices(i))
+                    for i in self.order  # as they are solved: their prices then reused
+                ],
+                self.B,
+                self.cluster.num_devices,
+            )
+        return self._least.seconds if self._least.exceeds(seconds) else None
 
     def job(self, p: int) -> tuple:
         """The job at position p of the take order."""
@@ -272,12 +318,14 @@ class _MeshJobs:
         """The solutions of one logical mesh, profiled for the first clustering."""
         _, sub, mesh = job
         shape, first, mode = mesh.shape, self.first, self.mode
+        i = self.jobs.index(job)
         with solves_overlap():
+            pricing = self._priced.pop(i, None) or self._price(i)
             self.say(
                 f"micro-batches {self.B}: submesh {sub[0]}x{sub[1]}, logical mesh "
-                f"{shape[0]}x{shape[1]} ({self.jobs.index(job) + 1} of {len(self.jobs)})"
+                f"{shape[0]}x{shape[1]} ({i + 1} of {len(self.jobs)})"
             )
-            return stage_solves.profiles_for(
+            profiles = stage_solves.profiles_for(
                 self.graph,
                 mesh,
                 first.layer_of,
@@ -291,7 +339,11 @@ class _MeshJobs:
                 seeds=_seeds(self.graph, mesh, mode, self.context_parallel),
                 lean_layers=_lean_layers(self.tables, sub, self.cluster.num_devices),
                 seeds_only=_seeds_only(sub, shape, mode),
+                pricing=pricing,
             )
+            self._done[i] = pricing.ctx  # for the bound, should it be asked later
+            self._priced.pop(i, None)
+            return profiles
 
     def attribute(self, job: tuple, profiles: list) -> list[list[st.LayerProfile]]:
         """A job's profiles per clustering (the tables', then the interleaved options' when its
@@ -431,7 +483,7 @@ def search(
     context_parallel: bool = True,
     chunk_layers: list[tuple[int, int]] | None = None,
     share: MeshShare | None = None,
-    give_up: Callable[[], bool] | None = None,
+    give_up: Callable[[Callable[[float], float | None]], bool] | None = None,
 ) -> SearchResult | None:
     """Solve the intra-op pass once per logical mesh (time-optimal, memory ladder, Megatron seeds,
     context-parallel seeds unless `context_parallel` is False),
@@ -443,8 +495,10 @@ def search(
     clustering `chunk_layers`, by default `interleave_layering`'s; every profile is attributed to it
     as to the others) are returned together; with "interleaved" only the latter. With `share`,
     other planner processes may solve some of the meshes (`planner.inter.mesh_share`); the
-    result is the same. `give_up()` is asked before each mesh is solved here: once it is true,
-    no further mesh is started (nor taken by a helper) and the search returns None."""
+    result is the same. `give_up(beyond)` is asked before each mesh is solved here,
+    `beyond(seconds)` giving the size's least iteration time on its meshes when it exceeds
+    `seconds` (`planner.inter.mesh_bound`), else None: once it is true, no further mesh is
+    started (nor taken by a helper) and the search returns None."""
     jobs = _MeshJobs(
         graph,
         layerings,
@@ -463,7 +517,8 @@ def search(
     # another's pricing (`planner.intra.highs.solves_overlap`). Results are entered in job order, so the
     # plan does not depend on the thread count. On an error or Ctrl-C the queued passes are
     # cancelled (the running ones finish first).
-    stop = _Stop(give_up, None if share is None else share.end)
+    ask = None if give_up is None else functools.partial(give_up, jobs.beyond)
+    stop = _Stop(ask, None if share is None else share.end)
     pool = ThreadPoolExecutor(max_workers=solver_threads())
     try:
         if share is None:

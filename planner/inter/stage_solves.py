@@ -84,6 +84,7 @@ def profiles_for(
     seeds: Sequence[Seed] = (),
     lean_layers: tuple[dict[str, int], list[list[str]], int] | None = None,
     seeds_only: bool = False,
+    pricing: StagePricing | None = None,
 ) -> list[LayerProfile]:
     """The time-optimal solution, then solutions under shrinking whole-model memory budgets
     (`ladder`, fractions of the time-optimal solution's memory, until the layers are lean: those
@@ -99,10 +100,11 @@ def profiles_for(
     (`planner.intra.solve.solve_stage`). `seeds_only`: the seeds' solutions alone (no
     time-optimal solution, no ladder). Every HiGHS run gets `solve_time_limit()` seconds: a
     time-optimal program with no solution by then is an error, a rung or seed with none is
-    left out with a warning."""
-    pricing = price_stage(
-        graph, mesh, num_microbatches=num_microbatches, optimizer=optimizer
-    )
+    left out with a warning. `pricing`: this mesh's `price_stage`, when made already."""
+    if pricing is None:
+        pricing = price_stage(
+            graph, mesh, num_microbatches=num_microbatches, optimizer=optimizer
+        )
     kw = {
         "num_microbatches": num_microbatches,
         "optimizer": optimizer,

@@ -1,0 +1,194 @@
+"""The least iteration time of a size on its meshes (`planner.inter.mesh_bound`): its group
+covering is exact against brute force, a unit's bound is below every solution's time for the
+layers holding it, and no plan of a size (the automatic plan at that size, every manual grid
+configuration) beats the size's bound (`benchmarks.mesh_bound`: over every logical mesh)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from benchmarks.manual_grid import grid, price
+from benchmarks.mesh_bound import size_bound
+from cost_models.cluster import Cluster
+from cost_models.communication import LogicalMesh
+from planner import size_eval
+from planner.api import microbatch_sizes, plan
+from planner.inter import boundaries as bd
+from planner.inter.layers import graph_layerings
+from planner.inter.mesh_bound import LeastTime, group_bound, least_time, unit_least_time
+from planner.inter.mesh_shapes import logical_shapes, submesh_shapes
+from planner.inter.stage_solves import profiles_for
+from planner.intra.solve import price_stage
+from planner.size_bound import least_iteration_time
+from planner.tracing.inputs import resolve_model
+
+
+def _brute(items: list[tuple[int, float]], layers: int, devices: int) -> float:
+    """Every multiset of groups (mesh, layers held) with the devices and layers it needs."""
+    best = math.inf
+
+    def walk(start: int, left_devices: int, left_layers: int, worst: float) -> None:
+        nonlocal best
+        if left_layers <= 0:
+            best = min(best, worst)
+            return
+        for i in range(start, len(items)):
+            n, a = items[i]
+            if n > left_devices:
+                continue
+            for k in range(1, left_layers + 1):
+                walk(i, left_devices - n, left_layers - k, max(worst, k * a))
+
+    walk(0, devices, layers, 0.0)
+    return best
+
+
+def test_group_bound_is_the_brute_force_optimum() -> None:
+    rng = random.Random(7)
+    for _ in range(150):
+        devices = rng.randint(1, 8)
+        items = [
+            (rng.choice([1, 2, 3, 4, 8]), round(rng.uniform(0.1, 3.0), 3))
+            for _ in range(rng.randint(1, 4))
+        ]
+        layers = rng.randint(1, 5)
+        want = _brute(items, layers, devices)
+        assert group_bound(items, layers, devices) == pytest.approx(want), (
+            items,
+            layers,
+            devices,
+        )
+    # no mesh fits the devices: no plan
+    assert group_bound([(4, 1.0)], 3, 2) == math.inf
+
+
+def test_a_units_bound_is_below_every_solutions_time_for_its_layers() -> None:
+    cluster = Cluster.from_spec("2x2xV100-16GB")
+    _, make, _ = resolve_model("gpt-tiny", None, torch.float16, None)
+    graph = make.trace(1)
+    ops = [n.name for n in graph.ops]
+    layers = graph_layerings(graph, None, cluster.num_devices)[0]
+    layer_of = {n: k for k, (a, z) in enumerate(layers) for n in ops[a : z + 1]}
+    bounds = bd.boundary_values(graph, layer_of, len(layers))
+    checked = 0
+    for sub, shape in [((1, 2), (1, 2)), ((2, 2), (2, 2)), ((2, 2), (1, 4))]:
+        mesh = LogicalMesh(cluster, sub, shape)
+        profiles = profiles_for(
+            graph,
+            mesh,
+            layer_of,
+            bounds,
+            len(layers),
+            num_microbatches=8,
+            budget=16e9,
+            optimizer="adam_mixed",
+        )
+        ctx = profiles[0].solution._ctx
+        lbs = [unit_least_time(graph, ctx, ops[a : z + 1]) for a, z in layers]
+        assert min(lbs) > 0
+        for p in profiles:
+            for lb, t in zip(lbs, p.time):
+                assert lb <= t * (1 + 1e-9)
+                checked += 1
+    assert checked >= 3 * len(layers)
+
+
+@pytest.mark.parametrize(
+    "model,spec,G,suite,sees_more",
+    [
+        ("gpt-tiny", "2x2xV100-16GB", 8, "gpt", True),
+        ("moe-tiny", "1x2xA100-80GB", 32, "moe", False),
+    ],
+)
+@pytest.mark.slow
+def test_no_plan_of_a_size_beats_its_mesh_bound(
+    model, spec, G, suite, sees_more
+) -> None:
+    cluster = Cluster.from_spec(spec)
+    _, make, _ = resolve_model(model, None, torch.float16, None)
+    bounds, one_device = {}, {}
+    for b in microbatch_sizes(G, cluster):
+        graph = make.trace(b)
+        bounds[b] = size_bound(graph, cluster, G // b, "adam_mixed")
+        one_device[b] = least_iteration_time(graph, cluster, G // b, G, "adam_mixed")
+    times = {}
+    for b in bounds:
+        p = plan(model, cluster, global_batch=G, microbatch_size=b)
+        times[f"auto at {b} rows"] = (b, p.estimate.iteration_time_s)
+    groups, _ = grid(model, cluster, G, "adam_mixed", suite)
+    for config in itertools.chain.from_iterable(groups):
+        p = price(model, cluster, config, G, "float16", "adam_mixed")
+        b = G // p.num_microbatches
+        if b in bounds:
+            times[config.label()] = (b, p.estimate.iteration_time_s)
+    assert len(times) >= 8
+    below = {
+        k: (t, bounds[b]) for k, (b, t) in times.items() if t < bounds[b] * (1 - 1e-9)
+    }
+    assert not below, f"faster than their size's mesh bound: {below}"
+    if (
+        sees_more
+    ):  # across hosts: communication and pipeline depth, beyond one device's work
+        assert any(bounds[b] > one_device[b] for b in bounds), (bounds, one_device)
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_sizes_the_mesh_bound_gives_up_change_no_plan(monkeypatch, processes) -> None:
+    """gpt-tiny on 2x4 A100s: 2 rows (and, serially, 4) are given up before their first mesh,
+    on the bound of their meshes (above one device's work over the devices, which rules out
+    only 1 row); the plan is the one searching every size gives."""
+    monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", processes)
+    model, cluster, G = "gpt-tiny", Cluster.from_spec("2x4xA100-80GB"), 16
+    plans, said = [], []
+    for skip in (False, True):
+        monkeypatch.setattr(size_eval, "SKIP_BOUNDED_SIZES", skip)
+        said.clear()
+        p = plan(model, cluster, global_batch=G, progress=said.append)
+        plans.append({k: v for k, v in p.to_json().items() if k != "planner_time_s"})
+    assert plans[0] == plans[1]
+    best = plans[1]["estimate"]["iteration_time_s"]
+    given_up = {
+        int(m.split("micro-batch ")[1].split()[0]): float(
+            m.split("under ")[1].split()[0]
+        )
+        for m in said
+        if " given up: none of its plans" in m
+    }
+    assert 2 in given_up and (processes == "2" or 4 in given_up), said
+    _, make, _ = resolve_model(model, None, torch.float16, None)
+    for b, least in given_up.items():
+        one = least_iteration_time(make.trace(b), cluster, G // b, G, "adam_mixed")
+        assert one < best < least
+
+
+def test_the_bound_prices_meshes_only_while_it_may_exceed() -> None:
+    """Adding a mesh only lowers the bound: `exceeds(s)` stops pricing meshes once those priced
+    give s or less, and goes on from there when asked a lower s."""
+    cluster = Cluster.from_spec("2x4xA100-80GB")
+    _, make, _ = resolve_model("gpt-tiny", None, torch.float16, None)
+    graph = make.trace(2)
+    priced = []
+
+    def prices(mesh: LogicalMesh):
+        priced.append(mesh.shape)
+        return price_stage(graph, mesh, num_microbatches=8, optimizer="adam_mixed").ctx
+
+    meshes = [
+        (m.num_devices, lambda m=m: prices(m))
+        for sub in submesh_shapes(cluster)
+        for m in (LogicalMesh(cluster, sub, shape) for shape in logical_shapes(sub))
+    ]
+    layerings = graph_layerings(graph, None, cluster.num_devices)
+    full = least_time(graph, layerings, meshes, 8, cluster.num_devices)
+    assert len(priced) == len(meshes) > 4
+    priced.clear()
+    bound = LeastTime(graph, layerings, meshes, 8, cluster.num_devices)
+    assert not bound.exceeds(math.inf) and priced == []
+    assert not bound.exceeds(1e9) and len(priced) == 1 and bound.seconds <= 1e9
+    assert bound.exceeds(full * 0.99) and bound.seconds == full
+    assert len(priced) == len(meshes)
