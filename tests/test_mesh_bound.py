@@ -5,14 +5,13 @@ configuration) beats the size's bound (`benchmarks.mesh_bound`: over every logic
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 
 import pytest
 import torch
+from size_plans import size_plan_times
 
-from benchmarks.manual_grid import grid, price
 from benchmarks.mesh_bound import size_bound
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
@@ -116,24 +115,14 @@ def test_no_plan_of_a_size_beats_its_mesh_bound(
         graph = make.trace(b)
         bounds[b] = size_bound(graph, cluster, G // b, "adam_mixed")
         one_device[b] = least_iteration_time(graph, cluster, G // b, G, "adam_mixed")
-    times = {}
-    for b in bounds:
-        p = plan(model, cluster, global_batch=G, microbatch_size=b)
-        times[f"auto at {b} rows"] = (b, p.estimate.iteration_time_s)
-    groups, _ = grid(model, cluster, G, "adam_mixed", suite)
-    for config in itertools.chain.from_iterable(groups):
-        p = price(model, cluster, config, G, "float16", "adam_mixed")
-        b = G // p.num_microbatches
-        if b in bounds:
-            times[config.label()] = (b, p.estimate.iteration_time_s)
+    times = size_plan_times(model, cluster, G, bounds, suite)
     assert len(times) >= 8
     below = {
         k: (t, bounds[b]) for k, (b, t) in times.items() if t < bounds[b] * (1 - 1e-9)
     }
     assert not below, f"faster than their size's mesh bound: {below}"
-    if (
-        sees_more
-    ):  # across hosts: communication and pipeline depth, beyond one device's work
+    # across hosts: communication and pipeline depth, beyond one device's work
+    if sees_more:
         assert any(bounds[b] > one_device[b] for b in bounds), (bounds, one_device)
 
 

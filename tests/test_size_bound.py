@@ -12,9 +12,9 @@ from dataclasses import replace
 import pytest
 import torch
 from profiles import cpu_profile
+from size_plans import size_plan_times
 
 from benchmarks.ceiling import ceiling
-from benchmarks.manual_grid import grid, price
 from cost_models.cluster import Cluster
 from planner import size_eval
 from planner.api import microbatch_sizes, plan
@@ -75,16 +75,7 @@ def test_no_plan_of_a_size_beats_its_bound(model, spec, G, suite) -> None:
         b: _bound(model, cluster, G, b, "adam_mixed")
         for b in microbatch_sizes(G, cluster)
     }
-    times = {}
-    for b in bounds:
-        p = plan(model, cluster, global_batch=G, microbatch_size=b)
-        times[f"auto at {b} rows"] = (b, p.estimate.iteration_time_s)
-    groups, _ = grid(model, cluster, G, "adam_mixed", suite)
-    for config in (c for group in groups for c in group):
-        p = price(model, cluster, config, G, "float16", "adam_mixed")
-        b = G // p.num_microbatches
-        if b in bounds:
-            times[config.label()] = (b, p.estimate.iteration_time_s)
+    times = size_plan_times(model, cluster, G, bounds, suite)
     assert len(times) >= 12
     below = {
         k: (t, bounds[b]) for k, (b, t) in times.items() if t < bounds[b] * (1 - 1e-9)
