@@ -1,13 +1,16 @@
-"""Every plan of a case that a size bound must not beat: the automatic plan at each
-micro-batch size, and every configuration of the manual grid (`benchmarks.manual_grid`), each
-with its size (tests of `planner.size_bound` and `planner.inter.mesh_bound`)."""
+"""For the tests of the size bounds (`planner.size_bound`, `planner.inter.mesh_bound`): every
+plan of a case a size's bound must not beat, and the plans with and without the sizes they
+rule out."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
 
+import pytest
+
 from benchmarks.manual_grid import grid, price
 from cost_models.cluster import Cluster
+from planner import size_eval
 from planner.api import plan
 
 
@@ -26,3 +29,18 @@ def size_plan_times(
         if b in sizes:
             times[config.label()] = (b, p.estimate.iteration_time_s)
     return times
+
+
+def plans_without_and_with_skips(
+    monkeypatch: pytest.MonkeyPatch, model: str, cluster: Cluster | str, G: int
+) -> tuple[list[dict], list[str]]:
+    """The plan JSON (planner time aside) searching every size, then skipping and giving up the
+    sizes the bounds rule out (`planner.size_eval.SKIP_BOUNDED_SIZES`), and the progress of
+    the second."""
+    plans, said = [], []
+    for skip in (False, True):
+        monkeypatch.setattr(size_eval, "SKIP_BOUNDED_SIZES", skip)
+        said.clear()
+        p = plan(model, cluster, global_batch=G, progress=said.append)
+        plans.append({k: v for k, v in p.to_json().items() if k != "planner_time_s"})
+    return plans, said

@@ -10,13 +10,12 @@ import random
 
 import pytest
 import torch
-from size_plans import size_plan_times
+from size_plans import plans_without_and_with_skips, size_plan_times
 
 from benchmarks.mesh_bound import size_bound
 from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
-from planner import size_eval
-from planner.api import microbatch_sizes, plan
+from planner.api import microbatch_sizes
 from planner.inter import boundaries as bd
 from planner.inter.layers import graph_layerings
 from planner.inter.mesh_bound import LeastTime, group_bound, least_time, unit_least_time
@@ -133,12 +132,7 @@ def test_sizes_the_mesh_bound_gives_up_change_no_plan(monkeypatch, processes) ->
     only 1 row); the plan is the one searching every size gives."""
     monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", processes)
     model, cluster, G = "gpt-tiny", Cluster.from_spec("2x4xA100-80GB"), 16
-    plans, said = [], []
-    for skip in (False, True):
-        monkeypatch.setattr(size_eval, "SKIP_BOUNDED_SIZES", skip)
-        said.clear()
-        p = plan(model, cluster, global_batch=G, progress=said.append)
-        plans.append({k: v for k, v in p.to_json().items() if k != "planner_time_s"})
+    plans, said = plans_without_and_with_skips(monkeypatch, model, cluster, G)
     assert plans[0] == plans[1]
     best = plans[1]["estimate"]["iteration_time_s"]
     given_up = {

@@ -12,12 +12,12 @@ from dataclasses import replace
 import pytest
 import torch
 from profiles import cpu_profile
-from size_plans import size_plan_times
+from size_plans import plans_without_and_with_skips, size_plan_times
 
 from benchmarks.ceiling import ceiling
 from cost_models.cluster import Cluster
 from planner import size_eval
-from planner.api import microbatch_sizes, plan
+from planner.api import microbatch_sizes
 from planner.plans.manual import manual_plan
 from planner.size_bound import least_iteration_time
 from planner.size_eval import SizeJob, evaluate
@@ -89,12 +89,7 @@ def test_no_plan_of_a_size_beats_its_bound(model, spec, G, suite) -> None:
 @pytest.mark.parametrize("processes", ["1", "2"])
 def test_sizes_the_bound_rules_out_change_no_plan(monkeypatch, processes) -> None:
     monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", processes)
-    plans, said = [], []
-    for skip in (False, True):
-        monkeypatch.setattr(size_eval, "SKIP_BOUNDED_SIZES", skip)
-        said.clear()
-        p = plan(MODEL, CLUSTER, global_batch=G, progress=said.append)
-        plans.append({k: v for k, v in p.to_json().items() if k != "planner_time_s"})
+    plans, said = plans_without_and_with_skips(monkeypatch, MODEL, CLUSTER, G)
     assert plans[0] == plans[1]
     # skipped once traced, or given up between meshes when a faster plan came in meanwhile
     skipped = [
