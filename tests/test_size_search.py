@@ -91,6 +91,8 @@ def test_a_process_with_no_size_left_searches_ahead(
     def pick(done: dict[int, float], busy: set[int]) -> int | None:
         asked.append((done, busy))
         assert set(done) <= {8, 4, 2} and busy <= {2} and not busy & set(done)
+        # not asked again while 2 rows runs once 8 and 4 are done: nothing left to overlap
+        assert not (busy and {8, 4} <= set(done))
         return 2 if len(asked) == 1 else None
 
     ahead = size_search.SearchAhead(pick)

@@ -281,12 +281,18 @@ class _MeshJobs:
             layerings = [t.layers for t in self.tables]
             if self.inter is not None:
                 layerings.append(self.inter.layers)
+            # the smallest meshes first: the cheapest to price, and where communication is
+            # least, the likeliest to bring the bound below a plan (moe-70b on 8x8 A100s at 4
+            # rows: 2 meshes, 0.17 s, against 16 and 4.8 s largest first)
+            order = sorted(
+                range(len(self.jobs)), key=lambda i: self.jobs[i][2].num_devices
+            )
             self._least = mesh_bound.LeastTime(
                 self.graph,
                 layerings,
                 [
                     (self.jobs[i][2].num_devices, lambda i=i: self._prices(i))
-                    for i in self.order  # as they are solved: their prices then reused
+                    for i in order
                 ],
                 self.B,
                 self.cluster.num_devices,
