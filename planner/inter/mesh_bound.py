@@ -67,9 +67,8 @@ def unit_least_time(graph: OpGraph, ctx: PricedStage, ops: Sequence[str]) -> flo
     for pick in (0, -1):
         parent = {v: ins[pick] for v, ins in inputs.items() if ins}
         f = dict(own)
-        for v in reversed(
-            ops
-        ):  # consumers after producers: a child is done before its parent
+        # consumers after producers, so a child is done before its parent
+        for v in reversed(ops):
             u = parent.get(v)
             if u is not None:
                 act, grad = ctx.edge(u, v)
