@@ -136,7 +136,8 @@ def evaluate_all(
 
     With `ahead`, a process that finds no size of `sizes` left first searches the sizes
     `ahead.pick` names (never kept: each is assembled only when faster than every kept size
-    so far), then helps."""
+    so far; none once every size of `sizes` is done and one named is still running), then
+    helps."""
     workers = processes(job, len(sizes))
     n = len(sizes)
     order = take_order(sizes) if kept is None else list(range(n))
