@@ -12,11 +12,11 @@ the planner and rebuilds the model from its name, so only a model given by name 
 searched in workers; an `nn.Module` object is then searched in this process. A worker searches
 one size at a time and returns that size's best plan, assembled. A process that finds no size
 left first searches the sizes beyond the list that the caller guesses it will need
-(`SearchAhead`), then helps one still being searched (`help_sizes`): it traces that size too
-and solves meshes from the back of its list, which the size's owner enters in job order
-(`planner.inter.mesh_share`). The results are those of the serial search: the sizes' best plans
-are compared in the order the serial search visits them (ties go to the earlier), so the plan
-does not depend on the process count. The fastest plan of a kept size so far is shared by the
+(`SearchAhead`), then helps one still being searched, listed or guessed (`help_sizes`): it
+traces that size too and solves meshes from the back of its list, which the size's owner enters
+in job order (`planner.inter.mesh_share`). The results are those of the serial search: the
+sizes' best plans are compared in the order the serial search visits them (ties go to the
+earlier), so the plan does not depend on the process count. The fastest plan of a kept size so far is shared by the
 processes: a size whose least possible iteration time exceeds it is traced but not searched,
 or given up between two of its meshes when such a plan comes in meanwhile
 (`planner.size_eval.evaluate`), since none of its plans could be the fastest, whichever
@@ -72,6 +72,14 @@ class SearchAhead:
 
     pick: Callable[[dict[int, float], set[int]], int | None]
     found: dict[int, SizeResult] = field(default_factory=dict)
+
+
+#: The sizes searched ahead (the first ones) whose meshes are shared as the listed sizes' are
+#: (`planner.inter.mesh_share`; each needs a queue made before the workers start): the last
+#: size the 1T GPT's walk needs on 384x8 A100s, 64 rows, searched ahead, took 15 s from its
+#: trace to its plan on one process after every listed size was done, 12.1 s shared
+#: (benchmarks/planning_time_log.md, 2026-12-06 16:40-17:30).
+AHEAD_SHARED = 4
 
 
 def processes(job: SizeJob, sizes: int) -> int:
@@ -137,7 +145,7 @@ def evaluate_all(
     With `ahead`, a process that finds no size of `sizes` left first searches the sizes
     `ahead.pick` names (never kept: each is assembled only when faster than every kept size
     so far; none once every size of `sizes` is done and one named is still running), then
-    helps."""
+    helps; the first `AHEAD_SHARED` of them are shared as the listed sizes are."""
     workers = processes(job, len(sizes))
     n = len(sizes)
     order = take_order(sizes) if kept is None else list(range(n))
@@ -147,7 +155,7 @@ def evaluate_all(
         for k, b in enumerate(sizes):
             seen = min([bar] + [r.seconds for i, r in enumerate(out) if i in kept])
             out.append(
-                evaluate(job, make, b, _numbered(say, k, n), beat=lambda s=seen: s)
+                evaluate(job, make, b, _labelled(say, k, n), beat=lambda s=seen: s)
             )
         return out
     method = start_method()
@@ -155,8 +163,11 @@ def evaluate_all(
     messages = context.Queue()
     best = context.Value("d", bar)  # the fastest plan of a kept size so far
     # a size's meshes shared with processes that have no size left (`planner.inter.mesh_share`)
-    cursor = JobCursor(context, n)
-    inboxes = [context.Queue() for _ in range(n)]
+    slots = n + (AHEAD_SHARED if ahead is not None else 0)
+    cursor = JobCursor(context, slots)
+    for k, b in enumerate(sizes):
+        cursor.assign(k, b)
+    inboxes = [context.Queue() for _ in range(slots)]
     # a forked worker inherits `make`; a spawned one rebuilds it from the model's name
     pool = ProcessPoolExecutor(
         workers - 1,
@@ -168,7 +179,7 @@ def evaluate_all(
             make if method == "fork" else None,
             os.getpid(),
             best,
-            (sizes, cursor, inboxes),
+            (n, cursor, inboxes),
         ),
     )
     relay = threading.Thread(target=_relay, args=(messages, say), daemon=True)
@@ -192,24 +203,22 @@ def evaluate_all(
         if b is None:
             return None
         extra.append(b)
-        return n + len(extra) - 1
+        k = n + len(extra) - 1
+        if k < slots:  # shared as the listed sizes are
+            cursor.assign(k, b)
+        return k
 
     def here(k: int) -> SizeResult:
         # assembled as a worker's are: this process does not keep every size's graph
         def beat() -> float:
             return best.value
 
-        if k >= n:
-            found = evaluate(job, make, size(k), _ahead(say), beat=beat)
-            return _assembled(found, best, False)
-        meshes = MeshShare(cursor, k, inboxes[k])
-        found = evaluate(job, make, sizes[k], _numbered(say, k, n), meshes, beat)
+        meshes = MeshShare(cursor, k, inboxes[k]) if k < slots else None
+        found = evaluate(job, make, size(k), _labelled(say, k, n), meshes, beat)
         return _assembled(found, best, k in kept)
 
     def there(k: int) -> SizeResult:
         b = size(k)
-        if k >= n:
-            return _in_worker(pool, b, _evaluate_in_worker, b, None, n, False)
         return _in_worker(pool, b, _evaluate_in_worker, b, k, n, k in kept)
 
     try:
@@ -225,7 +234,7 @@ def evaluate_all(
             order,
             here,
             there,
-            lambda: help_sizes(job, make, sizes, cursor, inboxes, say),
+            lambda: help_sizes(job, make, n, cursor, inboxes, say),
             lambda: _in_worker(pool, None, _help_in_worker),
             more,
         )
@@ -274,6 +283,10 @@ def take_order(sizes: list[int]) -> list[int]:
     return [rank[r] for r in by_distance]
 
 
+#: Seconds between a free thread's tries to help while indices run (`share`).
+HELP_AGAIN_S = 0.5
+
+
 def share(
     n: int,
     helpers: int,
@@ -291,7 +304,9 @@ def share(
     another index, n, n + 1, ... in turn, run the same way and its result appended to the
     list. When `more` says None it runs `help_here` (the calling thread) or `help_there` (the
     others), if given: help with the indices still running; then it waits for one of those to
-    end and asks again (its result may change the answer), and ends once none is running. The
+    end, or `HELP_AGAIN_S`, and asks again (a result may change the answer) and helps again (a
+    size taken just before may not have listed its jobs, nor even begun: the 1T GPT's 64 rows,
+    searched ahead, went unhelped so), and ends once none is running. The
     first exception (either side) is raised once every thread is done with the index it has;
     no index is taken after it."""
     left = list(order)  # indices nobody has taken
@@ -316,14 +331,17 @@ def share(
             while True:
                 with lock:
                     k = take()
-                if k is None:
+                while k is None:
                     if then is not None and not failed:
                         then()
                     with lock:
-                        while (k := take()) is None and running and not failed:
-                            lock.wait()
-                    if k is None:
-                        return
+                        if (k := take()) is None and running and not failed:
+                            lock.wait(HELP_AGAIN_S)
+                            k = take()
+                        if k is None and (not running or failed):
+                            break
+                if k is None:
+                    return
                 r = f(k)
                 with lock:
                     results[k] = r
@@ -350,14 +368,12 @@ def share(
     return [results[k] for k in range(len(results))]
 
 
-def _numbered(say: Progress, k: int, n: int) -> Progress:
-    """`say` with each message of the k-th of n sizes prefixed by its number."""
+def _labelled(say: Progress, k: int, n: int) -> Progress:
+    """`say` with each message of the k-th of n listed sizes prefixed by its number, of a size
+    searched ahead (k >= n, `SearchAhead`) prefixed so."""
+    if k >= n:
+        return lambda msg: say(f"[searched ahead] {msg}")
     return lambda msg: say(f"[size {k + 1} of {n}] {msg}")
-
-
-def _ahead(say: Progress) -> Progress:
-    """`say` with each message of a size searched ahead (`SearchAhead`) prefixed so."""
-    return lambda msg: say(f"[searched ahead] {msg}")
 
 
 def _relay(messages: Any, say: Progress) -> None:
@@ -413,37 +429,35 @@ def _worker_make() -> ModelSource:
     return _worker["make"]
 
 
-def _evaluate_in_worker(b: int, k: int | None, n: int, kept: bool) -> SizeResult:
-    """`evaluate` of the k-th of n sizes in a worker, its meshes shared (with k None: a size
-    searched ahead, `SearchAhead`, unshared), the best plan assembled (a `PlanSpec` holds the
-    traced graph, which does not cross processes)."""
-    put = _worker["messages"].put
-    if k is None:
-        say, share = _ahead(put), None
-    else:
-        _, cursor, inboxes = _worker["shared"]
-        say, share = _numbered(put, k, n), MeshShare(cursor, k, inboxes[k])
+def _evaluate_in_worker(b: int, k: int, n: int, kept: bool) -> SizeResult:
+    """`evaluate` of the k-th size (of n listed; beyond them one searched ahead,
+    `SearchAhead`) in a worker, its meshes shared when it has a slot in the cursor, the best
+    plan assembled (a `PlanSpec` holds the traced graph, which does not cross processes)."""
+    _, cursor, inboxes = _worker["shared"]
+    share = MeshShare(cursor, k, inboxes[k]) if k < len(inboxes) else None
     best = _worker["best"]
+    say = _labelled(_worker["messages"].put, k, n)
     out = evaluate(_worker["job"], _worker_make(), b, say, share, lambda: best.value)
     return _assembled(out, best, kept)
 
 
 def _help_in_worker() -> None:
     """`help_sizes` in a worker."""
-    sizes, cursor, inboxes = _worker["shared"]
+    n, cursor, inboxes = _worker["shared"]
     say = _worker["messages"].put
-    help_sizes(_worker["job"], _worker_make(), sizes, cursor, inboxes, say)
+    help_sizes(_worker["job"], _worker_make(), n, cursor, inboxes, say)
 
 
 def help_sizes(
     job: SizeJob,
     make: ModelSource,
-    sizes: list[int],
+    n: int,
     cursor: JobCursor,
     inboxes: list,
     say: Progress,
 ) -> None:
-    """Help the sizes other processes are searching while one has meshes left to solve
+    """Help the sizes other processes are searching (the n listed ones and those searched
+    ahead with a slot in `cursor`) while one has meshes left to solve
     (`planner.inter.mesh_share`): trace it here and solve meshes from the back of its list.
     While a size's owner is still tracing it, wait for its list (gpt-39b on 8x8 V100s: a
     process that found none, 0.05 s before the last size listed its jobs, left that size's
@@ -455,10 +469,10 @@ def help_sizes(
                 return
             time.sleep(PENDING_POLL_S)
             continue
-        b, numbered = sizes[k], _numbered(say, k, len(sizes))
-        numbered(f"helping with micro-batch {b}")
+        b, labelled = cursor.size(k), _labelled(say, k, n)
+        labelled(f"helping with micro-batch {b}")
         with sparse_collections():
-            args, kw = search_args(job, make.trace(b), b, numbered)
+            args, kw = search_args(job, make.trace(b), b, labelled)
             help_search(*args, **kw, cursor=cursor, k=k, outbox=inboxes[k])
 
 

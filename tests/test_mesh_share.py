@@ -15,6 +15,7 @@ import torch
 
 from cost_models.cluster import Cluster
 from cost_models.errors import MeshplanError
+from planner import size_search
 from planner.api import plan
 from planner.inter import mesh_search, mesh_share
 from planner.inter.mesh_search import help_search
@@ -95,7 +96,8 @@ def _plan_json(job, make, share) -> dict:
 def test_meshes_a_helper_solved_give_the_plan_found_alone(monkeypatch, limit) -> None:
     """Ground truth: the owner alone. Three of the meshes from the back, then every mesh, solved
     by a helper on its own trace; the plan (assembled from rebuilt solutions where the stage
-    DP picked a helper's) is the same; with every mesh a helper's, rebuilt ones are picked."""
+    DP picked a helper's) is the same; with every mesh a helper's, rebuilt ones are picked,
+    each once."""
     job, make = _job(Cluster.from_spec(CLUSTER).device.memory_bytes)
     alone = _plan_json(job, make, None)
     rebuilt = []
@@ -112,6 +114,8 @@ def test_meshes_a_helper_solved_give_the_plan_found_alone(monkeypatch, limit) ->
     assert rebuilt or limit < share.cursor.count(
         0
     )  # every option a helper's: some rebuilt
+    # each helper's profile rebuilt once, however many stages picked it
+    assert len(rebuilt) == len({id(p) for p in rebuilt})
 
 
 def test_a_memory_bound_plan_is_the_same_with_a_helper() -> None:
@@ -205,12 +209,10 @@ def test_a_size_being_traced_is_pending_until_listed_or_ended() -> None:
     assert not cursor.pending()
 
 
-def test_a_free_process_waits_for_a_size_still_being_traced(monkeypatch) -> None:
-    """Two processes, two sizes, one traced slowly: the process done first finds the other size
-    not listed yet, waits for its list and helps with it; the plan is the serial one."""
-    kw = {"global_batch": G, "microbatch_size": [2, 4]}
-    monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "1")
-    serial = plan(MODEL, CLUSTER, **kw).to_json()
+def _slow_size_4(monkeypatch) -> None:
+    """Two planner processes; 4 rows traced 3 s late, and each mesh solved 0.3 s late: the
+    owner has not taken every job by the time the free process (polling every
+    `PENDING_POLL_S`, under load) claims the size."""
     trace = ModelSource.trace
 
     def slow(self, b):
@@ -219,16 +221,38 @@ def test_a_free_process_waits_for_a_size_still_being_traced(monkeypatch) -> None
         return trace(self, b)
 
     monkeypatch.setattr(ModelSource, "trace", slow)
-    # each mesh a while longer: the owner has not taken every job by the time the free
-    # process (polling every `PENDING_POLL_S`, under load) claims the size
     solve = mesh_search._MeshJobs.solve
     monkeypatch.setattr(
         mesh_search._MeshJobs, "solve", lambda *a: time.sleep(0.3) or solve(*a)
     )
     monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "2")
+
+
+def test_a_free_process_waits_for_a_size_still_being_traced(monkeypatch) -> None:
+    """Two processes, two sizes, one traced slowly: the process done first finds the other size
+    not listed yet, waits for its list and helps with it; the plan is the serial one."""
+    kw = {"global_batch": G, "microbatch_size": [2, 4]}
+    monkeypatch.setenv("MESHPLAN_PLANNER_PROCESSES", "1")
+    serial = plan(MODEL, CLUSTER, **kw).to_json()
+    _slow_size_4(monkeypatch)
     said: list[str] = []
     shared = plan(MODEL, CLUSTER, progress=said.append, **kw).to_json()
     assert any("helping with micro-batch 4" in m for m in said), said
     for p in (serial, shared):
         p.pop("planner_time_s", None)
     assert shared == serial
+
+
+def test_a_size_searched_ahead_is_helped(monkeypatch) -> None:
+    """Two processes, two listed sizes and one searched ahead (`SearchAhead`), traced slowly:
+    the process done with its listed size helps with the one searched ahead, whose result is
+    the one a single process finds (4 rows plan faster than 1 or 2: never given up)."""
+    job, make = _job(float(Cluster.from_spec(CLUSTER).device.memory_bytes))
+    alone = evaluate(job, make, 4, lambda m: None)
+    _slow_size_4(monkeypatch)
+    ahead = size_search.SearchAhead(lambda done, busy: None if busy or 4 in done else 4)
+    said: list[str] = []
+    out = size_search.evaluate_all(job, make, [1, 2], said.append, ahead=ahead)
+    assert [r.size for r in out] == [1, 2] and list(ahead.found) == [4]
+    assert any(m == "[searched ahead] helping with micro-batch 4" for m in said), said
+    assert ahead.found[4].seconds == alone.seconds

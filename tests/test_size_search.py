@@ -397,6 +397,27 @@ def test_share_asks_again_when_an_index_ends() -> None:
     assert one_ended.is_set()
 
 
+def test_share_helps_again_while_an_index_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread with nothing left helps, and helps again every `HELP_AGAIN_S` while another
+    index runs (a size taken just before may not have listed its jobs yet), and stops once
+    none runs."""
+    monkeypatch.setattr(size_search, "HELP_AGAIN_S", 0.05)
+    helped: list[float] = []
+    ended: list[float] = []
+
+    def f(k: int) -> int:
+        time.sleep(0.6)
+        ended.append(time.perf_counter())
+        return k
+
+    def helping() -> None:
+        helped.append(time.perf_counter())
+
+    assert share(1, 1, [0], f, f, helping, helping) == [0]
+    assert len(helped) >= 4, helped
+    assert all(t <= ended[0] + 0.3 for t in helped)
+
+
 def test_take_order_goes_from_the_middle_size_out() -> None:
     """The middle size first, then outwards, the larger of two alike first, whatever order
     the sizes are listed in."""

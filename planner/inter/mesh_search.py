@@ -249,6 +249,10 @@ class _MeshJobs:
             ),
         )
         self._pricings: dict = {}  # the owner's pricing of a helper's mesh (`result`)
+        # per helper's profile, by id (the tables hold it): the one `rebuild` made, so that the
+        # stages picked from it share one profile and what is derived from it (the 1T GPT
+        # at 64 rows on 384x8 A100s: 468 picks, 2.1 s pricing the candidates instead of 0.6)
+        self._rebuilt: dict[int, st.LayerProfile] = {}
         # per job: its pricing made by the size's bound (`beyond`) before its solve, which
         # takes it over; its prices once solved (`solve`)
         self._priced: dict[int, StagePricing] = {}
@@ -409,14 +413,17 @@ class _MeshJobs:
         option = pick.option
         if not mesh_share.is_shipped(option.profile):
             return pick
-        prof = mesh_share.rebuild(
-            option.profile,
-            self.graph,
-            option.mesh,
-            self.B,
-            self.optimizer,
-            self._pricings,
-        )
+        key = id(option.profile)
+        if key not in self._rebuilt:
+            self._rebuilt[key] = mesh_share.rebuild(
+                option.profile,
+                self.graph,
+                option.mesh,
+                self.B,
+                self.optimizer,
+                self._pricings,
+            )
+        prof = self._rebuilt[key]
         return dataclasses.replace(
             pick, option=dataclasses.replace(option, profile=prof)
         )

@@ -43,8 +43,8 @@ MIN_LEFT = 3
 #: Seconds between an owner's checks that the helper whose jobs it waits on is alive.
 POLL_S = 1.0
 
-_FRONT, _BACK, _HELPER, _COUNT, _OWNER = range(5)
-_SLOTS = 5
+_FRONT, _BACK, _HELPER, _COUNT, _OWNER, _SIZE = range(6)
+_SLOTS = 6
 #: Seconds between a free process's looks for a size whose owner is still tracing it
 #: (`JobCursor.pending`).
 PENDING_POLL_S = 0.02
@@ -53,8 +53,9 @@ PENDING_POLL_S = 0.02
 class JobCursor:
     """Per size: the next job from the front, the end of the jobs nobody has taken from the
     back (-1 until the owner has listed them), the helper's process id (0: none), the
-    number of jobs and the owner's process id (0: not taken yet). Passed to forked or spawned
-    processes at their start (multiprocessing shared memory)."""
+    number of jobs, the owner's process id (0: not taken yet) and the size itself, in rows
+    (`assign`: a slot may be handed out later, to a size searched ahead). Passed to forked or
+    spawned processes at their start (multiprocessing shared memory)."""
 
     def __init__(self, context: Any, sizes: int) -> None:
         self.slots = context.Array("q", _SLOTS * sizes)
@@ -63,6 +64,13 @@ class JobCursor:
 
     def _at(self, k: int, field: int) -> int:
         return _SLOTS * k + field
+
+    def assign(self, k: int, rows: int) -> None:
+        """Slot k is the micro-batch size of `rows` rows (before its owner begins it)."""
+        self.slots[self._at(k, _SIZE)] = rows
+
+    def size(self, k: int) -> int:
+        return self.slots[self._at(k, _SIZE)]
 
     def begin(self, k: int) -> None:
         """This process owns size k and is tracing it (`pending` until it opens or ends it)."""
