@@ -16,9 +16,9 @@ left first searches the sizes beyond the list that the caller guesses it will ne
 traces that size too and solves meshes from the back of its list, which the size's owner enters
 in job order (`planner.inter.mesh_share`). The results are those of the serial search: the
 sizes' best plans are compared in the order the serial search visits them (ties go to the
-earlier), so the plan does not depend on the process count. The fastest plan of a kept size so far is shared by the
-processes: a size whose least possible iteration time exceeds it is traced but not searched,
-or given up between two of its meshes when such a plan comes in meanwhile
+earlier), so the plan does not depend on the process count. The fastest plan of a kept size so
+far is shared by the processes: a size whose least possible iteration time exceeds it is traced
+but not searched, or given up between two of its meshes when such a plan comes in meanwhile
 (`planner.size_eval.evaluate`), since none of its plans could be the fastest, whichever
 process finds which first.
 `MESHPLAN_PLANNER_PROCESSES` sets the count, this process included (1: everything in this
