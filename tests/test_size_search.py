@@ -415,7 +415,8 @@ def test_share_helps_again_while_an_index_runs(monkeypatch: pytest.MonkeyPatch) 
 
     assert share(1, 1, [0], f, f, helping, helping) == [0]
     assert len(helped) >= 4, helped
-    assert all(t <= ended[0] + 0.3 for t in helped)
+    # none once the index has ended but the one that may have begun as it ended
+    assert sum(t > ended[0] for t in helped) <= 1, (helped, ended)
 
 
 def test_take_order_goes_from_the_middle_size_out() -> None:

@@ -352,6 +352,7 @@ class _MeshJobs:
                 pricing=pricing,
             )
             self._done[i] = pricing.ctx  # for the bound, should it be asked later
+            # a pricing the bound made meanwhile: this one serves it now
             self._priced.pop(i, None)
             return profiles
 
