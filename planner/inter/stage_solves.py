@@ -41,17 +41,19 @@ from planner.tracing.opgraph import OpGraph
 #: memory; proving it within 1e-7 (`planner.intra.highs.GAP_REL`) took most of the search where
 #: the budget binds (mixtral-8x7b on 8x8 H100s: 20 rungs with a fractional relaxation, 113 s
 #: of CPU, the largest 37 s). Within 3e-4 a rung's stage is at most 0.03% slower than that
-#: budget's optimum. 3e-4 rather than 1e-4: moe-10b on 16 V100s at micro-batch 32 has a rung
-#: whose branch-and-bound found its solution at 13.5 s and spent 25 s more proving it within
-#: 1e-4 (8.9 s to 3e-4, the same solution); on the 150 other rungs over 0.2 s captured from
-#: eight benchmark cases the looser gap changed no time by more than noise
-#: (benchmarks/planning_time_log.md, 2026-12-06).
+#: budget's optimum. 3e-4 rather than 1e-4: a rung of moe-10b on 16 V100s (micro-batch 32) found
+#: its solution at 13.5 s and spent 25 s more proving it within 1e-4 (9.8 s to 3e-4, the same
+#: solution). The 108 rungs over 0.2 s of eight benchmark cases, each solved at both gaps, took
+#: 217.8 s at 1e-4 and 185.4 s at 3e-4, the others alone 166.5 and 172.4 s (HiGHS's path moves
+#: with the gap: mixtral-8x7b's largest rung 24.2 and 31.9 s, the same solution); no solution
+#: came out more than 0.03% slower (benchmarks/planning_time_log.md, 2026-12-06 19:31).
 LADDER_GAP = 3e-4
 
 #: Seconds each HiGHS run of the search may take (`solve_time_limit`): a safety net, not a
-#: budget. The longest program measured on the benchmark cases, a memory rung of moe-70b on
-#: 8x8 A100s, took 18.6 s on this 2-core machine (benchmarks/planning_time_log.md,
-#: 2026-12-05). At the limit a branch-and-bound returns its best solution with a warning.
+#: budget. The longest programs measured on the benchmark cases took under 50 s on this 2-core
+#: machine (a memory rung of moe-10b on 16 V100s, 39-48 s at a 1e-4 gap; of moe-70b on 8x8
+#: A100s, 18.6-25 s; benchmarks/planning_time_log.md, 2026-12-05 and 06). At the limit a
+#: branch-and-bound returns its best solution with a warning.
 SOLVE_TIME_LIMIT_S = 300.0
 
 
