@@ -469,8 +469,13 @@ def test_fsdp_holds_the_priced_bytes(runs: list[dict[str, Any]]) -> None:
 @pytest.mark.slow
 def test_gloo_diagnostic_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """`python -m benchmarks.gloo_inflight`, the measurement behind
-    `runtime.redistribute.waits_at_once`, runs: a short launch finishes and says so."""
+    `runtime.redistribute.waits_at_once`, runs: a short launch finishes and says so. It runs
+    with each collective waited for as issued, as the runtime does on gloo: with collectives
+    left in flight gloo itself hangs or crashes now and then (what the diagnostic measures;
+    a rank crashed in a reduce-scatter at 200 collectives once), which no test can rule out."""
     from benchmarks.gloo_inflight import main
 
-    assert main(["--launches", "1", "--ops", "200", "--timeout", "120"]) == 0
-    assert "0 of 1 launches hung (200 collectives each)" in capsys.readouterr().out
+    argv = ["--launches", "1", "--ops", "200", "--timeout", "120", "--wait-at-once"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "0 of 1 launches hung or crashed (200 collectives each)" in out
