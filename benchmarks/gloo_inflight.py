@@ -8,8 +8,8 @@ synchronous scalar all-reduce (10%); a wait for a random subset of what is in fl
 sequence is seeded alike on both ranks, so both issue the same collectives in the same order. A
 launch that does not finish within `--timeout` seconds is a hang: both ranks' Python stacks
 are printed (each waiting in ``wait_tensor``); a rank may also crash inside gloo (a SIGSEGV in a
-reduce-scatter at 200 collectives, once, in a CI run on 2026-12-06). With ``--wait-at-once`` every collective is
-waited for as it is issued, as the runtime does on gloo.
+reduce-scatter at 200 collectives, once, in a CI run on 2026-12-06). With ``--wait-at-once``
+every collective is waited for as it is issued, as the runtime does on gloo.
 
     python -m benchmarks.gloo_inflight [--launches 20] [--ops 30000] [--wait-at-once]
 
