@@ -85,9 +85,10 @@ PRELOAD_ENV = "MESHPLAN_PRELOAD"
 
 #: How many times a launch whose blamed rank raised while joining the process group starts its
 #: ranks again (no rank has run `fn` then). Under `pytest -n 2` on a 2-core machine, gloo's
-#: connectFullMesh failed twice in CI (2026-12-01, 2026-12-04) in one rank of 2 alone ("Connection
-#: closed by peer" from a peer that did not fail), the second time with a store of the launch's
-#: own (`_serve_store`). torchrun's agent restarts its whole group after any failure instead.
+#: connectFullMesh failed in CI (2026-12-01, 2026-12-04, 2026-12-06) in one rank of 2 alone
+#: ("Connection closed by peer" from a peer that did not fail), the second and third time with a
+#: store of the launch's own (`_serve_store`); never twice in one launch. torchrun's agent restarts
+#: its whole group after any failure instead.
 JOIN_RESTARTS = 1
 
 
