@@ -10,6 +10,7 @@ meshes a layer fits on, and shares the prices with its search).
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
@@ -18,7 +19,7 @@ from cost_models.cluster import Cluster
 from cost_models.communication import LogicalMesh
 from planner.inter.interleave import interleave_layering
 from planner.inter.layers import graph_layerings
-from planner.inter.mesh_bound import least_time
+from planner.inter.mesh_bound import LeastTime
 from planner.inter.mesh_shapes import logical_shapes, submesh_shapes
 from planner.intra.solve import price_stage
 from planner.size_bound import least_iteration_time
@@ -30,10 +31,21 @@ def size_bound(
     graph: OpGraph, cluster: Cluster, num_microbatches: int, optimizer: str
 ) -> float:
     """`least_time` over the planner's clusterings and every logical mesh of the cluster."""
-    meshes = []
+    bound, _ = size_least(graph, cluster, num_microbatches, optimizer)
+    bound.exceeds(-math.inf)
+    return bound.seconds
+
+
+def size_least(
+    graph: OpGraph, cluster: Cluster, num_microbatches: int, optimizer: str
+) -> tuple[LeastTime, list[tuple[tuple[int, int], tuple[int, ...]]]]:
+    """`LeastTime` over the planner's clusterings and every logical mesh of the cluster, and
+    the (submesh, logical mesh shape) of each of its meshes, in its order."""
+    meshes, keys = [], []
     for sub in submesh_shapes(cluster):
         for shape in logical_shapes(sub):
             mesh = LogicalMesh(cluster, sub, shape)
+            keys.append((sub, tuple(shape)))
             meshes.append(
                 (
                     mesh.num_devices,
@@ -49,7 +61,8 @@ def size_bound(
             )
     layerings = graph_layerings(graph, None, cluster.num_devices)
     layerings.append(interleave_layering(graph))
-    return least_time(graph, layerings, meshes, num_microbatches, cluster.num_devices)
+    bound = LeastTime(graph, layerings, meshes, num_microbatches, cluster.num_devices)
+    return bound, keys
 
 
 def main(argv: list[str] | None = None) -> None:

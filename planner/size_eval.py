@@ -153,7 +153,8 @@ class _Bounded:
     its meshes is solved (`planner.inter.mesh_search.search`'s `give_up`), as other sizes' plans
     come in. The bound is one device's work over the devices (`planner.size_bound`, made the
     first time a plan has been found), and where that does not rule the size out and its meshes
-    are known, what they allow (`planner.inter.mesh_bound`, made the first time it is needed)."""
+    are known, what they allow (`planner.inter.mesh_bound`, made the first time it is needed).
+    The same per logical mesh (`mesh`): a mesh none of whose plans can beat it is not solved."""
 
     def __init__(
         self, job: SizeJob, graph: Any, B: int, beat: Callable[[], float] | None
@@ -192,6 +193,17 @@ class _Bounded:
             f"{self.fastest:.4g} s was found"
         )
 
+    def mesh(self, beyond: Callable[[float], bool]) -> str | None:
+        """Why no plan with a stage on one logical mesh of the size can beat the fastest found
+        so far (`beyond(seconds)`: whether every such plan takes more than `seconds`,
+        `planner.inter.mesh_search`'s `skip_mesh`), else None."""
+        fastest = np.inf if self.beat is None else self.beat()
+        if not np.isfinite(fastest) or not beyond(fastest / (1 - BOUND_MARGIN)):
+            return None
+        return (
+            f"no plan with a stage on it takes under the {fastest:.4g} s of one found"
+        )
+
 
 def _evaluate(
     job: SizeJob,
@@ -216,7 +228,7 @@ def _evaluate(
     args, kw = search_args(job, graph, b, say)
     counts = ", ".join(str(len(x)) for x in args[1])
     say(f"{len(graph.ops)} ops in {counts} layers")
-    result = search(*args, **kw, share=share, give_up=bounded)
+    result = search(*args, **kw, share=share, give_up=bounded, skip_mesh=bounded.mesh)
     if result is None:
         say(f"micro-batch {b} given up: {bounded.why()}")
         return SizeResult(b, bounded=bounded.least)
@@ -248,12 +260,16 @@ def _evaluate(
             continue
         found.append(Ranked(predicted_iteration_time(spec), spec))
     best = min(found) if found else None
-    say(
-        f"micro-batch {b}: {best.seconds:.4g} s per iteration, the best of "
-        f"{len(found)} candidate plans"
-        if best
-        else f"micro-batch {b}: no plan fits in memory"
-    )
+    skipped = result.skipped
+    if best:
+        said = f"{best.seconds:.4g} s per iteration, the best of {len(found)} candidate plans"
+    else:
+        said = (
+            "no plan " + ("of the meshes solved " if skipped else "") + "fits in memory"
+        )
+    if skipped:
+        said += f" ({skipped} logical mesh{'es' if skipped > 1 else ''} skipped by the bound)"
+    say(f"micro-batch {b}: {said}")
     return SizeResult(
         b,
         seconds=best.seconds if best else np.inf,

@@ -12,22 +12,29 @@ from benchmarks.manual_grid import grid, price
 from cost_models.cluster import Cluster
 from planner import size_eval
 from planner.api import plan
+from planner.vocab.plan_file import ParallelPlan
 
 
 def size_plan_times(
     model: str, cluster: Cluster, G: int, sizes: Collection[int], suite: str
-) -> dict[str, tuple[int, float]]:
-    """{label: (micro-batch size, predicted iteration time)} of the plans above at `sizes`."""
+) -> dict[str, tuple[int, float, set[tuple]]]:
+    """{label: (micro-batch size, predicted iteration time, its stages' (submesh, logical
+    mesh))} of the plans above at `sizes`."""
     times = {}
+
+    def add(label: str, p: ParallelPlan) -> None:
+        meshes = {(tuple(s.submesh), tuple(s.logical_mesh)) for s in p.stages}
+        times[label] = (G // p.num_microbatches, p.estimate.iteration_time_s, meshes)
+
     for b in sizes:
-        p = plan(model, cluster, global_batch=G, microbatch_size=b)
-        times[f"auto at {b} rows"] = (b, p.estimate.iteration_time_s)
+        add(
+            f"auto at {b} rows", plan(model, cluster, global_batch=G, microbatch_size=b)
+        )
     groups, _ = grid(model, cluster, G, "adam_mixed", suite)
     for config in (c for group in groups for c in group):
         p = price(model, cluster, config, G, "float16", "adam_mixed")
-        b = G // p.num_microbatches
-        if b in sizes:
-            times[config.label()] = (b, p.estimate.iteration_time_s)
+        if G // p.num_microbatches in sizes:
+            add(config.label(), p)
     return times
 
 

@@ -368,7 +368,9 @@ def test_a_launch_that_failed_joining_once_returns_the_second_starts_results(
     monkeypatch.setattr(runtime.launch, "_launch_once", once)
     # The mocked failure uses up the launch's restart; one more keeps a real start's own join
     # failure (CI, 2026-12-06: "connectFullMesh ... Connection closed by peer") from failing this.
-    monkeypatch.setattr(runtime.launch, "JOIN_RESTARTS", runtime.launch.JOIN_RESTARTS + 1)
+    monkeypatch.setattr(
+        runtime.launch, "JOIN_RESTARTS", runtime.launch.JOIN_RESTARTS + 1
+    )
     assert launch(_group_port, 2, timeout_s=60)[0] > 0 and len(starts) >= 2
 
 

@@ -34,6 +34,13 @@ least over the layers of c of their units' summed lb on m, a plan of c takes at 
 
 and the size's bound is B times the least tau_c (`least_time`). Memory is ignored. Zero bubble
 splits the backward across its schedule, so no bound is claimed for it.
+
+The same bound for the plans with a device group on one logical mesh m: tau_c^m, the least tau
+of the covers with a group on m (`covers_with`). When B tau_c^m exceeds a plan found already for
+every c (`LeastTime.exceeds_with`), no stage of m can be in a faster plan, and
+`planner.inter.mesh_search` does not solve m's programs (issue 23's pruning of logical-mesh
+candidates; the 1T GPT on 384x8 A100s at 32 rows: 9.2 of the 19.2 s of its meshes' solves
+against the plan of 70.06 s found at 16 rows, benchmarks/planning_time_log.md, 2026-12-06).
 """
 
 from __future__ import annotations
@@ -103,6 +110,27 @@ def group_bound(items: Sequence[tuple[int, float]], layers: int, devices: int) -
     return float(taus[lo])
 
 
+def covers_with(
+    items: Sequence[tuple[int, float]], m: int, layers: int, devices: int, tau: float
+) -> bool:
+    """Whether groups of at most `devices` devices in all, one of them on the mesh `items[m]`
+    = (n_m, a_m), each within `tau`, hold every layer: tau_c^m <= tau. The group on m holds
+    floor(tau / a_m) layers (at least one), the other devices the rest (`_cover`, any mesh)."""
+    n_m, a_m = items[m]
+    if n_m > devices:
+        return False
+    least: dict[int, float] = {}
+    for n, a in items:
+        if n <= devices and a < least.get(n, math.inf):
+            least[n] = a
+    if min(least.values()) <= 0:
+        return True  # a bound of 0: it never rules a mesh out
+    if tau < a_m:
+        return False
+    rest = layers - min(layers, math.floor(tau / a_m * (1 + 1e-12)))
+    return rest <= 0 or _cover(least, tau, rest, devices - n_m) >= rest
+
+
 def _cover(least: dict[int, float], tau: float, layers: int, devices: int) -> int:
     """The most layers groups of at most `devices` devices in all hold within `tau` each: an
     unbounded knapsack, item n (a group of n devices) worth min(layers, floor(tau / least[n]))
@@ -167,6 +195,15 @@ class LeastTime:
                     for it, L in zip(self.items, self.layers)
                 )
         return self.seconds > seconds
+
+    def exceeds_with(self, m: int, seconds: float) -> bool:
+        """Whether every plan with a device group on mesh m (its index in `meshes`) takes more
+        than `seconds`: B tau_c^m > seconds for every clustering c. Prices every mesh."""
+        self.exceeds(-math.inf)
+        return not any(
+            covers_with(it, m, L, self.devices, seconds / self.B)
+            for it, L in zip(self.items, self.layers)
+        )
 
     def _add(self, devices: int, prices: Callable[[], PricedStage]) -> None:
         ctx, ops = prices(), self.ops

@@ -3,7 +3,8 @@ per logical mesh (time-optimal, memory ladder, Megatron seeds; on threads), the 
 table per layer clustering (`planner.inter.stage_table`), and the stage DP (`planner.inter.stage_dp`) on
 each; with the schedule "auto" or "interleaved", also the interleaved 1F1B options
 (`planner.inter.interleave`). `planner.api.plan` runs it for every candidate micro-batch size and
-assembles the best."""
+assembles the best. Once a plan has been found (at another size), a logical mesh none of whose
+plans could beat it (`planner.inter.mesh_bound`) is not solved (`search`'s `skip_mesh`)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ class SearchResult:
 
     candidates: list[Candidate]
     least_whole_memory: float
+    skipped: int = 0  # logical meshes not solved: no plan with a stage on one could win
 
 
 #: Schedules `search` accepts beyond `cost_models.memory.SCHEDULES`' pinned ones: "auto" searches
@@ -258,6 +260,10 @@ class _MeshJobs:
         self._priced: dict[int, StagePricing] = {}
         self._done: dict[int, PricedStage] = {}
         self._least: mesh_bound.LeastTime | None = None
+        self._bound_at: dict[int, int] = {}  # job -> its mesh's index in `_least`
+        # `search`'s `skip_mesh` (this process's own solves only) and the meshes it skipped
+        self.skip: Callable[[Callable[[float], bool]], str | None] | None = None
+        self.skipped = 0
 
     def _price(self, i: int) -> StagePricing:
         return price_stage(
@@ -281,6 +287,19 @@ class _MeshJobs:
         zero bubble (no bound)."""
         if self.schedule == "zero_bubble":
             return None
+        least = self._bound()
+        return least.seconds if least.exceeds(seconds) else None
+
+    def beyond_with(self, i: int, seconds: float) -> bool:
+        """Whether every plan of the size with a stage on job i's logical mesh takes more than
+        `seconds` (`mesh_bound.LeastTime.exceeds_with`, every mesh priced); never for zero
+        bubble."""
+        if self.schedule == "zero_bubble":
+            return False
+        return self._bound().exceeds_with(self._bound_at[i], seconds)
+
+    def _bound(self) -> mesh_bound.LeastTime:
+        """The size's `mesh_bound.LeastTime`, made the first time it is needed."""
         if self._least is None:
             layerings = [t.layers for t in self.tables]
             if self.inter is not None:
@@ -291,6 +310,7 @@ class _MeshJobs:
             order = sorted(
                 range(len(self.jobs)), key=lambda i: self.jobs[i][2].num_devices
             )
+            self._bound_at = {i: p for p, i in enumerate(order)}
             self._least = mesh_bound.LeastTime(
                 self.graph,
                 layerings,
@@ -301,7 +321,7 @@ class _MeshJobs:
                 self.B,
                 self.cluster.num_devices,
             )
-        return self._least.seconds if self._least.exceeds(seconds) else None
+        return self._least
 
     def job(self, p: int) -> tuple:
         """The job at position p of the take order."""
@@ -330,11 +350,21 @@ class _MeshJobs:
         shape, first, mode = mesh.shape, self.first, self.mode
         i = self.jobs.index(job)
         with solves_overlap():
-            pricing = self._priced.pop(i, None) or self._price(i)
-            self.say(
+            where = (
                 f"micro-batches {self.B}: submesh {sub[0]}x{sub[1]}, logical mesh "
-                f"{shape[0]}x{shape[1]} ({i + 1} of {len(self.jobs)})"
+                f"{shape[0]}x{shape[1]}"
             )
+            why = (
+                None
+                if self.skip is None
+                else self.skip(functools.partial(self.beyond_with, i))
+            )
+            if why is not None:
+                self.skipped += 1
+                self.say(f"{where} skipped: {why}")
+                return []
+            pricing = self._priced.pop(i, None) or self._price(i)
+            self.say(f"{where} ({i + 1} of {len(self.jobs)})")
             profiles = stage_solves.profiles_for(
                 self.graph,
                 mesh,
@@ -443,7 +473,7 @@ class _MeshJobs:
         out = [
             dataclasses.replace(c, stages=[self._own(s) for s in c.stages]) for c in out
         ]
-        return SearchResult(out, self.least)
+        return SearchResult(out, self.least, self.skipped)
 
     def _dp_candidates(self) -> list[Candidate]:
         B, subs, schedule, mode = self.B, self.subs, self.schedule, self.mode
@@ -498,6 +528,7 @@ def search(
     chunk_layers: list[tuple[int, int]] | None = None,
     share: MeshShare | None = None,
     give_up: Callable[[Callable[[float], float | None]], bool] | None = None,
+    skip_mesh: Callable[[Callable[[float], bool]], str | None] | None = None,
 ) -> SearchResult | None:
     """Solve the intra-op pass once per logical mesh (time-optimal, memory ladder, Megatron seeds,
     context-parallel seeds unless `context_parallel` is False),
@@ -512,7 +543,10 @@ def search(
     result is the same. `give_up(beyond)` is asked before each mesh is solved here,
     `beyond(seconds)` giving the size's least iteration time on its meshes when it exceeds
     `seconds` (`planner.inter.mesh_bound`), else None: once it is true, no further mesh is
-    started (nor taken by a helper) and the search returns None."""
+    started (nor taken by a helper) and the search returns None. `skip_mesh(beyond)` is asked
+    before each mesh is solved here, `beyond(seconds)` telling whether every plan of the size
+    with a stage on that mesh takes more than `seconds`: a reason (said in the progress) when
+    none of them can be the caller's best, and the mesh is not solved."""
     jobs = _MeshJobs(
         graph,
         layerings,
@@ -532,6 +566,7 @@ def search(
     # plan does not depend on the thread count. On an error or Ctrl-C the queued passes are
     # cancelled (the running ones finish first).
     ask = None if give_up is None else functools.partial(give_up, jobs.beyond)
+    jobs.skip = skip_mesh
     stop = _Stop(ask, None if share is None else share.end)
     pool = ThreadPoolExecutor(max_workers=solver_threads())
     try:
