@@ -52,15 +52,20 @@ def _brute(items: list[tuple[int, float]], layers: int, devices: int) -> float:
     return best
 
 
-def test_group_bound_is_the_brute_force_optimum() -> None:
-    rng = random.Random(7)
-    for _ in range(150):
+def _instances(seed: int, count: int = 150):
+    """Random small coverings: (items (devices, a) per mesh, layers, devices)."""
+    rng = random.Random(seed)
+    for _ in range(count):
         devices = rng.randint(1, 8)
         items = [
             (rng.choice([1, 2, 3, 4, 8]), round(rng.uniform(0.1, 3.0), 3))
             for _ in range(rng.randint(1, 4))
         ]
-        layers = rng.randint(1, 5)
+        yield items, rng.randint(1, 5), devices
+
+
+def test_group_bound_is_the_brute_force_optimum() -> None:
+    for items, layers, devices in _instances(7):
         want = _brute(items, layers, devices)
         assert group_bound(items, layers, devices) == pytest.approx(want), (
             items,
@@ -88,13 +93,7 @@ def _brute_with(
 def test_covers_with_a_mesh_is_the_brute_force_optimum() -> None:
     rng = random.Random(11)
     checked = 0
-    for _ in range(150):
-        devices = rng.randint(1, 8)
-        items = [
-            (rng.choice([1, 2, 3, 4, 8]), round(rng.uniform(0.1, 3.0), 3))
-            for _ in range(rng.randint(1, 4))
-        ]
-        layers = rng.randint(1, 5)
+    for items, layers, devices in _instances(11):
         for m in range(len(items)):
             want = _brute_with(items, m, layers, devices)
             taus = [rng.uniform(0.05, 10.0)]
@@ -237,3 +236,55 @@ def test_the_bound_prices_meshes_only_while_it_may_exceed() -> None:
     assert not bound.exceeds(1e9) and len(priced) == 1 and bound.seconds <= 1e9
     assert bound.exceeds(full * 0.99) and bound.seconds == full
     assert len(priced) == len(meshes)
+
+
+def test_a_meshs_bound_prices_other_meshes_only_until_a_cover_is_found() -> None:
+    """`exceeds_with(m, s)` gives the answer of every mesh priced (no cover with a group on m
+    within s), pricing m first and the others only while no cover is found."""
+    cluster = Cluster.from_spec("2x4xA100-80GB")
+    _, make, _ = resolve_model("gpt-tiny", None, torch.float16, None)
+    graph = make.trace(2)
+    cache: dict[tuple, object] = {}
+    priced: list[int] = []
+
+    def prices(i: int, mesh: LogicalMesh):
+        priced.append(i)
+        key = (mesh.submesh, mesh.shape)
+        if key not in cache:
+            cache[key] = price_stage(
+                graph, mesh, num_microbatches=8, optimizer="adam_mixed"
+            ).ctx
+        return cache[key]
+
+    logical = [
+        LogicalMesh(cluster, sub, shape)
+        for sub in submesh_shapes(cluster)
+        for shape in logical_shapes(sub)
+    ]
+    meshes = [
+        (m.num_devices, lambda i=i, m=m: prices(i, m)) for i, m in enumerate(logical)
+    ]
+    layerings = graph_layerings(graph, None, cluster.num_devices)
+    full = LeastTime(graph, layerings, meshes, 8, cluster.num_devices)
+    full.exceeds(-math.inf)
+    answers, fewer = {True: 0, False: 0}, 0
+    for seconds in [full.seconds * f for f in (0.5, 1.0, 1.2, 2.0, 4.0)]:
+        for m in range(len(meshes)):
+            want = not any(
+                covers_with(
+                    it, full.added.index(m), L, cluster.num_devices, seconds / 8
+                )
+                for it, L in zip(full.items, full.layers)
+            )
+            priced.clear()
+            lazy = LeastTime(graph, layerings, meshes, 8, cluster.num_devices)
+            assert lazy.exceeds_with(m, seconds) == want, (m, seconds)
+            assert priced[0] == m
+            assert not want or len(priced) == len(meshes)
+            answers[want] += 1
+            fewer += len(priced) < len(meshes)
+            # asked again with every mesh priced: the same answer
+            lazy.exceeds(-math.inf)
+            assert lazy.exceeds_with(m, seconds) == want
+            assert lazy.seconds == full.seconds
+    assert answers[True] > 5 and answers[False] > 5 and fewer > 5, (answers, fewer)

@@ -154,9 +154,9 @@ def _cover(least: dict[int, float], tau: float, layers: int, devices: int) -> in
 class LeastTime:
     """B times the least tau_c over `clusterings` (each a list of (first, last) op indices per
     layer) on `meshes` ((devices, its prices, made when called) per logical mesh a plan may
-    use), computed only as far as `exceeds` needs: adding a mesh can only lower the bound, so
-    once the meshes priced so far give `seconds` or less, so do all of them, and the rest are
-    left unpriced (until a lower `seconds` is asked)."""
+    use), computed only as far as `exceeds` (and `exceeds_with`) needs: adding a mesh can only
+    lower the bound, so once the meshes priced so far give `seconds` or less, so do all of them,
+    and the rest are left unpriced (until a lower `seconds` is asked)."""
 
     def __init__(
         self,
@@ -180,32 +180,57 @@ class LeastTime:
             )
             for c in clusterings
         ]
+        # per clustering, (devices, a) of each mesh added so far, in the order added (`added`)
         self.items: list[list[tuple[int, float]]] = [[] for _ in clusterings]
-        self.seconds = math.inf  # the bound on the meshes added so far
+        self.added: list[int] = []
+        self.left = list(range(len(meshes)))  # the meshes not added, in their order
+        self.seconds = (
+            math.inf
+        )  # the bound on the meshes added so far (when not `_stale`)
+        self._stale = False
 
     def exceeds(self, seconds: float) -> bool:
         """Whether the bound on every mesh exceeds `seconds`; meshes are added (and the bound
         taken again after 1, 2, 4, ... of them and the last) while it may."""
-        while self.seconds > seconds and len(self.items[0]) < len(self.meshes):
-            self._add(*self.meshes[len(self.items[0])])
-            added = len(self.items[0])
-            if added & (added - 1) == 0 or added == len(self.meshes):
-                self.seconds = self.B * min(
-                    group_bound(it, L, self.devices)
-                    for it, L in zip(self.items, self.layers)
-                )
+        while self.seconds > seconds and self.left:
+            self._add(self.left[0])
+            added = len(self.added)
+            if added & (added - 1) == 0 or not self.left:
+                self._refresh()
+        if not self.left and self._stale:
+            self._refresh()
         return self.seconds > seconds
 
     def exceeds_with(self, m: int, seconds: float) -> bool:
         """Whether every plan with a device group on mesh m (its index in `meshes`) takes more
-        than `seconds`: B tau_c^m > seconds for every clustering c. Prices every mesh."""
-        self.exceeds(-math.inf)
-        return not any(
-            covers_with(it, m, L, self.devices, seconds / self.B)
-            for it, L in zip(self.items, self.layers)
-        )
+        than `seconds`: B tau_c^m > seconds for every clustering c. Covers on some of the meshes
+        are covers on all of them, so m is priced first and the rest (1, 2, 4, ... more at a
+        time) only until a cover within `seconds` is found; every mesh when none is."""
+        if m in self.left:
+            self._add(m)
+        step = 1
+        while True:
+            k = self.added.index(m)
+            tau = seconds / self.B
+            if any(
+                covers_with(it, k, L, self.devices, tau)
+                for it, L in zip(self.items, self.layers)
+            ):
+                return False
+            if not self.left:
+                return True
+            for i in self.left[:step]:
+                self._add(i)
+            step *= 2
 
-    def _add(self, devices: int, prices: Callable[[], PricedStage]) -> None:
+    def _refresh(self) -> None:
+        self.seconds = self.B * min(
+            group_bound(it, L, self.devices) for it, L in zip(self.items, self.layers)
+        )
+        self._stale = False
+
+    def _add(self, i: int) -> None:
+        devices, prices = self.meshes[i]
         ctx, ops = prices(), self.ops
         memo: dict[tuple, float] = {}  # the copies of a repeated block price alike
         sums = np.zeros(len(self.units) + 1)
@@ -216,6 +241,9 @@ class LeastTime:
             sums[u + 1] = sums[u] + memo[key]
         for c, (first, after) in enumerate(self.spans):
             self.items[c].append((devices, float(np.min(sums[after] - sums[first]))))
+        self.added.append(i)
+        self.left.remove(i)
+        self._stale = True
 
 
 def least_time(
