@@ -184,9 +184,8 @@ class LeastTime:
         self.items: list[list[tuple[int, float]]] = [[] for _ in clusterings]
         self.added: list[int] = []
         self.left = list(range(len(meshes)))  # the meshes not added, in their order
-        self.seconds = (
-            math.inf
-        )  # the bound on the meshes added so far (when not `_stale`)
+        # the bound on the meshes added so far (when not `_stale`)
+        self.seconds = math.inf
         self._stale = False
 
     def exceeds(self, seconds: float) -> bool:
@@ -208,10 +207,9 @@ class LeastTime:
         time) only until a cover within `seconds` is found; every mesh when none is."""
         if m in self.left:
             self._add(m)
-        step = 1
+        step, tau = 1, seconds / self.B
         while True:
             k = self.added.index(m)
-            tau = seconds / self.B
             if any(
                 covers_with(it, k, L, self.devices, tau)
                 for it, L in zip(self.items, self.layers)
