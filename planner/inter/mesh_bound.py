@@ -89,10 +89,7 @@ def group_bound(items: Sequence[tuple[int, float]], layers: int, devices: int) -
     logical mesh. Exact: tau is one of the values k * a_m (k = 1..layers), the least of them
     whose cover (an unbounded knapsack over the devices, `_cover`) holds every layer; inf when
     no mesh fits the devices."""
-    least: dict[int, float] = {}
-    for n, a in items:
-        if n <= devices and a < least.get(n, math.inf):
-            least[n] = a
+    least = _least_per_count(items, devices)
     if not least:
         return math.inf
     if min(least.values()) <= 0:
@@ -119,16 +116,25 @@ def covers_with(
     n_m, a_m = items[m]
     if n_m > devices:
         return False
-    least: dict[int, float] = {}
-    for n, a in items:
-        if n <= devices and a < least.get(n, math.inf):
-            least[n] = a
+    least = _least_per_count(items, devices)
     if min(least.values()) <= 0:
         return True  # a bound of 0: it never rules a mesh out
     if tau < a_m:
         return False
     rest = layers - min(layers, math.floor(tau / a_m * (1 + 1e-12)))
     return rest <= 0 or _cover(least, tau, rest, devices - n_m) >= rest
+
+
+def _least_per_count(
+    items: Sequence[tuple[int, float]], devices: int
+) -> dict[int, float]:
+    """The least a of the meshes of each device count n <= `devices` (a group of n devices
+    takes the fastest of them)."""
+    least: dict[int, float] = {}
+    for n, a in items:
+        if n <= devices and a < least.get(n, math.inf):
+            least[n] = a
+    return least
 
 
 def _cover(least: dict[int, float], tau: float, layers: int, devices: int) -> int:

@@ -292,8 +292,8 @@ class _MeshJobs:
 
     def beyond_with(self, i: int, seconds: float) -> bool:
         """Whether every plan of the size with a stage on job i's logical mesh takes more than
-        `seconds` (`mesh_bound.LeastTime.exceeds_with`, every mesh priced); never for zero
-        bubble."""
+        `seconds` (`mesh_bound.LeastTime.exceeds_with`, the meshes priced as far as needed);
+        never for zero bubble."""
         if self.schedule == "zero_bubble":
             return False
         return self._bound().exceeds_with(self._bound_at[i], seconds)
