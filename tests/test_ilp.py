@@ -138,30 +138,16 @@ def test_bulk_highs_passes_the_model_pulp_would() -> None:
         assert a.a_matrix_.format_ == b.a_matrix_.format_
 
 
-@pytest.mark.parametrize("max_fractional", [None, -1, 10**9])
 def test_relaxation_first_and_branch_and_bound_both_match_brute_force(
-    monkeypatch, max_fractional
+    monkeypatch,
 ) -> None:
     """HiGHS's route (`ILPModel.solve`): the LP relaxation, kept when integral, else the
-    branch-and-bound on the pruned program, presolved or not by how many binaries the
-    relaxation left fractional (`highs.presolve_for`; forced off with -1, on with 10**9).
-    Random programs under tight budgets take both routes; every answer is the brute-force
-    optimum."""
-    from planner.intra import highs
+    branch-and-bound of `planner.intra.branching` on the pruned program. Random programs under
+    tight budgets take both routes; every answer is the brute-force optimum."""
+    from planner.intra import branching, highs
 
-    if max_fractional is not None:
-        monkeypatch.setattr(highs, "PRESOLVE_MAX_FRACTIONAL", max_fractional)
-    presolve = []  # the presolve option of each branch-and-bound run
-    run = highs._run
-
-    def seen(h):
-        if len(h.getLp().integrality_):  # the relaxations have no integral columns
-            presolve.append(h.getOptionValue("presolve")[1])
-        return run(h)
-
-    monkeypatch.setattr(highs, "_run", seen)
     calls = {"relaxation": 0, "branch_and_bound": 0}
-    relax, bnb = highs.solve_relaxation, highs.run_highs
+    relax, tree = highs.solve_relaxation, branching.branch_and_bound
 
     def counted(name, fn):
         def run(*a, **kw):
@@ -171,7 +157,9 @@ def test_relaxation_first_and_branch_and_bound_both_match_brute_force(
         return run
 
     monkeypatch.setattr(highs, "solve_relaxation", counted("relaxation", relax))
-    monkeypatch.setattr(highs, "run_highs", counted("branch_and_bound", bnb))
+    monkeypatch.setattr(
+        branching, "branch_and_bound", counted("branch_and_bound", tree)
+    )
     rng = np.random.default_rng(4321)
     for _ in range(30):
         p = _random_problem(rng, with_memory=True)
@@ -181,9 +169,6 @@ def test_relaxation_first_and_branch_and_bound_both_match_brute_force(
         assert got.memory <= p.memory_budget + 1e-6
     assert calls["relaxation"] == 30
     assert 0 < calls["branch_and_bound"] < 30
-    assert len(presolve) == calls["branch_and_bound"]
-    if max_fractional is not None:
-        assert set(presolve) == {"off" if max_fractional < 0 else "choose"}
 
 
 def test_settle_takes_the_least_memory_then_the_lowest_index_among_ties() -> None:
@@ -243,17 +228,6 @@ def test_solve_within_is_the_optimum_over_the_allowed_strategies() -> None:
         want = brute_force(p).objective
         assert model.solve(None).objective == pytest.approx(want, rel=1e-6, abs=1e-9)
     assert answered >= asked * 3 // 4, (answered, asked)
-
-
-def test_presolve_only_where_the_relaxation_splits_at_most_one_node() -> None:
-    """`highs.presolve_for`: a relaxation that splits one node between two strategies (two
-    fractional binaries) is presolved, one that splits more is not."""
-    from planner.intra import highs
-
-    assert highs.presolve_for(np.array([1.0, 0.0, 0.0, 1.0]))
-    assert highs.presolve_for(np.array([1.0, 0.0, 0.25, 0.75]))
-    assert not highs.presolve_for(np.array([0.3, 0.3, 0.4, 1.0]))
-    assert not highs.presolve_for(np.array([0.5, 0.5, 0.5, 0.5]))
 
 
 def test_edge_groups_are_numpys_unique_rows_then_columns() -> None:

@@ -137,7 +137,7 @@ def run_highs(
     presolve: bool = True,
 ) -> tuple[str, np.ndarray | None]:
     """Solve the program with HiGHS's branch-and-bound to the relative gap `gap`, with or without
-    presolve (`presolve_for`): ("optimal" | "stopped" | "timeout" | "infeasible" | "failed",
+    presolve: ("optimal" | "stopped" | "timeout" | "infeasible" | "failed",
     column values or None). "stopped": a time limit left a feasible, maybe not optimal,
     solution; "timeout": it left none."""
     if not len(arrays.cost):  # every node has one strategy: nothing to choose
@@ -173,28 +173,6 @@ def _fractional(x: np.ndarray) -> np.ndarray:
 def integral(x: np.ndarray) -> bool:
     """Whether every value of `x` lies within `INTEGRAL_TOL` of an integer."""
     return not _fractional(x).any()
-
-
-#: The most binaries the relaxation may leave fractional for the branch-and-bound to presolve
-#: (`presolve_for`): two, a single node split between two strategies (where the memory row
-#: binds). HiGHS's branch-and-bound restarts from a new presolve whenever reduced-cost fixing
-#: has made enough binaries inactive, solving the root again, cuts and all. With one node split,
-#: the root bound lay within 0.1% of the optimum in 16 of the 19 such programs below, and the
-#: restarts shrink the program fast (one of llama3-70b's: 20K columns to under 1K in six
-#: restarts); with more split, the bound is weaker, the restarts remove a smaller share (17.9%
-#: at the first on mixtral-8x7b's largest) and the root solves cost more than they save. Measured on the 49 branch-and-bound programs over
-#: 0.5-1 s of llama3-70b, mixtral-8x7b and llama3-405b (on 8x8, 8x8 and 128x8 H100s), seconds
-#: with presolve / without / this rule: llama3-70b's 15 programs 14.4 / 24.1 / 12.4 (two with
-#: one node split took 0.5 / 5.0 and 0.7 / 7.4 s: the restarts shrank 20K columns to under 1K),
-#: mixtral-8x7b's 27 172.0 / 82.2 / 79.2 (the largest, 146 binaries fractional, 72.0 / 18.7 s),
-#: llama3-405b's 7 (one size) 26.2 / 19.2 / 19.2; the same optima within the gap.
-PRESOLVE_MAX_FRACTIONAL = 2
-
-
-def presolve_for(relaxed_binaries: np.ndarray) -> bool:
-    """Whether the branch-and-bound of a program whose LP relaxation gave `relaxed_binaries`
-    should presolve (`PRESOLVE_MAX_FRACTIONAL`)."""
-    return int(_fractional(relaxed_binaries).sum()) <= PRESOLVE_MAX_FRACTIONAL
 
 
 def solve_relaxation(

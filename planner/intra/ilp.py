@@ -49,7 +49,7 @@ import numpy as np
 import pulp
 
 from cost_models.errors import MeshplanError, gib
-from planner.intra import dominance, highs
+from planner.intra import branching, dominance, highs
 from planner.intra.highs import solves_overlap
 from planner.intra.pulp_route import _solver, _solver_name, _variable_factory
 
@@ -167,10 +167,12 @@ class ILPModel:
     How `solve` runs HiGHS: first the LP relaxation of this program
     (`planner.intra.highs.solve_relaxation`); when its optimum is integral in the binaries, no
     integral choice can beat it and it is the optimum. Otherwise (on these programs mostly
-    when the memory row binds) the branch-and-bound, presolving where the relaxation splits at
-    most one node (`planner.intra.highs.presolve_for`), solves `pruned`: with `prune` (the default)
+    when the memory row binds) a branch-and-bound solves `pruned`: with `prune` (the default)
     the program of the strategies `planner.intra.dominance.undominated` keeps, built then, else
-    this one. CBC always gets `pruned`. `settle` then breaks ties the same way on every route.
+    this one. It is `planner.intra.branching`'s, which splits one node's strategies at a time,
+    where the relaxation was solved; HiGHS's own where it was not (its time limit) or with
+    `msg` (HiGHS's log). CBC always gets `pruned`. `settle` then breaks ties the same way on
+    every route.
     """
 
     def __init__(
@@ -313,15 +315,19 @@ class ILPModel:
     def highs_arrays(self, budget: float | None) -> highs.HighsArrays:
         """The program under `budget` bytes per device (None: no memory row) as HiGHS takes it:
         the arrays `planner.intra.pulp_route._BulkHiGHS` makes of `pulp_problem(budget)`."""
-        if budget is None or self.problem.node_memory is None:
+        limit = self._memory_limit(budget)
+        if limit is None:
             return self._arrays
-        # pulp keeps the expression's constant on the left: upper bound -(constant - budget)
         return self._arrays.with_row(
-            list(self.memory_row),
-            list(self.memory_row.values()),
-            -np.inf,
-            -(self.memory_constant - budget / 2**20),
+            list(self.memory_row), list(self.memory_row.values()), -np.inf, limit
         )
+
+    def _memory_limit(self, budget: float | None) -> float | None:
+        """The upper bound of the memory row under `budget` bytes per device (None: no row)."""
+        if budget is None or self.problem.node_memory is None:
+            return None
+        # pulp keeps the expression's constant on the left: upper bound -(constant - budget)
+        return -(self.memory_constant - budget / 2**20)
 
     def pulp_problem(self, budget: float | None) -> pulp.LpProblem:
         """The program as a pulp model, with the memory row for `budget` bytes per device last (a
@@ -359,6 +365,16 @@ class ILPModel:
             pulp.LpConstraint(row, pulp.LpConstraintLE, rhs=budget / 2**20), "memory"
         )
         return prob
+
+    @functools.cached_property
+    def _branching(self) -> tuple[list[np.ndarray], np.ndarray]:
+        """`branching.branch_and_bound`'s groups (each node's binary columns, in HiGHS's
+        order) and memory (each HiGHS column's coefficient in the memory row, 0 off it)."""
+        position = self._arrays.position
+        memory = np.zeros(len(position))
+        cols = np.array(list(self.memory_row), dtype=np.int64)
+        memory[position[cols]] = list(self.memory_row.values())
+        return [position[s] for s in self.s if s is not None], memory
 
     @functools.cached_property
     def _warm(self) -> highs.WarmRelaxation:
@@ -418,7 +434,7 @@ class ILPModel:
         """The best choice within `budget` bytes per device (None: no memory row). Raises
         MeshplanError if no choice fits. `via_pulp` hands HiGHS the pulp model (`_BulkHiGHS`)
         instead of the arrays: the same program, a slower route (for tests). `gap`: the relative
-        gap at which HiGHS's branch-and-bound stops (the relaxation, when integral, is exact)."""
+        gap at which the branch-and-bound stops (the relaxation, when integral, is exact)."""
         problem = self.problem
         _check_fits(problem, budget)
         name = _solver_name(solver)
@@ -435,17 +451,22 @@ class ILPModel:
             elif state == "infeasible":  # no integral choice fits either
                 binaries = None
             else:
-                presolve = state != "optimal" or highs.presolve_for(
-                    values[self._arrays.integer]
-                )
                 model = self.pruned
-                state, values = highs.run_highs(
-                    model.highs_arrays(budget),
-                    time_limit=time_limit,
-                    msg=msg,
-                    gap=gap,
-                    presolve=presolve,
-                )
+                if state == "optimal" and not msg:
+                    state, values = branching.branch_and_bound(
+                        model.highs_arrays(budget),
+                        *model._branching,
+                        model._memory_limit(budget),
+                        gap=gap,
+                        time_limit=time_limit,
+                    )
+                else:
+                    state, values = highs.run_highs(
+                        model.highs_arrays(budget),
+                        time_limit=time_limit,
+                        msg=msg,
+                        gap=gap,
+                    )
                 if state == "timeout":
                     raise SolveTimeLimitError(
                         "HiGHS found no solution of the intra-op program within its time "
