@@ -117,16 +117,35 @@ def test_without_a_memory_row_the_heaviest_strategy_is_split_off() -> None:
 
 
 def test_past_its_node_limit_the_tree_goes_to_highs(monkeypatch) -> None:
-    """With a node limit of one LP every fractional program goes on to HiGHS's
-    branch-and-bound, which still finds the brute-force optimum."""
-    calls = _counting(monkeypatch)
+    """With node limits of one LP every fractional program goes on to HiGHS's
+    branch-and-bound, which still finds the brute-force optimum; presolved exactly where the
+    root relaxation split one node (two binaries fractional)."""
     monkeypatch.setattr(branching, "NODE_LIMIT", 1)
+    monkeypatch.setattr(branching, "ONE_SPLIT_NODE_LIMIT", 1)
+    handed: list[bool] = []
+    run_highs = highs.run_highs
+
+    def seen(*a, presolve, **kw):
+        handed.append(presolve)
+        return run_highs(*a, presolve=presolve, **kw)
+
+    monkeypatch.setattr(highs, "run_highs", seen)
     rng = np.random.default_rng(5)
-    for _ in range(20):
+    split_one = []
+    for _ in range(40):
         p = _random_problem(rng, 0.2)
+        pruned = ILPModel(p).pruned
+        arrays = pruned.highs_arrays(p.memory_budget)
+        _, values = highs.solve_relaxation(arrays)
+        fractional = int(highs._fractional(values[arrays.integer]).sum())
+        before = len(handed)
         got = ILPModel(p).solve(p.memory_budget)
         assert got.objective == pytest.approx(brute_force(p).objective, rel=1e-6)
-    assert calls["trees"] > 0 and calls["highs"] == calls["trees"]
+        assert len(handed) == before + (fractional > 0)
+        if fractional:
+            split_one.append(fractional <= 2)
+            assert handed[-1] == (fractional <= 2)
+    assert True in split_one and False in split_one, split_one
 
 
 def test_a_time_limit_stops_the_tree_with_its_best_or_nothing(monkeypatch) -> None:

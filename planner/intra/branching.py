@@ -40,7 +40,8 @@ node and 25K strong-branching LP iterations; here 1.2 s, 5 LPs, the same optimum
 (benchmarks/planning_time_log.md, 2026-12-07).
 
 Safety nets: `time_limit` (as HiGHS's: "stopped" with the best solution, "timeout" without),
-and `NODE_LIMIT` LPs, past which the program goes to HiGHS's branch-and-bound after all.
+and `NODE_LIMIT` LPs (`ONE_SPLIT_NODE_LIMIT` where the root splits one node), past which the
+program goes to HiGHS's branch-and-bound after all.
 """
 
 from __future__ import annotations
@@ -53,9 +54,17 @@ import numpy as np
 
 from planner.intra import highs
 
-#: LPs after which the tree is handed to HiGHS's branch-and-bound (`highs.run_highs`): a safety
-#: net against a tree this branching does not shrink, not a budget.
+#: LPs after which the tree is handed to HiGHS's branch-and-bound (`highs.run_highs`, without
+#: presolve): a safety net against a tree this branching does not shrink. The longest tree on the
+#: programs measured took 256 LPs (moe-10b on 16 V100s, 5.5 s against HiGHS's 10.7 s).
 NODE_LIMIT = 400
+#: The same where the root relaxation splits a single node between two strategies (two binaries
+#: fractional), and then to HiGHS with presolve: there the relaxation's remaining gap moves from
+#: node to node as each is split, while HiGHS's presolve and restarts shrink such programs fast.
+#: Wide-ResNet's memory rungs (wresnet-13b on 8x8 V100s, 145 nodes, gaps of 1-2%) ran past 400
+#: LPs in 7 of its 13 programs (1.5-2.9 s each, 0.3-1.0 s in HiGHS); the others, and gpt-39b's,
+#: took 6-39 (benchmarks/planning_time_log.md, 2026-12-07).
+ONE_SPLIT_NODE_LIMIT = 40
 
 
 def branch_and_bound(
@@ -99,7 +108,7 @@ def branch_and_bound(
     best, best_x = np.inf, None
     order = itertools.count()
     tree: list[tuple[float, int, frozenset[int]]] = [(-np.inf, next(order), fixed)]
-    lps = 0
+    lps, node_limit, presolve = 0, NODE_LIMIT, False
     while tree:
         bound, _, zero = heapq.heappop(tree)
         if bound >= best - abs(best) * gap:
@@ -107,8 +116,8 @@ def branch_and_bound(
         left = _left(start, time_limit)
         if left is not None and left <= 0:
             return ("timeout", None) if best_x is None else ("stopped", best_x)
-        if lps == NODE_LIMIT:
-            return _highs(arrays, start, time_limit, gap)
+        if lps >= node_limit:
+            return _highs(arrays, start, time_limit, gap, presolve)
         lps += 1
         _fix(h, fixed, zero, upper)
         fixed = zero
@@ -120,7 +129,7 @@ def branch_and_bound(
             h.clearSolver()
             state, x = highs._run(h)
         if state == "failed":
-            return _highs(arrays, start, time_limit, gap)
+            return _highs(arrays, start, time_limit, gap, presolve)
         if state in ("stopped", "timeout"):
             return ("timeout", None) if best_x is None else ("stopped", best_x)
         if state == "infeasible":
@@ -129,6 +138,8 @@ def branch_and_bound(
         if value >= best - abs(best) * gap:
             continue
         frac = highs._fractional(x[binaries])
+        if lps == 1 and frac.sum() <= 2:
+            node_limit, presolve = ONE_SPLIT_NODE_LIMIT, True
         if not frac.any():
             best, best_x = value, x
             continue
@@ -181,13 +192,21 @@ def _fix(h, was: frozenset[int], now: frozenset[int], upper: np.ndarray) -> None
 
 
 def _highs(
-    arrays: highs.HighsArrays, start: float, time_limit: float | None, gap: float
+    arrays: highs.HighsArrays,
+    start: float,
+    time_limit: float | None,
+    gap: float,
+    presolve: bool,
 ) -> tuple[str, np.ndarray | None]:
-    """HiGHS's own branch-and-bound on the program, in the time left (without presolve: it
-    cost more than it saved where many binaries are fractional, benchmarks/planning_time_log.md,
-    2026-12-05)."""
+    """HiGHS's own branch-and-bound on the program, in the time left; presolved only where the
+    root splits one node (where many binaries are fractional presolve cost more than it saved,
+    benchmarks/planning_time_log.md, 2026-12-01)."""
     return highs.run_highs(
-        arrays, time_limit=_left(start, time_limit), msg=False, gap=gap, presolve=False
+        arrays,
+        time_limit=_left(start, time_limit),
+        msg=False,
+        gap=gap,
+        presolve=presolve,
     )
 
 
