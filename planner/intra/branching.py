@@ -62,8 +62,8 @@ NODE_LIMIT = 400
 #: fractional), and then to HiGHS with presolve: there the relaxation's remaining gap moves from
 #: node to node as each is split, while HiGHS's presolve and restarts shrink such programs fast.
 #: Wide-ResNet's memory rungs (wresnet-13b on 8x8 V100s, 145 nodes, gaps of 1-2%) ran past 400
-#: LPs in 7 of its 13 programs (1.5-2.9 s each, 0.3-1.0 s in HiGHS); the others, and gpt-39b's,
-#: took 6-39 (benchmarks/planning_time_log.md, 2026-12-07).
+#: LPs in 6 of its 13 programs (1.5-2.9 s each, 0.3-1.0 s in HiGHS) and took 86 and 273 in two
+#: more; the other five took 8-39, gpt-39b's 9-30 (benchmarks/planning_time_log.md, 2026-12-07).
 ONE_SPLIT_NODE_LIMIT = 40
 
 
