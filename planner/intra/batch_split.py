@@ -6,7 +6,7 @@ whether a solution already obeys a seed.
 
 from __future__ import annotations
 
-import numpy as np
+import math
 
 from planner.intra.prices import Option
 from planner.tracing.opgraph import OpGraph, OpNode
@@ -70,7 +70,7 @@ def shards_batch(
 ) -> bool:
     """Whether `option` splits each non-scalar output of `node` evenly by dim 0 on every axis of
     `axes` (of a mesh of `mesh_shape`)."""
-    ways = int(np.prod([mesh_shape[a] for a in axes]))
+    ways = math.prod(mesh_shape[a] for a in axes)
     for meta, placements in zip(node.outputs, option.strategy.output):
         if not meta.shape or not placements:
             continue

@@ -236,17 +236,19 @@ def _param_ops(graph: OpGraph) -> dict[str, list[int]]:
 
 def param_readers(spec: PlanSpec) -> dict[str, list[int]]:
     """Parameter placeholder -> the stages (ascending) whose ops read it; a parameter no op reads
-    is left out."""
-    starts = [a for a, _ in spec.layers]  # op index where each layer starts, ascending
-    stage_of = {
-        k: i
-        for i, s in enumerate(spec.stages)
-        for k in range(s.layers[0], s.layers[1] + 1)
-    }
-    return {
-        u: sorted({stage_of[bisect.bisect_right(starts, k) - 1] for k in ks})
-        for u, ks in _param_ops(spec.graph).items()
-    }
+    is left out. Made once per graph and stage layout (pricing one candidate plan asks for it
+    several times: its iteration time, its memory, its tied copies). Do not modify it."""
+    # op index where each layer starts, ascending
+    starts = tuple(a for a, _ in spec.layers)
+    layout = tuple(tuple(s.layers) for s in spec.stages)
+    known = spec.graph.derived("param_readers", dict)
+    if (starts, layout) not in known:
+        stage_of = {k: i for i, s in enumerate(layout) for k in range(s[0], s[1] + 1)}
+        known[starts, layout] = {
+            u: sorted({stage_of[bisect.bisect_right(starts, k) - 1] for k in ks})
+            for u, ks in _param_ops(spec.graph).items()
+        }
+    return known[starts, layout]
 
 
 def tied_params(spec: PlanSpec) -> dict[str, list[int]]:
