@@ -116,6 +116,17 @@ def test_without_a_memory_row_the_heaviest_strategy_is_split_off() -> None:
     assert model.solve(None).objective == pytest.approx(1.0)
 
 
+def test_equal_weights_are_split_by_cost_spread_whatever_the_order() -> None:
+    """Two groups at halves, no memory to split by: the one whose strategies' costs differ is
+    split (its heaviest strategy, the first of the two), in either order of the columns."""
+    groups = [np.array([0, 1]), np.array([2, 3])]
+    group_of = np.array([0, 0, 1, 1])
+    x, memory, cost = np.full(4, 0.5), np.zeros(4), np.array([1.0, 1.0, 0.0, 4.0])
+    for fractional in (np.arange(4), np.arange(4)[::-1]):
+        children = branching._split(x, fractional, group_of, groups, memory, cost)
+        assert children == (frozenset([2]), frozenset([3]))
+
+
 def test_past_its_node_limit_the_tree_goes_to_highs(monkeypatch) -> None:
     """With node limits of one LP every fractional program goes on to HiGHS's
     branch-and-bound, which still finds the brute-force optimum; presolved exactly where the

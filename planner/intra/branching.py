@@ -22,8 +22,12 @@ is split:
   sides of the mean (a group where it does not is not split so), so each child cuts the
   relaxation's optimum off;
 * else (and always without a memory row) by its heaviest strategy j (the group of largest
-  fractional weight): children Z + {j} and Z + (g - {j}); x_j lies in (0, 1), so again each
-  child cuts the optimum off.
+  fractional weight; among equal weights, as an all-halves relaxation has everywhere, the g of
+  greatest cost spread sum_i x_i |c_i - cbar_g| with c the strategies' costs in the
+  objective): children Z + {j} and Z + (g - {j}); x_j lies in (0, 1), so again each child cuts
+  the optimum off. Ties left to the columns' order made the tree depend on it: mixtral-8x7b's
+  11 captured programs took 161-539 LPs over seven shuffled orders of the groups (173 in the
+  columns' order), 133-139 with the cost spread (benchmarks/planning_time_log.md, 2026-12-07).
 
 Either way every integral choice of g is left in exactly one child, so the optimum is kept,
 and the tree is finite (each child fixes more binaries). Empty, the best solution is optimal
@@ -143,7 +147,7 @@ def branch_and_bound(
         if not frac.any():
             best, best_x = value, x
             continue
-        for child in _split(x, binaries[frac], group_of, groups, memory):
+        for child in _split(x, binaries[frac], group_of, groups, memory, arrays.cost):
             if fits(zero | child):
                 heapq.heappush(tree, (value, next(order), zero | child))
     return ("infeasible", None) if best_x is None else ("optimal", best_x)
@@ -155,10 +159,11 @@ def _split(
     group_of: np.ndarray,
     groups: list[np.ndarray],
     memory: np.ndarray,
+    cost: np.ndarray,
 ) -> tuple[frozenset[int], frozenset[int]]:
     """The two sets of columns the children fix at 0 (module docstring)."""
     best_g, spread, mean = -1, 0.0, 0.0
-    heaviest, weight = -1, -1.0
+    heaviest, weight = -1, (-1.0, -1.0)
     for g in dict.fromkeys(group_of[fractional].tolist()):
         cols = groups[g]
         w, m = x[cols], memory[cols]
@@ -169,7 +174,11 @@ def _split(
         # weight on both sides (not so where memories differ only by rounding)
         if s > spread and min(w[high].sum(), w[~high].sum()) > highs.INTEGRAL_TOL:
             best_g, spread, mean = g, s, centre
-        part = float(w[highs._fractional(w)].sum())
+        c = cost[cols]
+        part = (
+            float(w[highs._fractional(w)].sum()),
+            float(w @ np.abs(c - w @ c / total)),  # ties broken by the cost spread
+        )
         if part > weight:
             heaviest, weight = g, part
     if best_g >= 0:
