@@ -330,9 +330,15 @@ def _program(
     options: dict[str, list[Option]],
     leaders: dict[str, str],
 ) -> tuple[Reduction, ILPModel, tuple]:
-    """The reduced cost graph and program of ctx's options (made once per pricing), and its key."""
+    """The reduced cost graph and program of ctx's options (made once per pricing), and its key.
+    The key reads the representatives' kept options alone: a copy of a repeated block keeps its
+    representative's (`solve_stage`, `_within`), and the program is built on the
+    representatives (`_reduce`)."""
+    rep = ctx.rep
     key = (
-        tuple(sorted((n, k.tobytes()) for n, k in ctx.keep.items())),
+        tuple(
+            sorted((n, k.tobytes()) for n, k in ctx.keep.items() if rep.get(n, n) == n)
+        ),
         tuple(sorted(leaders.items())),
     )
     if key not in pricing._programs:
