@@ -215,23 +215,19 @@ def stage_devices(spec: PlanSpec) -> list[list[int]]:
     return [groups[c % p] for c in range(len(spec.stages))]
 
 
-# the last few graphs' parameter readers: the search prices many plans of one traced graph
-_READERS: list[tuple[OpGraph, dict[str, list[int]]]] = []
-
-
 def _param_ops(graph: OpGraph) -> dict[str, list[int]]:
-    """Parameter placeholder -> the indices (in ``graph.ops``) of the ops reading it."""
-    for g, table in _READERS:
-        if g is graph:
-            return table
-    table: dict[str, list[int]] = {}
-    for k, o in enumerate(graph.ops):
-        for u in dict.fromkeys(o.inputs):
-            if graph.node(u).op == "param":
-                table.setdefault(u, []).append(k)
-    _READERS.insert(0, (graph, table))
-    del _READERS[4:]
-    return table
+    """Parameter placeholder -> the indices (in ``graph.ops``) of the ops reading it; made once
+    per graph (the search prices many plans of one traced graph)."""
+
+    def make() -> dict[str, list[int]]:
+        table: dict[str, list[int]] = {}
+        for k, o in enumerate(graph.ops):
+            for u in dict.fromkeys(o.inputs):
+                if graph.node(u).op == "param":
+                    table.setdefault(u, []).append(k)
+        return table
+
+    return graph.derived("param_ops", make)
 
 
 def param_readers(spec: PlanSpec) -> dict[str, list[int]]:
