@@ -167,18 +167,13 @@ def _split(
     for g in dict.fromkeys(group_of[fractional].tolist()):
         cols = groups[g]
         w, m = x[cols], memory[cols]
-        total = w.sum()
-        centre = float(w @ m / total)
-        s = float(w @ np.abs(m - centre))
+        centre, s = _spread(w, m)
         high = m > centre
         # weight on both sides (not so where memories differ only by rounding)
         if s > spread and min(w[high].sum(), w[~high].sum()) > highs.INTEGRAL_TOL:
             best_g, spread, mean = g, s, centre
-        c = cost[cols]
-        part = (
-            float(w[highs._fractional(w)].sum()),
-            float(w @ np.abs(c - w @ c / total)),  # ties broken by the cost spread
-        )
+        # ties of fractional weight broken by the cost spread
+        part = (float(w[highs._fractional(w)].sum()), _spread(w, cost[cols])[1])
         if part > weight:
             heaviest, weight = g, part
     if best_g >= 0:
@@ -188,6 +183,13 @@ def _split(
     cols = groups[heaviest]
     j = int(cols[np.argmax(x[cols])])
     return frozenset([j]), frozenset(c for c in cols.tolist() if c != j)
+
+
+def _spread(w: np.ndarray, values: np.ndarray) -> tuple[float, float]:
+    """The weighted mean of `values` under weights `w` and their spread about it,
+    sum_i w_i |values_i - mean| (module docstring)."""
+    centre = float(w @ values / w.sum())
+    return centre, float(w @ np.abs(values - centre))
 
 
 def _fix(h, was: frozenset[int], now: frozenset[int], upper: np.ndarray) -> None:
