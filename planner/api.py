@@ -36,6 +36,7 @@ from torch import nn
 from cost_models.cluster import Cluster
 from cost_models.errors import DoesNotFitError, MeshplanError, gib
 from cost_models.memory import canonical_schedule, param_state_bytes
+from planner.collector import frozen_heap
 from planner.commands.fmt import param_count
 from planner.inter.mesh_search import solver_threads
 from planner.inter.mesh_shapes import submesh_shapes
@@ -263,28 +264,30 @@ def plan(
     ahead = SearchAhead(
         functools.partial(walk_next, larger, tried, rows, base, set(first))
     )
-    # every result is kept: the walk never stops before `certain` (`next_size_step`)
-    results = evaluate_all(job, make, first, say, ahead=ahead if larger else None)
-    if certain:
-        ahead.found[certain] = results.pop(0)
-    _walk_larger(job, make, results, larger, tried, rows, ahead.found, say)
-    best = _best(results)
-    if not best.found:
-        untraceable = [r.untraceable for r in results if r.untraceable is not None]
-        if len(untraceable) == len(results):
-            raise untraceable[0]
-        needs, available = gib(min(r.least for r in results), budget)
-        raise DoesNotFitError(
-            f"{name} does not fit on {cluster.spec}: even as one stage on all "
-            f"{cluster.num_devices} devices it needs {needs} per device, {available} available "
-            "(use more devices, a larger memory budget or a smaller batch)"
-        )
-    if best.best is not None:
-        best.best.spec.planner_time_s = time.perf_counter() - t0
-        result = assemble(best.best.spec)
-    else:  # assembled by a worker process
-        result = best.plan
-        result.planner_time_s = time.perf_counter() - t0
+    # the search's collections leave out what it begins with (`planner.collector.frozen_heap`)
+    with frozen_heap():
+        # every result is kept: the walk never stops before `certain` (`next_size_step`)
+        results = evaluate_all(job, make, first, say, ahead=ahead if larger else None)
+        if certain:
+            ahead.found[certain] = results.pop(0)
+        _walk_larger(job, make, results, larger, tried, rows, ahead.found, say)
+        best = _best(results)
+        if not best.found:
+            untraceable = [r.untraceable for r in results if r.untraceable is not None]
+            if len(untraceable) == len(results):
+                raise untraceable[0]
+            needs, available = gib(min(r.least for r in results), budget)
+            raise DoesNotFitError(
+                f"{name} does not fit on {cluster.spec}: even as one stage on all "
+                f"{cluster.num_devices} devices it needs {needs} per device, {available} available "
+                "(use more devices, a larger memory budget or a smaller batch)"
+            )
+        if best.best is not None:
+            best.best.spec.planner_time_s = time.perf_counter() - t0
+            result = assemble(best.best.spec)
+        else:  # assembled by a worker process
+            result = best.plan
+            result.planner_time_s = time.perf_counter() - t0
     if result.fallback_ops:
         warnings.warn(
             f"{len(result.fallback_ops)} ops of {name} have no DTensor sharding rule and are "

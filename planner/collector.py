@@ -10,6 +10,17 @@ freed by reference counting when the size ends). Collecting young objects every 
 allocations, and the older generations proportionally less often, takes that away; the
 same plan's peak memory did not change (916-917 MB). PyTorch has nothing for this: it is the
 interpreter's own setting, `gc.set_threshold`, set for the search and restored after.
+
+The collections that remain still walk every object the search began with: the interpreter's
+and torch's modules, the model, the caller's. `frozen_heap` leaves those out (`gc.freeze`, as
+Python's documentation advises before a fork; a forked worker freezes what it inherits itself,
+`planner.size_search.start_forked_worker`). Planning gpt-39b on 8x8 V100s, the planning
+process's two collections of the oldest generation during the search took 0.23 and 0.26 s
+and collected 0 and 2 objects; the second ran while the plan was assembled, after the other
+process had ended. With both (and `meshplan plan` under `sparse_collections` from before its
+imports), that process spent 0.82-0.88 s collecting instead of 1.04-1.44 s (three runs each,
+`gc.callbacks`), and four alternating runs took 15.7-16.6 s against 16.3-17.4 s
+(benchmarks/planning_time_log.md, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -48,3 +59,20 @@ def sparse_collections() -> Iterator[None]:
             _depth -= 1
             if _depth == 0:
                 gc.set_threshold(*_saved)
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Run the body with every object alive at its start left out of the collections
+    (`gc.freeze`), given back to them at its end (`gc.unfreeze`); neither where objects are
+    frozen already (by the caller, or a forked worker's inheritance), since unfreezing would
+    give theirs back too."""
+    with _lock:
+        mine = gc.get_freeze_count() == 0
+        if mine:
+            gc.freeze()
+    try:
+        yield
+    finally:
+        if mine:
+            gc.unfreeze()

@@ -1,6 +1,8 @@
 """`planner.collector.sparse_collections`: the garbage collector's thresholds raised while the
 planner searches a size, the caller's back afterwards (also after an error, and after nested
-or overlapping uses), and a caller's own choice (collection off, or rarer) left alone."""
+or overlapping uses), and a caller's own choice (collection off, or rarer) left alone;
+`frozen_heap`: what was alive before a search left out of its collections, given back after,
+and a caller's own freeze left alone."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import threading
 
 import pytest
 
-from planner.collector import OLDER, YOUNG, sparse_collections
+from planner.collector import OLDER, YOUNG, frozen_heap, sparse_collections
 
 
 @pytest.fixture(autouse=True)
@@ -63,3 +65,35 @@ def test_overlapping_threads_restore_once_both_end() -> None:
     release.set()
     t.join(10)
     assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_frozen_heap_freezes_inside_and_gives_back_after() -> None:
+    gc.unfreeze()
+
+    class Held:
+        pass
+
+    held = Held()  # alive before the body: left out of its collections
+
+    def collected() -> bool:
+        return any(o is held for o in gc.get_objects())
+
+    assert collected()
+    with frozen_heap():
+        assert not collected()
+    assert collected() and gc.get_freeze_count() == 0
+    with pytest.raises(ValueError), frozen_heap():
+        raise ValueError("a failed search")
+    assert collected() and gc.get_freeze_count() == 0
+
+
+def test_frozen_heap_leaves_a_callers_freeze() -> None:
+    gc.unfreeze()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() == frozen  # not given back: the caller froze it
+    finally:
+        gc.unfreeze()
