@@ -141,6 +141,31 @@ def test_a_units_bound_is_below_every_solutions_time_for_its_layers() -> None:
     assert checked >= 3 * len(layers)
 
 
+def test_an_ops_costs_are_its_options_values() -> None:
+    """`PricedStage.costs`, which `unit_least_time` reads: each option's `values`, one array
+    for the copies of a block, and a restricted node's over its kept options."""
+    cluster = Cluster.from_spec("1x4xV100-16GB")
+    _, make, _ = resolve_model("gpt-tiny", None, torch.float16, None)
+    graph = make.trace(2)
+    ctx = price_stage(
+        graph, LogicalMesh(cluster, (1, 4), (2, 2)), num_microbatches=4
+    ).ctx
+    by_key: dict[int, object] = {}
+    for v in (n.name for n in graph.ops):
+        costs = ctx.costs(v)
+        assert costs.tolist() == [
+            ctx.values(v, i)[0] for i in range(len(ctx.options[v]))
+        ]
+        assert not costs.flags.writeable
+        assert by_key.setdefault(ctx.price_key(v), costs) is costs
+    v = next(n.name for n in graph.ops if len(ctx.options[n.name]) > 2)
+    kept = ctx.options[v][1::2]
+    fewer = ctx.restricted({**ctx.options, v: kept})
+    assert fewer.costs(v).tolist() == [
+        ctx.costs(v)[i] for i in range(1, len(ctx.options[v]), 2)
+    ]
+
+
 @pytest.mark.parametrize(
     "model,spec,G,suite,sees_more",
     [

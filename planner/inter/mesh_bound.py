@@ -66,10 +66,7 @@ def unit_least_time(graph: OpGraph, ctx: PricedStage, ops: Sequence[str]) -> flo
         ]
         for v in ops
     }
-    own = {
-        v: np.array([ctx.values(v, i)[0] for i in range(len(ctx.options[v]))])
-        for v in ops
-    }
+    own = {v: ctx.costs(v) for v in ops}
     best = 0.0
     for pick in (0, -1):
         parent = {v: ins[pick] for v, ins in inputs.items() if ins}

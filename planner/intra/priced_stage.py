@@ -182,6 +182,21 @@ class PricedStage:
             hit.append(sc.forward_time(self.graph.node(name), opt, self.settings))
         return hit[0], hit[1], hit[2]
 
+    def costs(self, name: str) -> np.ndarray:
+        """``values(name, i)[0]`` of every option i of node `name`, as one read-only array;
+        made once per pricing and `price_key` where no filter restricted the node's options
+        (`planner.inter.mesh_bound` reads every op's on every mesh it prices)."""
+
+        def make() -> np.ndarray:
+            out = np.array([self.values(name, i)[0] for i in range(len(options))])
+            out.setflags(write=False)
+            return out
+
+        options = self.options[name]
+        if name in self.keep:
+            return make()
+        return _kept(self.shared, ("costs", self.price_key(name)), make)
+
     def per_pricing(self, graph: OpGraph, key: tuple, make: Callable[[], Any]) -> Any:
         """``make()``, kept in `scope` for every solution of this pricing, and of the other
         pricings of the graph and node set (on other meshes), when `graph` is its own: what a
