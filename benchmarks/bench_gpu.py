@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_breakdown import kernels_by_kind
+from benchmarks.gpu_breakdown import kernels_by_kind, read_result
 from cost_models.errors import MeshplanError
 
 CASES = (
@@ -367,15 +367,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.reprice:
         for path in args.reprice:
-            try:
-                with open(path) as f:
-                    result = json.load(f)
-            except (OSError, ValueError) as exc:
-                raise SystemExit(f"bench_gpu --reprice: cannot read {path} ({exc})")
-            if not isinstance(result, dict) or "cases" not in result:
-                raise SystemExit(
-                    f"bench_gpu --reprice: {path} is not a bench_gpu result"
-                )
+            result = read_result(path, "bench_gpu --reprice")
             print(
                 f"{path}: {result.get('gpu', '?')}, planned for {result['planned_for']}"
             )

@@ -59,6 +59,22 @@ def kernels_by_kind(names: Sequence[tuple[str, float]]) -> dict[str, float]:
     return out
 
 
+def read_result(path: str, tool: str) -> dict[str, Any]:
+    """The `benchmarks.bench_gpu` result (``--json FILE``) at `path`, or an exit that names the
+    file and what is wrong with it, prefixed by `tool`."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(
+            f"{tool}: cannot read {path} ({exc}); give a JSON file "
+            "`python -m benchmarks.bench_gpu --json FILE` wrote"
+        ) from None
+    if not isinstance(result, dict) or not {"cases", "planned_for"} <= result.keys():
+        raise SystemExit(f"{tool}: {path} is not a bench_gpu result")
+    return result
+
+
 def measured(case: dict[str, Any]) -> dict[str, float]:
     """Seconds per kind the runtime's profiled step spent (module docstring)."""
     k = case["kernels"]["runtime"]
@@ -224,16 +240,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="also fit the device's memory-bound and fused-attention efficiencies, leave-one-out",
     )
     args = ap.parse_args(argv)
-    try:
-        with open(args.result) as f:
-            result = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(
-            f"gpu_breakdown: cannot read {args.result} ({exc}); give the JSON file "
-            "`python -m benchmarks.bench_gpu --kernels --json FILE` wrote"
-        ) from None
-    if not isinstance(result, dict) or "cases" not in result:
-        raise SystemExit(f"gpu_breakdown: {args.result} is not a bench_gpu result")
+    result = read_result(args.result, "gpu_breakdown")
     rows = breakdown(result)
     if not rows:
         raise SystemExit(

@@ -284,6 +284,41 @@ def gpu_section(directory: Path) -> list[str]:
     return out
 
 
+def transfer_section(directory: Path) -> list[str]:
+    """`benchmarks/gpu_transfer.py`'s fits (``transfer-*.json``): a GPU's memory-bound
+    efficiency from its eager steps and the kernels of the same chip with other memory."""
+    out: list[str] = []
+    for f in sorted(directory.glob("transfer-*.json")):
+        doc = json.loads(f.read_text())
+        src, dst = doc["source"], doc["target"]
+        loo = [c["efficiency_without"] for c in doc["cases"]]
+        out += [
+            f"## {dst}'s memory-bound efficiency from the {src}'s kernels ({f.stem})",
+            "",
+            (
+                f"File `{f.name}` (`python -m benchmarks.gpu_transfer`): the same models' steps in "
+                f"eager PyTorch on both GPUs, the {dst}'s predicted as the {src}'s with its "
+                f"memory-bound and optimizer kernels (bound) k times as long. k = {doc['k']:.4f} "
+                f"(their datasheet bandwidths' ratio: {doc['bandwidth_ratio']:.4f}), so {dst}'s "
+                f"memory efficiency is {doc['memory_efficiency']:.4f} of its bandwidth "
+                f"({src}: {doc['source_efficiency']:.4f}; leave-one-out {min(loo):.4f} to "
+                f"{max(loo):.4f})."
+            ),
+            "",
+            f"| model | {src} ms | bound ms | {dst} ms | at the bandwidth ratio | left out |",
+            "|---|---|---|---|---|---|",
+        ]
+        for c in doc["cases"]:
+            t = c["target_step_s"]
+            out.append(
+                f"| {c['model']} | {c['source_step_s'] * 1e3:.1f} | {c['bound_s'] * 1e3:.1f} | "
+                f"{t * 1e3:.1f} | {c['at_ratio_s'] * 1e3:.1f} ({c['at_ratio_s'] / t - 1:+.1%}) | "
+                f"{c['left_out_s'] * 1e3:.1f} ({c['left_out_s'] / t - 1:+.1%}) |"
+            )
+        out.append("")
+    return out
+
+
 def _breakdown_table(rows: list[dict[str, Any]]) -> list[str]:
     """The step by kind of work, predicted / measured ms (`benchmarks.gpu_breakdown`)."""
     from benchmarks.gpu_breakdown import KINDS
@@ -374,6 +409,7 @@ def report(directory: str | Path = RESULTS) -> str:
             ]
     out += published_section(directory)
     out += gpu_section(directory)
+    out += transfer_section(directory)
     return "\n".join(out)
 
 

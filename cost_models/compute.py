@@ -97,10 +97,14 @@ MEMORY_EFFICIENCY = 0.85
 #: absorbs kernels the graph does not price as ops of their own (bias-gradient reductions, the
 #: copies of concatenations, fills): 2.3 ms of the 12.5 ms of the first case. Leave-one-out it
 #: moves between 0.604 and 0.624, and the fit of a second run of the same models
-#: (benchmarks/results/gpu-H200-141GB.json) gives 0.6025. The H100-80GB
-#: (the same chip with HBM3) keeps 0.85 until a training step on one is measured (its preset
-#: prices the committed H100 suites).
-DEVICE_MEMORY_EFFICIENCY: dict[str, float] = {"H200-141GB": 0.6129}
+#: (benchmarks/results/gpu-H200-141GB.json) gives 0.6025.
+#: H100-80GB (the same chip with HBM3 at 3.35 TB/s): fitted by ``python -m benchmarks.gpu_transfer``
+#: (its docstring has the command) to the steps of the same three models in eager PyTorch on one
+#: H100 (benchmarks/results/gpu-H100-80GB.json, 2026-11-22, the same torch as the H200's): each step
+#: is the H200's with its memory-bound and optimizer kernels k = 1.455 times as long (1.433 if both
+#: reached the same fraction of their datasheet bandwidth), which makes the H100's 0.6129 * 1.433 /
+#: 1.455; leave-one-out 0.577 to 0.621, each step then within 3.6%.
+DEVICE_MEMORY_EFFICIENCY: dict[str, float] = {"H200-141GB": 0.6129, "H100-80GB": 0.6036}
 #: Fused (flash) attention on the devices where it was measured: device name -> the fraction of
 #: the tensor-core peak its FLOPs run at, counted with the head dimension rounded up to a
 #: multiple of ``FLASH_HEAD_DIM_STEP`` (the flash kernels are built for head dimensions 32, 64,
@@ -112,7 +116,11 @@ DEVICE_MEMORY_EFFICIENCY: dict[str, float] = {"H200-141GB": 0.6129}
 #: prices a Llama's attention at sequence 2048 38% slower than it ran (heldout file), and the
 #: three held-out models (heads of 128 each) alone fit 0.376: the kernels' efficiency grows with
 #: the head dimension and the sequence, which this one number does not model.
+#: H100-80GB: the H200's, the same SMs at the same clocks (not measured on an H100 on its own: the
+#: H100's steps were recorded without their kernels; `benchmarks.gpu_transfer` checks the two chips
+#: differ only in their memory-bound kernels).
 FUSED_ATTENTION_E: dict[str, float] = {"H200-141GB": 0.3044}
+FUSED_ATTENTION_E["H100-80GB"] = FUSED_ATTENTION_E["H200-141GB"]
 FLASH_HEAD_DIM_STEP = 32
 #: Fixed seconds per GPU kernel (datasheet pricing only): a CUDA kernel launch takes about 5-10 us
 #: on a V100, and each kernel ramps up and drains its waves of thread blocks; we charge the low end,
