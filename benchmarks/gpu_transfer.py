@@ -38,10 +38,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.gpu_breakdown import kernels_by_kind, read_result
+from cost_models.cluster import Cluster, DeviceSpec
+from cost_models.compute import memory_efficiency
+from cost_models.errors import MeshplanError
 
 
-def _device(result: dict[str, Any]) -> str:
-    return str(result["planned_for"]).split("x", 2)[2]
+def _device(result: dict[str, Any]) -> DeviceSpec:
+    """The preset device `result` was planned for."""
+    try:
+        return Cluster.from_spec(result["planned_for"]).device
+    except MeshplanError as exc:
+        raise SystemExit(f"gpu_transfer: {exc}") from None
 
 
 def source_rows(
@@ -85,21 +92,14 @@ def transfer(
     """The fit (module docstring) of `target`'s reference steps on `sources`' kernels: ``k``, the
     bandwidth ratio, the target's fitted memory efficiency, and per model the steps and the
     predictions at the bandwidth ratio and leave-one-out."""
-    from cost_models.cluster import PRESETS
-    from cost_models.compute import memory_efficiency
-
-    devices = {_device(s) for s in sources}
+    devices = {d.name: d for d in map(_device, sources)}
     if len(devices) != 1:
         raise SystemExit(
             f"gpu_transfer: the sources are of several GPUs: {sorted(devices)}"
         )
-    (src,) = devices
-    dst = _device(target)
-    for name in (src, dst):
-        if name not in PRESETS:
-            raise SystemExit(
-                f"gpu_transfer: no preset {name!r}; expected one of {', '.join(PRESETS)}"
-            )
+    (source,) = devices.values()
+    target_device = _device(target)
+    src, dst = source.name, target_device.name
     torches = {r.get("torch") for r in (target, *sources)}
     if len(torches) != 1:
         raise SystemExit(
@@ -115,8 +115,9 @@ def transfer(
         )
     runtime = source_rows(sources, "runtime")
     rows = [(*per_model[c["model"]], c["reference_s"]) for c in target["cases"]]
-    bandwidth = {n: PRESETS[n].device.memory_bandwidth_bytes_per_s for n in (src, dst)}
-    ratio = bandwidth[src] / bandwidth[dst]
+    ratio = (
+        source.memory_bandwidth_bytes_per_s / target_device.memory_bandwidth_bytes_per_s
+    )
     k = fit_k(rows)
     efficiency = memory_efficiency(src) * ratio
     cases = []

@@ -9,9 +9,14 @@ from pathlib import Path
 import pytest
 
 from benchmarks.gpu_transfer import main, transfer
+from cost_models.cluster import PRESETS
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-H200 = 4800 / 3350  # the H200's datasheet bandwidth over the H100's
+# the H200's datasheet bandwidth over the H100's
+H200 = (
+    PRESETS["H200-141GB"].device.memory_bandwidth_bytes_per_s
+    / PRESETS["H100-80GB"].device.memory_bandwidth_bytes_per_s
+)
 
 
 def _source(cases: list[tuple[str, float, float]], torch: str = "2.11") -> dict:
@@ -117,6 +122,9 @@ def test_inputs_that_cannot_be_compared_are_named(tmp_path: Path) -> None:
     other = dict(_source(rows), planned_for="1x1xA100-80GB")
     with pytest.raises(SystemExit, match="several GPUs"):
         transfer(_target({"a": 0.05}), [_source(rows), other])
+    unknown = dict(_target({"a": 0.05}), planned_for="1x1xH300")
+    with pytest.raises(SystemExit, match="gpu_transfer: .*H300"):
+        transfer(unknown, [_source(rows)])
     with pytest.raises(SystemExit, match="cannot read .*none.json"):
         main([str(tmp_path / "none.json"), "--source", str(tmp_path / "none.json")])
     (tmp_path / "list.json").write_text("[]")

@@ -186,13 +186,13 @@ class PricedStage:
         """``values(name, i)[0]`` of every option i of node `name`, as one read-only array;
         made once per pricing and `price_key` where no filter restricted the node's options
         (`planner.inter.mesh_bound` reads every op's on every mesh it prices)."""
+        n = len(self.options[name])
 
         def make() -> np.ndarray:
-            out = np.array([self.values(name, i)[0] for i in range(len(options))])
+            out = np.array([self.values(name, i)[0] for i in range(n)])
             out.setflags(write=False)
             return out
 
-        options = self.options[name]
         if name in self.keep:
             return make()
         return _kept(self.shared, ("costs", self.price_key(name)), make)
